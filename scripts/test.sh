@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The test command: set up, start a private Redis on a free port if none answers, run pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+redis_pid=""
+cleanup() { if [ -n "$redis_pid" ]; then kill "$redis_pid" 2>/dev/null || true; fi; }
+trap cleanup EXIT
+
+if [ -z "${KVGATE_REDIS_URL:-}" ]; then
+  if ! command -v redis-server >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+      (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
+    fi
+  fi
+  port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --daemonize no >/dev/null 2>&1 &
+  redis_pid=$!
+  for _ in $(seq 1 50); do
+    if .venv/bin/python -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1',$port)))"; then break; fi
+    sleep 0.1
+  done
+  export KVGATE_REDIS_URL="redis://127.0.0.1:$port/0"
+fi
+
+.venv/bin/python -m pytest "$@"
