@@ -1,0 +1,87 @@
+"""Validated settings of the admission core.
+
+Every knob is a pydantic field so a YAML config is checked at start-up with errors that
+name the offending field (``extra="forbid"`` catches typos such as ``headrom``).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class AdmissionConfig(BaseModel):
+    """Admission policy: pool headroom, the bounded queue, estimators and Retry-After."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    headroom: float = Field(
+        0.05,
+        ge=0.0,
+        lt=1.0,
+        description="Fraction of each KV pool kept free: effective = floor(capacity * (1 - headroom)).",
+    )
+    queue_max_per_model: int = Field(256, ge=0, description="Bounded queue length per model.")
+    queue_timeout_s: float = Field(
+        30.0, gt=0.0, description="Default deadline for queued requests (client may ask for less)."
+    )
+    default_max_running: int | None = Field(
+        None,
+        ge=1,
+        description="Per-replica running-request cap when neither config nor engine gives one.",
+    )
+    output_quantile: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="Quantile of observed completion lengths reserved as expected output.",
+    )
+    initial_chars_per_token: float = Field(
+        3.0,
+        gt=0.0,
+        description="Chars per token assumed before learning; low means tokens are over-estimated.",
+    )
+    min_drain_samples: int = Field(
+        4,
+        ge=1,
+        description="Releases seen on a model's replicas before the drain rate is trusted.",
+    )
+    max_retry_after_s: float = Field(60.0, ge=1.0, description="Upper clamp of Retry-After.")
+    # --- additions beyond the documented API (all have defaults) ---
+    default_output_tokens: int = Field(
+        1024,
+        ge=1,
+        description="Output reserved before any completion was observed when max_tokens is absent.",
+    )
+    per_message_overhead_tokens: int = Field(
+        8, ge=0, description="Chat-template tokens added per message (role markers, separators)."
+    )
+    min_output_samples: int = Field(
+        20,
+        ge=1,
+        description="Completions observed before the learned quantile replaces max_tokens.",
+    )
+    min_prompt_samples: int = Field(
+        5, ge=1, description="Prompts observed before the learned chars-per-token is used."
+    )
+    prompt_quantile: float = Field(
+        0.1,
+        gt=0.0,
+        lt=1.0,
+        description="Low quantile of observed chars-per-token (low => conservative token counts).",
+    )
+    max_chars_per_token_growth: float = Field(
+        0.1,
+        gt=0.0,
+        description="Largest relative rise of chars-per-token per observation (no abrupt optimism).",
+    )
+    estimator_window: int = Field(
+        1000, ge=10, description="Recent observations kept per model by the estimators."
+    )
+    drain_window_s: float = Field(
+        20.0, gt=0.0, description="Time constant (busy seconds) of the drain-rate EWMA."
+    )
+    cold_retry_after_s: float = Field(
+        5.0,
+        gt=0.0,
+        description="Retry-After / estimated wait used while there is no drain history.",
+    )

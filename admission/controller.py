@@ -1,0 +1,566 @@
+"""The sans-IO admission controller: a per-replica KV ledger, a bounded deadline-aware
+queue, and the admit / queue / shed / refuse verdicts.
+
+The controller never reads a clock, sleeps or does IO: every method takes `now`, and the
+gateway shell acts on what it returns. The shell keeps `ReplicaState` current from the
+engine adapters and passes it to `upsert_replica`; it calls `submit` per request, and
+`release` (always, in a ``finally``) when the request ends, whatever the outcome.
+
+Ledger
+    Each admitted request holds a reservation of ``ceil((prompt + expected_output) / bs) * bs``
+    tokens on one replica (``bs`` is that replica's block size). The sum of reservations on
+    a replica never exceeds its effective pool ``floor(capacity * (1 - headroom))`` because of
+    an admission or a top-up (invariant 3); it can exceed it only when the pool itself
+    shrinks, and then nothing more is admitted there until enough is released. The number
+    of reservations never exceeds the replica's running cap.
+
+Queue order and head-of-line policy
+    Entries are served by priority (higher first), then arrival (submission order). The
+    policy is *strict order per replica*: an entry that cannot be admitted blocks every
+    replica it could ever run on, and a later entry may only be admitted to a replica no
+    earlier entry is waiting for. A large request at the head is therefore never starved
+    by a stream of small ones that keep taking the space it waits for, and requests of
+    another model on disjoint replicas are not held up by it. Small requests do not
+    backfill past a large head on the same replicas: without trustworthy run-time
+    estimates, any backfill could delay the head.
+
+Shedding and Retry-After
+    The wait for a request is estimated as its deficit (tokens, and running slots, that
+    must free before it fits, counting the queue ahead of it for the same model) divided
+    by the drain rate of the model's replicas (`admission.drain.DrainMeter`). A request is
+    shed at submit (503) when the queue is full or the estimated wait exceeds the time to
+    its deadline, so it is never held only to time out later. With fewer than
+    ``min_drain_samples`` releases observed there is no evidence to shed on: the request
+    is queued (its deadline still bounds the wait) and Retry-After is the documented
+    ``cold_retry_after_s``. Retry-After is clamped to [1, max_retry_after_s].
+
+Refusals (never queued)
+    404 ``model_not_found`` when no known replica serves the model; 400
+    ``context_length_exceeded`` when, on every replica whose limits are known, prompt +
+    max_tokens exceeds ``max_model_len`` or the KV need exceeds the effective pool.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from admission.config import AdmissionConfig
+from admission.drain import DrainMeter
+from admission.types import (
+    AdmissionRequest,
+    Admit,
+    Queued,
+    Refuse,
+    ReplicaUsage,
+    Shed,
+    Verdict,
+)
+from routing.picker import MostHeadroomPicker, Picker
+from routing.types import Candidate, ReplicaState, RouteRequest
+
+
+def round_up(tokens: int, block_size: int) -> int:
+    """`tokens` rounded up to a whole number of `block_size` blocks."""
+    bs = max(1, block_size)
+    return -(-max(0, tokens) // bs) * bs
+
+
+@dataclass(slots=True)
+class _Replica:
+    name: str
+    drain: DrainMeter
+    present: bool = True  # False after remove_replica (kept while reservations remain)
+    ready: bool = False
+    models: frozenset[str] = frozenset()
+    capacity: int | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    cap: int | None = None  # running-request cap
+    labels: dict[str, str] = field(default_factory=dict)
+    reserved: int = 0
+    running: int = 0
+    effective: int = 0
+
+    @property
+    def usable(self) -> bool:
+        """May receive new requests: present, ready and with a known pool."""
+        return self.present and self.ready and self.capacity is not None
+
+    @property
+    def free(self) -> int:
+        return self.effective - self.reserved
+
+    def need(self, raw_tokens: int) -> int:
+        return round_up(raw_tokens, self.block_size)
+
+    def can_ever_fit(self, req: AdmissionRequest, raw_tokens: int) -> bool:
+        if (
+            self.max_model_len is not None
+            and req.prompt_tokens + req.max_tokens > self.max_model_len
+        ):
+            return False
+        return self.capacity is None or self.need(raw_tokens) <= self.effective
+
+    def fits_now(self, raw_tokens: int) -> bool:
+        if self.cap is not None and self.running >= self.cap:
+            return False
+        return self.need(raw_tokens) <= self.free
+
+
+@dataclass(slots=True)
+class _Reservation:
+    request_id: str
+    replica: str
+    model: str
+    tokens: int
+
+
+@dataclass(slots=True)
+class _Entry:
+    key: tuple[int, int]  # (-priority, submission sequence)
+    req: AdmissionRequest
+    raw: int  # prompt + expected output, before block rounding
+    deadline: float
+
+
+class AdmissionController:
+    """Admits requests to replicas whose KV pool fits them; queues or sheds the rest."""
+
+    def __init__(
+        self, config: AdmissionConfig, picker: Picker | None = None, *, seed: int | None = None
+    ) -> None:
+        self.config = config
+        self._picker: Picker = picker if picker is not None else MostHeadroomPicker(seed=seed)
+        self._replicas: dict[str, _Replica] = {}
+        self._reservations: dict[str, _Reservation] = {}
+        self._queue: list[_Entry] = []  # sorted by key
+        self._queued: dict[str, _Entry] = {}
+        self._queue_per_model: dict[str, int] = {}
+        self._seq = 0
+        self._pending: list[Admit] = []  # admitted by expire(); handed out by the next call
+        self._now = 0.0
+        # Counters for metrics.
+        self.top_up_failures = 0
+        self.admitted_total = 0
+        self.queued_total = 0
+
+    # ------------------------------------------------------------------ replicas
+    def upsert_replica(
+        self,
+        state: ReplicaState,
+        now: float,
+        *,
+        pinned_capacity: int | None = None,
+        max_running: int | None = None,
+    ) -> list[Admit]:
+        """Add or refresh a replica from its adapter-maintained state.
+
+        Capacity is `pinned_capacity` when given, else ``state.capacity_tokens``; the
+        running cap is `max_running`, else the engine's ``state.max_running``, else
+        ``default_max_running``. A replica that is not ready or whose capacity is unknown
+        receives nothing. Returns requests admitted from the queue because capacity grew.
+        """
+        self._now = max(self._now, now)
+        rep = self._replicas.get(state.name)
+        if rep is None:
+            rep = self._replicas[state.name] = _Replica(
+                name=state.name, drain=DrainMeter(self.config.drain_window_s)
+            )
+        rep.present = True
+        rep.models = frozenset(state.models)
+        rep.capacity = pinned_capacity if pinned_capacity is not None else state.capacity_tokens
+        rep.ready = bool(state.ready) and rep.capacity is not None
+        rep.block_size = max(1, state.block_size)
+        rep.max_model_len = state.max_model_len
+        if max_running is not None:
+            rep.cap = max_running
+        elif state.max_running is not None:
+            rep.cap = state.max_running
+        else:
+            rep.cap = self.config.default_max_running
+        rep.labels = dict(state.labels)
+        rep.effective = (
+            math.floor(rep.capacity * (1.0 - self.config.headroom)) if rep.capacity else 0
+        )
+        return self._flush(self._settle(now))
+
+    def remove_replica(self, name: str, now: float) -> list[Admit]:
+        """Forget a replica. Its reservations stay in the ledger until released; queued
+        requests are kept for the remaining replicas."""
+        self._now = max(self._now, now)
+        rep = self._replicas.get(name)
+        if rep is not None:
+            rep.present = False
+            rep.ready = False
+            if rep.running == 0:
+                del self._replicas[name]
+        return self._flush(self._settle(now))
+
+    def mark_unready(self, name: str, now: float) -> None:
+        """Stop sending new requests to `name` (e.g. connection refused) until an upsert
+        says it is ready again. Existing reservations stay until released."""
+        self._now = max(self._now, now)
+        rep = self._replicas.get(name)
+        if rep is not None:
+            rep.ready = False
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, req: AdmissionRequest, now: float) -> Verdict:
+        """Decide one request: Admit now, Queue, Shed (503) or Refuse (400/404)."""
+        self._now = max(self._now, now)
+        rid = req.request_id
+        if rid in self._reservations or rid in self._queued:
+            raise ValueError(f"request id {rid!r} is already admitted or queued")
+        serving = [r for r in self._replicas.values() if r.present and req.model in r.models]
+        if not serving:
+            return Refuse(rid, 404, "model_not_found", f"The model `{req.model}` does not exist.")
+        raw = max(1, req.prompt_tokens) + max(0, req.expected_output)
+        known = [r for r in serving if r.capacity is not None or r.max_model_len is not None]
+        if known and not any(r.can_ever_fit(req, raw) for r in known):
+            return self._refuse_too_long(req, raw, known)
+        if not any(r.usable and r.can_ever_fit(req, raw) for r in serving):
+            return Shed(rid, "no_replica", self._clamp(None))
+
+        deadline = min(req.deadline, now + self.config.queue_timeout_s)
+        entry = _Entry((-req.priority, self._seq), req, raw, deadline)
+        self._seq += 1
+        pos = bisect.bisect_left(self._queue, entry.key, key=lambda e: e.key)
+        blocked: set[str] = set()
+        for ahead in self._queue[:pos]:
+            blocked.update(self._candidate_names(ahead))
+        admit = self._try_admit(entry, blocked, now)
+        if admit is not None:
+            return admit
+
+        model_depth = self._queue_per_model.get(req.model, 0)
+        if model_depth >= self.config.queue_max_per_model:
+            wait = self._estimate_wait(req.model, raw, self._queue, now)
+            return Shed(rid, "queue_full", self._clamp(wait))
+        ahead_entries = self._queue[:pos]
+        wait = self._estimate_wait(req.model, raw, ahead_entries, now)
+        if deadline <= now or (wait is not None and now + wait > deadline):
+            return Shed(rid, "deadline", self._clamp(wait))
+        self._queue.insert(pos, entry)
+        self._queued[rid] = entry
+        self._queue_per_model[req.model] = model_depth + 1
+        self.queued_total += 1
+        position = sum(1 for e in ahead_entries if e.req.model == req.model)
+        estimated = wait if wait is not None else self.config.cold_retry_after_s
+        return Queued(rid, position, estimated)
+
+    def release(self, request_id: str, now: float) -> list[Admit]:
+        """Free the request's reservation, or drop it from the queue; idempotent.
+
+        Returns the requests this admitted from the queue (plus any admitted by an
+        earlier `expire` that were not handed out yet).
+        """
+        self._now = max(self._now, now)
+        res = self._reservations.pop(request_id, None)
+        if res is not None:
+            rep = self._replicas[res.replica]
+            rep.reserved -= res.tokens
+            rep.running -= 1
+            rep.drain.record(res.tokens, now)
+            rep.drain.set_busy(rep.running > 0, now)
+            if not rep.present and rep.running == 0:
+                del self._replicas[rep.name]
+        else:
+            entry = self._queued.get(request_id)
+            if entry is not None:
+                self._dequeue(entry)
+        return self._flush(self._settle(now))
+
+    def top_up(self, request_id: str, total_tokens: int, now: float) -> bool:
+        """Grow a reservation to cover `total_tokens` (prompt + generated so far).
+
+        Returns True when the reservation already covers it or was grown; False when the
+        replica has no room (the stream continues regardless; counted in
+        `top_up_failures`) or the request holds no reservation.
+        """
+        self._now = max(self._now, now)
+        res = self._reservations.get(request_id)
+        if res is None:
+            return False
+        rep = self._replicas[res.replica]
+        target = rep.need(total_tokens)
+        if target <= res.tokens:
+            return True
+        extra = target - res.tokens
+        if not rep.present or extra > rep.free:
+            self.top_up_failures += 1
+            return False
+        rep.reserved += extra
+        res.tokens = target
+        return True
+
+    def expire(self, now: float) -> list[Shed]:
+        """Shed queued requests past their deadline (``queue_timeout``) or whose estimated
+        wait can no longer meet it (``deadline``).
+
+        Removing entries can unblock others; those admissions are handed out by the next
+        `release` / `upsert_replica` / `remove_replica` / `pump` call.
+        """
+        self._now = max(self._now, now)
+        shed: list[Shed] = []
+        kept: list[_Entry] = []
+        for entry in list(self._queue):
+            if entry.deadline <= now:
+                reason, wait = (
+                    "queue_timeout",
+                    self._estimate_wait(entry.req.model, entry.raw, kept, now),
+                )
+            else:
+                wait = self._estimate_wait(entry.req.model, entry.raw, kept, now)
+                if wait is None or now + wait <= entry.deadline:
+                    kept.append(entry)
+                    continue
+                reason = "deadline"
+            self._dequeue(entry)
+            shed.append(Shed(entry.req.request_id, reason, self._clamp(wait)))
+        if shed:
+            self._pending.extend(self._settle(now))
+        return shed
+
+    def pump(self, now: float) -> list[Admit]:
+        """Re-examine the queue and hand out any pending admissions (addition to the API)."""
+        self._now = max(self._now, now)
+        return self._flush(self._settle(now))
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline among queued requests (when `expire` should next run)."""
+        return min((e.deadline for e in self._queue), default=None)
+
+    # --------------------------------------------------------------- observation
+    def replica_usage(self) -> list[ReplicaUsage]:
+        blocked_by = self._binding_ceilings()
+        out = []
+        for rep in self._replicas.values():
+            out.append(
+                ReplicaUsage(
+                    name=rep.name,
+                    ready=rep.usable,
+                    capacity_tokens=rep.capacity or 0,
+                    effective_capacity_tokens=rep.effective,
+                    reserved_tokens=rep.reserved,
+                    running=rep.running,
+                    max_running=rep.cap,
+                    binding_ceiling=blocked_by.get(rep.name, "none"),
+                    models=sorted(rep.models),
+                )
+            )
+        return out
+
+    def reserved_tokens(self, replica: str | None = None) -> int:
+        if replica is not None:
+            rep = self._replicas.get(replica)
+            return rep.reserved if rep else 0
+        return sum(r.reserved for r in self._replicas.values())
+
+    def queue_depth(self, model: str | None = None) -> int:
+        if model is not None:
+            return self._queue_per_model.get(model, 0)
+        return len(self._queue)
+
+    def models(self) -> set[str]:
+        out: set[str] = set()
+        for rep in self._replicas.values():
+            if rep.usable:
+                out.update(rep.models)
+        return out
+
+    def retry_after(self, model: str, need_tokens: int, now: float) -> float:
+        """Seconds until `need_tokens` could be admitted for `model` behind its whole
+        queue, clamped to [1, max_retry_after_s]."""
+        return self._clamp(self._estimate_wait(model, need_tokens, self._queue, now))
+
+    def drain_rate(self, model: str, now: float) -> tuple[float, float] | None:
+        """(tokens/s, requests/s) released by `model`'s ready replicas, or None while
+        fewer than ``min_drain_samples`` releases were seen (addition to the API)."""
+        reps = [r for r in self._replicas.values() if r.usable and model in r.models]
+        if sum(r.drain.samples for r in reps) < self.config.min_drain_samples:
+            return None
+        tok = req = 0.0
+        for rep in reps:
+            t, q = rep.drain.rates(now)
+            tok += t
+            req += q
+        return tok, req
+
+    def reservation(self, request_id: str) -> Admit | None:
+        """The current reservation of an admitted request (addition to the API)."""
+        res = self._reservations.get(request_id)
+        return Admit(res.request_id, res.replica, res.tokens) if res else None
+
+    # ------------------------------------------------------------------ internals
+    def _candidate_names(self, entry: _Entry) -> Iterable[str]:
+        for rep in self._replicas.values():
+            if (
+                rep.usable
+                and entry.req.model in rep.models
+                and rep.can_ever_fit(entry.req, entry.raw)
+            ):
+                yield rep.name
+
+    def _try_admit(self, entry: _Entry, blocked: set[str], now: float) -> Admit | None:
+        """Admit `entry` to a non-blocked replica that fits it now, chosen by the picker."""
+        fitting: list[_Replica] = []
+        for rep in self._replicas.values():
+            if (
+                rep.name not in blocked
+                and rep.usable
+                and entry.req.model in rep.models
+                and rep.can_ever_fit(entry.req, entry.raw)
+                and rep.fits_now(entry.raw)
+            ):
+                fitting.append(rep)
+        if not fitting:
+            return None
+        candidates = [
+            Candidate(
+                name=r.name,
+                free_tokens=r.free,
+                effective_capacity=r.effective,
+                running=r.running,
+                max_running=r.cap,
+                labels=r.labels,
+            )
+            for r in fitting
+        ]
+        route = RouteRequest(
+            request_id=entry.req.request_id,
+            model=entry.req.model,
+            need_tokens=max(r.need(entry.raw) for r in fitting),
+            workload=entry.req.workload,
+        )
+        choice = self._picker.pick(route, candidates)
+        if choice is None:
+            return None
+        rep = next((r for r in fitting if r.name == choice.name), None)
+        if rep is None:
+            raise ValueError(f"picker returned {choice.name!r}, which was not a candidate")
+        tokens = rep.need(entry.raw)
+        rep.reserved += tokens
+        rep.running += 1
+        rep.drain.set_busy(True, now)
+        self._reservations[entry.req.request_id] = _Reservation(
+            entry.req.request_id, rep.name, entry.req.model, tokens
+        )
+        self.admitted_total += 1
+        return Admit(entry.req.request_id, rep.name, tokens)
+
+    def _settle(self, now: float) -> list[Admit]:
+        """Admit queued entries in order until every usable replica is blocked."""
+        if not self._queue:
+            return []
+        usable = {r.name for r in self._replicas.values() if r.usable}
+        blocked: set[str] = set()
+        admitted: list[Admit] = []
+        for entry in list(self._queue):
+            if usable <= blocked:
+                break
+            admit = self._try_admit(entry, blocked, now)
+            if admit is not None:
+                self._dequeue(entry)
+                admitted.append(admit)
+            else:
+                blocked.update(self._candidate_names(entry))
+        return admitted
+
+    def _flush(self, admits: list[Admit]) -> list[Admit]:
+        if self._pending:
+            admits = self._pending + admits
+            self._pending = []
+        return admits
+
+    def _dequeue(self, entry: _Entry) -> None:
+        idx = bisect.bisect_left(self._queue, entry.key, key=lambda e: e.key)
+        del self._queue[idx]
+        del self._queued[entry.req.request_id]
+        model = entry.req.model
+        left = self._queue_per_model[model] - 1
+        if left:
+            self._queue_per_model[model] = left
+        else:
+            del self._queue_per_model[model]
+
+    def _estimate_wait(
+        self, model: str, raw: int, ahead: Iterable[_Entry], now: float
+    ) -> float | None:
+        """Seconds until a request of `raw` tokens fits behind `ahead`; None without history.
+
+        Deficit in tokens: the queue ahead (same model) plus this request, minus what is
+        free on the model's ready replicas (and at least what the roomiest replica lacks
+        for this request alone). Deficit in running slots likewise when every replica is
+        capped. Each deficit is divided by its drain rate; the larger wait wins.
+        """
+        rates = self.drain_rate(model, now)
+        if rates is None:
+            return None
+        reps = [r for r in self._replicas.values() if r.usable and model in r.models]
+        if not reps:
+            return None
+        tok_rate, req_rate = rates
+        ahead_tokens = ahead_count = 0
+        for e in ahead:
+            if e.req.model == model:
+                ahead_tokens += e.raw
+                ahead_count += 1
+        need = max(r.need(raw) for r in reps)
+        frees = [max(0, r.free) for r in reps]
+        tok_deficit = max(0, ahead_tokens + need - sum(frees), need - max(frees))
+        slot_deficit = 0
+        if all(r.cap is not None for r in reps):
+            free_slots = sum(max(0, (r.cap or 0) - r.running) for r in reps)
+            slot_deficit = max(0, ahead_count + 1 - free_slots)
+        wait = 0.0
+        if tok_deficit:
+            wait = max(wait, tok_deficit / tok_rate if tok_rate > 0 else math.inf)
+        if slot_deficit:
+            wait = max(wait, slot_deficit / req_rate if req_rate > 0 else math.inf)
+        return wait
+
+    def _clamp(self, wait: float | None) -> float:
+        value = self.config.cold_retry_after_s if wait is None else wait
+        return min(self.config.max_retry_after_s, max(1.0, value))
+
+    def _refuse_too_long(self, req: AdmissionRequest, raw: int, known: list[_Replica]) -> Refuse:
+        total = req.prompt_tokens + req.max_tokens
+        limits = [r.max_model_len for r in known if r.max_model_len is not None]
+        if limits and total > max(limits):
+            message = (
+                f"This model's maximum context length is {max(limits)} tokens. However, you "
+                f"requested {total} tokens ({req.prompt_tokens} in the messages, "
+                f"{req.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion."
+            )
+        else:
+            largest = max((r.effective for r in known if r.capacity is not None), default=0)
+            message = (
+                f"This request needs about {raw} tokens of KV cache ({req.prompt_tokens} "
+                f"prompt + {req.expected_output} output), more than the largest replica "
+                f"pool serving `{req.model}` admits ({largest} tokens)."
+            )
+        return Refuse(req.request_id, 400, "context_length_exceeded", message)
+
+    def _binding_ceilings(self) -> dict[str, str]:
+        """Which ceiling keeps each replica from taking more work right now."""
+        out: dict[str, str] = {}
+        head_for: dict[str, _Entry] = {}
+        for entry in self._queue:
+            for name in self._candidate_names(entry):
+                head_for.setdefault(name, entry)
+        for rep in self._replicas.values():
+            if not rep.usable:
+                out[rep.name] = "not_ready"
+            elif rep.cap is not None and rep.running >= rep.cap:
+                out[rep.name] = "running_cap"
+            elif rep.name in head_for and rep.need(head_for[rep.name].raw) > rep.free:
+                out[rep.name] = "kv_capacity"
+            elif rep.free < rep.block_size:
+                out[rep.name] = "kv_capacity"
+            else:
+                out[rep.name] = "none"
+        return out
