@@ -62,9 +62,7 @@ class FaultConfig:
 
     def __post_init__(self) -> None:
         if not 500 <= self.status <= 599:
-            raise FaultConfigError(
-                f"status must be a 5xx HTTP status, got {self.status}", "status"
-            )
+            raise FaultConfigError(f"status must be a 5xx HTTP status, got {self.status}", "status")
         if not self.factor >= 1.0:  # also rejects NaN
             raise FaultConfigError(f"factor must be >= 1.0, got {self.factor}", "factor")
         if self.after_tokens < 0:

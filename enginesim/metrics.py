@@ -79,15 +79,18 @@ class _StatsCollector(Collector):
             return c
 
         yield gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.",
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
             s.num_running,
         )
         yield gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
             s.num_waiting,
         )
         yield gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
             s.kv_usage,
         )
         # vLLM publishes the cache config as an info-style gauge without model_name.
@@ -105,7 +108,8 @@ class _StatsCollector(Collector):
         )
         yield info
         yield counter(
-            "vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
+            "vllm:num_preemptions",
+            "Cumulative number of preemptions from the engine.",
             s.num_preemptions,
         )
         yield counter(
@@ -118,24 +122,26 @@ class _StatsCollector(Collector):
             "Prefix cache hits, in terms of number of cached tokens.",
             s.prefix_cache_hits,
         )
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
         yield counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens
-        )
-        yield counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.",
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
             s.generation_tokens,
         )
         if self._speculative:
             yield counter(
-                "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                "vllm:spec_decode_num_drafts",
+                "Number of spec decoding drafts.",
                 s.spec_num_drafts,
             )
             yield counter(
-                "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                "vllm:spec_decode_num_draft_tokens",
+                "Number of draft tokens.",
                 s.spec_num_draft_tokens,
             )
             yield counter(
-                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                "vllm:spec_decode_num_accepted_tokens",
+                "Number of accepted tokens.",
                 s.spec_num_accepted_tokens,
             )
 
@@ -184,9 +190,12 @@ class _StatsCollector(Collector):
             else 0.0
         )
         yield gauge("sglang:spec_accept_length", "The average acceptance length.", accept_len)
-        yield counter("sglang:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
         yield counter(
-            "sglang:generation_tokens", "Number of generation tokens processed.",
+            "sglang:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens
+        )
+        yield counter(
+            "sglang:generation_tokens",
+            "Number of generation tokens processed.",
             s.generation_tokens,
         )
         yield counter(
