@@ -1,0 +1,109 @@
+"""Parsing helpers shared by the engine adapters (tolerant: bad input yields None)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from routing.types import ReplicaState
+
+Responses = Mapping[str, tuple[int, str]]
+
+
+@dataclass(slots=True, frozen=True)
+class Sample:
+    labels: dict[str, str]
+    value: float
+
+
+def ok_body(responses: Responses, path: str) -> str | None:
+    """The body of `path` if it answered 200, else None (missing = unreachable)."""
+    got = responses.get(path)
+    if got is None or got[0] != 200:
+        return None
+    return got[1]
+
+
+def parse_json(body: str | None) -> Any:
+    if body is None:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def parse_prometheus(body: str | None) -> dict[str, list[Sample]] | None:
+    """Samples by sample name (e.g. ``vllm:num_preemptions_total``), or None if unparsable."""
+    if body is None:
+        return None
+    out: dict[str, list[Sample]] = {}
+    try:
+        for family in text_string_to_metric_families(body):
+            for s in family.samples:
+                out.setdefault(s.name, []).append(Sample(dict(s.labels), float(s.value)))
+    except (ValueError, TypeError, IndexError):
+        return None
+    return out
+
+
+def total(samples: dict[str, list[Sample]], *names: str) -> float | None:
+    """Sum of the first metric name present (summed across label sets, e.g. DP engines)."""
+    for name in names:
+        found = samples.get(name)
+        if found:
+            values = [s.value for s in found if math.isfinite(s.value)]
+            if values:
+                return sum(values)
+    return None
+
+
+def mean(samples: dict[str, list[Sample]], *names: str) -> float | None:
+    for name in names:
+        found = samples.get(name)
+        if found:
+            values = [s.value for s in found if math.isfinite(s.value)]
+            if values:
+                return sum(values) / len(values)
+    return None
+
+
+def as_int(value: Any) -> int | None:
+    """A positive int from JSON / label text, or None ("None", null, junk, <= 0)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        number = int(float(value))
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if number > 0 else None
+
+
+def apply_models(state: ReplicaState, body: str | None) -> bool:
+    """Update `state.models` (and `max_model_len` when listed) from ``/v1/models``.
+
+    Returns False when the body is not an OpenAI model list.
+    """
+    doc = parse_json(body)
+    if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
+        return False
+    ids: list[str] = []
+    max_len: int | None = None
+    for item in doc["data"]:
+        if not isinstance(item, dict) or not isinstance(item.get("id"), str):
+            continue
+        ids.append(item["id"])
+        length = as_int(item.get("max_model_len"))
+        if length is not None:
+            max_len = length if max_len is None else min(max_len, length)
+    if not ids:
+        return False
+    state.models = ids
+    if max_len is not None:
+        state.max_model_len = max_len
+    return True

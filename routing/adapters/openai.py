@@ -1,0 +1,20 @@
+"""Generic OpenAI-compatible adapter: only ``/v1/models`` is standard.
+
+Nothing in the OpenAI API reveals a KV pool, so capacity (and any running cap) must be
+pinned in the replica's config; the admission controller routes nothing to a replica
+whose capacity is unknown. Readiness here means only that the model list answered.
+"""
+
+from __future__ import annotations
+
+from routing.adapters._common import Responses, apply_models, ok_body
+from routing.types import ReplicaState
+
+
+class OpenAIAdapter:
+    engine = "openai"
+    probe_paths: tuple[str, ...] = ("/v1/models",)
+
+    def apply(self, state: ReplicaState, responses: Responses, now: float) -> None:
+        state.updated_at = now
+        state.ready = apply_models(state, ok_body(responses, "/v1/models"))

@@ -1,0 +1,79 @@
+"""SGLang adapter: ``/server_info`` for pool and limits, ``/metrics`` for load, ``/v1/models``.
+
+``/server_info`` merges the server arguments (``context_length``, ``page_size``,
+``max_running_requests``: often null when left to the engine) with the scheduler's
+figures (``max_total_num_tokens``, the token pool). Recent releases also nest scheduler
+state under ``internal_states``; both places are read. ``sglang:max_total_num_tokens``
+in ``/metrics`` is a fallback for the pool size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from routing.adapters._common import (
+    Responses,
+    apply_models,
+    as_int,
+    mean,
+    ok_body,
+    parse_json,
+    parse_prometheus,
+    total,
+)
+from routing.types import ReplicaState
+
+
+def _lookup(info: dict[str, Any], key: str) -> int | None:
+    value = as_int(info.get(key))
+    if value is not None:
+        return value
+    states = info.get("internal_states")
+    if isinstance(states, list):
+        for inner in states:
+            if isinstance(inner, dict) and (value := as_int(inner.get(key))) is not None:
+                return value
+    return None
+
+
+class SGLangAdapter:
+    engine = "sglang"
+    probe_paths: tuple[str, ...] = ("/server_info", "/metrics", "/v1/models")
+
+    def apply(self, state: ReplicaState, responses: Responses, now: float) -> None:
+        state.updated_at = now
+        models_ok = apply_models(state, ok_body(responses, "/v1/models"))
+        info = parse_json(ok_body(responses, "/server_info"))
+        info_ok = isinstance(info, dict)
+        if isinstance(info, dict):
+            pool = _lookup(info, "max_total_num_tokens")
+            if pool is not None:
+                state.capacity_tokens = pool
+            running_cap = _lookup(info, "max_running_requests")
+            if running_cap is not None:
+                state.max_running = running_cap
+            page = _lookup(info, "page_size")
+            state.block_size = page if page is not None else 1
+            context = _lookup(info, "context_length")
+            if context is not None:
+                state.max_model_len = context
+        samples = parse_prometheus(ok_body(responses, "/metrics"))
+        metrics_ok = samples is not None
+        if samples is not None:
+            if state.capacity_tokens is None:
+                pool_metric = total(samples, "sglang:max_total_num_tokens")
+                if pool_metric:
+                    state.capacity_tokens = int(pool_metric)
+            running = total(samples, "sglang:num_running_reqs")
+            waiting = total(samples, "sglang:num_queue_reqs")
+            usage = mean(samples, "sglang:token_usage")
+            retracted = total(samples, "sglang:num_retracted_reqs_total")
+            if running is not None:
+                state.engine_running = int(running)
+            if waiting is not None:
+                state.engine_waiting = int(waiting)
+            if usage is not None:
+                state.kv_usage = usage
+            if retracted is not None:
+                state.preemptions_total = retracted
+        state.ready = models_ok and info_ok and metrics_ok and state.capacity_tokens is not None

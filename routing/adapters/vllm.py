@@ -1,0 +1,69 @@
+"""vLLM (V1) adapter: ``/metrics`` for pool size and load, ``/v1/models`` for ids and context.
+
+Pool size: ``vllm:cache_config_info`` is an info gauge whose labels carry the cache
+config; the pool is ``num_gpu_blocks * block_size`` tokens, or ``kv_cache_size_tokens``
+when a build reports it directly. With data parallelism there is one label set per
+``engine``; their pools are summed (the front-end balances over them).
+"""
+
+from __future__ import annotations
+
+from routing.adapters._common import (
+    Responses,
+    apply_models,
+    as_int,
+    mean,
+    ok_body,
+    parse_prometheus,
+    total,
+)
+from routing.types import ReplicaState
+
+
+class VLLMAdapter:
+    engine = "vllm"
+    probe_paths: tuple[str, ...] = ("/metrics", "/v1/models")
+
+    def apply(self, state: ReplicaState, responses: Responses, now: float) -> None:
+        state.updated_at = now
+        models_ok = apply_models(state, ok_body(responses, "/v1/models"))
+        samples = parse_prometheus(ok_body(responses, "/metrics"))
+        metrics_ok = samples is not None
+        if samples is not None:
+            self._apply_cache_config(state, samples)
+            running = total(samples, "vllm:num_requests_running")
+            waiting = total(samples, "vllm:num_requests_waiting")
+            usage = mean(samples, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+            preempt = total(samples, "vllm:num_preemptions_total")
+            if running is not None:
+                state.engine_running = int(running)
+            if waiting is not None:
+                state.engine_waiting = int(waiting)
+            if usage is not None:
+                state.kv_usage = usage
+            if preempt is not None:
+                state.preemptions_total = preempt
+        state.ready = models_ok and metrics_ok and state.capacity_tokens is not None
+
+    @staticmethod
+    def _apply_cache_config(state: ReplicaState, samples: dict) -> None:
+        direct = total(samples, "vllm:kv_cache_size_tokens")
+        per_engine: dict[str, int] = {}
+        block_size: int | None = None
+        for s in samples.get("vllm:cache_config_info", []):
+            bs = as_int(s.labels.get("block_size"))
+            if bs is not None:
+                block_size = bs
+            tokens = as_int(s.labels.get("kv_cache_size_tokens"))
+            if tokens is None:
+                blocks = as_int(s.labels.get("num_gpu_blocks"))
+                if blocks is not None and bs is not None:
+                    tokens = blocks * bs
+            if tokens is not None:
+                per_engine[s.labels.get("engine", "0")] = tokens
+        if block_size is not None:
+            state.block_size = block_size
+        if direct is not None and direct > 0:
+            state.capacity_tokens = int(direct)
+        elif per_engine:
+            state.capacity_tokens = sum(per_engine.values())
