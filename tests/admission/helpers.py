@@ -1,0 +1,70 @@
+"""Builders shared by the admission tests."""
+
+from __future__ import annotations
+
+from admission.config import AdmissionConfig
+from admission.controller import AdmissionController
+from admission.types import AdmissionRequest
+from routing.types import ReplicaState
+
+
+def replica(
+    name: str = "r1",
+    capacity: int | None = 1000,
+    *,
+    models: tuple[str, ...] = ("m",),
+    ready: bool = True,
+    block_size: int = 1,
+    max_model_len: int | None = None,
+    max_running: int | None = None,
+) -> ReplicaState:
+    return ReplicaState(
+        name=name,
+        base_url=f"http://127.0.0.1/{name}",
+        ready=ready,
+        models=list(models),
+        capacity_tokens=capacity,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_running=max_running,
+    )
+
+
+def request(
+    rid: str,
+    prompt: int = 100,
+    output: int = 100,
+    *,
+    model: str = "m",
+    max_tokens: int | None = None,
+    priority: int = 0,
+    deadline: float = float("inf"),
+) -> AdmissionRequest:
+    return AdmissionRequest(
+        request_id=rid,
+        model=model,
+        prompt_tokens=prompt,
+        expected_output=output,
+        max_tokens=output if max_tokens is None else max_tokens,
+        priority=priority,
+        deadline=deadline,
+    )
+
+
+def controller(**overrides: object) -> AdmissionController:
+    settings: dict[str, object] = {"headroom": 0.0}
+    settings.update(overrides)
+    return AdmissionController(AdmissionConfig(**settings), seed=7)
+
+
+def warm_drain(ctrl: AdmissionController, tokens: int, rate: float, *, start: float = 0.0) -> float:
+    """Admit and release `tokens`-sized requests on the only model "m" at `rate` tokens/s
+    until the drain meter has history; returns the time reached. Leaves the ledger empty."""
+    now = start
+    step = tokens / rate
+    for i in range(ctrl.config.min_drain_samples + 2):
+        verdict = ctrl.submit(request(f"warm{i}", tokens // 2, tokens - tokens // 2), now)
+        assert verdict.__class__.__name__ == "Admit", verdict
+        now += step
+        ctrl.release(f"warm{i}", now)
+    return now
