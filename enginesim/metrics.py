@@ -201,6 +201,12 @@ class _StatsCollector(Collector):
         yield counter(
             "sglang:num_requests", "Number of requests processed.", s.num_finished + s.num_aborted
         )
+        # SGLang calls preemption "retraction": a running request gives its KV back.
+        yield counter(
+            "sglang:num_retracted_reqs",
+            "Number of retracted (preempted) requests.",
+            s.num_preemptions,
+        )
 
 
 class EngineMetrics:

@@ -1,0 +1,161 @@
+"""`enginesim`: run a simulated LLM engine replica from the command line.
+
+    enginesim serve --profile tiny --port 8001 [--host 127.0.0.1] [--speed 1.0]
+                    [--flavor vllm|sglang] [--seed 0] [--speculative | --no-speculative]
+                    [--fault MODE [--fault-status N] [--fault-factor X] [--fault-after-tokens N]]
+    enginesim profiles
+
+The server runs on uvloop. SIGINT and SIGTERM stop it cleanly; the `crash` fault ends the
+process with exit status 1, as a crashing engine would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from enginesim.faults import FaultConfig, FaultConfigError, FaultMode, make_fault
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="enginesim",
+        description="A simulated vLLM/SGLang replica speaking the OpenAI API on a virtual clock.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve one simulated replica over HTTP")
+    serve.add_argument("--profile", required=True, help="bundled profile name or YAML path")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument(
+        "--speed",
+        type=_positive_float,
+        default=1.0,
+        help="virtual seconds per wall second (20 runs the engine 20x faster)",
+    )
+    serve.add_argument("--flavor", choices=["vllm", "sglang"], default=None,
+                       help="engine imitated (default: the profile's)")  # fmt: skip
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--speculative",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force speculative decoding on or off (default: as the profile says)",
+    )
+    serve.add_argument(
+        "--fault",
+        choices=[m.value for m in FaultMode],
+        default=None,
+        help="start with this fault injected (changeable at runtime via POST /admin/faults)",
+    )
+    serve.add_argument("--fault-status", type=int, default=None, help="HTTP status for 'error'")
+    serve.add_argument("--fault-factor", type=float, default=None, help="slowdown for 'slow'")
+    serve.add_argument(
+        "--fault-after-tokens",
+        type=int,
+        default=None,
+        help="tokens before 'drop' closes a connection / before 'crash' happens",
+    )
+    serve.add_argument("--log-level", default="INFO")
+
+    sub.add_parser("profiles", help="list the bundled profiles")
+    return parser
+
+
+async def _serve(args: argparse.Namespace, fault: FaultConfig | None) -> int:
+    from enginesim.server import EngineServer
+
+    server = EngineServer(
+        args.profile,
+        host=args.host,
+        port=args.port,
+        speed=args.speed,
+        flavor=args.flavor,
+        seed=args.seed,
+        speculative=args.speculative,
+        fault=fault,
+        exit_on_crash=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    p = server.profile
+    logging.getLogger("enginesim").info(
+        "enginesim serving %s (profile %s, flavor %s, pool %d tokens = %d blocks x %d, "
+        "max_model_len %d, speed %gx) on %s",
+        server.model_name, p.name, server.flavor, p.num_gpu_blocks * p.block_size,
+        p.num_gpu_blocks, p.block_size, p.max_model_len, args.speed, server.url,
+    )  # fmt: skip
+    # A line a supervising script can wait for, with the port actually bound.
+    print(f"enginesim ready {server.url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "profiles":
+        from enginesim.profiles import list_profiles
+
+        for name in list_profiles():
+            print(name)
+        return 0
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    fault = None
+    if args.fault is not None:
+        try:
+            fault = make_fault(
+                args.fault,
+                status=args.fault_status,
+                factor=args.fault_factor,
+                after_tokens=args.fault_after_tokens,
+            )
+        except FaultConfigError as exc:
+            parser.error(f"--fault-{(exc.param or 'mode').replace('_', '-')}: {exc}")
+    elif any(
+        v is not None for v in (args.fault_status, args.fault_factor, args.fault_after_tokens)
+    ):
+        parser.error("--fault-status/--fault-factor/--fault-after-tokens need --fault")
+
+    from enginesim.profiles import ProfileError, load_profile
+
+    try:
+        args.profile = load_profile(args.profile)
+    except ProfileError as exc:
+        parser.error(str(exc))
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a declared dependency
+        return asyncio.run(_serve(args, fault))
+    return uvloop.run(_serve(args, fault))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

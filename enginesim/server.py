@@ -1,0 +1,810 @@
+"""The live simulated replica: the OpenAI API as vLLM serves it, over the sans-IO core.
+
+`EngineServer` embeds in any running event loop (tests, the demo and benches run several
+in one process) and is also what `enginesim serve` runs. It speaks what kvgate and its
+clients see of a real engine:
+
+* `POST /v1/chat/completions`, `POST /v1/completions` (stream and non-stream, vLLM's
+  chunk shapes, `stream_options.include_usage`, vLLM's extensions `ignore_eos`,
+  `min_tokens`, `priority`; unknown sampling fields are accepted and ignored);
+* `GET /v1/models`, `GET /health`, `POST /tokenize`, `GET /version`;
+* `GET /metrics` under vLLM's (or, with the sglang flavor, SGLang's) metric names, plus
+  `GET /server_info` for the sglang flavor;
+* `GET|POST /admin/faults` for fault injection (see `enginesim.faults`).
+
+Errors are OpenAI error objects as vLLM sends them: `type` is the exception class name
+(`BadRequestError`, `NotFoundError`, ...) and `code` the HTTP status. Bad input is always
+a 4xx, never a 500.
+
+A client that goes away aborts its request in the core at once (its KV blocks are freed
+before the handler returns): stream writes that fail, and aiohttp's handler cancellation
+on a lost connection, both end in the same `finally` that aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from enginesim import tokenizer
+from enginesim.core import EngineCore
+from enginesim.driver import EngineDriver, RequestHandle
+from enginesim.faults import NO_FAULT, FaultConfig, FaultConfigError, FaultMode
+from enginesim.metrics import CONTENT_TYPE, EngineMetrics
+from enginesim.profiles import Profile, load_profile
+from enginesim.types import EngineEvent, EventKind, Flavor, SimRequest, Workload
+from enginesim.workload import classify_workload
+
+log = logging.getLogger(__name__)
+
+ENGINESIM_VERSION = "0.1.0"
+MAX_BODY_BYTES = 64 * 1024 * 1024  # long-context prompts are large; aiohttp's 1 MiB is not
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+# --------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestEntityTooLarge",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+class ApiError(Exception):
+    """An error a handler answers with: HTTP status plus an OpenAI error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    err_type = _ERROR_TYPES.get(
+        status, "InternalServerError" if status >= 500 else "BadRequestError"
+    )
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+# --------------------------------------------------------------------------------------
+# Request schemas (what vLLM accepts; unknown fields are allowed and ignored)
+# --------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[_ContentPart] | None = None
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None  # optional in vLLM: the served model is the default
+    max_tokens: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    priority: int = 0
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class TokenizeCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    msg = first.get("msg", "invalid request")
+    return ApiError(400, f"{loc}: {msg}" if loc else msg, loc.split(".")[0] if loc else None)
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes") from exc
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+
+
+def _messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    return [m.model_dump(exclude_none=False) for m in messages]
+
+
+# --------------------------------------------------------------------------------------
+# A parsed request, ready for the core
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Prepared:
+    kind: Literal["chat", "completion"]
+    public_id: str
+    model: str
+    created: int
+    sim: SimRequest
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    drop_after: int | None  # the `drop` fault, captured when the request started
+
+
+# --------------------------------------------------------------------------------------
+# The server
+# --------------------------------------------------------------------------------------
+
+
+class EngineServer:
+    """One simulated replica on 127.0.0.1 (or `host`), embeddable in a running loop.
+
+    Port 0 picks a free port; `.port` and `.url` are known after `start()`. With
+    `exit_on_crash` (the CLI) the `crash` fault ends the process; embedded, it aborts
+    every connection and stops listening instead.
+    """
+
+    def __init__(
+        self,
+        profile: Profile | str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        speed: float = 1.0,
+        flavor: Flavor | str | None = None,
+        seed: int = 0,
+        speculative: bool | None = None,
+        fault: FaultConfig | None = None,
+        exit_on_crash: bool = False,
+    ) -> None:
+        self.profile = load_profile(profile) if isinstance(profile, str) else profile
+        self.host = host
+        self._requested_port = port
+        self.core = EngineCore(
+            self.profile,
+            flavor=Flavor(flavor) if flavor is not None else None,
+            seed=seed,
+            speculative=speculative,
+        )
+        self.flavor = Flavor(self.core.flavor)
+        self.model_name = self.profile.served_model_name
+        self.speculative = self._speculation_enabled()
+        self.metrics = EngineMetrics(
+            flavor=self.flavor,
+            model_name=self.model_name,
+            stats=self.core.stats,
+            speculative=self.speculative,
+            max_running_requests=self.profile.max_num_seqs,
+        )
+        self.driver = EngineDriver(
+            self.core, speed=speed, metrics=self.metrics, on_tokens=self._on_tokens
+        )
+        self.exit_on_crash = exit_on_crash
+        self._fault = NO_FAULT
+        self._crash_countdown: int | None = None
+        self._crashed = False
+        self._crash_task: asyncio.Task[None] | None = None
+        self._not_hung = asyncio.Event()
+        self._not_hung.set()
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._port: int | None = None
+        self._started_at = int(time.time())
+        self.app = self._make_app()
+        if fault is not None:
+            self.set_fault(fault)
+
+    def _speculation_enabled(self) -> bool:
+        spec = getattr(self.core, "speculative", None)
+        if spec is None:
+            spec = self.profile.speculative
+        return bool(spec)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("server not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self.driver.start()
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.host, self._requested_port)
+        await self._site.start()
+        server = self._site._server  # the asyncio Server: the only way to learn port 0
+        assert server is not None and server.sockets  # noqa: S101
+        self._port = server.sockets[0].getsockname()[1]
+        if self._fault.mode is FaultMode.CRASH and not self._crash_countdown:
+            self._trigger_crash()
+
+    async def stop(self) -> None:
+        await self.driver.stop()
+        self._not_hung.set()  # release hung handlers so shutdown does not wait for them
+        if self._crash_task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._crash_task
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+            self._site = None
+
+    async def __aenter__(self) -> EngineServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- faults ------------------------------------------------------------------------
+
+    @property
+    def fault(self) -> FaultConfig:
+        return self._fault
+
+    @property
+    def crashed(self) -> bool:
+        return self._crashed
+
+    def set_fault(self, fault: FaultConfig) -> None:
+        """Make `fault` the active fault, replacing the previous one."""
+        if self._crashed:
+            raise FaultConfigError("the server has crashed; a crash cannot be cleared", "mode")
+        self._fault = fault
+        self.driver.slow_factor = fault.factor if fault.mode is FaultMode.SLOW else 1.0
+        if fault.mode is FaultMode.HANG:
+            self._not_hung.clear()
+            self.driver.pause()
+        else:
+            self._not_hung.set()
+            self.driver.resume()
+        self._crash_countdown = None
+        if fault.mode is FaultMode.CRASH:
+            if fault.after_tokens > 0:
+                self._crash_countdown = fault.after_tokens
+            elif self._runner is not None:
+                self._trigger_crash()
+
+    def _on_tokens(self, n: int) -> None:
+        if self._crash_countdown is None:
+            return
+        self._crash_countdown -= n
+        if self._crash_countdown <= 0:
+            self._crash_countdown = None
+            self._trigger_crash()
+
+    def _trigger_crash(self, spare: asyncio.BaseTransport | None = None) -> None:
+        if self._crashed:
+            return
+        self._crashed = True
+        self._crash_task = asyncio.get_running_loop().create_task(self._crash(spare))
+
+    async def _crash(self, spare: asyncio.BaseTransport | None) -> None:
+        log.warning("enginesim: injected crash")
+        if self.exit_on_crash:
+            sys.stderr.write("enginesim: injected crash, exiting\n")
+            sys.stderr.flush()
+            os._exit(1)
+        # What a dead process looks like from outside: nothing listens, every connection
+        # drops at once, and the engine's state is gone.
+        self.driver.pause()
+        if self._site is not None:
+            await self._site.stop()
+        if self._runner is not None and self._runner.server is not None:
+            for conn in self._runner.server.connections:
+                transport = conn.transport
+                if transport is not None and transport is not spare:
+                    transport.abort()
+        await self.driver.stop()
+
+    # -- app ---------------------------------------------------------------------------
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self._error_middleware, self._fault_middleware],
+            client_max_size=MAX_BODY_BYTES,
+        )
+        r = app.router
+        r.add_post("/v1/chat/completions", self._chat_completions)
+        r.add_post("/v1/completions", self._completions)
+        r.add_get("/v1/models", self._models)
+        r.add_get("/health", self._health)
+        r.add_post("/tokenize", self._tokenize)
+        r.add_get("/version", self._version)
+        r.add_get("/metrics", self._metrics)
+        if self.flavor is Flavor.SGLANG:
+            r.add_get("/server_info", self._server_info)
+            r.add_get("/get_server_info", self._server_info)
+        r.add_get("/admin/faults", self._get_faults)
+        r.add_post("/admin/faults", self._post_faults)
+        return app
+
+    @web.middleware
+    async def _error_middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every error leaves as an OpenAI error object, whatever raised it."""
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc.status, exc.message, exc.param)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, exc.reason or "error")
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception:  # a bug: still an error object, and logged loudly
+            log.exception("enginesim: unhandled error on %s %s", request.method, request.path)
+            return error_response(500, "internal error in the engine simulator")
+
+    @web.middleware
+    async def _fault_middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Apply crash / hang / error before any handler runs (admin endpoints excepted)."""
+        if self._crashed:
+            # A keep-alive connection that was idle when the process "died".
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("engine crashed")
+        if request.path.startswith("/admin/"):
+            return await handler(request)
+        if not self._not_hung.is_set():
+            await self._not_hung.wait()
+            if self._crashed:
+                raise ConnectionResetError("engine crashed")
+        fault = self._fault
+        if fault.mode is FaultMode.ERROR and request.path != "/metrics":
+            return error_response(fault.status, f"injected fault: engine error ({fault.status})")
+        return await handler(request)
+
+    # -- simple endpoints --------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"version": ENGINESIM_VERSION, "engine": "enginesim", "flavor": str(self.flavor)}
+        )
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self._started_at,
+            "owned_by": "sglang" if self.flavor is Flavor.SGLANG else "vllm",
+            "root": self.model_name,
+            "parent": None,
+            "max_model_len": self.profile.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        p = self.profile
+        spec_algo = "EAGLE" if self.speculative else None
+        return web.json_response(
+            {
+                "served_model_name": self.model_name,
+                "model_path": self.model_name,
+                "max_total_num_tokens": p.num_gpu_blocks * p.block_size,
+                "max_running_requests": p.max_num_seqs,
+                "page_size": p.block_size,
+                "context_length": p.max_model_len,
+                "chunked_prefill_size": p.max_num_batched_tokens,
+                "max_prefill_tokens": p.max_num_batched_tokens,
+                "speculative_algorithm": spec_algo,
+                "version": ENGINESIM_VERSION,
+            }
+        )
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await _read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        try:
+            if "messages" in body:
+                chat = TokenizeChatRequest.model_validate(body)
+                self._check_model(chat.model)
+                tokens = tokenizer.encode(
+                    tokenizer.apply_chat_template(_messages_as_dicts(chat.messages))
+                )
+            else:
+                comp = TokenizeCompletionRequest.model_validate(body)
+                self._check_model(comp.model)
+                tokens = tokenizer.encode(comp.prompt)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        return web.json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": self.profile.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    # -- admin -------------------------------------------------------------------------
+
+    def _fault_json(self) -> dict[str, Any]:
+        out = self._fault.to_json()
+        out["crashed"] = self._crashed
+        return out
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(self._fault_json())
+
+    async def _post_faults(self, request: web.Request) -> web.StreamResponse:
+        body = await _read_json(request)
+        try:
+            fault = FaultConfig.from_json(body)
+        except FaultConfigError as exc:
+            raise ApiError(400, str(exc), exc.param) from None
+        immediate_crash = fault.mode is FaultMode.CRASH and fault.after_tokens == 0
+        if immediate_crash:
+            # Answer the admin call first, on a connection that closes behind it; then die.
+            self._fault = fault
+            resp = web.json_response({**fault.to_json(), "crashed": True})
+            resp.force_close()
+            await resp.prepare(request)
+            await resp.write_eof()
+            self._trigger_crash(spare=request.transport)
+            return resp
+        self.set_fault(fault)
+        return web.json_response(self._fault_json())
+
+    # -- completions -------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> str:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+        return self.model_name
+
+    def _prepare(
+        self, request: web.Request, body: Any, kind: Literal["chat", "completion"]
+    ) -> _Prepared:
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        try:
+            req: ChatCompletionRequest | CompletionRequest
+            if kind == "chat":
+                req = ChatCompletionRequest.model_validate(body)
+            else:
+                req = CompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        model = self._check_model(req.model)
+        if req.n != 1:
+            raise ApiError(400, f"n must be 1 (the simulator samples one choice), got {req.n}", "n")
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(
+                400, "Stream options can only be defined when `stream=True`.", "stream_options"
+            )
+
+        if isinstance(req, ChatCompletionRequest):
+            prompt_text = tokenizer.apply_chat_template(_messages_as_dicts(req.messages))
+            prompt_ids = tokenizer.encode(prompt_text)
+            max_tokens = (
+                req.max_completion_tokens
+                if req.max_completion_tokens is not None
+                else req.max_tokens
+            )
+            max_param = (
+                "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            )
+            public_id = f"chatcmpl-{uuid.uuid4().hex}"
+        else:
+            prompt = req.prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+                if len(prompt) != 1:
+                    raise ApiError(
+                        400,
+                        "batched prompts are not supported; send one prompt per request",
+                        "prompt",
+                    )
+                prompt = prompt[0]  # type: ignore[assignment]
+            if isinstance(prompt, str):
+                prompt_text = prompt
+                prompt_ids = tokenizer.encode(prompt)
+            else:
+                prompt_text = ""
+                prompt_ids = list(prompt)  # type: ignore[arg-type]
+                if any(t < 0 or t >= tokenizer.VOCAB_SIZE for t in prompt_ids):
+                    raise ApiError(
+                        400, f"token ids must be in [0, {tokenizer.VOCAB_SIZE})", "prompt"
+                    )
+            max_tokens = req.max_tokens
+            max_param = "max_tokens"
+            public_id = f"cmpl-{uuid.uuid4().hex}"
+
+        n_prompt = len(prompt_ids)
+        limit = self.profile.max_model_len
+        if n_prompt == 0:
+            raise ApiError(400, "The prompt is empty; at least one token is required.", "prompt")
+        if n_prompt >= limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {n_prompt} input tokens. Please reduce the length of the "
+                "input messages.",
+                "messages" if kind == "chat" else "prompt",
+            )
+        if max_tokens is None:
+            max_tokens = limit - n_prompt
+        elif max_tokens < 1:
+            raise ApiError(400, f"{max_param} must be at least 1, got {max_tokens}.", max_param)
+        elif n_prompt + max_tokens > limit:
+            raise ApiError(
+                400,
+                f"'{max_param}' is too large: {max_tokens}. This model's maximum context "
+                f"length is {limit} tokens and your request has {n_prompt} input tokens "
+                f"({max_tokens} > {limit} - {n_prompt}).",
+                max_param,
+            )
+        if req.min_tokens > max_tokens:
+            raise ApiError(
+                400,
+                f"min_tokens must be less than or equal to {max_param}={max_tokens}, got {req.min_tokens}.",
+                "min_tokens",
+            )
+
+        workload: Workload = classify_workload(request.headers.get("x-workload"), prompt_text)
+        sim = SimRequest(
+            request_id=public_id,
+            prompt_token_ids=prompt_ids,
+            max_tokens=max_tokens,
+            workload=workload,
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            priority=req.priority,
+        )
+        opts = req.stream_options
+        fault = self._fault
+        return _Prepared(
+            kind=kind,
+            public_id=public_id,
+            model=model,
+            created=int(time.time()),
+            sim=sim,
+            stream=req.stream,
+            include_usage=bool(opts and opts.include_usage),
+            continuous_usage=bool(opts and opts.continuous_usage_stats),
+            drop_after=fault.after_tokens if fault.mode is FaultMode.DROP else None,
+        )
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completion")
+
+    async def _serve(
+        self, request: web.Request, kind: Literal["chat", "completion"]
+    ) -> web.StreamResponse:
+        body = await _read_json(request)
+        prep = self._prepare(request, body, kind)
+        try:
+            handle = self.driver.submit(prep.sim)
+        except ValueError as exc:  # the core refused it (e.g. its own length check)
+            raise ApiError(400, str(exc)) from None
+        try:
+            if prep.stream:
+                return await self._stream(request, prep, handle)
+            return await self._complete(request, prep, handle)
+        finally:
+            # Every way out (finished, client gone, cancelled, fault, bug) ends the core
+            # request; after a normal finish this is a no-op.
+            self.driver.abort(prep.public_id)
+
+    # -- non-stream --------------------------------------------------------------------
+
+    async def _complete(
+        self, request: web.Request, prep: _Prepared, handle: RequestHandle
+    ) -> web.StreamResponse:
+        token_ids: list[int] = []
+        final: EngineEvent | None = None
+        while final is None:
+            for ev in await handle.next_batch():
+                token_ids.extend(ev.token_ids)
+                if ev.kind in (EventKind.FINISHED, EventKind.ABORTED):
+                    final = ev
+            if prep.drop_after is not None and len(token_ids) >= prep.drop_after and final is None:
+                return self._drop(request, prep)
+        if final.kind is EventKind.ABORTED:
+            raise ApiError(500, "the engine aborted the request")
+        text = tokenizer.decode(token_ids)
+        usage = _usage(final, len(token_ids))
+        choice: dict[str, Any]
+        if prep.kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "reasoning_content": None,
+                    "tool_calls": [],
+                },
+                "logprobs": None,
+                "finish_reason": final.finish_reason,
+                "stop_reason": None,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": final.finish_reason,
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+            obj = "text_completion"
+        return web.json_response(
+            {
+                "id": prep.public_id,
+                "object": obj,
+                "created": prep.created,
+                "model": prep.model,
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
+
+    def _drop(self, request: web.Request, prep: _Prepared) -> web.StreamResponse:
+        """The `drop` fault: abort the request and close the connection under the client."""
+        self.driver.abort(prep.public_id)
+        if request.transport is not None:
+            request.transport.abort()
+        # aiohttp treats a ConnectionError from a handler as the client having gone.
+        raise ConnectionResetError("injected fault: connection dropped")
+
+    # -- stream ------------------------------------------------------------------------
+
+    async def _stream(
+        self, request: web.Request, prep: _Prepared, handle: RequestHandle
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        chat = prep.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": prep.public_id, "object": obj, "created": prep.created, "model": prep.model}
+        n_prompt = len(prep.sim.prompt_token_ids)
+        sent = 0
+        first = True
+
+        async def send(payload: dict[str, Any]) -> None:
+            await resp.write(
+                b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+            )
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                c: dict[str, Any] = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+            else:
+                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if finish is not None:
+                c["stop_reason"] = None
+            out = {**head, "choices": [c]}
+            if prep.continuous_usage:
+                out["usage"] = {
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": sent,
+                    "total_tokens": n_prompt + sent,
+                }
+            return out
+
+        if prep.drop_after == 0:
+            return self._drop(request, prep)
+        final: EngineEvent | None = None
+        while final is None:
+            batch = await handle.next_batch()
+            ids = [t for ev in batch for t in ev.token_ids]
+            final = next(
+                (ev for ev in batch if ev.kind in (EventKind.FINISHED, EventKind.ABORTED)), None
+            )
+            if chat and first:
+                await send(chunk(None, None, role=True))
+            first = False
+            if ids or final is not None:
+                sent += len(ids)
+                finish = final.finish_reason if final is not None else None
+                await send(chunk(tokenizer.decode(ids), finish))
+            if final is None and prep.drop_after is not None and sent >= prep.drop_after:
+                return self._drop(request, prep)
+        if prep.include_usage:
+            await send({**head, "choices": [], "usage": _usage(final, sent)})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _usage(final: EngineEvent, counted_tokens: int) -> dict[str, Any]:
+    """Usage as vLLM reports it, from the engine's own accounting of the request."""
+    prompt = final.prompt_tokens
+    completion = final.completion_tokens or counted_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+    }
