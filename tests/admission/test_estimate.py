@@ -1,0 +1,117 @@
+"""TokenEstimator and DrainMeter: learning from usage while staying conservative."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from admission.config import AdmissionConfig
+from admission.drain import DrainMeter
+from admission.estimate import TokenEstimator
+
+
+def test_prompt_estimate_starts_conservative() -> None:
+    est = TokenEstimator(
+        AdmissionConfig(initial_chars_per_token=3.0, per_message_overhead_tokens=8)
+    )
+    # 4 chars/token is typical English BPE; 3.0 over-estimates on purpose.
+    assert est.prompt_tokens("m", 3000, messages=2) == 1000 + 16
+    assert est.prompt_tokens("m", 0, messages=0) == 1
+
+
+def test_prompt_learning_converges_to_a_low_quantile_and_rises_slowly() -> None:
+    cfg = AdmissionConfig(initial_chars_per_token=3.0, per_message_overhead_tokens=4)
+    est = TokenEstimator(cfg)
+    rng = random.Random(1)
+    history = []
+    for _ in range(200):
+        chars = rng.randint(500, 5000)
+        cpt = rng.uniform(3.8, 4.4)  # true chars per token of this traffic
+        actual = math.ceil(chars / cpt) + 2 * 4
+        est.observe_prompt("m", chars, 2, actual)
+        history.append(est.chars_per_token("m"))
+    # Never a jump of more than the allowed growth per observation.
+    for a, b in zip(history, history[1:], strict=False):
+        assert b <= a * (1 + cfg.max_chars_per_token_growth) + 1e-12
+    learned = est.chars_per_token("m")
+    assert 3.8 <= learned <= 3.95  # about the 10th percentile: most prompts over-estimated
+    over = 0
+    for _ in range(500):
+        chars = rng.randint(500, 5000)
+        actual = math.ceil(chars / rng.uniform(3.8, 4.4)) + 8
+        over += est.prompt_tokens("m", chars, 2) >= actual
+    assert over / 500 >= 0.85
+    # Other models are unaffected.
+    assert est.chars_per_token("other") == 3.0
+
+
+def test_denser_text_makes_the_estimate_conservative_at_once() -> None:
+    est = TokenEstimator(AdmissionConfig(min_prompt_samples=5, per_message_overhead_tokens=0))
+    for _ in range(50):
+        est.observe_prompt("m", 4000, 1, 1000)  # 4 chars/token
+    assert est.chars_per_token("m") == pytest.approx(4.0)
+    for _ in range(60):
+        est.observe_prompt("m", 2000, 1, 1000)  # suddenly 2 chars/token (code, CJK)
+    assert est.chars_per_token("m") == pytest.approx(2.0)
+
+
+def test_exact_tokenizer_hook_is_used_when_configured() -> None:
+    est = TokenEstimator(AdmissionConfig(), tokenizer_for=lambda m: len if m == "exact" else None)
+    assert est.prompt_tokens_for_text("exact", "abcdef") == 6
+    assert est.prompt_tokens_for_text("other", "abcdef", 1) == est.prompt_tokens("other", 6, 1)
+
+
+def test_expected_output_before_and_after_learning() -> None:
+    cfg = AdmissionConfig(min_output_samples=20, output_quantile=0.9, default_output_tokens=512)
+    est = TokenEstimator(cfg)
+    assert est.expected_output("m", 2000, limit=4000) == 2000  # max_tokens before learning
+    assert est.expected_output("m", None, limit=4000) == 512  # configured default
+    assert est.expected_output("m", None, limit=300) == 300  # capped by the context left
+    for n in range(1, 101):  # completions of 1..100 tokens
+        est.observe_output("m", n)
+    assert est.learned_output("m") == 90
+    assert est.expected_output("m", 2000, limit=4000) == 90
+    assert est.expected_output("m", 50, limit=4000) == 50  # never above max_tokens
+    assert est.expected_output("m", None, limit=60) == 60
+    assert est.expected_output("m", None, limit=4000) == 90
+    assert est.expected_output("other", None, limit=4000) == 512
+
+
+def test_output_window_forgets_old_traffic() -> None:
+    est = TokenEstimator(AdmissionConfig(estimator_window=50, min_output_samples=10))
+    for _ in range(50):
+        est.observe_output("m", 1000)
+    for _ in range(50):
+        est.observe_output("m", 10)
+    assert est.learned_output("m") == 10
+
+
+def test_drain_meter_measures_rate_over_busy_time_only() -> None:
+    meter = DrainMeter(tau=10.0)
+    assert meter.rates(0.0) == (0.0, 0.0)
+    now = 0.0
+    meter.set_busy(True, now)
+    for _ in range(100):
+        now += 0.5
+        meter.record(50, now)  # 100 tokens/s, 2 requests/s
+    tok, req = meter.rates(now)
+    assert tok == pytest.approx(100.0, rel=0.05)
+    assert req == pytest.approx(2.0, rel=0.05)
+    # An idle hour does not decay the rate: nothing was there to drain.
+    meter.set_busy(False, now)
+    assert meter.rates(now + 3600.0)[0] == pytest.approx(tok)
+    # Busy but nothing released: the rate decays.
+    meter.set_busy(True, now + 3600.0)
+    # (busy clock 50 s -> 60 s: decay e^-1, bias-correction window grows slightly)
+    window = (1 - math.exp(-5.0)) / (1 - math.exp(-6.0))
+    assert meter.rates(now + 3610.0)[0] == pytest.approx(tok * math.exp(-1.0) * window)
+
+
+def test_drain_meter_is_unbiased_early() -> None:
+    meter = DrainMeter(tau=30.0)
+    meter.set_busy(True, 0.0)
+    for i in range(1, 5):
+        meter.record(100, float(i))  # 100 tokens/s for 4 s, far less than tau
+    assert meter.rates(4.0)[0] == pytest.approx(100.0, rel=0.1)
