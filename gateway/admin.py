@@ -1,0 +1,75 @@
+"""Operator endpoints under ``/admin``, behind ``Authorization: Bearer <admin token>``.
+
+``GET /admin/replicas`` shows, per replica, what admission decides with: the discovered
+and effective capacity, what is reserved and running, the queue for the models it
+serves, and which ceiling (KV capacity or the running cap) currently binds. Without a
+configured admin token the admin API is closed (401), never open.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from aiohttp import web
+
+from admission.controller import AdmissionController
+from gateway.discovery import Discovery
+from gateway.errors import ApiError
+
+
+def replicas_snapshot(controller: AdmissionController, discovery: Discovery) -> dict[str, Any]:
+    usage = {u.name: u for u in controller.replica_usage()}
+    queue = {m: controller.queue_depth(m) for m in sorted(discovery.known_models)}
+    out = []
+    for name, w in discovery.watchers.items():
+        s = w.state
+        u = usage.get(name)
+        models = list(u.models) if u else list(s.models)
+        out.append(
+            {
+                "name": name,
+                "url": s.base_url,
+                "engine": s.engine,
+                "labels": dict(s.labels),
+                "ready": bool(u and u.ready),
+                "models": models,
+                "capacity_tokens": u.capacity_tokens if u else s.capacity_tokens,
+                "capacity_pinned": w.config.pool_tokens is not None,
+                "effective_capacity_tokens": u.effective_capacity_tokens if u else 0,
+                "reserved_tokens": u.reserved_tokens if u else 0,
+                "running": u.running if u else 0,
+                "max_running": u.max_running if u else s.max_running,
+                "queue": sum(queue.get(m, 0) for m in models),
+                "binding_ceiling": u.binding_ceiling if u else "not_ready",
+                "block_size": s.block_size,
+                "max_model_len": s.max_model_len,
+                "engine_running": s.engine_running,
+                "engine_waiting": s.engine_waiting,
+                "engine_kv_usage": s.kv_usage,
+                "updated_at": s.updated_at,
+            }
+        )
+    return {"replicas": out, "queue": queue}
+
+
+def check_bearer(request: web.Request, token: str | None) -> bool:
+    """Constant-time check of ``Authorization: Bearer <token>``."""
+    if not token:
+        return False
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() != "bearer ":
+        return False
+    return hmac.compare_digest(auth[7:].strip().encode(), token.encode())
+
+
+def require_admin(request: web.Request, token: str | None) -> None:
+    if not check_bearer(request, token):
+        raise ApiError(
+            401,
+            "Admin API requires Authorization: Bearer <admin token>"
+            + ("" if token else " (no admin token is configured, so it is disabled)")
+            + ".",
+            code="invalid_admin_token",
+            outcome="unauthorized",
+        )

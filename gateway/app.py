@@ -1,0 +1,209 @@
+"""The aiohttp application and the embeddable `Gateway`.
+
+`build_app(config)` returns a `web.Application` whose start-up context creates, in
+order: the upstream session, the admission controller and its asyncio bridge, the relay
+and pipeline, and discovery (whose first round completes before the app serves, so
+``/ready`` is truthful from the first request). Shutdown undoes them in reverse.
+
+`Gateway` runs that app on a TCP socket with ``handler_cancellation=True``: when a
+client disconnects, aiohttp cancels its handler, which is how a non-streamed request's
+upstream call is aborted and its reservation released at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from admission.controller import AdmissionController
+from admission.estimate import TokenEstimator
+from gateway.admin import replicas_snapshot, require_admin
+from gateway.admitter import AdmissionBridge
+from gateway.config import GatewayConfig
+from gateway.discovery import Discovery
+from gateway.errors import ApiError
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline import UPSTREAM_PATHS, Pipeline
+from gateway.relay import Relay
+from gateway.upstream import make_session
+
+log = logging.getLogger("kvgate")
+
+
+class GatewayState:
+    """Everything the app owns at run time; filled by the start-up context."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.controller = AdmissionController(config.admission)
+        self.estimator = TokenEstimator(config.admission)
+        self.discovery: Discovery
+        self.bridge: AdmissionBridge
+        self.pipeline: Pipeline
+        self.metrics: GatewayMetrics
+
+    def queue_depths(self) -> dict[str, int]:
+        return {m: self.controller.queue_depth(m) for m in self.discovery.known_models}
+
+
+STATE_KEY = web.AppKey("kvgate_state", GatewayState)
+
+_JSON = "application/json"
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=json.dumps(data).encode(), content_type=_JSON)
+
+
+def build_app(config: GatewayConfig) -> web.Application:
+    """The kvgate aiohttp application for `config` (not yet started)."""
+    app = web.Application(client_max_size=config.limits.max_body_bytes)
+    st = GatewayState(config)
+    app[STATE_KEY] = st
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        session = make_session(config.upstream)
+        st.bridge = AdmissionBridge(st.controller)
+        st.bridge.start()
+        st.discovery = Discovery(config.replicas, session, st.bridge, config.discovery)
+        st.metrics = GatewayMetrics(st.controller.replica_usage, st.queue_depths)
+        pipeline_ref: list[Pipeline] = []
+        relay = Relay(session, config.upstream, lambda ctx: pipeline_ref[0].on_progress(ctx))
+        st.pipeline = Pipeline(
+            config, st.controller, st.estimator, st.bridge, st.discovery, relay, st.metrics
+        )
+        pipeline_ref.append(st.pipeline)
+        await st.discovery.start()
+        try:
+            yield
+        finally:
+            await st.discovery.stop()
+            await st.bridge.stop()
+            await session.close()
+
+    app.cleanup_ctx.append(lifecycle)
+
+    # ------------------------------------------------------------------ OpenAI surface
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await st.pipeline.handle(request, "chat")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await st.pipeline.handle(request, "completion")
+
+    async def models(request: web.Request) -> web.Response:
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "kvgate"}
+            for m in st.discovery.served_models()
+        ]
+        return _json({"object": "list", "data": data})
+
+    # ------------------------------------------------------------------ operations
+    async def health(request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def ready(request: web.Request) -> web.Response:
+        ready = [u.name for u in st.controller.replica_usage() if u.ready]
+        return _json({"ready": bool(ready), "replicas": ready}, status=200 if ready else 503)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=st.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def admin_replicas(request: web.Request) -> web.Response:
+        try:
+            require_admin(request, config.auth.admin_token)
+        except ApiError as e:
+            return e.response()
+        return _json(replicas_snapshot(st.controller, st.discovery))
+
+    known_paths = set(UPSTREAM_PATHS.values()) | {"/v1/models", "/health", "/ready", "/metrics", "/admin/replicas"}
+
+    async def fallback(request: web.Request) -> web.Response:
+        if request.path in known_paths:
+            return ApiError(405, f"Method {request.method} not allowed on {request.path}.", code="method_not_allowed").response()
+        return ApiError(404, f"Unknown path {request.path}.", code="not_found").response()
+
+    handlers: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
+        ("POST", "/v1/chat/completions", chat),
+        ("POST", "/v1/completions", completions),
+        ("GET", "/v1/models", models),
+        ("GET", "/health", health),
+        ("GET", "/ready", ready),
+        ("GET", "/metrics", metrics),
+        ("GET", "/admin/replicas", admin_replicas),
+    ]
+    for method, path, handler in handlers:
+        app.router.add_route(method, path, handler)
+    app.router.add_route("*", "/{tail:.*}", fallback)
+    return app
+
+
+class Gateway:
+    """An embeddable kvgate: ``async with Gateway(config) as gw: gw.url, gw.controller``."""
+
+    def __init__(self, config: GatewayConfig, *, host: str | None = None, port: int | None = None) -> None:
+        self.config = config
+        self.host = host if host is not None else config.listen.host
+        self.port = port if port is not None else config.listen.port
+        self.app = build_app(config)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+
+    @property
+    def state(self) -> GatewayState:
+        return self.app[STATE_KEY]
+
+    @property
+    def controller(self) -> AdmissionController:
+        return self.state.controller
+
+    @property
+    def url(self) -> str:
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def runner(self) -> web.AppRunner:
+        assert self._runner is not None, "gateway not started"
+        return self._runner
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.host, self.port, backlog=1024, reuse_address=True)
+        await self._site.start()
+        server = self._site._server  # the asyncio Server: the only way to learn port 0's pick
+        if server is not None and server.sockets:
+            sock: socket.socket = server.sockets[0]
+            self.port = sock.getsockname()[1]
+        log.info("kvgate listening on %s", self.url, extra={"fields": {"url": self.url}})
+
+    async def drain(self, limit_s: float = 10.0) -> bool:
+        """Wait until no request is in flight; False if `limit_s` passed first."""
+        try:
+            async with asyncio.timeout(limit_s):
+                await self.state.pipeline.idle.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+            self._site = None
+
+    async def __aenter__(self) -> Gateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,100 @@
+"""The ``kvgate`` command.
+
+Subcommands are registered in `SUBCOMMANDS` as ``name -> "module:function"`` and imported
+only when chosen, so ``kvgate serve`` never imports the demo (and its load generators),
+and a new subcommand is one line. Each function takes the remaining argv and returns an
+exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import signal
+import sys
+from collections.abc import Callable, Sequence
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("gateway.cli:serve_main", "run the gateway"),
+    "demo": ("gateway.demo:main", "run the demo (simulated replicas, load through kvgate)"),
+}
+
+
+def _resolve(target: str) -> Callable[[Sequence[str]], int | None]:
+    module, _, func = target.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvgate serve", description="Run the kvgate gateway.")
+    parser.add_argument("--config", "-c", help="YAML config file (see README)", default=None)
+    parser.add_argument("--check", action="store_true", help="validate the config and exit")
+    args = parser.parse_args(list(argv))
+
+    from gateway.config import ConfigError, load_config
+    from gateway.logging import configure_logging
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"kvgate: config OK ({len(config.replicas)} replicas)")
+        return 0
+    if not config.replicas:
+        print("kvgate: invalid configuration:\n  replicas: at least one replica is required", file=sys.stderr)
+        return 2
+    configure_logging(config.logging.level, access=config.logging.access_log)
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a declared dependency
+        uvloop = None  # type: ignore[assignment]
+    runner = uvloop.run if uvloop is not None else asyncio.run
+    try:
+        runner(_serve(config))
+    except KeyboardInterrupt:
+        pass
+    except OSError as e:
+        print(f"kvgate: cannot listen on {config.listen.host}:{config.listen.port}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _serve(config) -> None:  # type: ignore[no-untyped-def]
+    from gateway.app import Gateway
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    gw = Gateway(config)
+    await gw.start()
+    try:
+        await stop.wait()
+    finally:
+        # aiohttp stops accepting, then gives in-flight handlers its shutdown timeout.
+        await gw.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="kvgate",
+        description="KV-aware, admission-controlling OpenAI-compatible gateway.",
+        epilog="subcommands: " + "; ".join(f"{k}: {v[1]}" for k, v in SUBCOMMANDS.items()),
+    )
+    parser.add_argument("command", choices=sorted(SUBCOMMANDS))
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    if argv[0] not in SUBCOMMANDS:
+        parser.error(f"unknown command {argv[0]!r}")
+    rc = _resolve(SUBCOMMANDS[argv[0]][0])(argv[1:])
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""kvgate's configuration: one YAML file validated by pydantic, then environment overrides.
+
+Every model forbids unknown fields, so a typo (``refresh_intreval_s``) is an error that
+names the field instead of a setting silently ignored. Secrets (API keys, the admin
+token) and the listen address can come from the environment so a container image can
+carry the same file everywhere:
+
+- ``KVGATE_LISTEN``: ``host:port`` (or ``:port``)
+- ``KVGATE_ADMIN_TOKEN``: bearer token for ``/admin/*``
+- ``KVGATE_API_KEYS``: ``key:tenant,key2:tenant2`` (a key without ``:tenant`` maps to the
+  tenant ``default``); replaces the file's ``auth.api_keys``
+- ``KVGATE_LOG_LEVEL``: ``debug|info|warning|error``
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from admission.config import AdmissionConfig
+
+Engine = Literal["vllm", "sglang", "llamacpp", "openai"]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class ConfigError(Exception):
+    """Invalid configuration; the message names every offending field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+
+
+class ReplicaConfig(_Strict):
+    """One engine replica kvgate may send requests to."""
+
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    url: Annotated[str, Field(pattern=r"^https?://")]
+    engine: Engine = "vllm"
+    # Pinned KV pool size in tokens; wins over what the engine reports. Use it when the
+    # engine does not expose its pool (llama.cpp, hosted OpenAI-compatible servers) or to
+    # deliberately keep a replica below its real pool.
+    pool_tokens: Annotated[int, Field(gt=0)] | None = None
+    block_size: Annotated[int, Field(gt=0)] | None = None
+    max_running: Annotated[int, Field(gt=0)] | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    # Bearer token kvgate sends to this replica (hosted OpenAI-compatible servers).
+    api_key: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _strip_slash(cls, v: str) -> str:
+        return v.rstrip("/")
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _labels_as_strings(cls, v: Any) -> Any:
+        # YAML turns `speculative: true` into a bool; labels are strings everywhere else.
+        if isinstance(v, Mapping):
+            return {
+                str(k): (str(x).lower() if isinstance(x, bool) else str(x)) for k, x in v.items()
+            }
+        return v
+
+
+class UpstreamConfig(_Strict):
+    """Timeouts towards the engines, in seconds.
+
+    ``first_byte_s`` bounds the wait for the first event of a streamed response (prefill
+    plus queueing inside the engine). A non-streamed response's first byte is its whole
+    body, so only ``total_s`` bounds it. ``idle_s`` bounds the gap between two chunks of
+    a stream. ``total_s`` bounds the whole exchange.
+    """
+
+    connect_s: PositiveFloat = 3.0
+    first_byte_s: PositiveFloat = 60.0
+    idle_s: PositiveFloat = 30.0
+    total_s: PositiveFloat = 600.0
+    max_connections: Annotated[int, Field(gt=0)] = 1024
+    # Retry once on another replica when the chosen one refuses the connection or answers
+    # 5xx before any byte reached the client.
+    retry_once: bool = True
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
+
+
+class AuthConfig(_Strict):
+    # API key -> tenant. Empty: no authentication, every request is tenant "default".
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    admin_token: str | None = None
+
+
+class DiscoveryConfig(_Strict):
+    refresh_interval_s: PositiveFloat = 2.0
+    probe_timeout_s: PositiveFloat = 2.0
+
+
+class LoggingConfig(_Strict):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = True
+
+
+class GatewayConfig(_Strict):
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    replicas: list[ReplicaConfig] = Field(default_factory=list)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _unique_replica_names(self) -> GatewayConfig:
+        seen: set[str] = set()
+        for r in self.replicas:
+            if r.name in seen:
+                raise ValueError(f"replicas: duplicate replica name {r.name!r}")
+            seen.add(r.name)
+        return self
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        lines.append(f"{loc}: {e['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _parse_api_keys(value: str) -> dict[str, str]:
+    keys: dict[str, str] = {}
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, _, tenant = item.partition(":")
+        keys[key.strip()] = tenant.strip() or "default"
+    return keys
+
+
+def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> None:
+    if listen := env.get("KVGATE_LISTEN"):
+        host, sep, port = listen.rpartition(":")
+        if not sep:
+            raise ConfigError(f"KVGATE_LISTEN: expected host:port, got {listen!r}")
+        try:
+            port_num = int(port)
+        except ValueError:
+            raise ConfigError(f"KVGATE_LISTEN: port is not a number in {listen!r}") from None
+        section = dict(data.get("listen") or {})
+        if host:
+            section["host"] = host.strip("[]")
+        section["port"] = port_num
+        data["listen"] = section
+    auth = dict(data.get("auth") or {})
+    if (token := env.get("KVGATE_ADMIN_TOKEN")) is not None:
+        auth["admin_token"] = token or None
+    if (keys := env.get("KVGATE_API_KEYS")) is not None:
+        auth["api_keys"] = _parse_api_keys(keys)
+    if auth:
+        data["auth"] = auth
+    if level := env.get("KVGATE_LOG_LEVEL"):
+        data["logging"] = {**(data.get("logging") or {}), "level": level.lower()}
+
+
+def config_from_mapping(data: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Validate `data` (the parsed YAML) after applying environment overrides."""
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError("invalid configuration: the top level must be a mapping")
+    merged: dict[str, Any] = dict(data or {})
+    _apply_env(merged, os.environ if env is None else env)
+    try:
+        return GatewayConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+
+
+def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Read, validate and override a YAML config file. Raises ConfigError."""
+    data: Any = None
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config {path} is not valid YAML: {e}") from None
+    return config_from_mapping(data, env)

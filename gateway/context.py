@@ -1,0 +1,59 @@
+"""Per-request state carried through the pipeline stages.
+
+Each stage reads what earlier stages filled in and adds its own part; the account and
+release stages at the end read all of it. A plain slotted dataclass: one allocation per
+request, attribute access without dict lookups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass(slots=True)
+class RequestContext:
+    request_id: str
+    kind: Kind
+    upstream_path: str
+    arrival: float
+    tenant: str = "default"
+    # parse
+    raw: bytes = b""
+    body: dict[str, Any] | None = None
+    parsed: ChatCompletionRequest | CompletionRequest | None = None
+    model: str = ""
+    stream: bool = False
+    client_wants_usage: bool = False
+    # estimate
+    prompt_chars: int = 0
+    num_messages: int = 1
+    prompt_exact: bool = False
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    expected_output: int = 0
+    # classify
+    workload: str = "chat"
+    # admit
+    deadline: float = float("inf")
+    admission_id: str | None = None
+    replica: str | None = None
+    reserved: int = 0
+    admitted_at: float | None = None
+    attempts: int = 0
+    # relay
+    first_byte_at: float | None = None
+    last_event_at: float | None = None
+    events: int = 0
+    generated: int = 0
+    topup_at: int = 0
+    usage_prompt: int | None = None
+    usage_completion: int | None = None
+    upstream_error: str | None = None  # failure kind once the stream had started
+    # outcome
+    status: int = 0
+    outcome: str = "unknown"

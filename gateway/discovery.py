@@ -1,0 +1,170 @@
+"""Capacity discovery: keep each replica's `ReplicaState` current from its engine.
+
+One task per replica polls the engine adapter's probe paths (metrics, model list...)
+every ``discovery.refresh_interval_s``, lets the adapter map the answers onto the
+`ReplicaState` (only adapters know engine metric names), applies the pinned values from
+the config, and upserts the state into the admission controller. Capacity that grows (a
+replica becoming ready, a pool discovered) admits queued requests at once; the bridge
+hands those admissions to their waiters.
+
+The first round runs for all replicas before the gateway starts serving, so ``/ready``
+is truthful from the first request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+
+from gateway.admitter import AdmissionBridge
+from gateway.config import DiscoveryConfig, ReplicaConfig
+from routing.adapters import adapter_for
+from routing.types import ReplicaState
+
+log = logging.getLogger("kvgate.discovery")
+
+
+class ReplicaWatcher:
+    """Polls one replica and upserts what it learns."""
+
+    def __init__(
+        self,
+        rc: ReplicaConfig,
+        session: aiohttp.ClientSession,
+        bridge: AdmissionBridge,
+        cfg: DiscoveryConfig,
+        known_models: set[str],
+    ) -> None:
+        self.config = rc
+        self._known_models = known_models
+        self._session = session
+        self._bridge = bridge
+        self._cfg = cfg
+        self._adapter = adapter_for(rc.engine)
+        self.state = ReplicaState(
+            name=rc.name,
+            base_url=rc.url,
+            engine=rc.engine,
+            labels=dict(rc.labels),
+            block_size=rc.block_size or 16,
+            max_running=rc.max_running,
+        )
+        self._headers = {"Authorization": f"Bearer {rc.api_key}"} if rc.api_key else {}
+        self._was_ready: bool | None = None
+
+    async def _probe(self, path: str) -> tuple[int, str] | None:
+        try:
+            async with asyncio.timeout(self._cfg.probe_timeout_s):
+                async with self._session.get(self.config.url + path, headers=self._headers) as r:
+                    return r.status, await r.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            log.debug("probe %s%s failed: %r", self.config.name, path, e)
+            return None
+
+    async def refresh(self) -> None:
+        """One discovery round: probe, apply, upsert."""
+        paths = tuple(self._adapter.probe_paths)
+        answers = await asyncio.gather(*(self._probe(p) for p in paths))
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        # Adapters read a missing path as "unreachable".
+        results = {p: a for p, a in zip(paths, answers, strict=True) if a is not None}
+        state = self.state
+        if self.config.pool_tokens is not None and state.capacity_tokens is None:
+            # A pinned pool is the capacity for engines that cannot report one (the
+            # adapters only call a replica ready once its capacity is known).
+            state.capacity_tokens = self.config.pool_tokens
+        self._adapter.apply(state, results, now)
+        self._known_models.update(state.models)
+        if self.config.block_size:
+            state.block_size = self.config.block_size
+        bridge = self._bridge
+        bridge.resolve(
+            bridge.controller.upsert_replica(
+                state,
+                now,
+                pinned_capacity=self.config.pool_tokens,
+                max_running=self.config.max_running,
+            )
+        )
+        if state.ready != self._was_ready:
+            log.info(
+                "replica %s is %s",
+                state.name,
+                "ready" if state.ready else "not ready",
+                extra={
+                    "fields": {
+                        "replica": state.name,
+                        "ready": state.ready,
+                        "capacity_tokens": self.config.pool_tokens or state.capacity_tokens,
+                        "models": list(state.models),
+                    }
+                },
+            )
+            self._was_ready = state.ready
+
+    async def run(self) -> None:
+        """Refresh forever (cancelled at shutdown); a failed round never ends the loop."""
+        while True:
+            await asyncio.sleep(self._cfg.refresh_interval_s)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("discovery round for %s failed", self.config.name)
+
+
+class Discovery:
+    """All watchers, plus what the pipeline reads from them."""
+
+    def __init__(
+        self,
+        replicas: list[ReplicaConfig],
+        session: aiohttp.ClientSession,
+        bridge: AdmissionBridge,
+        cfg: DiscoveryConfig,
+    ) -> None:
+        # Every model any replica ever served: bounds the model label of metrics.
+        self.known_models: set[str] = set()
+        self.watchers = {
+            rc.name: ReplicaWatcher(rc, session, bridge, cfg, self.known_models) for rc in replicas
+        }
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        results = await asyncio.gather(
+            *(w.refresh() for w in self.watchers.values()), return_exceptions=True
+        )
+        for name, r in zip(self.watchers, results, strict=True):
+            if isinstance(r, Exception):
+                log.error("first discovery round for %s failed: %r", name, r)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(w.run(), name=f"kvgate-discovery-{name}") for name, w in self.watchers.items()
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+
+    def max_model_len(self, model: str) -> int | None:
+        """The longest context any ready replica serving `model` reported."""
+        best: int | None = None
+        for w in self.watchers.values():
+            s = w.state
+            if s.ready and s.max_model_len and model in s.models:
+                best = s.max_model_len if best is None else max(best, s.max_model_len)
+        return best
+
+    def served_models(self) -> list[str]:
+        out: set[str] = set()
+        for w in self.watchers.values():
+            if w.state.ready:
+                out.update(w.state.models)
+        return sorted(out)

@@ -1,0 +1,100 @@
+"""OpenAI-shaped errors.
+
+Every error kvgate answers is an OpenAI error object
+``{"error": {"message", "type", "param", "code"}}`` so that clients written against the
+OpenAI SDKs (which raise typed exceptions from exactly these fields and statuses) behave
+the same in front of kvgate as in front of api.openai.com. Pipeline stages raise
+`ApiError`; the handler turns it into a response in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from aiohttp import web
+
+# OpenAI's `type` values, keyed by the status they go with.
+_TYPE_FOR_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def error_body(
+    message: str, *, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, dict[str, str | None]]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def retry_after_headers(seconds: float) -> dict[str, str]:
+    """Retry-After as an integer number of seconds (RFC 9110 allows no fractions), plus
+    ``retry-after-ms``, which the OpenAI SDKs read first, so a client retries at the
+    honest moment rather than a whole second late."""
+    seconds = max(0.0, seconds)
+    return {
+        "Retry-After": str(max(1, math.ceil(seconds))),
+        "retry-after-ms": str(max(1, math.ceil(seconds * 1000))),
+    }
+
+
+class ApiError(Exception):
+    """An error answered to the client as an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str | None = None,
+        retry_after: float | None = None,
+        outcome: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.type = type or _TYPE_FOR_STATUS.get(status, "invalid_request_error")
+        self.retry_after = retry_after
+        # Short label for metrics and the access log; defaults to the code.
+        self.outcome = outcome or code or f"http_{status}"
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+    def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
+        headers = {}
+        if self.retry_after is not None:
+            headers.update(retry_after_headers(self.retry_after))
+        if extra_headers:
+            headers.update(extra_headers)
+        return web.Response(
+            status=self.status,
+            body=self.to_bytes(),
+            content_type="application/json",
+            headers=headers,
+        )
+
+    def sse_event(self) -> bytes:
+        """The error as one SSE event, for failures after a stream has started (the status
+        line is already sent). The OpenAI SDKs raise an APIError on such an event."""
+        return b"data: " + self.to_bytes() + b"\n\n"
+
+
+def invalid_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code or "invalid_request", outcome="bad_request")

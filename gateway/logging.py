@@ -1,0 +1,59 @@
+"""Structured logs: JSON lines on stderr.
+
+One access line per request on the ``kvgate.access`` logger with the fields an operator
+needs to reconstruct what admission did (request id, tenant, model, replica, outcome,
+status, token counts, queue wait, TTFT, duration). Prompt and completion text are never
+logged: they are customer data and would make the log a liability.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+ACCESS_LOGGER = "kvgate.access"
+access_log = logging.getLogger(ACCESS_LOGGER)
+log = logging.getLogger("kvgate")
+
+
+class JsonFormatter(logging.Formatter):
+    """Formats a record as one JSON object; fields passed as ``extra={"fields": {...}}``
+    are merged at the top level."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if fields:
+            out.update(fields)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"), default=str)
+
+
+def configure_logging(level: str = "info", *, access: bool = True) -> None:
+    """Install the JSON handler on the ``kvgate`` logger tree (idempotent)."""
+    root = logging.getLogger("kvgate")
+    root.setLevel(level.upper())
+    root.propagate = False
+    for h in list(root.handlers):
+        if getattr(h, "_kvgate", False):
+            root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    handler._kvgate = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    access_log.disabled = not access
+
+
+def log_access(fields: dict[str, Any]) -> None:
+    """Emit the access line; costs one isEnabledFor check when access logs are off."""
+    if access_log.isEnabledFor(logging.INFO):
+        access_log.info("request", extra={"fields": fields})
+

@@ -1,0 +1,440 @@
+"""The request pipeline for ``/v1/chat/completions`` and ``/v1/completions``.
+
+Like an Envoy filter chain, a request passes through small stages, each with one job,
+in the order `Pipeline.handle` shows in one place:
+
+    authenticate -> parse and validate -> estimate tokens -> classify -> tenant limits
+    -> admit (queue or shed) -> route -> relay -> account -> release
+
+A stage either fills in the `RequestContext` or raises `ApiError`, which becomes an
+OpenAI error object. Account and release run in ``finally`` on every path, including
+cancellation when the client disconnects, so a reservation can never leak.
+
+Retry: when the chosen replica refuses the connection (it crashed) or answers 5xx
+before any byte reached the client, the request is re-admitted once, without queueing,
+to another replica; if none can take it at once the original error is answered (502).
+A connection refusal also marks the replica unready until discovery sees it healthy.
+Timeouts are not retried: a replica that is merely slow would get the load twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import math
+import os
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from admission.controller import AdmissionController
+from admission.estimate import TokenEstimator
+from admission.types import AdmissionRequest, Admit, Refuse, Shed
+from gateway.admitter import AdmissionBridge
+from gateway.config import GatewayConfig
+from gateway.context import Kind, RequestContext
+from gateway.discovery import Discovery
+from gateway.errors import ApiError, invalid_request
+from gateway.logging import log_access
+from gateway.metrics import GatewayMetrics
+from gateway.relay import Relay
+from gateway.schemas import MAX_TOKENS_CEILING, ChatCompletionRequest, CompletionRequest
+from gateway.upstream import UpstreamFailure
+from routing.classify import classify_workload
+
+log = logging.getLogger("kvgate.pipeline")
+
+UPSTREAM_PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+_SCHEMAS: dict[Kind, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+    "chat": ChatCompletionRequest,
+    "completion": CompletionRequest,
+}
+
+# Client headers kvgate reads (documented in the README).
+H_QUEUE_TIMEOUT = "x-kvgate-queue-timeout"  # seconds the client is willing to wait in queue
+H_PRIORITY = "x-kvgate-priority"  # integer, higher is admitted first
+H_WORKLOAD = "x-workload"  # coding | agentic | chat, overrides the classifier
+
+
+def _validation_message(err: ValidationError) -> tuple[str, str | None]:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    param = str(first["loc"][0]) if first["loc"] else None
+    return (f"{loc}: {first['msg']}" if loc else first["msg"]), param
+
+
+class Pipeline:
+    """Owns the stages and the objects they share. One instance per app."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        controller: AdmissionController,
+        estimator: TokenEstimator,
+        bridge: AdmissionBridge,
+        discovery: Discovery,
+        relay: Relay,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.config = config
+        self.controller = controller
+        self.estimator = estimator
+        self.bridge = bridge
+        self.discovery = discovery
+        self.relay = relay
+        self.metrics = metrics
+        self._api_keys = dict(config.auth.api_keys)
+        self._max_body = config.limits.max_body_bytes
+        self._queue_timeout = config.admission.queue_timeout_s
+        self._retry_once = config.upstream.retry_once
+        # Per-replica constants, computed once: URL and the headers sent upstream.
+        self._urls = {rc.name: rc.url for rc in config.replicas}
+        self._headers: dict[str, dict[str, str]] = {}
+        for rc in config.replicas:
+            h = {"Content-Type": "application/json"}
+            if rc.api_key:
+                h["Authorization"] = f"Bearer {rc.api_key}"
+            self._headers[rc.name] = h
+        self._ids = itertools.count(1)
+        self._id_prefix = "kvg-" + os.urandom(4).hex()
+        self._loop = asyncio.get_running_loop()
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    # ================================================================== the chain
+    async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        now = self._loop.time()
+        ctx = RequestContext(
+            request_id=f"{self._id_prefix}-{next(self._ids)}",
+            kind=kind,
+            upstream_path=UPSTREAM_PATHS[kind],
+            arrival=now,
+        )
+        self.inflight += 1
+        self.idle.clear()
+        try:
+            self.authenticate(request, ctx)
+            await self.parse(request, ctx)
+            text = self.estimate(ctx)
+            self.classify(request, ctx, text)
+            self.tenant_limits(ctx)
+            await self.admit(request, ctx)
+            return await self.route_and_relay(request, ctx)
+        except ApiError as e:
+            ctx.status = e.status
+            ctx.outcome = e.outcome
+            return e.response({"x-request-id": ctx.request_id})
+        except asyncio.CancelledError:
+            # Client went away (aiohttp cancels the handler). Upstream is closed by the
+            # relay's own finally; the reservation by ours.
+            ctx.status = 499
+            ctx.outcome = "client_disconnect"
+            raise
+        except Exception:
+            log.exception("unhandled error in request %s", ctx.request_id)
+            ctx.status = 500
+            ctx.outcome = "internal_error"
+            return ApiError(500, "internal error in kvgate", code="internal_error").response(
+                {"x-request-id": ctx.request_id}
+            )
+        finally:
+            try:
+                self.account(ctx)
+            finally:
+                self.release(ctx)
+                self.inflight -= 1
+                if self.inflight == 0:
+                    self.idle.set()
+
+    # ================================================================== stages
+    def authenticate(self, request: web.Request, ctx: RequestContext) -> None:
+        """API key -> tenant. Without configured keys every request is tenant default."""
+        if not self._api_keys:
+            return
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        tenant = self._api_keys.get(key) if key else None
+        if tenant is None:
+            raise ApiError(
+                401,
+                "Incorrect API key provided." if key else "Missing API key: send Authorization: Bearer <key>.",
+                code="invalid_api_key",
+                outcome="unauthorized",
+            )
+        ctx.tenant = tenant
+
+    async def parse(self, request: web.Request, ctx: RequestContext) -> None:
+        """Read the body within the size limit and validate it."""
+        length = request.content_length
+        if length is not None and length > self._max_body:
+            raise _too_large(self._max_body)
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _too_large(self._max_body) from None
+        if len(raw) > self._max_body:
+            raise _too_large(self._max_body)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise invalid_request(f"Request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise invalid_request("Request body must be a JSON object.")
+        try:
+            parsed = _SCHEMAS[ctx.kind].model_validate(body)
+        except ValidationError as e:
+            msg, param = _validation_message(e)
+            raise invalid_request(msg, param=param) from None
+        if isinstance(parsed, CompletionRequest) and parsed.batch_size() != 1:
+            raise invalid_request(
+                "kvgate admits one prompt per request; send batched prompts as separate requests.",
+                param="prompt",
+            )
+        ctx.raw = raw
+        ctx.body = body
+        ctx.parsed = parsed
+        ctx.model = parsed.model
+        ctx.stream = parsed.stream
+        ctx.client_wants_usage = parsed.wants_usage
+
+    def estimate(self, ctx: RequestContext) -> str:
+        """Prompt tokens from characters (no tokenizer round trip), output from history.
+        Returns the prompt text for the classifier (kept out of the context and logs)."""
+        parsed = ctx.parsed
+        est = self.estimator
+        if isinstance(parsed, ChatCompletionRequest):
+            text = parsed.prompt_text()
+            chars = len(text)
+            if parsed.tools:
+                # Tool schemas are rendered into the prompt by the chat template.
+                chars += len(json.dumps(parsed.tools, separators=(",", ":")))
+            ctx.num_messages = len(parsed.messages)
+            ctx.prompt_chars = chars
+            ctx.prompt_tokens = est.prompt_tokens(ctx.model, chars, ctx.num_messages)
+        else:
+            assert isinstance(parsed, CompletionRequest)
+            text, exact = parsed.prompt_parts()
+            ctx.num_messages = 0
+            ctx.prompt_chars = len(text)
+            if exact is not None:
+                ctx.prompt_exact = True
+                ctx.prompt_tokens = max(1, exact)
+            else:
+                ctx.prompt_tokens = est.prompt_tokens(ctx.model, len(text), 0)
+        bound = parsed.output_bound
+        max_len = self.discovery.max_model_len(ctx.model)
+        limit = max(1, (max_len - ctx.prompt_tokens) if max_len else MAX_TOKENS_CEILING)
+        ctx.expected_output = est.expected_output(ctx.model, bound, limit)
+        # Without a client bound the engine may generate up to the context; admission's
+        # never-fits check then uses what we reserve.
+        ctx.max_tokens = bound if bound is not None else ctx.expected_output
+        return text
+
+    def classify(self, request: web.Request, ctx: RequestContext, text: str) -> None:
+        parsed = ctx.parsed
+        has_tools = False
+        if isinstance(parsed, ChatCompletionRequest):
+            has_tools = bool(parsed.tools) or any(m.role in ("tool", "function") for m in parsed.messages)
+        ctx.workload = classify_workload(
+            request.headers.get(H_WORKLOAD), text, has_tools=has_tools, num_messages=max(1, ctx.num_messages)
+        )
+
+    def tenant_limits(self, ctx: RequestContext) -> None:
+        """Per-tenant token buckets and fair share: a later issue. The slot is here so the
+        stage order stays the one documented above."""
+
+    async def admit(self, request: web.Request, ctx: RequestContext) -> None:
+        """Admit now, wait in the queue, or answer shed/refuse."""
+        now = self._loop.time()
+        wait_for = self._queue_timeout
+        hdr = request.headers.get(H_QUEUE_TIMEOUT)
+        if hdr is not None:
+            try:
+                asked = float(hdr)
+            except ValueError:
+                asked = math.nan
+            if not math.isfinite(asked) or asked < 0:
+                raise invalid_request(
+                    f"{H_QUEUE_TIMEOUT} must be a non-negative number of seconds.", param=H_QUEUE_TIMEOUT
+                )
+            wait_for = min(wait_for, asked)
+        priority = 0
+        if (p := request.headers.get(H_PRIORITY)) is not None:
+            try:
+                priority = int(p)
+            except ValueError:
+                raise invalid_request(f"{H_PRIORITY} must be an integer.", param=H_PRIORITY) from None
+        ctx.deadline = now + wait_for
+        ctx.admission_id = ctx.request_id
+        req = AdmissionRequest(
+            request_id=ctx.request_id,
+            model=ctx.model,
+            prompt_tokens=ctx.prompt_tokens,
+            expected_output=ctx.expected_output,
+            max_tokens=ctx.max_tokens,
+            tenant=ctx.tenant,
+            priority=priority,
+            arrival=now,
+            deadline=ctx.deadline,
+            workload=ctx.workload,
+        )
+        verdict, _queued = await self.bridge.admit(req)
+        if isinstance(verdict, Admit):
+            self._admitted(ctx, verdict)
+            self.metrics.queue_wait.observe(ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
+            return
+        if isinstance(verdict, Shed):
+            self.metrics.shed.labels(verdict.reason).inc()
+            if verdict.status == 429:
+                raise ApiError(
+                    429,
+                    f"Rate limit reached for tenant {ctx.tenant} ({verdict.reason}).",
+                    code="rate_limit_exceeded",
+                    retry_after=verdict.retry_after,
+                    outcome=f"shed_{verdict.reason}",
+                )
+            raise ApiError(
+                verdict.status,
+                f"All replicas serving {ctx.model} are at KV capacity ({verdict.reason}); "
+                f"retry after {max(1, math.ceil(verdict.retry_after))} s.",
+                code="overloaded",
+                retry_after=verdict.retry_after,
+                outcome=f"shed_{verdict.reason}",
+            )
+        assert isinstance(verdict, Refuse)
+        raise ApiError(
+            verdict.status,
+            verdict.message,
+            code=verdict.code,
+            param="model" if verdict.code == "model_not_found" else ("messages" if ctx.kind == "chat" else "prompt"),
+            outcome=verdict.code,
+        )
+
+    def _admitted(self, ctx: RequestContext, a: Admit) -> None:
+        ctx.admission_id = a.request_id
+        ctx.replica = a.replica
+        ctx.reserved = a.reserved_tokens
+        ctx.topup_at = a.reserved_tokens
+        ctx.admitted_at = self._loop.time()
+
+    async def route_and_relay(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
+        """Send to the admitted replica; on a retryable failure, once more elsewhere."""
+        data = self.relay.upstream_body(ctx)
+        while True:
+            replica = ctx.replica
+            assert replica is not None
+            headers = {**self._headers[replica], "X-Request-Id": ctx.request_id}
+            try:
+                return await self.relay.forward(request, ctx, self._urls[replica], headers, data)
+            except UpstreamFailure as f:
+                self.metrics.upstream_errors.labels(replica, f.kind).inc()
+                log.warning(
+                    "upstream %s failed for %s: %s",
+                    replica,
+                    ctx.request_id,
+                    f.message,
+                    extra={"fields": {"replica": replica, "kind": f.kind, "request_id": ctx.request_id}},
+                )
+                if f.kind == "connect":
+                    self.controller.mark_unready(replica, self._loop.time())
+                if f.retryable and self._retry_once and ctx.attempts == 0 and self._readmit(ctx, replica):
+                    continue
+                ctx.upstream_error = f.kind
+                if f.kind == "timeout":
+                    raise ApiError(504, f"Replica {replica} timed out.", code="upstream_timeout", outcome="upstream_timeout") from None
+                raise ApiError(502, f"Replica {replica} failed: {f.message}", code=f"upstream_{f.kind}", outcome=f"upstream_{f.kind}") from None
+
+    def _readmit(self, ctx: RequestContext, failed: str) -> bool:
+        """Release the failed admission and try one immediate admission elsewhere."""
+        ctx.attempts += 1
+        self.release(ctx)
+        now = self._loop.time()
+        rid = f"{ctx.request_id}.{ctx.attempts}"
+        ctx.admission_id = rid
+        verdict = self.controller.submit(
+            AdmissionRequest(
+                request_id=rid,
+                model=ctx.model,
+                prompt_tokens=ctx.prompt_tokens,
+                expected_output=ctx.expected_output,
+                max_tokens=ctx.max_tokens,
+                tenant=ctx.tenant,
+                arrival=ctx.arrival,
+                deadline=now,  # now or never: the client has already waited once
+                workload=ctx.workload,
+            ),
+            now,
+        )
+        if isinstance(verdict, Admit) and verdict.replica != failed:
+            self._admitted(ctx, verdict)
+            return True
+        self.release(ctx)
+        ctx.replica = failed
+        return False
+
+    def on_progress(self, ctx: RequestContext) -> None:
+        """A stream outgrew its reservation: ask for more (never cuts the stream)."""
+        total = ctx.prompt_tokens + ctx.generated
+        want = total + max(16, total // 8)
+        ctrl = self.controller
+        if ctx.admission_id and ctrl.top_up(ctx.admission_id, want, self._loop.time()):
+            res = ctrl.reservation(ctx.admission_id)
+            ctx.reserved = res.reserved_tokens if res else want
+        ctx.topup_at = max(ctx.reserved, want)
+
+    def account(self, ctx: RequestContext) -> None:
+        """Learn from the engine's usage, count the outcome, write the access line."""
+        model_label = ctx.model if ctx.model in self.discovery.known_models else "_unknown"
+        if ctx.outcome == "ok":
+            if ctx.usage_prompt is not None and not ctx.prompt_exact and ctx.prompt_chars:
+                self.estimator.observe_prompt(ctx.model, ctx.prompt_chars, ctx.num_messages, ctx.usage_prompt)
+            if ctx.usage_completion is not None:
+                self.estimator.observe_output(ctx.model, ctx.usage_completion)
+        m = self.metrics
+        m.count_request(model_label, ctx.outcome)
+        ttft = None
+        if ctx.first_byte_at is not None:
+            ttft = ctx.first_byte_at - ctx.arrival
+            m.ttft.observe(ttft)
+            if ctx.events > 1 and ctx.last_event_at is not None:
+                m.itl.observe((ctx.last_event_at - ctx.first_byte_at) / (ctx.events - 1))
+        end = self._loop.time()
+        log_access(
+            {
+                "request_id": ctx.request_id,
+                "tenant": ctx.tenant,
+                "model": ctx.model or None,
+                "kind": ctx.kind,
+                "stream": ctx.stream,
+                "workload": ctx.workload,
+                "replica": ctx.replica,
+                "outcome": ctx.outcome,
+                "status": ctx.status,
+                "prompt_tokens": ctx.usage_prompt,
+                "prompt_tokens_est": ctx.prompt_tokens or None,
+                "completion_tokens": ctx.usage_completion if ctx.usage_completion is not None else (ctx.generated or None),
+                "reserved_tokens": ctx.reserved or None,
+                "queue_wait_s": round(ctx.admitted_at - ctx.arrival, 6) if ctx.admitted_at else None,
+                "ttft_s": round(ttft, 6) if ttft is not None else None,
+                "duration_s": round(end - ctx.arrival, 6),
+                "attempts": ctx.attempts + 1,
+            }
+        )
+
+    def release(self, ctx: RequestContext) -> None:
+        """Free the reservation or queue entry (idempotent; always runs)."""
+        if ctx.admission_id is not None:
+            self.bridge.release(ctx.admission_id)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"Request body exceeds the limit of {limit} bytes.",
+        code="request_too_large",
+        outcome="too_large",
+    )
+

@@ -1,0 +1,320 @@
+"""Relay one admitted request to its replica and the answer back to the client.
+
+Streams are forwarded event by event as they arrive, byte-identical to what the engine
+sent: kvgate splits the upstream bytes at SSE event boundaries (a blank line) only to
+look at them, and writes the original bytes. Two things are looked at:
+
+- the usage chunk. kvgate asks the engine for ``stream_options.include_usage`` so it
+  learns the true token counts of every stream; when the client did not ask for usage
+  the usage-only chunk (``"choices": []``) is dropped again, so the client sees exactly
+  the stream it would have seen from the engine directly.
+- the number of content events, a lower bound of the generated tokens (one event per
+  engine step; speculative decoding can put several tokens in one). When a stream
+  outgrows its reservation the relay asks admission to top it up. It never cuts a
+  stream off: the engine's own scheduler is the last line of defence, not the gateway.
+
+Backpressure: each write is awaited, so a slow client slows the read from the engine
+instead of buffering the whole answer in the gateway.
+
+Timeouts are phase-aware, with one re-armed deadline instead of a timer per chunk: the
+first event must arrive within ``first_byte_s``, each later one within ``idle_s`` of the
+previous, all within ``total_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from gateway.config import UpstreamConfig
+from gateway.context import RequestContext
+from gateway.errors import ApiError
+from gateway.upstream import UpstreamFailure, classify_client_error
+
+_SSE_HEADERS_BASE = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client closed its connection while we were writing to it."""
+
+
+def _record_usage(ctx: RequestContext, usage: object) -> None:
+    if isinstance(usage, dict):
+        p = usage.get("prompt_tokens")
+        c = usage.get("completion_tokens")
+        if isinstance(p, int):
+            ctx.usage_prompt = p
+        if isinstance(c, int):
+            ctx.usage_completion = c
+
+
+async def _write(resp: web.StreamResponse, data: bytes) -> None:
+    try:
+        await resp.write(data)
+    except ConnectionError as e:  # includes aiohttp's ClientConnectionResetError
+        raise ClientGone() from e
+
+
+class Relay:
+    """Forwards requests over the shared upstream session."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        cfg: UpstreamConfig,
+        on_progress: Callable[[RequestContext], None],
+    ) -> None:
+        self._session = session
+        self._cfg = cfg
+        # Called when a stream's generated tokens pass ctx.topup_at (reservation top-up).
+        self._on_progress = on_progress
+
+    # ------------------------------------------------------------------ request body
+    @staticmethod
+    def upstream_body(ctx: RequestContext) -> bytes:
+        """The bytes sent to the engine: the client's own bytes, except that a stream
+        that did not ask for usage gets ``include_usage`` added (serialised once)."""
+        if not ctx.stream or ctx.client_wants_usage or ctx.body is None:
+            return ctx.raw
+        body = dict(ctx.body)
+        opts = body.get("stream_options")
+        body["stream_options"] = {**opts, "include_usage": True} if isinstance(opts, dict) else {"include_usage": True}
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+    # ------------------------------------------------------------------ entry point
+    async def forward(
+        self, request: web.Request, ctx: RequestContext, base_url: str, headers: dict[str, str], data: bytes
+    ) -> web.StreamResponse:
+        """Send the request to `base_url` and answer the client.
+
+        Raises UpstreamFailure while nothing was sent to the client (the caller may retry
+        elsewhere or answer 502/504). Once a stream has started, failures end it with an
+        in-stream error event and are reported through ``ctx.outcome``.
+        """
+        url = base_url + ctx.upstream_path
+        if ctx.stream:
+            return await self._stream(request, ctx, url, headers, data)
+        return await self._unary(ctx, url, headers, data)
+
+    async def _unary(
+        self, ctx: RequestContext, url: str, headers: dict[str, str], data: bytes
+    ) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        up: aiohttp.ClientResponse | None = None
+        done = False
+        try:
+            try:
+                async with asyncio.timeout_at(loop.time() + self._cfg.total_s):
+                    up = await self._session.post(url, data=data, headers=headers)
+                    body = await up.read()
+            except TimeoutError:
+                raise UpstreamFailure("timeout", "upstream timed out", retryable=False) from None
+            except aiohttp.ClientError as e:
+                raise classify_client_error(e, started=False) from e
+            done = True
+            status = up.status
+            if status >= 500:
+                raise UpstreamFailure(
+                    "status_5xx", f"replica answered HTTP {status}", retryable=True, status=status
+                )
+            if status == 200:
+                try:
+                    _record_usage(ctx, json.loads(body).get("usage"))
+                except (ValueError, AttributeError):
+                    pass
+            ctx.status = status
+            ctx.outcome = "ok" if status == 200 else f"upstream_{status}"
+            return web.Response(
+                status=status,
+                body=body,
+                headers={
+                    "Content-Type": up.headers.get("Content-Type", "application/json"),
+                    "x-request-id": ctx.request_id,
+                },
+            )
+        finally:
+            if up is not None:
+                if done:
+                    up.release()
+                else:
+                    up.close()
+
+    async def _stream(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        url: str,
+        headers: dict[str, str],
+        data: bytes,
+    ) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        cfg = self._cfg
+        total_deadline = loop.time() + cfg.total_s
+        up: aiohttp.ClientResponse | None = None
+        resp: web.StreamResponse | None = None
+        clean = False
+        failure: UpstreamFailure | None = None
+        timer = asyncio.timeout_at(min(loop.time() + cfg.first_byte_s, total_deadline))
+        try:
+            try:
+                async with timer:
+                    try:
+                        up = await self._session.post(url, data=data, headers=headers)
+                    except aiohttp.ClientError as e:
+                        raise classify_client_error(e, started=False) from e
+                    if up.status != 200:
+                        return await self._stream_refused(ctx, up)
+                    buf = b""
+                    async for chunk in up.content.iter_any():
+                        buf = buf + chunk if buf else chunk
+                        out, buf = self._take_events(ctx, buf)
+                        if out:
+                            if resp is None:
+                                resp = await self._start_client_stream(request, ctx, up)
+                            await _write(resp, out)
+                            now = loop.time()
+                            if ctx.first_byte_at is None:
+                                ctx.first_byte_at = now
+                            ctx.last_event_at = now
+                            if ctx.generated + ctx.prompt_tokens > ctx.topup_at:
+                                self._on_progress(ctx)
+                        timer.reschedule(min(loop.time() + cfg.idle_s, total_deadline))
+                    if buf:  # trailing bytes without a final blank line: pass them on
+                        if resp is None:
+                            resp = await self._start_client_stream(request, ctx, up)
+                        await _write(resp, buf)
+                    if resp is None:
+                        raise UpstreamFailure("dropped", "replica closed an empty stream", retryable=True)
+                    clean = True
+            except TimeoutError:
+                failure = UpstreamFailure(
+                    "timeout",
+                    "upstream timed out" + (" between stream chunks" if resp else " before the first token"),
+                    retryable=False,
+                )
+            except ClientGone:
+                ctx.outcome = "client_disconnect"
+                ctx.status = 499
+                # Nobody reads this response; aiohttp drops it on the closed transport.
+                return resp if resp is not None else web.Response(status=499)
+            except aiohttp.ClientError as e:
+                failure = classify_client_error(e, started=resp is not None)
+            except UpstreamFailure as e:
+                failure = e
+            if failure is not None:
+                if resp is None:
+                    raise failure
+                # Mid-stream: the status line is gone; end the stream with an error event
+                # (the OpenAI SDKs raise APIError on it) rather than a silent truncation.
+                ctx.outcome = f"upstream_{failure.kind}"
+                ctx.upstream_error = failure.kind
+                err = ApiError(504 if failure.kind == "timeout" else 502, failure.message, code=f"upstream_{failure.kind}")
+                try:
+                    await resp.write(err.sse_event())
+                    await resp.write_eof()
+                except ConnectionError:
+                    pass
+                return resp
+            assert resp is not None
+            try:
+                await resp.write_eof()
+            except ConnectionError:
+                ctx.outcome = "client_disconnect"
+                ctx.status = 499
+                return resp
+            ctx.outcome = "ok"
+            return resp
+        finally:
+            if up is not None:
+                if clean:
+                    up.release()
+                else:
+                    # Closing the connection is how an engine learns to abort the request
+                    # (vLLM and SGLang abort on client disconnect) and free its KV blocks.
+                    up.close()
+
+    async def _stream_refused(self, ctx: RequestContext, up: aiohttp.ClientResponse) -> web.Response:
+        """A streamed request the engine answered with an error status before streaming."""
+        body = await up.read()
+        if up.status >= 500:
+            raise UpstreamFailure(
+                "status_5xx", f"replica answered HTTP {up.status}", retryable=True, status=up.status
+            )
+        ctx.status = up.status
+        ctx.outcome = f"upstream_{up.status}"
+        return web.Response(
+            status=up.status,
+            body=body,
+            headers={
+                "Content-Type": up.headers.get("Content-Type", "application/json"),
+                "x-request-id": ctx.request_id,
+            },
+        )
+
+    async def _start_client_stream(
+        self, request: web.Request, ctx: RequestContext, up: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            status=200,
+            headers={
+                **_SSE_HEADERS_BASE,
+                "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
+                "x-request-id": ctx.request_id,
+            },
+        )
+        try:
+            await resp.prepare(request)
+        except ConnectionError as e:
+            raise ClientGone() from e
+        ctx.status = 200
+        return resp
+
+    # ------------------------------------------------------------------ SSE inspection
+    def _take_events(self, ctx: RequestContext, buf: bytes) -> tuple[bytes, bytes]:
+        """Split complete events off `buf`; return (bytes to forward, remainder).
+
+        Forwarded bytes are slices of what the engine sent. Only an unrequested usage-only
+        chunk is ever left out.
+        """
+        start = 0
+        kept: list[bytes] | None = None  # only materialised once something is dropped
+        while True:
+            i = buf.find(b"\n\n", start)
+            if i < 0:
+                break
+            end = i + 2
+            if self._inspect(ctx, buf, start, end):
+                if kept is not None:
+                    kept.append(buf[start:end])
+            elif kept is None:
+                kept = [buf[:start]]
+            start = end
+        if start == 0:
+            return b"", buf
+        out = buf[:start] if kept is None else b"".join(kept)
+        return out, buf[start:]
+
+    @staticmethod
+    def _inspect(ctx: RequestContext, buf: bytes, start: int, end: int) -> bool:
+        """Account one event; False if it must not be forwarded."""
+        if not buf.startswith(b"data:", start):
+            return True  # comments, keep-alives, other fields: pass through
+        if buf.startswith(b"[DONE]", start + 5) or buf.startswith(b" [DONE]", start + 5):
+            return True
+        usage_at = buf.find(b'"usage"', start, end)
+        if usage_at >= 0 and buf.find(b"null", usage_at + 7, usage_at + 14) < 0:
+            try:
+                obj = json.loads(buf[start + 5 : end])
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                _record_usage(ctx, obj["usage"])
+                if not obj.get("choices"):
+                    return ctx.client_wants_usage
+        ctx.events += 1
+        ctx.generated += 1
+        return True

@@ -1,0 +1,71 @@
+"""The connection pool towards the engines and the failures it can report.
+
+One `aiohttp.ClientSession` serves every replica: keep-alive connections are pooled per
+host, so a request pays no TCP handshake once the pool is warm. The connector's limit
+is sized for the gateway's concurrency (``upstream.max_connections``); there is no
+per-host limit because admission already bounds what each replica receives.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+from gateway.config import UpstreamConfig
+
+
+class UpstreamFailure(Exception):
+    """The engine could not give a usable answer.
+
+    ``kind`` is a metric label: ``connect`` (refused, unreachable: the replica is down),
+    ``timeout``, ``status_5xx``, ``dropped`` (connection lost mid-response).
+    ``retryable`` is True only while nothing has been sent to the client, so another
+    replica can still answer the request cleanly.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        *,
+        retryable: bool,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.retryable = retryable
+        self.status = status
+
+
+def make_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
+    """The shared pooled session. Timeouts other than connect are enforced by the relay
+    (first byte, idle gap, total), which knows which phase a response is in."""
+    connector = aiohttp.TCPConnector(
+        limit=cfg.max_connections,
+        limit_per_host=0,
+        keepalive_timeout=30.0,
+        ttl_dns_cache=300,
+        enable_cleanup_closed=False,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_s),
+        # The gateway forwards bytes; it never needs aiohttp's cookie handling, and
+        # auto-decompression would break byte-identical forwarding (and without an
+        # Accept-Encoding header engines answer uncompressed, so usage stays readable).
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+    )
+
+
+def classify_client_error(exc: BaseException, *, started: bool) -> UpstreamFailure:
+    """Map an aiohttp exception to an UpstreamFailure. `started`: bytes already went to
+    the client (then nothing is retryable)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamFailure("connect", f"cannot connect to replica: {exc.os_error or exc}", retryable=not started)
+    if isinstance(exc, TimeoutError):
+        return UpstreamFailure("timeout", "upstream timed out", retryable=False)
+    return UpstreamFailure(
+        "dropped", f"upstream connection lost: {type(exc).__name__}: {exc}", retryable=not started
+    )
