@@ -1,0 +1,331 @@
+"""Engine adapters parse each engine's real output shapes onto ReplicaState."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from routing.adapters import EngineAdapter, adapter_for
+from routing.types import ReplicaState
+
+VLLM_METRICS = """\
+# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 12345.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.4123
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 98765.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",cpu_offload_gb="0",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",is_attention_free="False",num_cpu_blocks="None",num_gpu_blocks="27689",num_gpu_blocks_override="None",prefix_caching_hash_algo="builtin",sliding_window="None",swap_space="4",swap_space_bytes="4294967296"} 1.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.25
+"""
+
+VLLM_MODELS = json.dumps(
+    {
+        "object": "list",
+        "data": [
+            {
+                "id": "meta-llama/Llama-3.1-8B-Instruct",
+                "object": "model",
+                "created": 1733000000,
+                "owned_by": "vllm",
+                "root": "meta-llama/Llama-3.1-8B-Instruct",
+                "parent": None,
+                "max_model_len": 8192,
+                "permission": [{"id": "modelperm-abc", "object": "model_permission"}],
+            },
+            {
+                "id": "sql-lora",
+                "object": "model",
+                "owned_by": "vllm",
+                "root": "/adapters/sql",
+                "parent": "meta-llama/Llama-3.1-8B-Instruct",
+                "max_model_len": 8192,
+            },
+        ],
+    }
+)
+
+SGLANG_SERVER_INFO = json.dumps(
+    {
+        "model_path": "Qwen/Qwen2.5-7B-Instruct",
+        "served_model_name": "Qwen/Qwen2.5-7B-Instruct",
+        "context_length": None,
+        "page_size": 1,
+        "max_running_requests": None,
+        "max_total_tokens": None,
+        "mem_fraction_static": 0.88,
+        "chunked_prefill_size": 8192,
+        "schedule_policy": "fcfs",
+        "tp_size": 1,
+        "max_total_num_tokens": 308608,
+        "max_req_input_len": 32762,
+        "internal_states": [
+            {
+                "max_running_requests": 2048,
+                "avg_spec_accept_length": None,
+                "last_gen_throughput": 2.5,
+            }
+        ],
+        "version": "0.4.6",
+    }
+)
+
+SGLANG_METRICS = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="Qwen/Qwen2.5-7B-Instruct"} 54.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="Qwen/Qwen2.5-7B-Instruct"} 11.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="Qwen/Qwen2.5-7B-Instruct"} 0.93
+# HELP sglang:max_total_num_tokens Maximum total number of tokens.
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{model_name="Qwen/Qwen2.5-7B-Instruct"} 308608.0
+# HELP sglang:cache_hit_rate The prefix cache hit rate.
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{model_name="Qwen/Qwen2.5-7B-Instruct"} 0.61
+"""
+
+SGLANG_MODELS = json.dumps(
+    {
+        "object": "list",
+        "data": [
+            {
+                "id": "Qwen/Qwen2.5-7B-Instruct",
+                "object": "model",
+                "created": 1733000000,
+                "owned_by": "sglang",
+                "root": "Qwen/Qwen2.5-7B-Instruct",
+                "max_model_len": 32768,
+            }
+        ],
+    }
+)
+
+LLAMACPP_PROPS = json.dumps(
+    {
+        "default_generation_settings": {
+            "id": 0,
+            "id_task": -1,
+            "n_ctx": 16384,
+            "speculative": False,
+            "is_processing": False,
+            "params": {"n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95},
+            "prompt": "",
+            "next_token": {"has_next_token": True, "n_remain": -1, "n_decoded": 0},
+        },
+        "total_slots": 4,
+        "model_path": "/models/qwen2.5-coder-7b-instruct-q4_k_m.gguf",
+        "modalities": {"vision": False, "audio": False},
+        "chat_template": "{% for message in messages %}...{% endfor %}",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>",
+        "build_info": "b5602-3d0f3a1",
+    }
+)
+
+LLAMACPP_MODELS = json.dumps(
+    {
+        "models": [{"name": "qwen2.5-coder-7b-instruct-q4_k_m.gguf", "model": "qwen"}],
+        "object": "list",
+        "data": [
+            {
+                "id": "qwen2.5-coder-7b-instruct-q4_k_m.gguf",
+                "object": "model",
+                "created": 1733000000,
+                "owned_by": "llamacpp",
+                "meta": {"vocab_type": 2, "n_vocab": 152064, "n_ctx_train": 32768},
+            }
+        ],
+    }
+)
+
+
+def state(engine: str) -> ReplicaState:
+    return ReplicaState(name="r", base_url="http://127.0.0.1:1", engine=engine)
+
+
+def test_adapter_for_known_and_unknown_engines() -> None:
+    for engine in ("vllm", "sglang", "llamacpp", "openai"):
+        adapter = adapter_for(engine)
+        assert isinstance(adapter, EngineAdapter)
+        assert all(p.startswith("/") for p in adapter.probe_paths)
+    with pytest.raises(ValueError, match="unknown engine"):
+        adapter_for("tgi")
+
+
+def test_vllm_cache_config_load_and_models() -> None:
+    adapter = adapter_for("vllm")
+    assert set(adapter.probe_paths) == {"/metrics", "/v1/models"}
+    st = state("vllm")
+    adapter.apply(st, {"/metrics": (200, VLLM_METRICS), "/v1/models": (200, VLLM_MODELS)}, 5.0)
+    assert st.ready is True
+    assert st.capacity_tokens == 27689 * 16
+    assert st.block_size == 16
+    assert st.max_model_len == 8192
+    assert st.models == ["meta-llama/Llama-3.1-8B-Instruct", "sql-lora"]
+    assert (st.engine_running, st.engine_waiting) == (7, 2)
+    assert st.kv_usage == pytest.approx(0.4123)
+    assert st.preemptions_total == 3.0
+    assert st.updated_at == 5.0
+
+
+def test_vllm_kv_cache_size_tokens_and_data_parallel_engines() -> None:
+    text = (
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="100",'
+        'kv_cache_size_tokens="4000"} 1.0\n'
+        'vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="100"} 1.0\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 4.0\n'
+    )
+    st = state("vllm")
+    adapter_for("vllm").apply(st, {"/metrics": (200, text), "/v1/models": (200, VLLM_MODELS)}, 0.0)
+    assert st.capacity_tokens == 4000 + 3200
+    assert st.block_size == 32
+    assert st.engine_running == 7
+
+
+def test_vllm_unreachable_or_broken_is_not_ready_and_keeps_last_capacity() -> None:
+    adapter = adapter_for("vllm")
+    st = state("vllm")
+    adapter.apply(st, {"/metrics": (200, VLLM_METRICS), "/v1/models": (200, VLLM_MODELS)}, 0.0)
+    adapter.apply(st, {"/v1/models": (200, VLLM_MODELS)}, 1.0)  # /metrics unreachable
+    assert st.ready is False and st.capacity_tokens == 27689 * 16
+    adapter.apply(st, {"/metrics": (503, "oops"), "/v1/models": (200, VLLM_MODELS)}, 2.0)
+    assert st.ready is False
+    adapter.apply(
+        st, {"/metrics": (200, "garbage{{{ not prometheus"), "/v1/models": (200, "[]")}, 3.0
+    )
+    assert st.ready is False
+    fresh = state("vllm")
+    adapter.apply(fresh, {"/metrics": (200, "# nothing\n"), "/v1/models": (200, VLLM_MODELS)}, 0.0)
+    assert fresh.ready is False and fresh.capacity_tokens is None  # capacity unknown
+
+
+def test_sglang_server_info_metrics_and_models() -> None:
+    adapter = adapter_for("sglang")
+    assert set(adapter.probe_paths) == {"/server_info", "/metrics", "/v1/models"}
+    st = state("sglang")
+    adapter.apply(
+        st,
+        {
+            "/server_info": (200, SGLANG_SERVER_INFO),
+            "/metrics": (200, SGLANG_METRICS),
+            "/v1/models": (200, SGLANG_MODELS),
+        },
+        1.0,
+    )
+    assert st.ready is True
+    assert st.capacity_tokens == 308608
+    assert st.max_running == 2048  # from internal_states (server arg was null)
+    assert st.block_size == 1
+    assert st.max_model_len == 32768  # context_length null -> /v1/models
+    assert st.models == ["Qwen/Qwen2.5-7B-Instruct"]
+    assert (st.engine_running, st.engine_waiting) == (54, 11)
+    assert st.kv_usage == pytest.approx(0.93)
+
+
+def test_sglang_explicit_server_args_and_metric_fallback() -> None:
+    info = {"context_length": 4096, "page_size": 16, "max_running_requests": 64}
+    st = state("sglang")
+    adapter_for("sglang").apply(
+        st,
+        {
+            "/server_info": (200, json.dumps(info)),
+            "/metrics": (200, SGLANG_METRICS),
+            "/v1/models": (200, SGLANG_MODELS),
+        },
+        0.0,
+    )
+    assert st.capacity_tokens == 308608  # from sglang:max_total_num_tokens
+    assert (st.max_running, st.block_size, st.max_model_len) == (64, 16, 4096)
+    assert st.ready is True
+
+
+def test_llamacpp_props() -> None:
+    adapter = adapter_for("llamacpp")
+    assert set(adapter.probe_paths) == {"/props", "/v1/models"}
+    st = state("llamacpp")
+    adapter.apply(st, {"/props": (200, LLAMACPP_PROPS), "/v1/models": (200, LLAMACPP_MODELS)}, 0.0)
+    assert st.ready is True
+    assert st.capacity_tokens == 16384
+    assert st.max_model_len == 16384
+    assert st.max_running == 4
+    assert st.block_size == 1
+    assert st.models == ["qwen2.5-coder-7b-instruct-q4_k_m.gguf"]
+    # A build that also reports the whole cache at the top level: that is the pool.
+    props = json.loads(LLAMACPP_PROPS)
+    props["n_ctx"] = 65536
+    st2 = state("llamacpp")
+    adapter.apply(
+        st2, {"/props": (200, json.dumps(props)), "/v1/models": (200, LLAMACPP_MODELS)}, 0
+    )
+    assert (st2.capacity_tokens, st2.max_model_len, st2.max_running) == (65536, 16384, 4)
+    st3 = state("llamacpp")
+    adapter.apply(st3, {"/props": (500, "{}"), "/v1/models": (200, LLAMACPP_MODELS)}, 0.0)
+    assert st3.ready is False
+
+
+def test_openai_generic_reads_only_models() -> None:
+    adapter = adapter_for("openai")
+    assert adapter.probe_paths == ("/v1/models",)
+    st = state("openai")
+    adapter.apply(st, {"/v1/models": (200, VLLM_MODELS)}, 0.0)
+    assert st.ready is True and st.capacity_tokens is None
+    assert st.models[0] == "meta-llama/Llama-3.1-8B-Instruct"
+    adapter.apply(st, {}, 1.0)
+    assert st.ready is False
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+def test_adapters_read_the_simulator_exposition(flavor: str) -> None:
+    """Cross-check against enginesim's metric rendering (the replica used in e2e tests)."""
+    from enginesim.metrics import EngineMetrics
+    from enginesim.types import EngineStats, Flavor
+
+    stats = EngineStats(
+        num_running=5, num_waiting=1, num_gpu_blocks=512, block_size=16, blocks_in_use=128
+    )
+    metrics = EngineMetrics(
+        flavor=Flavor(flavor),
+        model_name="tiny",
+        stats=lambda: stats,
+        speculative=False,
+        max_running_requests=32,
+    )
+    text = metrics.render().decode()
+    models = json.dumps({"object": "list", "data": [{"id": "tiny", "max_model_len": 2048}]})
+    st = state(flavor)
+    responses = {"/metrics": (200, text), "/v1/models": (200, models)}
+    if flavor == "sglang":
+        info = {"max_total_num_tokens": 512 * 16, "max_running_requests": 32, "page_size": 16}
+        responses["/server_info"] = (200, json.dumps(info))
+    adapter_for(flavor).apply(st, responses, 0.0)
+    assert st.ready is True
+    assert st.capacity_tokens == 512 * 16
+    assert (st.engine_running, st.engine_waiting) == (5, 1)
+    assert st.kv_usage == pytest.approx(0.25)
