@@ -305,18 +305,17 @@ class AdmissionController:
         """
         self._now = max(self._now, now)
         shed: list[Shed] = []
-        kept: list[_Entry] = []
+        ahead: dict[str, tuple[int, int]] = {}  # model -> (tokens, count) of kept entries
         for entry in list(self._queue):
+            model = entry.req.model
+            tokens, count = ahead.get(model, (0, 0))
+            wait = self._wait_for(model, entry.raw, tokens, count, now)
             if entry.deadline <= now:
-                reason, wait = (
-                    "queue_timeout",
-                    self._estimate_wait(entry.req.model, entry.raw, kept, now),
-                )
+                reason = "queue_timeout"
+            elif wait is None or now + wait <= entry.deadline:
+                ahead[model] = (tokens + entry.raw, count + 1)
+                continue
             else:
-                wait = self._estimate_wait(entry.req.model, entry.raw, kept, now)
-                if wait is None or now + wait <= entry.deadline:
-                    kept.append(entry)
-                    continue
                 reason = "deadline"
             self._dequeue(entry)
             shed.append(Shed(entry.req.request_id, reason, self._clamp(wait)))
@@ -489,6 +488,16 @@ class AdmissionController:
     def _estimate_wait(
         self, model: str, raw: int, ahead: Iterable[_Entry], now: float
     ) -> float | None:
+        ahead_tokens = ahead_count = 0
+        for e in ahead:
+            if e.req.model == model:
+                ahead_tokens += e.raw
+                ahead_count += 1
+        return self._wait_for(model, raw, ahead_tokens, ahead_count, now)
+
+    def _wait_for(
+        self, model: str, raw: int, ahead_tokens: int, ahead_count: int, now: float
+    ) -> float | None:
         """Seconds until a request of `raw` tokens fits behind `ahead`; None without history.
 
         Deficit in tokens: the queue ahead (same model) plus this request, minus what is
@@ -503,11 +512,6 @@ class AdmissionController:
         if not reps:
             return None
         tok_rate, req_rate = rates
-        ahead_tokens = ahead_count = 0
-        for e in ahead:
-            if e.req.model == model:
-                ahead_tokens += e.raw
-                ahead_count += 1
         need = max(r.need(raw) for r in reps)
         frees = [max(0, r.free) for r in reps]
         tok_deficit = max(0, ahead_tokens + need - sum(frees), need - max(frees))
