@@ -236,8 +236,8 @@ def start_kvgate(workdir: Path, name: str, port: int, upstream_port: int) -> Pro
     return Proc(name, popen)
 
 
-async def _wait_ready(url: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
+async def _wait_ready(url: str, limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
             try:
@@ -247,7 +247,7 @@ async def _wait_ready(url: str, timeout: float = 20.0) -> None:
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} not ready after {timeout}s")
+    raise RuntimeError(f"{url} not ready after {limit_s}s")
 
 
 def wrk_rps(url: str, body: dict, seconds: float, workdir: Path, connections: int = 32) -> float:
