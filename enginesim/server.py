@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -168,8 +168,23 @@ async def _read_json(request: web.Request) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
 
 
-def _messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    return [m.model_dump(exclude_none=False) for m in messages]
+def render_chat(messages: list[ChatMessage], tools: Any = None) -> str:
+    """The prompt text a chat template would produce, tool definitions and calls included.
+
+    Real templates render `tools` into the system prompt and an assistant turn's
+    `tool_calls` as text, so both cost prompt tokens (and they are what marks a request
+    as agentic to the workload classifier).
+    """
+    rendered: list[dict[str, Any]] = []
+    if tools:
+        rendered.append({"role": "system", "content": json.dumps({"tools": tools})})
+    for m in messages:
+        msg = m.model_dump()
+        calls = msg.get("tool_calls")
+        if calls and not msg.get("content"):
+            msg["content"] = json.dumps({"tool_calls": calls})
+        rendered.append(msg)
+    return tokenizer.apply_chat_template(rendered)
 
 
 # --------------------------------------------------------------------------------------
@@ -243,6 +258,7 @@ class EngineServer:
         self._crash_countdown: int | None = None
         self._crashed = False
         self._crash_task: asyncio.Task[None] | None = None
+        self._closing = False
         self._not_hung = asyncio.Event()
         self._not_hung.set()
         self._runner: web.AppRunner | None = None
@@ -286,6 +302,7 @@ class EngineServer:
             self._trigger_crash()
 
     async def stop(self) -> None:
+        self._closing = True
         await self.driver.stop()
         self._not_hung.set()  # release hung handlers so shutdown does not wait for them
         if self._crash_task is not None:
@@ -414,13 +431,15 @@ class EngineServer:
             # A keep-alive connection that was idle when the process "died".
             if request.transport is not None:
                 request.transport.abort()
-            raise ConnectionResetError("engine crashed")
+            raise asyncio.CancelledError("engine crashed")
         if request.path.startswith("/admin/"):
             return await handler(request)
         if not self._not_hung.is_set():
             await self._not_hung.wait()
             if self._crashed:
-                raise ConnectionResetError("engine crashed")
+                raise asyncio.CancelledError("engine crashed")
+        if self._closing:
+            return error_response(503, "the engine is shutting down")
         fault = self._fault
         if fault.mode is FaultMode.ERROR and request.path != "/metrics":
             return error_response(fault.status, f"injected fault: engine error ({fault.status})")
@@ -477,9 +496,7 @@ class EngineServer:
             if "messages" in body:
                 chat = TokenizeChatRequest.model_validate(body)
                 self._check_model(chat.model)
-                tokens = tokenizer.encode(
-                    tokenizer.apply_chat_template(_messages_as_dicts(chat.messages))
-                )
+                tokens = tokenizer.encode(render_chat(chat.messages, body.get("tools")))
             else:
                 comp = TokenizeCompletionRequest.model_validate(body)
                 self._check_model(comp.model)
@@ -553,7 +570,7 @@ class EngineServer:
             )
 
         if isinstance(req, ChatCompletionRequest):
-            prompt_text = tokenizer.apply_chat_template(_messages_as_dicts(req.messages))
+            prompt_text = render_chat(req.messages, body.get("tools"))
             prompt_ids = tokenizer.encode(prompt_text)
             max_tokens = (
                 req.max_completion_tokens
@@ -680,7 +697,7 @@ class EngineServer:
                 if ev.kind in (EventKind.FINISHED, EventKind.ABORTED):
                     final = ev
             if prep.drop_after is not None and len(token_ids) >= prep.drop_after and final is None:
-                return self._drop(request, prep)
+                self._drop(request, prep)
         if final.kind is EventKind.ABORTED:
             raise ApiError(500, "the engine aborted the request")
         text = tokenizer.decode(token_ids)
@@ -721,13 +738,14 @@ class EngineServer:
             }
         )
 
-    def _drop(self, request: web.Request, prep: _Prepared) -> web.StreamResponse:
+    def _drop(self, request: web.Request, prep: _Prepared) -> NoReturn:
         """The `drop` fault: abort the request and close the connection under the client."""
         self.driver.abort(prep.public_id)
         if request.transport is not None:
             request.transport.abort()
-        # aiohttp treats a ConnectionError from a handler as the client having gone.
-        raise ConnectionResetError("injected fault: connection dropped")
+        # End the handler the way a lost connection does (aiohttp cancels the handler
+        # then), so nothing tries to answer on the dead connection or logs it as an error.
+        raise asyncio.CancelledError("injected fault: connection dropped")
 
     # -- stream ------------------------------------------------------------------------
 
@@ -774,7 +792,7 @@ class EngineServer:
             return out
 
         if prep.drop_after == 0:
-            return self._drop(request, prep)
+            self._drop(request, prep)
         final: EngineEvent | None = None
         while final is None:
             batch = await handle.next_batch()
@@ -790,7 +808,7 @@ class EngineServer:
                 finish = final.finish_reason if final is not None else None
                 await send(chunk(tokenizer.decode(ids), finish))
             if final is None and prep.drop_after is not None and sent >= prep.drop_after:
-                return self._drop(request, prep)
+                self._drop(request, prep)
         if prep.include_usage:
             await send({**head, "choices": [], "usage": _usage(final, sent)})
         await resp.write(b"data: [DONE]\n\n")

@@ -393,3 +393,34 @@ async def test_openai_client_stream_and_non_stream(server):
             )
     finally:
         await client.close()
+
+
+# -- workload classification -----------------------------------------------------------------
+
+
+async def test_workload_from_header_tools_and_text(server, session, monkeypatch):
+    seen: list[str] = []
+    add = server.core.add_request
+
+    def spy(req, now):
+        seen.append(str(req.workload))
+        add(req, now)
+
+    monkeypatch.setattr(server.core, "add_request", spy)
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+    bodies = [
+        ({"x-workload": "agentic"}, chat_body("plain words", max_tokens=2)),
+        ({}, chat_body("plain words", max_tokens=2)),
+        ({}, chat_body("```python\ndef f(x):\n    return x\n```", max_tokens=2)),
+        ({}, chat_body("find the weather", max_tokens=2, tools=tools)),
+    ]
+    for headers, body in bodies:
+        async with session.post(server.url + CHAT, json=body, headers=headers) as r:
+            assert r.status == 200
+    assert seen == ["agentic", "chat", "coding", "agentic"]
+    # Tool definitions are part of the prompt, as a chat template renders them.
+    plain = {"messages": bodies[3][1]["messages"]}
+    async with session.post(server.url + "/tokenize", json=plain) as r:
+        without = (await r.json())["count"]
+    async with session.post(server.url + "/tokenize", json={**plain, "tools": tools}) as r:
+        assert (await r.json())["count"] > without
