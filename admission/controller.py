@@ -110,6 +110,18 @@ class _Replica:
         return self.need(raw_tokens) <= self.free
 
 
+@dataclass(slots=True, frozen=True)
+class _WaitContext:
+    """What a wait estimate needs about a model's ready replicas, computed once per call."""
+
+    tokens_per_s: float
+    requests_per_s: float
+    block_sizes: frozenset[int]
+    free_sum: int
+    free_max: int
+    free_slots: int | None  # None when some replica has no running cap
+
+
 @dataclass(slots=True)
 class _Reservation:
     request_id: str
@@ -139,6 +151,7 @@ class AdmissionController:
         self._queue: list[_Entry] = []  # sorted by key
         self._queued: dict[str, _Entry] = {}
         self._queue_per_model: dict[str, int] = {}
+        self._queue_tokens: dict[str, int] = {}  # model -> sum of queued raw needs
         self._seq = 0
         self._pending: list[Admit] = []  # admitted by expire(); handed out by the next call
         self._now = 0.0
@@ -228,26 +241,41 @@ class AdmissionController:
         entry = _Entry((-req.priority, self._seq), req, raw, deadline)
         self._seq += 1
         pos = bisect.bisect_left(self._queue, entry.key, key=lambda e: e.key)
+        # Strict order: replicas an earlier entry waits for are closed to this one. Stop
+        # scanning once every replica this request could use is closed.
+        mine = set(self._candidate_names(entry))
         blocked: set[str] = set()
         for ahead in self._queue[:pos]:
             blocked.update(self._candidate_names(ahead))
-        admit = self._try_admit(entry, blocked, now)
-        if admit is not None:
-            return admit
+            if mine <= blocked:
+                break
+        if not mine <= blocked:
+            admit = self._try_admit(entry, blocked, now)
+            if admit is not None:
+                return admit
 
-        model_depth = self._queue_per_model.get(req.model, 0)
+        model = req.model
+        model_depth = self._queue_per_model.get(model, 0)
+        model_tokens = self._queue_tokens.get(model, 0)
         if model_depth >= self.config.queue_max_per_model:
-            wait = self._estimate_wait(req.model, raw, self._queue, now)
+            wait = self._wait_for(self._wait_context(model, now), raw, model_tokens, model_depth)
             return Shed(rid, "queue_full", self._clamp(wait))
-        ahead_entries = self._queue[:pos]
-        wait = self._estimate_wait(req.model, raw, ahead_entries, now)
+        if pos == len(self._queue):  # common case: behind everything of its model
+            ahead_tokens, position = model_tokens, model_depth
+        else:
+            ahead_tokens = position = 0
+            for e in self._queue[:pos]:
+                if e.req.model == model:
+                    ahead_tokens += e.raw
+                    position += 1
+        wait = self._wait_for(self._wait_context(model, now), raw, ahead_tokens, position)
         if deadline <= now or (wait is not None and now + wait > deadline):
             return Shed(rid, "deadline", self._clamp(wait))
         self._queue.insert(pos, entry)
         self._queued[rid] = entry
-        self._queue_per_model[req.model] = model_depth + 1
+        self._queue_per_model[model] = model_depth + 1
+        self._queue_tokens[model] = model_tokens + raw
         self.queued_total += 1
-        position = sum(1 for e in ahead_entries if e.req.model == req.model)
         estimated = wait if wait is not None else self.config.cold_retry_after_s
         return Queued(rid, position, estimated)
 
@@ -306,10 +334,13 @@ class AdmissionController:
         self._now = max(self._now, now)
         shed: list[Shed] = []
         ahead: dict[str, tuple[int, int]] = {}  # model -> (tokens, count) of kept entries
+        contexts: dict[str, _WaitContext | None] = {}
         for entry in list(self._queue):
             model = entry.req.model
             tokens, count = ahead.get(model, (0, 0))
-            wait = self._wait_for(model, entry.raw, tokens, count, now)
+            if model not in contexts:
+                contexts[model] = self._wait_context(model, now)
+            wait = self._wait_for(contexts[model], entry.raw, tokens, count)
             if entry.deadline <= now:
                 reason = "queue_timeout"
             elif wait is None or now + wait <= entry.deadline:
@@ -373,7 +404,13 @@ class AdmissionController:
     def retry_after(self, model: str, need_tokens: int, now: float) -> float:
         """Seconds until `need_tokens` could be admitted for `model` behind its whole
         queue, clamped to [1, max_retry_after_s]."""
-        return self._clamp(self._estimate_wait(model, need_tokens, self._queue, now))
+        wait = self._wait_for(
+            self._wait_context(model, now),
+            need_tokens,
+            self._queue_tokens.get(model, 0),
+            self._queue_per_model.get(model, 0),
+        )
+        return self._clamp(wait)
 
     def drain_rate(self, model: str, now: float) -> tuple[float, float] | None:
         """(tokens/s, requests/s) released by `model`'s ready replicas, or None while
@@ -482,48 +519,58 @@ class AdmissionController:
         left = self._queue_per_model[model] - 1
         if left:
             self._queue_per_model[model] = left
+            self._queue_tokens[model] -= entry.raw
         else:
             del self._queue_per_model[model]
+            del self._queue_tokens[model]
 
-    def _estimate_wait(
-        self, model: str, raw: int, ahead: Iterable[_Entry], now: float
-    ) -> float | None:
-        ahead_tokens = ahead_count = 0
-        for e in ahead:
-            if e.req.model == model:
-                ahead_tokens += e.raw
-                ahead_count += 1
-        return self._wait_for(model, raw, ahead_tokens, ahead_count, now)
-
-    def _wait_for(
-        self, model: str, raw: int, ahead_tokens: int, ahead_count: int, now: float
-    ) -> float | None:
-        """Seconds until a request of `raw` tokens fits behind `ahead`; None without history.
-
-        Deficit in tokens: the queue ahead (same model) plus this request, minus what is
-        free on the model's ready replicas (and at least what the roomiest replica lacks
-        for this request alone). Deficit in running slots likewise when every replica is
-        capped. Each deficit is divided by its drain rate; the larger wait wins.
-        """
+    def _wait_context(self, model: str, now: float) -> _WaitContext | None:
+        """Drain rates and ready replicas of `model`; None without enough drain history."""
         rates = self.drain_rate(model, now)
         if rates is None:
             return None
         reps = [r for r in self._replicas.values() if r.usable and model in r.models]
         if not reps:
             return None
-        tok_rate, req_rate = rates
-        need = max(r.need(raw) for r in reps)
         frees = [max(0, r.free) for r in reps]
-        tok_deficit = max(0, ahead_tokens + need - sum(frees), need - max(frees))
-        slot_deficit = 0
+        slots: int | None = None
         if all(r.cap is not None for r in reps):
-            free_slots = sum(max(0, (r.cap or 0) - r.running) for r in reps)
-            slot_deficit = max(0, ahead_count + 1 - free_slots)
+            slots = sum(max(0, (r.cap or 0) - r.running) for r in reps)
+        return _WaitContext(
+            rates[0],
+            rates[1],
+            frozenset(r.block_size for r in reps),
+            sum(frees),
+            max(frees),
+            slots,
+        )
+
+    @staticmethod
+    def _wait_for(
+        ctx: _WaitContext | None, raw: int, ahead_tokens: int, ahead_count: int
+    ) -> float | None:
+        """Seconds until a request of `raw` tokens fits behind the queue ahead of it.
+
+        Deficit in tokens: the queue ahead (same model) plus this request, minus what is
+        free on the model's ready replicas (and at least what the roomiest replica lacks
+        for this request alone). Deficit in running slots likewise when every replica is
+        capped. Each deficit is divided by its drain rate; the larger wait wins. None
+        when there is no drain history to estimate from.
+        """
+        if ctx is None:
+            return None
+        need = max(round_up(raw, bs) for bs in ctx.block_sizes)
+        tok_deficit = max(0, ahead_tokens + need - ctx.free_sum, need - ctx.free_max)
+        slot_deficit = 0
+        if ctx.free_slots is not None:
+            slot_deficit = max(0, ahead_count + 1 - ctx.free_slots)
         wait = 0.0
         if tok_deficit:
-            wait = max(wait, tok_deficit / tok_rate if tok_rate > 0 else math.inf)
+            rate = ctx.tokens_per_s
+            wait = max(wait, tok_deficit / rate if rate > 0 else math.inf)
         if slot_deficit:
-            wait = max(wait, slot_deficit / req_rate if req_rate > 0 else math.inf)
+            rate = ctx.requests_per_s
+            wait = max(wait, slot_deficit / rate if rate > 0 else math.inf)
         return wait
 
     def _clamp(self, wait: float | None) -> float:
