@@ -6,7 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from admission.config import AdmissionConfig
+from admission.controller import AdmissionController
 from admission.types import Admit, Queued, Refuse, Shed
+from routing.picker import Picker
 from tests.admission.helpers import controller, replica, request, warm_drain
 
 
@@ -368,3 +370,41 @@ def test_config_validation_names_the_field() -> None:
     with pytest.raises(ValidationError) as err:
         AdmissionConfig(headrom=0.1)  # type: ignore[call-arg]
     assert "headrom" in str(err.value)
+
+
+def test_binding_ceiling_reports_kv_capacity_when_the_head_does_not_fit() -> None:
+    ctrl = controller()
+    ctrl.upsert_replica(replica(capacity=100), 0.0)
+    ctrl.submit(request("a", 30, 30), 0.0)
+    assert ctrl.replica_usage()[0].binding_ceiling == "none"
+    ctrl.submit(request("b", 30, 30), 0.0)
+    (usage,) = ctrl.replica_usage()
+    assert usage.binding_ceiling == "kv_capacity"
+    assert (usage.reserved_tokens, usage.running) == (60, 1)
+
+
+def test_custom_picker_sees_the_request_and_may_decline() -> None:
+    from routing.types import Candidate, RouteRequest
+
+    seen: list[tuple[RouteRequest, list[str]]] = []
+
+    class OnlyR2:
+        def pick(self, req: RouteRequest, candidates: list[Candidate]) -> Candidate | None:
+            seen.append((req, [c.name for c in candidates]))
+            return next((c for c in candidates if c.name == "r2"), None)
+
+    ctrl = controller_with(OnlyR2())
+    ctrl.upsert_replica(replica("r1", 1000, block_size=16), 0.0)
+    ctrl.upsert_replica(replica("r2", 1000, block_size=16), 0.0)
+    req = request("a", 100, 100)
+    req.workload = "coding"
+    assert ctrl.submit(req, 0.0) == Admit("a", "r2", 208)
+    route, names = seen[0]
+    assert (route.model, route.workload, route.need_tokens) == ("m", "coding", 208)
+    assert sorted(names) == ["r1", "r2"]
+    ctrl.remove_replica("r2", 1.0)
+    assert isinstance(ctrl.submit(request("b", 10, 10), 1.0), Queued)  # picker declined r1
+
+
+def controller_with(picker: Picker) -> AdmissionController:
+    return AdmissionController(AdmissionConfig(headroom=0.0), picker)
