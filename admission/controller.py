@@ -22,7 +22,9 @@ Queue order and head-of-line policy
     by a stream of small ones that keep taking the space it waits for, and requests of
     another model on disjoint replicas are not held up by it. Small requests do not
     backfill past a large head on the same replicas: without trustworthy run-time
-    estimates, any backfill could delay the head.
+    estimates, any backfill could delay the head. A full queue sheds the newcomer
+    whatever its priority (no displacement of entries already promised a place).
+    `Queued.position` counts the entries of the same model ahead (0 = head).
 
 Shedding and Retry-After
     The wait for a request is estimated as its deficit (tokens, and running slots, that
@@ -33,6 +35,13 @@ Shedding and Retry-After
     ``min_drain_samples`` releases observed there is no evidence to shed on: the request
     is queued (its deadline still bounds the wait) and Retry-After is the documented
     ``cold_retry_after_s``. Retry-After is clamped to [1, max_retry_after_s].
+
+Expiry
+    `expire(now)` sheds entries past their deadline (reason ``queue_timeout``) or whose
+    re-estimated wait no longer meets it (``deadline``). Removing them may unblock
+    entries behind; those admissions are returned by the next `release`,
+    `upsert_replica`, `remove_replica` or `pump` (the shell's ``finally: release(id)``
+    of the shed request delivers them at once).
 
 Refusals (never queued)
     404 ``model_not_found`` when no known replica serves the model; 400
