@@ -81,15 +81,7 @@ class ReplicaWatcher:
         self._known_models.update(state.models)
         if self.config.block_size:
             state.block_size = self.config.block_size
-        bridge = self._bridge
-        bridge.resolve(
-            bridge.controller.upsert_replica(
-                state,
-                now,
-                pinned_capacity=self.config.pool_tokens,
-                max_running=self.config.max_running,
-            )
-        )
+        self.upsert()
         if state.ready != self._was_ready:
             log.info(
                 "replica %s is %s",
@@ -105,6 +97,18 @@ class ReplicaWatcher:
                 },
             )
             self._was_ready = state.ready
+
+    def upsert(self) -> None:
+        """Push the current state (with pinned values) into the controller."""
+        bridge = self._bridge
+        bridge.resolve(
+            bridge.controller.upsert_replica(
+                self.state,
+                asyncio.get_running_loop().time(),
+                pinned_capacity=self.config.pool_tokens,
+                max_running=self.config.max_running,
+            )
+        )
 
     async def run(self) -> None:
         """Refresh forever (cancelled at shutdown); a failed round never ends the loop."""
@@ -152,6 +156,12 @@ class Discovery:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks = []
+
+    def reinstate(self, name: str) -> None:
+        """Restore `name` to what discovery last saw (undoes a temporary mark_unready)."""
+        w = self.watchers.get(name)
+        if w is not None:
+            w.upsert()
 
     def max_model_len(self, model: str) -> int | None:
         """The longest context any ready replica serving `model` reported."""

@@ -328,7 +328,10 @@ class Pipeline:
             assert replica is not None
             headers = {**self._headers[replica], "X-Request-Id": ctx.request_id}
             try:
-                return await self.relay.forward(request, ctx, self._urls[replica], headers, data)
+                resp = await self.relay.forward(request, ctx, self._urls[replica], headers, data)
+                if ctx.upstream_error is not None:  # failed after the stream had started
+                    self.metrics.upstream_errors.labels(replica, ctx.upstream_error).inc()
+                return resp
             except UpstreamFailure as f:
                 self.metrics.upstream_errors.labels(replica, f.kind).inc()
                 log.warning(
@@ -340,39 +343,49 @@ class Pipeline:
                 )
                 if f.kind == "connect":
                     self.controller.mark_unready(replica, self._loop.time())
-                if f.retryable and self._retry_once and ctx.attempts == 0 and self._readmit(ctx, replica):
+                if f.retryable and self._retry_once and ctx.attempts == 0 and self._readmit(ctx, replica, f.kind):
                     continue
                 ctx.upstream_error = f.kind
                 if f.kind == "timeout":
                     raise ApiError(504, f"Replica {replica} timed out.", code="upstream_timeout", outcome="upstream_timeout") from None
                 raise ApiError(502, f"Replica {replica} failed: {f.message}", code=f"upstream_{f.kind}", outcome=f"upstream_{f.kind}") from None
 
-    def _readmit(self, ctx: RequestContext, failed: str) -> bool:
-        """Release the failed admission and try one immediate admission elsewhere."""
+    def _readmit(self, ctx: RequestContext, failed: str, kind: str) -> bool:
+        """Release the failed admission and try one immediate admission elsewhere.
+
+        The failed replica is excluded from this one decision by marking it unready;
+        after a 5xx it is reinstated at once (discovery decides its health, not one
+        answer), after a refused connection it stays out until discovery sees it up.
+        """
         ctx.attempts += 1
         self.release(ctx)
         now = self._loop.time()
+        ctrl = self.controller
+        ctrl.mark_unready(failed, now)
         rid = f"{ctx.request_id}.{ctx.attempts}"
         ctx.admission_id = rid
-        verdict = self.controller.submit(
-            AdmissionRequest(
-                request_id=rid,
-                model=ctx.model,
-                prompt_tokens=ctx.prompt_tokens,
-                expected_output=ctx.expected_output,
-                max_tokens=ctx.max_tokens,
-                tenant=ctx.tenant,
-                arrival=ctx.arrival,
-                deadline=now,  # now or never: the client has already waited once
-                workload=ctx.workload,
-            ),
-            now,
-        )
-        if isinstance(verdict, Admit) and verdict.replica != failed:
+        try:
+            verdict = ctrl.submit(
+                AdmissionRequest(
+                    request_id=rid,
+                    model=ctx.model,
+                    prompt_tokens=ctx.prompt_tokens,
+                    expected_output=ctx.expected_output,
+                    max_tokens=ctx.max_tokens,
+                    tenant=ctx.tenant,
+                    arrival=ctx.arrival,
+                    deadline=now,  # now or never: the client has already waited once
+                    workload=ctx.workload,
+                ),
+                now,
+            )
+        finally:
+            if kind != "connect":
+                self.discovery.reinstate(failed)
+        if isinstance(verdict, Admit):
             self._admitted(ctx, verdict)
             return True
         self.release(ctx)
-        ctx.replica = failed
         return False
 
     def on_progress(self, ctx: RequestContext) -> None:
