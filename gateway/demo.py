@@ -1,0 +1,248 @@
+"""`kvgate demo`: seed 001's cliff, straight at a replica and then through kvgate.
+
+Starts a simulated replica (`enginesim serve`, seed 001's 8B model on a 16 GB card) on
+loopback, replays seed 001's workload (738 production-shaped requests: large prompts,
+small structured JSON outputs) at client concurrency 32 straight at it, then starts a
+fresh replica behind `kvgate serve` and replays the same requests through the gateway
+with a client that honours Retry-After. Prints one side-by-side table.
+
+The replica's clock runs `--speed` times faster than the wall clock, so the 738-request
+job that takes tens of minutes on the real card takes a couple of minutes here. Every
+time in the table is converted back to the replica's (simulated) seconds. Replica and
+gateway run as separate processes, as they would in production, and are stopped by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from enginesim.profiles import load_profile
+from enginesim.workloads import seed2_workload
+from loadtests.replay import ReplayResult, replay
+
+DEFAULT_PROFILE = "seed2-8b-16gb"
+# Seed 001's client gave up on a request after this long (simulated seconds). Chosen
+# with the simulator's calibration: generous for a healthy replica (p99 at concurrency
+# 8 is well under it), far below the queueing delay past the cliff.
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Process:
+    """A child process this demo started; stopped by its own PID only."""
+
+    name: str
+    popen: subprocess.Popen
+    url: str
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+
+
+async def wait_http(url: str, limit_s: float = 30.0, proc: Process | None = None) -> None:
+    deadline = time.monotonic() + limit_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with status {proc.popen.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer 200 within {limit_s:.0f}s")
+
+
+def start_replica(profile: str, speed: float, *, log: Path, flavor: str | None = None) -> Process:
+    port = free_port()
+    cmd = [sys.executable, "-m", "enginesim", "serve", "--profile", profile, "--port", str(port),
+           "--speed", str(speed), "--log-level", "WARNING"]
+    if flavor:
+        cmd += ["--flavor", flavor]
+    popen = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    return Process(f"replica:{port}", popen, f"http://127.0.0.1:{port}")
+
+
+def start_gateway(config: dict, *, workdir: Path, log: Path) -> Process:
+    port = free_port()
+    config = {**config, "listen": {"host": "127.0.0.1", "port": port}}
+    cfg = workdir / f"kvgate-{port}.yaml"
+    cfg.write_text(json.dumps(config, indent=2))  # JSON is YAML
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("wb"),
+    )
+    return Process(f"kvgate:{port}", popen, f"http://127.0.0.1:{port}")
+
+
+@contextlib.contextmanager
+def stopping(*procs: Process) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+async def engine_counter(url: str, name: str) -> float:
+    """A counter from the replica's own /metrics (summed over label sets)."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name in (name, name + "_total"):
+                total += sample.value
+    return total
+
+
+def gateway_config(replica_urls: Sequence[str], *, speed: float, timeout_s: float) -> dict:
+    """kvgate in front of the replicas, with its timers in wall seconds.
+
+    Queue deadline: a request may wait in kvgate's queue at most a third of the client's
+    timeout, so an admitted request still has time to be served; beyond that kvgate sheds
+    it at once with Retry-After instead of letting it time out in a queue.
+    """
+    return {
+        "replicas": [
+            {"name": f"replica-{i}", "url": u, "engine": "vllm"} for i, u in enumerate(replica_urls)
+        ],
+        "admission": {"queue_timeout_s": timeout_s / speed / 3, "queue_max_per_model": 1024},
+        "upstream": {"first_byte_s": timeout_s / speed, "total_s": 2 * timeout_s / speed},
+        "discovery": {"refresh_interval_s": 0.5},
+        "logging": {"level": "warning", "access_log": False},
+    }
+
+
+@dataclass
+class Row:
+    label: str
+    result: ReplayResult
+    preemptions: float
+
+
+def render_table(rows: Sequence[Row], speed: float) -> str:
+    def sim(x: float) -> str:
+        return f"{x * speed:,.1f} s"
+
+    metrics: list[tuple[str, callable]] = [
+        ("requests", lambda r: f"{r.result.requests}"),
+        ("completed", lambda r: f"{r.result.completed}"),
+        ("timed out (client gave up)", lambda r: f"{r.result.timed_out}"),
+        ("other errors", lambda r: f"{r.result.errors + r.result.gave_up}"),
+        ("shed, then retried after Retry-After", lambda r: f"{r.result.shed_retries}"),
+        ("wall time (simulated)", lambda r: sim(r.result.wall_s)),
+        ("aggregate tokens/s (prompt+output, completed)", lambda r: f"{r.result.tokens_per_s / speed:,.0f}"),
+        ("p50 latency of completed", lambda r: sim(r.result.quantile(0.5))),
+        ("max latency of completed", lambda r: sim(max(r.result.latencies, default=float('nan')))),
+        ("replica preemptions", lambda r: f"{r.preemptions:,.0f}"),
+    ]
+    width = max(len(m[0]) for m in metrics)
+    cols = [max(len(r.label), 14) for r in rows]
+    head = "| " + "metric".ljust(width) + " | " + " | ".join(r.label.rjust(c) for r, c in zip(rows, cols, strict=True)) + " |"
+    sep = "| " + "-" * width + " | " + " | ".join("-" * (c - 1) + ":" for c in cols) + " |"
+    lines = [head, sep]
+    for name, fn in metrics:
+        lines.append("| " + name.ljust(width) + " | " + " | ".join(fn(r).rjust(c) for r, c in zip(rows, cols, strict=True)) + " |")
+    return "\n".join(lines)
+
+
+async def run_demo(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile)
+    items = seed2_workload(args.requests, seed=args.seed)
+    model = profile.served_model_name
+    timeout_wall = args.timeout / args.speed
+    workdir = Path(tempfile.mkdtemp(prefix="kvgate-demo-"))
+    rows: list[Row] = []
+    print(
+        f"kvgate demo: {len(items)} requests of seed 001's workload, client concurrency "
+        f"{args.concurrency}, client timeout {args.timeout:.0f} s, profile {profile.name} "
+        f"(pool {profile.pool_tokens:,} tokens), replica clock x{args.speed:g}",
+        flush=True,
+    )
+
+    # 1. Straight at a replica.
+    replica = start_replica(args.profile, args.speed, log=workdir / "replica-straight.log")
+    with stopping(replica):
+        await wait_http(replica.url + "/health", proc=replica)
+        print("  straight at the replica ...", flush=True)
+        res = await replay(replica.url, model, items, concurrency=args.concurrency,
+                           timeout_s=timeout_wall, retry_shed=True,
+                           time_limit_s=args.time_limit)
+        rows.append(Row("straight", res, await engine_counter(replica.url, "vllm:num_preemptions")))
+        print(f"    done: {res.completed} completed, {res.timed_out} timed out", flush=True)
+
+    # 2. Through kvgate, fresh replica.
+    replica = start_replica(args.profile, args.speed, log=workdir / "replica-kvgate.log")
+    with stopping(replica):
+        await wait_http(replica.url + "/health", proc=replica)
+        gw = start_gateway(gateway_config([replica.url], speed=args.speed, timeout_s=args.timeout),
+                           workdir=workdir, log=workdir / "kvgate.log")
+        with stopping(gw):
+            await wait_http(gw.url + "/ready", proc=gw)
+            print("  through kvgate ...", flush=True)
+            res = await replay(gw.url, model, items, concurrency=args.concurrency,
+                               timeout_s=timeout_wall, retry_shed=True,
+                               time_limit_s=args.time_limit)
+            rows.append(Row("through kvgate", res, await engine_counter(replica.url, "vllm:num_preemptions")))
+            print(f"    done: {res.completed} completed, {res.timed_out} timed out", flush=True)
+
+    for row in rows:
+        for sample in row.result.error_samples:
+            print(f"  {row.label}: error: {sample}", file=sys.stderr)
+    print()
+    print(render_table(rows, args.speed))
+    print(f"\n(logs in {workdir})")
+    ok = rows[1].result.completed == len(items)
+    return 0 if ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvgate demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default=DEFAULT_PROFILE)
+    ap.add_argument("--requests", type=int, default=738)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                    help="client timeout per attempt, in simulated seconds")
+    ap.add_argument("--speed", type=float, default=float(os.environ.get("KVGATE_DEMO_SPEED", 25)),
+                    help="replica clock speed-up over the wall clock")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-limit", type=float, default=900.0,
+                    help="wall seconds after which a phase stops by itself")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    try:
+        import uvloop
+
+        return uvloop.run(run_demo(args))
+    except ImportError:
+        return asyncio.run(run_demo(args))

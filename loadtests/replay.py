@@ -1,0 +1,166 @@
+"""A batch client that replays a fixed request set at a fixed client concurrency.
+
+This is the client of seed 001's bring-up runs: `concurrency` workers each keep one
+request in flight and take the next item when the previous one ends. A request that has
+not completed after `timeout_s` is abandoned (the connection is closed, which a
+well-behaved engine or gateway treats as an abort) and counts as timed out. With
+`retry_shed`, a 429 or 503 answer is retried after its `Retry-After`, as the openai SDK
+does but without a retry cap; each attempt gets a fresh timeout, as the SDK's does.
+
+Client side only: it speaks HTTP to whatever URL it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+
+class ReplayItem(Protocol):
+    request_id: str
+    messages: list[dict]
+    output_tokens: int
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    """What one replay run did. Times are in wall seconds of this client."""
+
+    concurrency: int
+    requests: int
+    completed: int = 0
+    timed_out: int = 0
+    errors: int = 0  # any other non-2xx answer or broken connection
+    shed_retries: int = 0  # 429/503 answers that were retried after Retry-After
+    retry_wait_s: float = 0.0  # total time spent honouring Retry-After
+    wall_s: float = 0.0
+    prompt_tokens: int = 0  # of completed requests, from the engine's usage
+    completion_tokens: int = 0
+    latencies: list[float] = field(default_factory=list)  # completed requests, first attempt to answer
+    error_samples: list[str] = field(default_factory=list)
+    gave_up: int = 0  # items not finished when the run's time limit hit
+
+    @property
+    def lost(self) -> int:
+        return self.requests - self.completed
+
+    def quantile(self, q: float) -> float:
+        if not self.latencies:
+            return float("nan")
+        s = sorted(self.latencies)
+        return s[min(len(s) - 1, int(q * len(s)))]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Aggregate prompt + generated tokens of completed requests per wall second."""
+        return (self.prompt_tokens + self.completion_tokens) / self.wall_s if self.wall_s else 0.0
+
+
+def _retry_after(headers: Any, default: float) -> float:
+    raw = headers.get("Retry-After")
+    if raw is None:
+        return default
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        return default
+
+
+async def replay(
+    base_url: str,
+    model: str,
+    items: Sequence[ReplayItem],
+    *,
+    concurrency: int,
+    timeout_s: float,
+    retry_shed: bool = False,
+    retry_after_scale: float = 1.0,
+    time_limit_s: float = 3600.0,
+    extra_body: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> ReplayResult:
+    """Replay `items` against `base_url` (an OpenAI-compatible server) and tally the outcome.
+
+    `retry_after_scale` multiplies every Retry-After before sleeping (a simulated engine
+    run at `--speed X` behind a gateway still speaks real seconds, so it stays 1.0 there).
+    The run stops by itself after `time_limit_s`: workers take no new items and
+    in-flight requests are cancelled, counted in `gave_up`.
+    """
+    result = ReplayResult(concurrency=concurrency, requests=len(items))
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    queue: asyncio.Queue[ReplayItem] = asyncio.Queue()
+    for it in items:
+        queue.put_nowait(it)
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    connector = aiohttp.TCPConnector(limit=0)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    stop_at = start + time_limit_s
+
+    async def run_item(session: aiohttp.ClientSession, item: ReplayItem) -> None:
+        body = {
+            "model": model,
+            "messages": item.messages,
+            "max_tokens": item.output_tokens,
+            "ignore_eos": True,
+            **(extra_body or {}),
+        }
+        payload = json.dumps(body).encode()
+        first_sent = loop.time()
+        while True:
+            try:
+                async with session.post(
+                    url, data=payload, headers=hdrs, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                ) as resp:
+                    data = await resp.read()
+                    if resp.status == 200:
+                        usage = json.loads(data).get("usage") or {}
+                        result.completed += 1
+                        result.prompt_tokens += int(usage.get("prompt_tokens", 0))
+                        result.completion_tokens += int(usage.get("completion_tokens", 0))
+                        result.latencies.append(loop.time() - first_sent)
+                        return
+                    if retry_shed and resp.status in (429, 503):
+                        wait = _retry_after(resp.headers, 1.0) * retry_after_scale
+                        if loop.time() + wait >= stop_at:
+                            result.gave_up += 1
+                            return
+                        result.shed_retries += 1
+                        result.retry_wait_s += wait
+                        await asyncio.sleep(wait)
+                        continue
+                    result.errors += 1
+                    if len(result.error_samples) < 5:
+                        result.error_samples.append(f"{resp.status}: {data[:200]!r}")
+                    return
+            except TimeoutError:
+                result.timed_out += 1
+                return
+            except aiohttp.ClientError as e:
+                result.errors += 1
+                if len(result.error_samples) < 5:
+                    result.error_samples.append(repr(e))
+                return
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while not queue.empty():
+            item = queue.get_nowait()
+            remaining = stop_at - loop.time()
+            if remaining <= 0:
+                result.gave_up += 1
+                continue
+            try:
+                await asyncio.wait_for(run_item(session, item), remaining)
+            except TimeoutError:
+                result.gave_up += 1
+
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    result.wall_s = loop.time() - start
+    return result
+
