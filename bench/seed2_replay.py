@@ -1,0 +1,168 @@
+"""Seed 001's job against one simulated `seed2-8b-16gb` replica: straight vs through kvgate.
+
+The client is a batch client that retries 429/503 after Retry-After, as the openai SDK
+does but without a retry cap, and abandons an attempt after the client timeout (seed
+001's runs lost requests to exactly that). In one run, each on a fresh replica:
+
+- a sweep of fixed client concurrencies straight at the replica (1, 2, 4, ... 32), to
+  find the best fixed concurrency: the shortest wall time among runs that completed all
+  738 requests;
+- client concurrency 32 and 128 straight at the replica: the cliff;
+- client concurrency 32 and 128 through kvgate.
+
+Targets (issue 3): straight at 32 and 128, at least 90% lost; through kvgate, 738 of
+738 complete, zero preemptions on the replica, wall time at most 1.10x the best fixed
+concurrency. Times are the replica's simulated seconds (wall x speed).
+
+    .venv/bin/python bench/seed2_replay.py [--speed 25] [--requests 738]
+
+Results: bench/results/seed2_replay.json and a Markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from enginesim.profiles import load_profile  # noqa: E402
+from enginesim.workloads import seed2_workload  # noqa: E402
+from gateway.demo import (  # noqa: E402
+    DEFAULT_TIMEOUT_S,
+    engine_counter,
+    gateway_config,
+    start_gateway,
+    start_replica,
+    stopping,
+    wait_http,
+)
+from loadtests.replay import replay  # noqa: E402
+
+PROFILE = "seed2-8b-16gb"
+
+
+async def one_run(label: str, items, model: str, args, *, through_kvgate: bool, concurrency: int,
+                  workdir: Path) -> dict:
+    replica = start_replica(PROFILE, args.speed, log=workdir / f"replica-{label}.log")
+    with stopping(replica):
+        await wait_http(replica.url + "/health", proc=replica)
+        target = replica.url
+        gw = None
+        if through_kvgate:
+            gw = start_gateway(gateway_config([replica.url], speed=args.speed, timeout_s=args.timeout),
+                               workdir=workdir, log=workdir / f"kvgate-{label}.log")
+            await wait_http(gw.url + "/ready", proc=gw)
+            target = gw.url
+        try:
+            res = await replay(target, model, items, concurrency=concurrency,
+                               timeout_s=args.timeout / args.speed, retry_shed=True,
+                               time_limit_s=args.time_limit)
+            preemptions = await engine_counter(replica.url, "vllm:num_preemptions")
+        finally:
+            if gw is not None:
+                gw.stop()
+    row = {
+        "label": label,
+        "through_kvgate": through_kvgate,
+        "concurrency": concurrency,
+        "requests": res.requests,
+        "completed": res.completed,
+        "timed_out": res.timed_out,
+        "errors": res.errors,
+        "gave_up": res.gave_up,
+        "lost": res.lost,
+        "shed_retries": res.shed_retries,
+        "wall_s": res.wall_s * args.speed,
+        "tokens_per_s": res.tokens_per_s / args.speed,
+        "p50_s": res.quantile(0.5) * args.speed,
+        "max_s": max(res.latencies, default=float("nan")) * args.speed,
+        "preemptions": preemptions,
+        "error_samples": res.error_samples,
+    }
+    print(
+        f"{label:>16s}: completed {res.completed:4d}/{res.requests} timed out {res.timed_out:4d} "
+        f"errors {res.errors + res.gave_up:3d} shed-retries {res.shed_retries:5d} "
+        f"wall {row['wall_s']:8.1f} s preemptions {preemptions:6.0f}",
+        flush=True,
+    )
+    return row
+
+
+async def main_async(args) -> int:
+    profile = load_profile(PROFILE)
+    items = seed2_workload(args.requests, seed=args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="kvgate-seed2-"))
+    rows = []
+    sweep = [c for c in (1, 2, 4, 8, 16, 32) if c <= args.max_sweep]
+    for c in sweep:
+        rows.append(await one_run(f"straight c={c}", items, profile.served_model_name, args,
+                                  through_kvgate=False, concurrency=c, workdir=workdir))
+    if 128 not in sweep:
+        rows.append(await one_run("straight c=128", items, profile.served_model_name, args,
+                                  through_kvgate=False, concurrency=128, workdir=workdir))
+    for c in (32, 128):
+        rows.append(await one_run(f"kvgate c={c}", items, profile.served_model_name, args,
+                                  through_kvgate=True, concurrency=c, workdir=workdir))
+
+    complete_straight = [r for r in rows if not r["through_kvgate"] and r["completed"] == r["requests"]]
+    best = min(complete_straight, key=lambda r: r["wall_s"]) if complete_straight else None
+    print()
+    print("| run | completed | lost | shed+retried | wall (sim s) | tok/s | p50 (s) | max (s) | preemptions |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['label']} | {r['completed']} | {r['lost']} | {r['shed_retries']} | {r['wall_s']:.0f} | "
+              f"{r['tokens_per_s']:.0f} | {r['p50_s']:.1f} | {r['max_s']:.1f} | {r['preemptions']:.0f} |")
+    verdicts = {}
+    for r in rows:
+        if r["label"] in ("straight c=32", "straight c=128"):
+            verdicts[r["label"] + " loses >= 90%"] = r["lost"] >= 0.9 * r["requests"]
+        if r["through_kvgate"]:
+            verdicts[r["label"] + " completes all"] = r["completed"] == r["requests"]
+            verdicts[r["label"] + " zero preemptions"] = r["preemptions"] == 0
+            if best is not None:
+                ratio = r["wall_s"] / best["wall_s"]
+                r["wall_vs_best"] = ratio
+                verdicts[f"{r['label']} wall {ratio:.2f}x best fixed ({best['label']}) <= 1.10x"] = ratio <= 1.10
+    print()
+    for k, v in verdicts.items():
+        print(f"{'PASS' if v else 'MISS'}  {k}")
+    out = {
+        "profile": PROFILE,
+        "speed": args.speed,
+        "timeout_s": args.timeout,
+        "requests": args.requests,
+        "best_fixed": best["label"] if best else None,
+        "rows": rows,
+        "verdicts": verdicts,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--speed", type=float, default=25.0)
+    ap.add_argument("--requests", type=int, default=738)
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="client timeout, simulated s")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-sweep", type=int, default=32)
+    ap.add_argument("--time-limit", type=float, default=1800.0, help="wall seconds per run")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "seed2_replay.json")
+    args = ap.parse_args()
+    try:
+        import uvloop
+
+        return uvloop.run(main_async(args))
+    except ImportError:
+        return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
