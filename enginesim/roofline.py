@@ -13,8 +13,11 @@
   Expert reads run on the expert-parallel ranks and the step waits for the slowest one
   (mechanism 3), a profile-given imbalance factor. Every running sequence's context is
   read from the KV cache once per step.
-* comm = collectives per layer x layers x (latency + bytes / bandwidth) for
-  tensor/expert-parallel deployments.
+* comm = collectives per layer x layers x (latency + tokens x bytes per token through
+  one GPU's link / link bandwidth) for tensor/expert-parallel deployments. The per-token
+  bytes are profile data: ~3 x hidden for a ring all-reduce in bf16, and
+  k x hidden x 1.5 / num_gpus for an EP all-to-all (fp8 dispatch + bf16 combine, tokens
+  spread over the ranks).
 
 All quantities are per replica (all its GPUs); peaks are multiplied by `num_gpus`.
 """
