@@ -1,0 +1,139 @@
+"""Admission through the live shell: queue in order, shed honestly, refuse at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from tests.gateway.conftest import MODEL, wait_for
+from tests.gateway.test_failures import read_events
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def body(max_tokens: int, **extra) -> dict:
+    return {"model": MODEL, "messages": MSG, "max_tokens": max_tokens, "ignore_eos": True, **extra}
+
+
+async def test_requests_beyond_the_pool_wait_and_complete_in_order(replica, gateway):
+    srv = await replica(speed=5.0)
+    # 512-token pool (486 effective with 5% headroom): two 200-token requests fit, not three.
+    gw = await gateway(srv, pool_tokens=512)
+    effective = gw.controller.replica_usage()[0].effective_capacity_tokens
+    finished: list[int] = []
+    peak_reserved = 0
+    peak_queue = 0
+
+    async def one(s: aiohttp.ClientSession, i: int) -> None:
+        async with s.post(gw.url + "/v1/chat/completions", json=body(200)) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["usage"]["completion_tokens"] == 200
+        finished.append(i)
+
+    async with aiohttp.ClientSession() as s:
+        tasks = []
+        for i in range(5):
+            tasks.append(asyncio.create_task(one(s, i)))
+            # Submit strictly one after another so arrival order is the index order: wait
+            # until the gateway has seen request i (admitted, queued or done).
+            assert await wait_for(
+                lambda n=i + 1: gw.controller.queue_depth()
+                + sum(u.running for u in gw.controller.replica_usage())
+                + len(finished)
+                >= n
+            )
+        while not all(t.done() for t in tasks):
+            peak_reserved = max(peak_reserved, gw.controller.reserved_tokens())
+            peak_queue = max(peak_queue, gw.controller.queue_depth())
+            assert sum(u.running for u in gw.controller.replica_usage()) <= 2
+            await asyncio.sleep(0.005)
+        await asyncio.gather(*tasks)
+    assert peak_queue >= 2
+    assert peak_reserved <= effective  # invariant 3: never more than the effective pool
+    # Queued requests are admitted, and so finish, in arrival order.
+    assert finished[2:] == [2, 3, 4]
+    assert srv.core.stats().num_preemptions == 0
+
+
+async def test_deadline_shed_503_with_retry_after(replica, gateway):
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv, pool_tokens=512)
+    async with aiohttp.ClientSession() as s:
+        big = await s.post(gw.url + "/v1/chat/completions", json=body(440, stream=True))
+        assert len(await read_events(big, 1)) == 1
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        async with s.post(
+            gw.url + "/v1/chat/completions", json=body(100), headers={"x-kvgate-queue-timeout": "0.2"}
+        ) as r:
+            waited = loop.time() - t0
+            assert r.status == 503
+            retry_after = int(r.headers["Retry-After"])
+            err = (await r.json())["error"]
+        big.close()
+    assert err["code"] == "overloaded"
+    assert 1 <= retry_after <= 60
+    # With no drain history there is no evidence to shed on at submit, so it was queued;
+    # the expiry task shed it at its 0.2 s deadline, long before the big one finished.
+    assert 0.15 <= waited < 0.9
+
+
+async def test_queue_full_is_503_at_once(replica, gateway):
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv, pool_tokens=512, admission={"queue_max_per_model": 1})
+    async with aiohttp.ClientSession() as s:
+        big = await s.post(gw.url + "/v1/chat/completions", json=body(440, stream=True))
+        assert len(await read_events(big, 1)) == 1
+        waiting = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json=body(50)))
+        assert await wait_for(lambda: gw.controller.queue_depth() == 1)
+        async with s.post(gw.url + "/v1/chat/completions", json=body(50)) as r:
+            assert r.status == 503
+            assert "Retry-After" in r.headers
+        big.close()
+        # The queued one is admitted once the big one is gone.
+        r2 = await waiting
+        assert r2.status == 200
+        r2.release()
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as m:
+        assert 'kvgate_shed_total{reason="queue_full"} 1.0' in await m.text()
+
+
+async def test_never_fits_is_400_never_queued(replica, gateway):
+    gw = await gateway(await replica(), pool_tokens=512)
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=body(1000)) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["code"] == "context_length_exceeded"
+    assert gw.controller.queue_depth() == 0
+
+
+async def test_stream_outgrowing_its_reservation_is_topped_up_not_cut(replica, gateway):
+    srv = await replica(speed=2.0)
+    # Learn an output length of 4 from one request, so the next reservation is small.
+    gw = await gateway(srv, admission={"min_output_samples": 1})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/chat/completions", json=body(4)) as r:
+            assert r.status == 200
+        resp = await s.post(gw.url + "/v1/chat/completions", json=body(300, stream=True))
+        await read_events(resp, 1)
+        first = gw.controller.reserved_tokens()
+        assert first < 64  # prompt + learned 4, block-rounded
+        raw = await resp.read()
+    assert gw.state.pipeline.controller.top_up_failures == 0
+    content_events = [e for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    assert len(content_events) >= 299  # the whole stream arrived
+    assert raw.rstrip().endswith(b"data: [DONE]")
+
+
+async def test_reservation_grows_during_stream(replica, gateway):
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv, admission={"min_output_samples": 1})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/chat/completions", json=body(4)) as r:
+            assert r.status == 200
+        resp = await s.post(gw.url + "/v1/chat/completions", json=body(400, stream=True))
+        await read_events(resp, 1)
+        first = gw.controller.reserved_tokens()
+        await read_events(resp, 150)
+        assert gw.controller.reserved_tokens() > first + 100
+        resp.close()
