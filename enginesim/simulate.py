@@ -64,7 +64,9 @@ class RunReport:
     preemptions: int
     steps: int
     prefill_tokens_computed: int  # all prefill work, recompute and wasted work included
-    useful_prefill_fraction: float  # prompt tokens of completed requests / prefill work
+    # prompt tokens of completed requests / prefill work computed; above 1 when prefix-cache
+    # hits served part of the prompts, far below 1 when work was wasted on timed-out requests
+    useful_prefill_fraction: float
 
     @property
     def failed(self) -> int:
