@@ -37,6 +37,7 @@ from enginesim import tokenizer
 from enginesim.kvpool import ROOT_HASH, BlockPool, chain_hashes
 from enginesim.profiles import Profile
 from enginesim.roofline import Roofline, StepCost, StepShape
+from enginesim.spec import acceptance_rate, accepted_drafts
 from enginesim.types import (
     EngineEvent,
     EngineStats,
@@ -51,26 +52,6 @@ _GEN_VOCAB = len(tokenizer.GEN_VOCAB)
 # SGLang's retract heuristic: a retracted batch is assumed to need this many more
 # decode steps per request when the new-token ratio is recomputed.
 _RETRACT_DECODE_STEPS = 20
-
-
-def acceptance_rate(mean_tokens: float, k: int) -> float:
-    """Per-position acceptance probability a with (1 - a^(k+1)) / (1 - a) = mean_tokens.
-
-    That is the expected tokens per verification step (accepted drafts plus the bonus
-    token) when each draft is accepted with probability a until the first rejection, the
-    standard speculative-sampling model. Solved by bisection; monotone in a.
-    """
-    if mean_tokens <= 1.0:
-        return 0.0
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        a = (lo + hi) / 2
-        val = (1 - a ** (k + 1)) / (1 - a)
-        if val < mean_tokens:
-            lo = a
-        else:
-            hi = a
-    return (lo + hi) / 2
 
 
 @dataclass(slots=True, eq=False)
@@ -436,12 +417,7 @@ class EngineCore:
 
     def _accepted(self, r: _Req, drafts: int) -> int:
         """Tokens emitted by one verification step: accepted drafts + 1 (geometric)."""
-        a = self._alpha.get(r.req.workload, 0.0)
-        if a <= 0.0:
-            acc = 0
-        else:
-            u = r.rng.random()
-            acc = drafts if u <= 0.0 else min(drafts, int(math.log(u) / math.log(a)))
+        acc = accepted_drafts(r.rng, self._alpha.get(r.req.workload, 0.0), drafts)
         st = self._stats
         st.spec_num_drafts += 1
         st.spec_num_draft_tokens += drafts

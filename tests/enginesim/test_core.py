@@ -6,9 +6,10 @@ import random
 
 import pytest
 
-from enginesim.core import EngineCore, acceptance_rate
+from enginesim.core import EngineCore
 from enginesim.profiles import Profile, load_profile
 from enginesim.roofline import Roofline
+from enginesim.spec import acceptance_rate
 from enginesim.types import EngineEvent, EventKind, Flavor, SimRequest, Workload
 
 
