@@ -100,7 +100,7 @@ def build_app(config: GatewayConfig) -> web.Application:
     async def models(request: web.Request) -> web.Response:
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "kvgate"}
-            for m in st.discovery.served_models()
+            for m in sorted(st.controller.models())
         ]
         return _json({"object": "list", "data": data})
 

@@ -171,10 +171,3 @@ class Discovery:
             if s.ready and s.max_model_len and model in s.models:
                 best = s.max_model_len if best is None else max(best, s.max_model_len)
         return best
-
-    def served_models(self) -> list[str]:
-        out: set[str] = set()
-        for w in self.watchers.values():
-            if w.state.ready:
-                out.update(w.state.models)
-        return sorted(out)

@@ -18,7 +18,8 @@ instead of buffering the whole answer in the gateway.
 
 Timeouts are phase-aware, with one re-armed deadline instead of a timer per chunk: the
 first event must arrive within ``first_byte_s``, each later one within ``idle_s`` of the
-previous, all within ``total_s``.
+previous, all within ``total_s``. Time spent writing to a slow client counts only against
+``total_s``: backpressure from the client is not an engine stall.
 """
 
 from __future__ import annotations
@@ -173,6 +174,9 @@ class Relay:
                         buf = buf + chunk if buf else chunk
                         out, buf = self._take_events(ctx, buf)
                         if out:
+                            # The idle bound is for the engine, not for a slow client:
+                            # while writing (backpressure) only the total bound applies.
+                            timer.reschedule(total_deadline)
                             if resp is None:
                                 resp = await self._start_client_stream(request, ctx, up)
                             await _write(resp, out)
