@@ -142,3 +142,14 @@ async def test_shed_503_is_retried_by_the_sdk_and_succeeds(replica, gateway):
     }
     # The raw request and the SDK's first attempt were shed; its retry was admitted.
     assert sheds.get("deadline", 0) >= 2
+
+
+async def test_sglang_flavored_replica_is_discovered_and_served(replica, gateway):
+    srv = await replica(flavor="sglang")
+    gw = await gateway(srv, engine="sglang")
+    (usage,) = gw.controller.replica_usage()
+    assert usage.ready and usage.capacity_tokens == 4096  # discovered, not pinned
+    async with client(gw) as c:
+        stream = await c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=5, stream=True)
+        chunks = [ch async for ch in stream]
+    assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
