@@ -33,6 +33,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pipeline import UPSTREAM_PATHS, Pipeline
 from gateway.relay import Relay
 from gateway.upstream import make_session
+from routing.picker import Picker
 
 log = logging.getLogger("kvgate")
 
@@ -40,9 +41,9 @@ log = logging.getLogger("kvgate")
 class GatewayState:
     """Everything the app owns at run time; filled by the start-up context."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, picker: Picker | None = None) -> None:
         self.config = config
-        self.controller = AdmissionController(config.admission)
+        self.controller = AdmissionController(config.admission, picker)
         self.estimator = TokenEstimator(config.admission)
         self.discovery: Discovery
         self.bridge: AdmissionBridge
@@ -62,10 +63,14 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=json.dumps(data).encode(), content_type=_JSON)
 
 
-def build_app(config: GatewayConfig) -> web.Application:
-    """The kvgate aiohttp application for `config` (not yet started)."""
+def build_app(config: GatewayConfig, *, picker: Picker | None = None) -> web.Application:
+    """The kvgate aiohttp application for `config` (not yet started).
+
+    `picker` chooses among the replicas a request fits on (default: most KV headroom,
+    random tie-break); workload-aware pickers plug in here.
+    """
     app = web.Application(client_max_size=config.limits.max_body_bytes)
-    st = GatewayState(config)
+    st = GatewayState(config, picker)
     app[STATE_KEY] = st
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -113,7 +118,9 @@ def build_app(config: GatewayConfig) -> web.Application:
         return _json({"ready": bool(ready), "replicas": ready}, status=200 if ready else 503)
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=st.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+        return web.Response(
+            body=st.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE}
+        )
 
     async def admin_replicas(request: web.Request) -> web.Response:
         try:
@@ -122,11 +129,21 @@ def build_app(config: GatewayConfig) -> web.Application:
             return e.response()
         return _json(replicas_snapshot(st.controller, st.discovery))
 
-    known_paths = set(UPSTREAM_PATHS.values()) | {"/v1/models", "/health", "/ready", "/metrics", "/admin/replicas"}
+    known_paths = set(UPSTREAM_PATHS.values()) | {
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/metrics",
+        "/admin/replicas",
+    }
 
     async def fallback(request: web.Request) -> web.Response:
         if request.path in known_paths:
-            return ApiError(405, f"Method {request.method} not allowed on {request.path}.", code="method_not_allowed").response()
+            return ApiError(
+                405,
+                f"Method {request.method} not allowed on {request.path}.",
+                code="method_not_allowed",
+            ).response()
         return ApiError(404, f"Unknown path {request.path}.", code="not_found").response()
 
     handlers: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
@@ -147,11 +164,18 @@ def build_app(config: GatewayConfig) -> web.Application:
 class Gateway:
     """An embeddable kvgate: ``async with Gateway(config) as gw: gw.url, gw.controller``."""
 
-    def __init__(self, config: GatewayConfig, *, host: str | None = None, port: int | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        picker: Picker | None = None,
+    ) -> None:
         self.config = config
         self.host = host if host is not None else config.listen.host
         self.port = port if port is not None else config.listen.port
-        self.app = build_app(config)
+        self.app = build_app(config, picker=picker)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
 
@@ -178,7 +202,9 @@ class Gateway:
     async def start(self) -> None:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.host, self.port, backlog=1024, reuse_address=True)
+        self._site = web.TCPSite(
+            self._runner, self.host, self.port, backlog=1024, reuse_address=True
+        )
         await self._site.start()
         server = self._site._server  # the asyncio Server: the only way to learn port 0's pick
         if server is not None and server.sockets:

@@ -44,7 +44,10 @@ def serve_main(argv: Sequence[str]) -> int:
         print(f"kvgate: config OK ({len(config.replicas)} replicas)")
         return 0
     if not config.replicas:
-        print("kvgate: invalid configuration:\n  replicas: at least one replica is required", file=sys.stderr)
+        print(
+            "kvgate: invalid configuration:\n  replicas: at least one replica is required",
+            file=sys.stderr,
+        )
         return 2
     configure_logging(config.logging.level, access=config.logging.access_log)
 
@@ -58,7 +61,10 @@ def serve_main(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         pass
     except OSError as e:
-        print(f"kvgate: cannot listen on {config.listen.host}:{config.listen.port}: {e}", file=sys.stderr)
+        print(
+            f"kvgate: cannot listen on {config.listen.host}:{config.listen.port}: {e}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

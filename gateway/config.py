@@ -176,7 +176,9 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> None:
         data["logging"] = {**(data.get("logging") or {}), "level": level.lower()}
 
 
-def config_from_mapping(data: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> GatewayConfig:
+def config_from_mapping(
+    data: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+) -> GatewayConfig:
     """Validate `data` (the parsed YAML) after applying environment overrides."""
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError("invalid configuration: the top level must be a mapping")

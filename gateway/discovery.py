@@ -146,7 +146,8 @@ class Discovery:
                 log.error("first discovery round for %s failed: %r", name, r)
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(w.run(), name=f"kvgate-discovery-{name}") for name, w in self.watchers.items()
+            loop.create_task(w.run(), name=f"kvgate-discovery-{name}")
+            for name, w in self.watchers.items()
         ]
 
     async def stop(self) -> None:

@@ -97,4 +97,6 @@ class ApiError(Exception):
 
 
 def invalid_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code or "invalid_request", outcome="bad_request")
+    return ApiError(
+        400, message, param=param, code=code or "invalid_request", outcome="bad_request"
+    )

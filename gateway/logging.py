@@ -56,4 +56,3 @@ def log_access(fields: dict[str, Any]) -> None:
     """Emit the access line; costs one isEnabledFor check when access logs are off."""
     if access_log.isEnabledFor(logging.INFO):
         access_log.info("request", extra={"fields": fields})
-

@@ -48,12 +48,18 @@ class _LedgerCollector(Collector):
             labels=["replica"],
         )
         reserved = GaugeMetricFamily(
-            "kvgate_replica_reserved_tokens", "KV tokens reserved by admitted requests", labels=["replica"]
+            "kvgate_replica_reserved_tokens",
+            "KV tokens reserved by admitted requests",
+            labels=["replica"],
         )
         running = GaugeMetricFamily(
-            "kvgate_replica_running", "Requests kvgate has admitted and not yet released", labels=["replica"]
+            "kvgate_replica_running",
+            "Requests kvgate has admitted and not yet released",
+            labels=["replica"],
         )
-        ready = GaugeMetricFamily("kvgate_replica_ready", "1 if the replica is ready", labels=["replica"])
+        ready = GaugeMetricFamily(
+            "kvgate_replica_ready", "1 if the replica is ready", labels=["replica"]
+        )
         for u in self._usage():
             cap.add_metric([u.name], u.effective_capacity_tokens)
             reserved.add_metric([u.name], u.reserved_tokens)

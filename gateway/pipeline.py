@@ -160,7 +160,9 @@ class Pipeline:
         if tenant is None:
             raise ApiError(
                 401,
-                "Incorrect API key provided." if key else "Missing API key: send Authorization: Bearer <key>.",
+                "Incorrect API key provided."
+                if key
+                else "Missing API key: send Authorization: Bearer <key>.",
                 code="invalid_api_key",
                 outcome="unauthorized",
             )
@@ -180,7 +182,9 @@ class Pipeline:
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            raise invalid_request(f"Request body is not valid JSON: {e}", code="invalid_json") from None
+            raise invalid_request(
+                f"Request body is not valid JSON: {e}", code="invalid_json"
+            ) from None
         if not isinstance(body, dict):
             raise invalid_request("Request body must be a JSON object.")
         try:
@@ -237,9 +241,14 @@ class Pipeline:
         parsed = ctx.parsed
         has_tools = False
         if isinstance(parsed, ChatCompletionRequest):
-            has_tools = bool(parsed.tools) or any(m.role in ("tool", "function") for m in parsed.messages)
+            has_tools = bool(parsed.tools) or any(
+                m.role in ("tool", "function") for m in parsed.messages
+            )
         ctx.workload = classify_workload(
-            request.headers.get(H_WORKLOAD), text, has_tools=has_tools, num_messages=max(1, ctx.num_messages)
+            request.headers.get(H_WORKLOAD),
+            text,
+            has_tools=has_tools,
+            num_messages=max(1, ctx.num_messages),
         )
 
     def tenant_limits(self, ctx: RequestContext) -> None:
@@ -258,7 +267,8 @@ class Pipeline:
                 asked = math.nan
             if not math.isfinite(asked) or asked < 0:
                 raise invalid_request(
-                    f"{H_QUEUE_TIMEOUT} must be a non-negative number of seconds.", param=H_QUEUE_TIMEOUT
+                    f"{H_QUEUE_TIMEOUT} must be a non-negative number of seconds.",
+                    param=H_QUEUE_TIMEOUT,
                 )
             wait_for = min(wait_for, asked)
         priority = 0
@@ -266,7 +276,9 @@ class Pipeline:
             try:
                 priority = int(p)
             except ValueError:
-                raise invalid_request(f"{H_PRIORITY} must be an integer.", param=H_PRIORITY) from None
+                raise invalid_request(
+                    f"{H_PRIORITY} must be an integer.", param=H_PRIORITY
+                ) from None
         ctx.deadline = now + wait_for
         ctx.admission_id = ctx.request_id
         req = AdmissionRequest(
@@ -309,7 +321,9 @@ class Pipeline:
             verdict.status,
             verdict.message,
             code=verdict.code,
-            param="model" if verdict.code == "model_not_found" else ("messages" if ctx.kind == "chat" else "prompt"),
+            param="model"
+            if verdict.code == "model_not_found"
+            else ("messages" if ctx.kind == "chat" else "prompt"),
             outcome=verdict.code,
         )
 
@@ -320,7 +334,9 @@ class Pipeline:
         ctx.topup_at = a.reserved_tokens
         ctx.admitted_at = self._loop.time()
 
-    async def route_and_relay(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
+    async def route_and_relay(
+        self, request: web.Request, ctx: RequestContext
+    ) -> web.StreamResponse:
         """Send to the admitted replica; on a retryable failure, once more elsewhere."""
         data = self.relay.upstream_body(ctx)
         while True:
@@ -339,16 +355,33 @@ class Pipeline:
                     replica,
                     ctx.request_id,
                     f.message,
-                    extra={"fields": {"replica": replica, "kind": f.kind, "request_id": ctx.request_id}},
+                    extra={
+                        "fields": {"replica": replica, "kind": f.kind, "request_id": ctx.request_id}
+                    },
                 )
                 if f.kind == "connect":
                     self.controller.mark_unready(replica, self._loop.time())
-                if f.retryable and self._retry_once and ctx.attempts == 0 and self._readmit(ctx, replica, f.kind):
+                if (
+                    f.retryable
+                    and self._retry_once
+                    and ctx.attempts == 0
+                    and self._readmit(ctx, replica, f.kind)
+                ):
                     continue
                 ctx.upstream_error = f.kind
                 if f.kind == "timeout":
-                    raise ApiError(504, f"Replica {replica} timed out.", code="upstream_timeout", outcome="upstream_timeout") from None
-                raise ApiError(502, f"Replica {replica} failed: {f.message}", code=f"upstream_{f.kind}", outcome=f"upstream_{f.kind}") from None
+                    raise ApiError(
+                        504,
+                        f"Replica {replica} timed out.",
+                        code="upstream_timeout",
+                        outcome="upstream_timeout",
+                    ) from None
+                raise ApiError(
+                    502,
+                    f"Replica {replica} failed: {f.message}",
+                    code=f"upstream_{f.kind}",
+                    outcome=f"upstream_{f.kind}",
+                ) from None
 
     def _readmit(self, ctx: RequestContext, failed: str, kind: str) -> bool:
         """Release the failed admission and try one immediate admission elsewhere.
@@ -403,7 +436,9 @@ class Pipeline:
         model_label = ctx.model if ctx.model in self.discovery.known_models else "_unknown"
         if ctx.outcome == "ok":
             if ctx.usage_prompt is not None and not ctx.prompt_exact and ctx.prompt_chars:
-                self.estimator.observe_prompt(ctx.model, ctx.prompt_chars, ctx.num_messages, ctx.usage_prompt)
+                self.estimator.observe_prompt(
+                    ctx.model, ctx.prompt_chars, ctx.num_messages, ctx.usage_prompt
+                )
             if ctx.usage_completion is not None:
                 self.estimator.observe_output(ctx.model, ctx.usage_completion)
         m = self.metrics
@@ -428,9 +463,13 @@ class Pipeline:
                 "status": ctx.status,
                 "prompt_tokens": ctx.usage_prompt,
                 "prompt_tokens_est": ctx.prompt_tokens or None,
-                "completion_tokens": ctx.usage_completion if ctx.usage_completion is not None else (ctx.generated or None),
+                "completion_tokens": ctx.usage_completion
+                if ctx.usage_completion is not None
+                else (ctx.generated or None),
                 "reserved_tokens": ctx.reserved or None,
-                "queue_wait_s": round(ctx.admitted_at - ctx.arrival, 6) if ctx.admitted_at else None,
+                "queue_wait_s": round(ctx.admitted_at - ctx.arrival, 6)
+                if ctx.admitted_at
+                else None,
                 "ttft_s": round(ttft, 6) if ttft is not None else None,
                 "duration_s": round(end - ctx.arrival, 6),
                 "attempts": ctx.attempts + 1,
@@ -450,4 +489,3 @@ def _too_large(limit: int) -> ApiError:
         code="request_too_large",
         outcome="too_large",
     )
-

@@ -83,12 +83,19 @@ class Relay:
             return ctx.raw
         body = dict(ctx.body)
         opts = body.get("stream_options")
-        body["stream_options"] = {**opts, "include_usage": True} if isinstance(opts, dict) else {"include_usage": True}
+        body["stream_options"] = (
+            {**opts, "include_usage": True} if isinstance(opts, dict) else {"include_usage": True}
+        )
         return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
     # ------------------------------------------------------------------ entry point
     async def forward(
-        self, request: web.Request, ctx: RequestContext, base_url: str, headers: dict[str, str], data: bytes
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        base_url: str,
+        headers: dict[str, str],
+        data: bytes,
     ) -> web.StreamResponse:
         """Send the request to `base_url` and answer the client.
 
@@ -192,12 +199,15 @@ class Relay:
                             resp = await self._start_client_stream(request, ctx, up)
                         await _write(resp, buf)
                     if resp is None:
-                        raise UpstreamFailure("dropped", "replica closed an empty stream", retryable=True)
+                        raise UpstreamFailure(
+                            "dropped", "replica closed an empty stream", retryable=True
+                        )
                     clean = True
             except TimeoutError:
                 failure = UpstreamFailure(
                     "timeout",
-                    "upstream timed out" + (" between stream chunks" if resp else " before the first token"),
+                    "upstream timed out"
+                    + (" between stream chunks" if resp else " before the first token"),
                     retryable=False,
                 )
             except ClientGone:
@@ -216,7 +226,11 @@ class Relay:
                 # (the OpenAI SDKs raise APIError on it) rather than a silent truncation.
                 ctx.outcome = f"upstream_{failure.kind}"
                 ctx.upstream_error = failure.kind
-                err = ApiError(504 if failure.kind == "timeout" else 502, failure.message, code=f"upstream_{failure.kind}")
+                err = ApiError(
+                    504 if failure.kind == "timeout" else 502,
+                    failure.message,
+                    code=f"upstream_{failure.kind}",
+                )
                 try:
                     await resp.write(err.sse_event())
                     await resp.write_eof()
@@ -241,7 +255,9 @@ class Relay:
                     # (vLLM and SGLang abort on client disconnect) and free its KV blocks.
                     up.close()
 
-    async def _stream_refused(self, ctx: RequestContext, up: aiohttp.ClientResponse) -> web.Response:
+    async def _stream_refused(
+        self, ctx: RequestContext, up: aiohttp.ClientResponse
+    ) -> web.Response:
         """A streamed request the engine answered with an error status before streaming."""
         body = await up.read()
         if up.status >= 500:

@@ -61,7 +61,11 @@ class ChatCompletionRequest(_Common):
     @property
     def output_bound(self) -> int | None:
         """The client's output bound; OpenAI's newer name wins when both are given."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
     def prompt_text(self) -> str:
         """The text content of the messages, for character-based token estimation and

@@ -63,7 +63,9 @@ def classify_client_error(exc: BaseException, *, started: bool) -> UpstreamFailu
     """Map an aiohttp exception to an UpstreamFailure. `started`: bytes already went to
     the client (then nothing is retryable)."""
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return UpstreamFailure("connect", f"cannot connect to replica: {exc.os_error or exc}", retryable=not started)
+        return UpstreamFailure(
+            "connect", f"cannot connect to replica: {exc.os_error or exc}", retryable=not started
+        )
     if isinstance(exc, TimeoutError):
         return UpstreamFailure("timeout", "upstream timed out", retryable=False)
     return UpstreamFailure(

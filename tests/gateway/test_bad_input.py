@@ -23,30 +23,105 @@ CASES = [
     ("malformed json", "/v1/chat/completions", b'{"model": "tiny-llm", "messages": [', 400, None),
     ("not an object", "/v1/chat/completions", b"[1, 2, 3]", 400, None),
     ("empty body", "/v1/chat/completions", b"", 400, None),
-    ("missing model", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}]}', 400, "model"),
-    ("model wrong type", "/v1/chat/completions", b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}', 400, "model"),
+    (
+        "missing model",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}]}',
+        400,
+        "model",
+    ),
+    (
+        "model wrong type",
+        "/v1/chat/completions",
+        b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}',
+        400,
+        "model",
+    ),
     ("missing messages", "/v1/chat/completions", b'{"model": "tiny-llm"}', 400, "messages"),
-    ("empty messages", "/v1/chat/completions", b'{"model": "tiny-llm", "messages": []}', 400, "messages"),
-    ("message without role", "/v1/chat/completions", b'{"model": "tiny-llm", "messages": [{"content": "x"}]}', 400, "messages"),
-    ("stream wrong type", "/v1/chat/completions", b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400, "stream"),
-    ("max_tokens string", "/v1/chat/completions", b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}], "max_tokens": "10"}', 400, "max_tokens"),
-    ("negative max_tokens", "/v1/chat/completions", b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}', 400, "max_tokens"),
-    ("zero max_tokens", "/v1/chat/completions", b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400, "max_tokens"),
-    ("absurd max_tokens", "/v1/chat/completions", b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1000000000000}', 400, "max_tokens"),
-    ("n > 1", "/v1/chat/completions", b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}], "n": 3}', 400, "n"),
+    (
+        "empty messages",
+        "/v1/chat/completions",
+        b'{"model": "tiny-llm", "messages": []}',
+        400,
+        "messages",
+    ),
+    (
+        "message without role",
+        "/v1/chat/completions",
+        b'{"model": "tiny-llm", "messages": [{"content": "x"}]}',
+        400,
+        "messages",
+    ),
+    (
+        "stream wrong type",
+        "/v1/chat/completions",
+        b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+        400,
+        "stream",
+    ),
+    (
+        "max_tokens string",
+        "/v1/chat/completions",
+        b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}], "max_tokens": "10"}',
+        400,
+        "max_tokens",
+    ),
+    (
+        "negative max_tokens",
+        "/v1/chat/completions",
+        b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}',
+        400,
+        "max_tokens",
+    ),
+    (
+        "zero max_tokens",
+        "/v1/chat/completions",
+        b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+        400,
+        "max_tokens",
+    ),
+    (
+        "absurd max_tokens",
+        "/v1/chat/completions",
+        b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1000000000000}',
+        400,
+        "max_tokens",
+    ),
+    (
+        "n > 1",
+        "/v1/chat/completions",
+        b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}], "n": 3}',
+        400,
+        "n",
+    ),
     ("completions missing prompt", "/v1/completions", b'{"model": "tiny-llm"}', 400, "prompt"),
-    ("completions batch", "/v1/completions", b'{"model": "tiny-llm", "prompt": ["a", "b"]}', 400, "prompt"),
-    ("completions prompt wrong type", "/v1/completions", b'{"model": "tiny-llm", "prompt": 12}', 400, "prompt"),
+    (
+        "completions batch",
+        "/v1/completions",
+        b'{"model": "tiny-llm", "prompt": ["a", "b"]}',
+        400,
+        "prompt",
+    ),
+    (
+        "completions prompt wrong type",
+        "/v1/completions",
+        b'{"model": "tiny-llm", "prompt": 12}',
+        400,
+        "prompt",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "path", "raw", "status", "param"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("name", "path", "raw", "status", "param"), CASES, ids=[c[0] for c in CASES]
+)
 async def test_bad_request_bodies(replica, gateway, name, path, raw, status, param):
     srv = await replica()
     gw = await gateway(srv)
-    async with aiohttp.ClientSession() as s, s.post(
-        gw.url + path, data=raw, headers={"Content-Type": "application/json"}
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + path, data=raw, headers={"Content-Type": "application/json"}) as r,
+    ):
         assert r.status == status, await r.text()
         err = assert_error_object(await r.json())
     assert err["type"] == "invalid_request_error"
@@ -63,7 +138,10 @@ async def test_bad_input_batch_on_one_gateway(replica, gateway):
             async with s.post(gw.url + path, data=raw) as r:
                 assert r.status == status
                 assert_error_object(await r.json())
-        async with s.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": OK_MSG, "max_tokens": 2}) as r:
+        async with s.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": OK_MSG, "max_tokens": 2},
+        ) as r:
             assert r.status == 200
 
 
@@ -89,9 +167,10 @@ async def test_oversized_body_is_413(replica, gateway):
 
 async def test_unknown_model_404(replica, gateway):
     gw = await gateway(await replica())
-    async with aiohttp.ClientSession() as s, s.post(
-        gw.url + "/v1/chat/completions", json={"model": "gpt-9", "messages": OK_MSG}
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/chat/completions", json={"model": "gpt-9", "messages": OK_MSG}) as r,
+    ):
         assert r.status == 404
         err = assert_error_object(await r.json())
     assert err["code"] == "model_not_found" and err["param"] == "model"
@@ -100,10 +179,13 @@ async def test_unknown_model_404(replica, gateway):
 async def test_context_length_exceeded_is_400_at_once(replica, gateway):
     srv = await replica()
     gw = await gateway(srv)  # tiny: max_model_len 2048
-    async with aiohttp.ClientSession() as s, s.post(
-        gw.url + "/v1/chat/completions",
-        json={"model": MODEL, "messages": OK_MSG, "max_tokens": 100_000},
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": OK_MSG, "max_tokens": 100_000},
+        ) as r,
+    ):
         assert r.status == 400
         err = assert_error_object(await r.json())
     assert err["code"] == "context_length_exceeded"
@@ -114,7 +196,11 @@ async def test_bad_headers_and_unknown_paths(replica, gateway):
     gw = await gateway(await replica())
     body = {"model": MODEL, "messages": OK_MSG, "max_tokens": 2}
     async with aiohttp.ClientSession() as s:
-        for hdr in ({"x-kvgate-queue-timeout": "soon"}, {"x-kvgate-queue-timeout": "-1"}, {"x-kvgate-priority": "high"}):
+        for hdr in (
+            {"x-kvgate-queue-timeout": "soon"},
+            {"x-kvgate-queue-timeout": "-1"},
+            {"x-kvgate-priority": "high"},
+        ):
             async with s.post(gw.url + "/v1/chat/completions", json=body, headers=hdr) as r:
                 assert r.status == 400
                 assert_error_object(await r.json())
@@ -137,7 +223,10 @@ async def test_unknown_fields_are_passed_to_the_engine(replica, gateway):
         "top_k": 5,
         "priority": 0,
     }
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=body) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/chat/completions", json=body) as r,
+    ):
         assert r.status == 200
         data = await r.json()
     # Only an engine that saw ignore_eos generates exactly max_tokens every time.
@@ -151,7 +240,11 @@ async def test_api_keys_map_to_tenants(replica, gateway):
         async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
             assert r.status == 401
             assert assert_error_object(await r.json())["code"] == "invalid_api_key"
-        async with s.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"}) as r:
+        async with s.post(
+            gw.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"}
+        ) as r:
             assert r.status == 401
-        async with s.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-a"}) as r:
+        async with s.post(
+            gw.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-a"}
+        ) as r:
             assert r.status == 200

@@ -79,7 +79,8 @@ def test_invalid_field_is_named(tmp_path, text, field):
 def test_duplicate_replica_names_rejected():
     with pytest.raises(ConfigError, match="duplicate replica name"):
         config_from_mapping(
-            {"replicas": [{"name": "a", "url": "http://x"}, {"name": "a", "url": "http://y"}]}, env={}
+            {"replicas": [{"name": "a", "url": "http://x"}, {"name": "a", "url": "http://y"}]},
+            env={},
         )
 
 

@@ -23,7 +23,9 @@ MSG = [{"role": "user", "content": "Say something about queues."}]
 async def test_chat_non_stream_usage(replica, gateway):
     gw = await gateway(await replica())
     async with client(gw) as c:
-        r = await c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=12, extra_body={"ignore_eos": True})
+        r = await c.chat.completions.create(
+            model=MODEL, messages=MSG, max_tokens=12, extra_body={"ignore_eos": True}
+        )
     assert r.choices[0].finish_reason == "length"
     assert r.usage is not None and r.usage.completion_tokens == 12
     assert r.usage.prompt_tokens > 0
@@ -65,7 +67,9 @@ async def test_chat_stream_with_usage(replica, gateway):
 async def test_completions_stream_and_non_stream(replica, gateway):
     gw = await gateway(await replica())
     async with client(gw) as c:
-        r = await c.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=6, extra_body={"ignore_eos": True})
+        r = await c.completions.create(
+            model=MODEL, prompt="def add(a, b):", max_tokens=6, extra_body={"ignore_eos": True}
+        )
         assert r.usage is not None and r.usage.completion_tokens == 6
         assert r.choices[0].text
         stream = await c.completions.create(
@@ -100,7 +104,10 @@ async def test_shed_503_is_retried_by_the_sdk_and_succeeds(replica, gateway):
     # One replica at real speed with a pinned pool that a single long request fills.
     srv = await replica(speed=1.0)
     gw = await gateway(srv, pool_tokens=512, admission={"max_retry_after_s": 1.0})
-    async with client(gw) as big, client(gw, max_retries=3, default_headers={"x-kvgate-queue-timeout": "0"}) as small:
+    async with (
+        client(gw) as big,
+        client(gw, max_retries=3, default_headers={"x-kvgate-queue-timeout": "0"}) as small,
+    ):
         stream = await big.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "hi"}],
@@ -150,6 +157,8 @@ async def test_sglang_flavored_replica_is_discovered_and_served(replica, gateway
     (usage,) = gw.controller.replica_usage()
     assert usage.ready and usage.capacity_tokens == 4096  # discovered, not pinned
     async with client(gw) as c:
-        stream = await c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=5, stream=True)
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=MSG, max_tokens=5, stream=True
+        )
         chunks = [ch async for ch in stream]
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")

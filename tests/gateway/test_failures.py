@@ -17,7 +17,12 @@ import pytest
 from enginesim.faults import make_fault
 from tests.gateway.conftest import MODEL, wait_for
 
-LONG = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 1500, "ignore_eos": True}
+LONG = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "tell me a long story"}],
+    "max_tokens": 1500,
+    "ignore_eos": True,
+}
 SHORT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
@@ -71,7 +76,10 @@ async def test_client_disconnect_non_stream_cancels_handler_and_upstream(replica
     gw = await gateway(srv)
 
     async def call() -> None:
-        async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=LONG) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(gw.url + "/v1/chat/completions", json=LONG) as r,
+        ):
             await r.read()
 
     task = asyncio.create_task(call())
@@ -89,11 +97,16 @@ async def test_client_disconnect_while_queued_leaves_the_queue(replica, gateway)
     srv = await replica(speed=1.0)
     gw = await gateway(srv, pool_tokens=512)
     async with aiohttp.ClientSession() as s:
-        big = await s.post(gw.url + "/v1/chat/completions", json={**LONG, "max_tokens": 440, "stream": True})
+        big = await s.post(
+            gw.url + "/v1/chat/completions", json={**LONG, "max_tokens": 440, "stream": True}
+        )
         assert len(await read_events(big, 1)) == 1
 
         async def queued() -> None:
-            async with aiohttp.ClientSession() as s2, s2.post(gw.url + "/v1/chat/completions", json={**SHORT, "max_tokens": 100}) as r:
+            async with (
+                aiohttp.ClientSession() as s2,
+                s2.post(gw.url + "/v1/chat/completions", json={**SHORT, "max_tokens": 100}) as r,
+            ):
                 await r.read()
 
         task = asyncio.create_task(queued())
@@ -110,7 +123,10 @@ async def test_upstream_5xx_is_502_error_object(replica, gateway, stream):
     srv = await replica()
     gw = await gateway(srv)
     srv.set_fault(make_fault("error", status=503))
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json={**SHORT, "stream": stream}) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/chat/completions", json={**SHORT, "stream": stream}) as r,
+    ):
         assert r.status == 502
         body = await r.json()
     assert body["error"]["code"] == "upstream_status_5xx"
@@ -128,7 +144,9 @@ async def test_5xx_before_any_byte_is_retried_on_another_replica(replica, gatewa
         # Equal replicas tie; the picker breaks ties at random, so within a few requests
         # one lands on the bad replica first (P(never in 30) ~ 1e-9).
         while n < 30 and ("r0", "status_5xx") not in await upstream_errors(gw):
-            r = await c.chat.completions.create(model=MODEL, messages=SHORT["messages"], max_tokens=4)
+            r = await c.chat.completions.create(
+                model=MODEL, messages=SHORT["messages"], max_tokens=4
+            )
             assert r.usage is not None and r.usage.completion_tokens > 0
             n += 1
     assert (await upstream_errors(gw))[("r0", "status_5xx")] == 1
@@ -142,7 +160,10 @@ async def test_connection_dropped_mid_stream_ends_with_error_event(replica, gate
     srv = await replica()
     gw = await gateway(srv)
     srv.set_fault(make_fault("drop", after_tokens=3))
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": True}) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": True}) as r,
+    ):
         assert r.status == 200
         raw = await r.read()
     events = [e for e in raw.split(b"\n\n") if e]
@@ -152,7 +173,11 @@ async def test_connection_dropped_mid_stream_ends_with_error_event(replica, gate
     # The SDK turns the error event into an exception rather than a silent truncation.
     async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as c:
         stream = await c.chat.completions.create(
-            model=MODEL, messages=LONG["messages"], max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+            model=MODEL,
+            messages=LONG["messages"],
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
         )
         with pytest.raises(openai.APIError):
             async for _ in stream:
@@ -165,7 +190,10 @@ async def test_connection_dropped_before_response_is_502(replica, gateway):
     srv = await replica()
     gw = await gateway(srv)
     srv.set_fault(make_fault("drop", after_tokens=0))
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=SHORT) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/chat/completions", json=SHORT) as r,
+    ):
         assert r.status == 502
         assert (await r.json())["error"]["code"] == "upstream_dropped"
     srv.set_fault(make_fault("none"))
@@ -176,7 +204,10 @@ async def test_hung_replica_is_504_and_aborted(replica, gateway, stream):
     srv = await replica()
     gw = await gateway(srv, upstream={"first_byte_s": 0.3, "total_s": 0.6})
     srv.set_fault(make_fault("hang"))
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json={**SHORT, "stream": stream}) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/chat/completions", json={**SHORT, "stream": stream}) as r,
+    ):
         assert r.status == 504
         assert (await r.json())["error"]["code"] == "upstream_timeout"
     assert gw.controller.reserved_tokens() == 0
@@ -187,7 +218,10 @@ async def test_hung_replica_is_504_and_aborted(replica, gateway, stream):
 async def test_stream_stalling_mid_way_hits_idle_timeout(replica, gateway):
     srv = await replica(speed=1.0)
     gw = await gateway(srv, upstream={"idle_s": 0.3})
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": True}) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": True}) as r,
+    ):
         assert len(await read_events(r, 2)) == 2
         srv.set_fault(make_fault("hang"))
         rest = await r.read()
@@ -204,7 +238,9 @@ async def test_crashed_replica_is_marked_unready_and_request_retried(replica, ga
     assert await wait_for(lambda: dead.crashed)
     async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as c:
         for _ in range(4):
-            r = await c.chat.completions.create(model=MODEL, messages=SHORT["messages"], max_tokens=4)
+            r = await c.chat.completions.create(
+                model=MODEL, messages=SHORT["messages"], max_tokens=4
+            )
             assert r.choices[0].message.content is not None
     ready = {u.name: u.ready for u in gw.controller.replica_usage()}
     assert alive.core.stats().num_finished == 4
@@ -233,7 +269,10 @@ async def test_only_replica_crashed_is_502_then_503(replica, gateway):
 async def test_crash_mid_stream_ends_with_error_event(replica, gateway):
     srv = await replica(speed=1.0)
     gw = await gateway(srv)
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": True}) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": True}) as r,
+    ):
         assert len(await read_events(r, 2)) == 2
         srv.set_fault(make_fault("crash"))
         rest = await r.read()

@@ -62,7 +62,9 @@ async def test_replica_becoming_ready_admits_queued_request(replica, gateway):
     async with aiohttp.ClientSession() as s:
         first = await s.post(gw.url + "/v1/chat/completions", json=big)
         assert (await first.content.readany()).startswith(b"data:")
-        queued = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json={**BODY, "max_tokens": 100}))
+        queued = asyncio.create_task(
+            s.post(gw.url + "/v1/chat/completions", json={**BODY, "max_tokens": 100})
+        )
         assert await wait_for(lambda: gw.controller.queue_depth() == 1)
         await gw.state.discovery.watchers["r1"].refresh()  # one discovery round for r1
         r = await queued
@@ -80,7 +82,9 @@ async def test_metrics_move_with_traffic(replica, gateway):
     assert before[("kvgate_replica_reserved_tokens", (("replica", "r0"),))] == 0
     async with aiohttp.ClientSession() as s:
         for stream in (False, True):
-            async with s.post(gw.url + "/v1/chat/completions", json={**BODY, "stream": stream}) as r:
+            async with s.post(
+                gw.url + "/v1/chat/completions", json={**BODY, "stream": stream}
+            ) as r:
                 assert r.status == 200
                 await r.read()
         async with s.post(gw.url + "/v1/chat/completions", json={**BODY, "model": "nope"}) as r:
@@ -88,7 +92,10 @@ async def test_metrics_move_with_traffic(replica, gateway):
     after = await scrape(gw)
     ok = ("kvgate_requests_total", (("model", MODEL), ("outcome", "ok")))
     assert after[ok] == 2
-    assert after[("kvgate_requests_total", (("model", "_unknown"), ("outcome", "model_not_found")))] == 1
+    assert (
+        after[("kvgate_requests_total", (("model", "_unknown"), ("outcome", "model_not_found")))]
+        == 1
+    )
     assert after[("kvgate_ttft_seconds_count", ())] == 1  # the streamed one
     assert after[("kvgate_itl_seconds_count", ())] == 1
     assert after[("kvgate_queue_wait_seconds_count", ())] == 2
@@ -102,9 +109,13 @@ async def test_admin_replicas_requires_token(replica, gateway):
         async with s.get(gw.url + "/admin/replicas") as r:
             assert r.status == 401
             assert (await r.json())["error"]["code"] == "invalid_admin_token"
-        async with s.get(gw.url + "/admin/replicas", headers={"Authorization": "Bearer wrong"}) as r:
+        async with s.get(
+            gw.url + "/admin/replicas", headers={"Authorization": "Bearer wrong"}
+        ) as r:
             assert r.status == 401
-        async with s.get(gw.url + "/admin/replicas", headers={"Authorization": "Bearer s3cret"}) as r:
+        async with s.get(
+            gw.url + "/admin/replicas", headers={"Authorization": "Bearer s3cret"}
+        ) as r:
             assert r.status == 200
             data = await r.json()
     (rep,) = data["replicas"]
@@ -118,9 +129,10 @@ async def test_admin_replicas_requires_token(replica, gateway):
 
 async def test_admin_closed_without_token(replica, gateway):
     gw = await gateway(await replica())
-    async with aiohttp.ClientSession() as s, s.get(
-        gw.url + "/admin/replicas", headers={"Authorization": "Bearer "}
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(gw.url + "/admin/replicas", headers={"Authorization": "Bearer "}) as r,
+    ):
         assert r.status == 401
 
 
@@ -145,10 +157,13 @@ async def test_access_log_is_one_json_line_without_prompt(replica, gateway, capl
     logger.disabled = False
     try:
         with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
-            async with aiohttp.ClientSession() as s, s.post(
-                gw.url + "/v1/chat/completions",
-                json={**BODY, "messages": [{"role": "user", "content": secret}]},
-            ) as r:
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
+                    gw.url + "/v1/chat/completions",
+                    json={**BODY, "messages": [{"role": "user", "content": secret}]},
+                ) as r,
+            ):
                 assert r.status == 200
                 request_id = r.headers["x-request-id"]
             await gw.drain(5.0)

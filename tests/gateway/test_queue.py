@@ -38,10 +38,12 @@ async def test_requests_beyond_the_pool_wait_and_complete_in_order(replica, gate
             # Submit strictly one after another so arrival order is the index order: wait
             # until the gateway has seen request i (admitted, queued or done).
             assert await wait_for(
-                lambda n=i + 1: gw.controller.queue_depth()
-                + sum(u.running for u in gw.controller.replica_usage())
-                + len(finished)
-                >= n
+                lambda n=i + 1: (
+                    gw.controller.queue_depth()
+                    + sum(u.running for u in gw.controller.replica_usage())
+                    + len(finished)
+                    >= n
+                )
             )
         while not all(t.done() for t in tasks):
             peak_reserved = max(peak_reserved, gw.controller.reserved_tokens())
@@ -65,7 +67,9 @@ async def test_deadline_shed_503_with_retry_after(replica, gateway):
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         async with s.post(
-            gw.url + "/v1/chat/completions", json=body(100), headers={"x-kvgate-queue-timeout": "0.2"}
+            gw.url + "/v1/chat/completions",
+            json=body(100),
+            headers={"x-kvgate-queue-timeout": "0.2"},
         ) as r:
             waited = loop.time() - t0
             assert r.status == 503
@@ -101,7 +105,10 @@ async def test_queue_full_is_503_at_once(replica, gateway):
 
 async def test_never_fits_is_400_never_queued(replica, gateway):
     gw = await gateway(await replica(), pool_tokens=512)
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=body(1000)) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/chat/completions", json=body(1000)) as r,
+    ):
         assert r.status == 400
         assert (await r.json())["error"]["code"] == "context_length_exceeded"
     assert gw.controller.queue_depth() == 0

@@ -14,14 +14,24 @@ from gateway.relay import Relay
 
 
 def chunk(i: int, content: str) -> bytes:
-    obj = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}]}
+    obj = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
+    }
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 USAGE = b'data: {"id":"c","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":11,"completion_tokens":5,"total_tokens":16}}\n\n'
 # Content that mentions "usage" must not be mistaken for the usage chunk.
 TRICKY = chunk(9, 'the "usage": {"x": 1} field')
-STREAM = b"".join(chunk(i, f" tok{i}") for i in range(4)) + TRICKY + b": keep-alive comment\n\n" + USAGE + b"data: [DONE]\n\n"
+STREAM = (
+    b"".join(chunk(i, f" tok{i}") for i in range(4))
+    + TRICKY
+    + b": keep-alive comment\n\n"
+    + USAGE
+    + b"data: [DONE]\n\n"
+)
 
 
 def relay() -> Relay:
@@ -29,7 +39,9 @@ def relay() -> Relay:
 
 
 def ctx(wants_usage: bool) -> RequestContext:
-    c = RequestContext(request_id="t", kind="chat", upstream_path="/v1/chat/completions", arrival=0.0)
+    c = RequestContext(
+        request_id="t", kind="chat", upstream_path="/v1/chat/completions", arrival=0.0
+    )
     c.stream = True
     c.client_wants_usage = wants_usage
     return c
@@ -66,7 +78,12 @@ def test_forwarded_bytes_identical_except_unrequested_usage(seed):
 
 def test_upstream_body_adds_include_usage_only_when_needed():
     c = ctx(wants_usage=False)
-    c.body = {"model": "m", "stream": True, "stream_options": {"continuous_usage_stats": False}, "top_k": 3}
+    c.body = {
+        "model": "m",
+        "stream": True,
+        "stream_options": {"continuous_usage_stats": False},
+        "top_k": 3,
+    }
     c.raw = json.dumps(c.body).encode()
     sent = json.loads(Relay.upstream_body(c))
     assert sent["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
