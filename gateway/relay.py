@@ -119,10 +119,12 @@ class Relay:
                 async with asyncio.timeout_at(loop.time() + self._cfg.total_s):
                     up = await self._session.post(url, data=data, headers=headers)
                     body = await up.read()
+            except (
+                aiohttp.ClientError
+            ) as e:  # first: aiohttp's connect timeout is also a TimeoutError
+                raise classify_client_error(e, started=False) from e
             except TimeoutError:
                 raise UpstreamFailure("timeout", "upstream timed out", retryable=False) from None
-            except aiohttp.ClientError as e:
-                raise classify_client_error(e, started=False) from e
             done = True
             status = up.status
             if status >= 500:

@@ -62,6 +62,9 @@ def make_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
 def classify_client_error(exc: BaseException, *, started: bool) -> UpstreamFailure:
     """Map an aiohttp exception to an UpstreamFailure. `started`: bytes already went to
     the client (then nothing is retryable)."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        # No TCP connection within connect_s: as good as down (black-holed host).
+        return UpstreamFailure("connect", "connecting to replica timed out", retryable=not started)
     if isinstance(exc, aiohttp.ClientConnectorError):
         return UpstreamFailure(
             "connect", f"cannot connect to replica: {exc.os_error or exc}", retryable=not started

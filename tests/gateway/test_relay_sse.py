@@ -92,3 +92,16 @@ def test_upstream_body_adds_include_usage_only_when_needed():
     assert Relay.upstream_body(c) is c.raw  # forwarded as the client sent it
     c.stream = False
     assert Relay.upstream_body(c) is c.raw
+
+
+def test_failure_classification():
+    import aiohttp
+
+    from gateway.upstream import classify_client_error
+
+    f = classify_client_error(aiohttp.ConnectionTimeoutError("slow connect"), started=False)
+    assert (f.kind, f.retryable) == ("connect", True)
+    f = classify_client_error(aiohttp.ServerDisconnectedError(), started=True)
+    assert (f.kind, f.retryable) == ("dropped", False)
+    f = classify_client_error(aiohttp.ClientPayloadError("truncated"), started=False)
+    assert (f.kind, f.retryable) == ("dropped", True)
