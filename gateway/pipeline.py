@@ -37,7 +37,7 @@ from gateway.config import GatewayConfig
 from gateway.context import Kind, RequestContext
 from gateway.discovery import Discovery
 from gateway.errors import ApiError, invalid_request
-from gateway.logging import log_access
+from gateway.logging import access_log_enabled, log_access
 from gateway.metrics import GatewayMetrics
 from gateway.relay import Relay
 from gateway.schemas import MAX_TOKENS_CEILING, ChatCompletionRequest, CompletionRequest
@@ -449,32 +449,30 @@ class Pipeline:
             m.ttft.observe(ttft)
             if ctx.events > 1 and ctx.last_event_at is not None:
                 m.itl.observe((ctx.last_event_at - ctx.first_byte_at) / (ctx.events - 1))
-        end = self._loop.time()
-        log_access(
-            {
-                "request_id": ctx.request_id,
-                "tenant": ctx.tenant,
-                "model": ctx.model or None,
-                "kind": ctx.kind,
-                "stream": ctx.stream,
-                "workload": ctx.workload,
-                "replica": ctx.replica,
-                "outcome": ctx.outcome,
-                "status": ctx.status,
-                "prompt_tokens": ctx.usage_prompt,
-                "prompt_tokens_est": ctx.prompt_tokens or None,
-                "completion_tokens": ctx.usage_completion
-                if ctx.usage_completion is not None
-                else (ctx.generated or None),
-                "reserved_tokens": ctx.reserved or None,
-                "queue_wait_s": round(ctx.admitted_at - ctx.arrival, 6)
-                if ctx.admitted_at
-                else None,
-                "ttft_s": round(ttft, 6) if ttft is not None else None,
-                "duration_s": round(end - ctx.arrival, 6),
-                "attempts": ctx.attempts + 1,
-            }
-        )
+        if access_log_enabled():  # the line is built only when someone reads it
+            log_access(self._access_fields(ctx, ttft))
+
+    def _access_fields(self, ctx: RequestContext, ttft: float | None) -> dict[str, object]:
+        completion = ctx.usage_completion if ctx.usage_completion is not None else ctx.generated
+        return {
+            "request_id": ctx.request_id,
+            "tenant": ctx.tenant,
+            "model": ctx.model or None,
+            "kind": ctx.kind,
+            "stream": ctx.stream,
+            "workload": ctx.workload,
+            "replica": ctx.replica,
+            "outcome": ctx.outcome,
+            "status": ctx.status,
+            "prompt_tokens": ctx.usage_prompt,
+            "prompt_tokens_est": ctx.prompt_tokens or None,
+            "completion_tokens": completion or None,
+            "reserved_tokens": ctx.reserved or None,
+            "queue_wait_s": round(ctx.admitted_at - ctx.arrival, 6) if ctx.admitted_at else None,
+            "ttft_s": round(ttft, 6) if ttft is not None else None,
+            "duration_s": round(self._loop.time() - ctx.arrival, 6),
+            "attempts": ctx.attempts + 1,
+        }
 
     def release(self, ctx: RequestContext) -> None:
         """Free the reservation or queue entry (idempotent; always runs)."""
