@@ -13,9 +13,15 @@ set; the virtual clock keeps following wall time meanwhile, so an idle gap of on
 is one (scaled) second of simulated idleness, as it would be on a real engine. Requests
 that arrive mid-step join at the next step, as on a real engine.
 
-Latency histograms are observed here, at delivery, in virtual seconds: that is what a
-client of the simulated engine would measure (it includes the `slow` fault and any lag
-of an overloaded event loop, never hides it).
+When the host cannot keep up (a step's end has passed in virtual time by the moment the
+loop gets to deliver it: a timer that fired late, or a `speed` higher than the event loop
+can pace), the virtual clock slips back to the step's end instead of running ahead of the
+engine. Simulated timings therefore stay exactly the core's (back-to-back steps stay
+back-to-back) and only the wall-clock pace drops; `slipped` says by how much. Time spent
+hung is not slipped: a hang is part of what the simulated clients experience.
+
+Latency histograms are observed here, at delivery, in virtual seconds, as a client of the
+simulated engine would measure them (the `slow` fault and hangs included).
 """
 
 from __future__ import annotations
@@ -100,6 +106,10 @@ class EngineDriver:
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wall0 = 0.0
+        self._last_stamp = 0.0  # latest virtual time handed to the core
+        # Net virtual seconds the clock was set back to stay on the engine's timeline
+        # (positive: the host lagged; early timer wake-ups count negative).
+        self.slipped = 0.0
         self.steps = 0  # engine steps taken, for tests and diagnostics
 
     # -- clock -------------------------------------------------------------------------
@@ -108,7 +118,13 @@ class EngineDriver:
         """Current virtual time in seconds since the driver started."""
         if self._loop is None:
             return 0.0
-        return (self._loop.time() - self._wall0) * self.speed
+        return (self._loop.time() - self._wall0) * self.speed - self.slipped
+
+    def _stamp(self) -> float:
+        """The virtual time to hand the core; the clock never slips back before it."""
+        now = self.vnow()
+        self._last_stamp = max(self._last_stamp, now)
+        return now
 
     def _wall_delay(self, vtime: float) -> float:
         return max(0.0, (vtime - self.vnow()) / self.speed)
@@ -141,7 +157,7 @@ class EngineDriver:
         """Add a request to the core; raises ValueError if the core refuses it."""
         if request.request_id in self._handles:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        now = self.vnow()
+        now = self._stamp()
         self.core.add_request(request, now)
         handle = RequestHandle(request_id=request.request_id, arrival=now)
         self._handles[request.request_id] = handle
@@ -154,7 +170,7 @@ class EngineDriver:
         if handle is None:
             return False
         handle.done = True
-        self.core.abort(request_id, self.vnow())
+        self.core.abort(request_id, self._stamp())
         if self._metrics is not None:
             self._metrics.observe_aborted()
         self._wake.set()
@@ -194,33 +210,58 @@ class EngineDriver:
 
     async def _run(self) -> None:
         core = self.core
+        # Where the engine's timeline continues from, when the clock has run past it only
+        # because of the host (late timers, delivery work, wake-up latency).
+        resume_at: float | None = None
         while True:
             if not self._running.is_set():
                 await self._running.wait()
+                resume_at = None  # a hang stays on the timeline
                 continue
             if not core.has_work():
                 self._wake.clear()
                 if not core.has_work():
                     await self._wake.wait()
+                    # Idle time is real time up to what woke us (an arrival or an abort);
+                    # the wake-up latency after it is the host's, not the engine's.
+                    resume_at = self._last_stamp
                 continue
-            result = core.step(self.vnow())
+            if resume_at is not None:
+                # Start exactly there: at high speeds even the microseconds between two
+                # clock reads are a visible gap on the virtual timeline.
+                now = max(resume_at, self._last_stamp)
+                self.slipped += self.vnow() - now
+                self._last_stamp = now
+                resume_at = None
+            else:
+                now = self._stamp()
+            result = core.step(now)
             self.steps += 1
             if result.duration <= 0.0 and not result.events:
                 # Work exists but nothing can run now (e.g. the waiting requests need more
                 # free blocks than there are): only an add or an abort changes that.
                 self._wake.clear()
                 await self._wake.wait()
+                resume_at = self._last_stamp
                 continue
             end = result.start + result.duration * self.slow_factor
             # Always yield, even when late, so handlers run between steps.
             await asyncio.sleep(self._wall_delay(end))
             if not self._running.is_set():
-                # Hung mid-step: the step's output appears only once the engine resumes.
+                # Hung mid-step: the step's output appears only once the engine resumes,
+                # and the hang stays on the timeline.
                 await self._running.wait()
-            self._deliver(result.events)
+                self._deliver(result.events, self.vnow())
+                continue
+            # Deliver exactly at the step's end on the virtual timeline, never before a
+            # time already handed to the core; the next step starts there, as on a busy
+            # engine: the clock is set back if the loop was late, forward if the timer
+            # fired early (coarse timers round short sleeps).
+            at = max(end, self._last_stamp)
+            self._deliver(result.events, at)
+            resume_at = at
 
-    def _deliver(self, events: list[EngineEvent]) -> None:
-        now = self.vnow()
+    def _deliver(self, events: list[EngineEvent], now: float) -> None:
         metrics = self._metrics
         tokens = 0
         for ev in events:
