@@ -8,6 +8,7 @@ import aiohttp
 
 from tests.gateway.conftest import MODEL, wait_for
 from tests.gateway.test_failures import read_events
+from tests.gateway.test_ops import scrape
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -91,6 +92,10 @@ async def test_queue_full_is_503_at_once(replica, gateway):
         assert len(await read_events(big, 1)) == 1
         waiting = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json=body(50)))
         assert await wait_for(lambda: gw.controller.queue_depth() == 1)
+        live = await scrape(gw)
+        assert live[("kvgate_queue_depth", (("model", MODEL),))] == 1
+        assert live[("kvgate_replica_reserved_tokens", (("replica", "r0"),))] >= 440
+        assert live[("kvgate_replica_running", (("replica", "r0"),))] == 1
         async with s.post(gw.url + "/v1/chat/completions", json=body(50)) as r:
             assert r.status == 503
             assert "Retry-After" in r.headers
