@@ -80,8 +80,9 @@ async def test_deadline_shed_503_with_retry_after(replica, gateway):
     assert err["code"] == "overloaded"
     assert 1 <= retry_after <= 60
     # With no drain history there is no evidence to shed on at submit, so it was queued;
-    # the expiry task shed it at its 0.2 s deadline, long before the big one finished.
-    assert 0.15 <= waited < 0.9
+    # the expiry task shed it at its 0.2 s deadline (a 503 at all shows it did not wait
+    # for the big request, which would have admitted it).
+    assert waited >= 0.15
 
 
 async def test_queue_full_is_503_at_once(replica, gateway):
