@@ -5,13 +5,15 @@ imitate the ways real engines fail, as seen from a client:
 
 * ``crash``: the process dies. The CLI server exits; an embedded server aborts every
   connection and stops listening, which is what a dead process looks like from outside.
-  With ``after_tokens`` N > 0 the crash happens once N more tokens have been streamed,
-  so a test can crash a replica mid-stream. A crash cannot be cleared.
+  With ``after_tokens`` N > 0 the crash happens once the engine has generated N more
+  tokens (all requests together), so a test can crash a replica mid-stream. A crash
+  cannot be cleared.
 * ``hang``: connections are accepted but nothing answers; the engine stops stepping, so
   in-flight streams stall mid-flight. Only ``/admin/faults`` still answers (that is the
   way back).
-* ``error``: new requests are answered with HTTP ``status`` (5xx) and an OpenAI error
-  object, as an engine whose background loop died answers.
+* ``error``: new requests to every endpoint but ``/metrics`` (``/health`` included) are
+  answered with HTTP ``status`` (5xx) and an OpenAI error object, as an engine whose
+  background loop died answers; streams already running continue.
 * ``drop``: each request started while the fault is active has its connection closed
   after ``after_tokens`` tokens (mid-stream for streams; before any response otherwise).
 * ``slow``: every engine step takes ``factor`` times longer than the profile says.
@@ -57,7 +59,7 @@ class FaultConfig:
     status: int = DEFAULT_STATUS
     factor: float = DEFAULT_FACTOR
     # drop: tokens sent per request before its connection is closed.
-    # crash: tokens streamed (server-wide) before the crash; 0 crashes at once.
+    # crash: tokens generated (server-wide) before the crash; 0 crashes at once.
     after_tokens: int = 0
 
     def __post_init__(self) -> None:
