@@ -47,22 +47,42 @@ from loadtests.replay import replay  # noqa: E402
 PROFILE = "seed2-8b-16gb"
 
 
-async def one_run(label: str, items, model: str, args, *, through_kvgate: bool, concurrency: int,
-                  workdir: Path) -> dict:
+async def one_run(
+    label: str,
+    items,
+    model: str,
+    args,
+    *,
+    through_kvgate: bool,
+    concurrency: int,
+    workdir: Path,
+    max_running: int | None = None,
+) -> dict:
     replica = start_replica(PROFILE, args.speed, log=workdir / f"replica-{label}.log")
     with stopping(replica):
         await wait_http(replica.url + "/health", proc=replica)
         target = replica.url
         gw = None
         if through_kvgate:
-            gw = start_gateway(gateway_config([replica.url], speed=args.speed, timeout_s=args.timeout),
-                               workdir=workdir, log=workdir / f"kvgate-{label}.log")
+            gw = start_gateway(
+                gateway_config(
+                    [replica.url], speed=args.speed, timeout_s=args.timeout, max_running=max_running
+                ),
+                workdir=workdir,
+                log=workdir / f"kvgate-{label}.log",
+            )
             await wait_http(gw.url + "/ready", proc=gw)
             target = gw.url
         try:
-            res = await replay(target, model, items, concurrency=concurrency,
-                               timeout_s=args.timeout / args.speed, retry_shed=True,
-                               time_limit_s=args.time_limit)
+            res = await replay(
+                target,
+                model,
+                items,
+                concurrency=concurrency,
+                timeout_s=args.timeout / args.speed,
+                retry_shed=True,
+                time_limit_s=args.time_limit,
+            )
             preemptions = await engine_counter(replica.url, "vllm:num_preemptions")
         finally:
             if gw is not None:
@@ -101,23 +121,60 @@ async def main_async(args) -> int:
     rows = []
     sweep = [c for c in (1, 2, 4, 8, 16, 32) if c <= args.max_sweep]
     for c in sweep:
-        rows.append(await one_run(f"straight c={c}", items, profile.served_model_name, args,
-                                  through_kvgate=False, concurrency=c, workdir=workdir))
+        rows.append(
+            await one_run(
+                f"straight c={c}",
+                items,
+                profile.served_model_name,
+                args,
+                through_kvgate=False,
+                concurrency=c,
+                workdir=workdir,
+            )
+        )
     if 128 not in sweep:
-        rows.append(await one_run("straight c=128", items, profile.served_model_name, args,
-                                  through_kvgate=False, concurrency=128, workdir=workdir))
-    for c in (32, 128):
-        rows.append(await one_run(f"kvgate c={c}", items, profile.served_model_name, args,
-                                  through_kvgate=True, concurrency=c, workdir=workdir))
-
-    complete_straight = [r for r in rows if not r["through_kvgate"] and r["completed"] == r["requests"]]
+        rows.append(
+            await one_run(
+                "straight c=128",
+                items,
+                profile.served_model_name,
+                args,
+                through_kvgate=False,
+                concurrency=128,
+                workdir=workdir,
+            )
+        )
+    complete_straight = [
+        r for r in rows if not r["through_kvgate"] and r["completed"] == r["requests"]
+    ]
     best = min(complete_straight, key=lambda r: r["wall_s"]) if complete_straight else None
+    # kvgate gets the replica's running cap from the sweep, as an operator would from the
+    # ceiling-finding procedure of seed 001: the best fixed concurrency.
+    cap = best["concurrency"] if best else None
+    print(f"kvgate running cap for the replica: {cap} (best fixed concurrency)", flush=True)
+    for c in (32, 128):
+        rows.append(
+            await one_run(
+                f"kvgate c={c}",
+                items,
+                profile.served_model_name,
+                args,
+                through_kvgate=True,
+                concurrency=c,
+                workdir=workdir,
+                max_running=cap,
+            )
+        )
     print()
-    print("| run | completed | lost | shed+retried | wall (sim s) | tok/s | p50 (s) | max (s) | preemptions |")
+    print(
+        "| run | completed | lost | shed+retried | wall (sim s) | tok/s | p50 (s) | max (s) | preemptions |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['label']} | {r['completed']} | {r['lost']} | {r['shed_retries']} | {r['wall_s']:.0f} | "
-              f"{r['tokens_per_s']:.0f} | {r['p50_s']:.1f} | {r['max_s']:.1f} | {r['preemptions']:.0f} |")
+        print(
+            f"| {r['label']} | {r['completed']} | {r['lost']} | {r['shed_retries']} | {r['wall_s']:.0f} | "
+            f"{r['tokens_per_s']:.0f} | {r['p50_s']:.1f} | {r['max_s']:.1f} | {r['preemptions']:.0f} |"
+        )
     verdicts = {}
     for r in rows:
         if r["label"] in ("straight c=32", "straight c=128"):
@@ -128,7 +185,9 @@ async def main_async(args) -> int:
             if best is not None:
                 ratio = r["wall_s"] / best["wall_s"]
                 r["wall_vs_best"] = ratio
-                verdicts[f"{r['label']} wall {ratio:.2f}x best fixed ({best['label']}) <= 1.10x"] = ratio <= 1.10
+                verdicts[
+                    f"{r['label']} wall {ratio:.2f}x best fixed ({best['label']}) <= 1.10x"
+                ] = ratio <= 1.10
     print()
     for k, v in verdicts.items():
         print(f"{'PASS' if v else 'MISS'}  {k}")
@@ -138,6 +197,7 @@ async def main_async(args) -> int:
         "timeout_s": args.timeout,
         "requests": args.requests,
         "best_fixed": best["label"] if best else None,
+        "kvgate_max_running": cap,
         "rows": rows,
         "verdicts": verdicts,
     }
@@ -147,10 +207,14 @@ async def main_async(args) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--speed", type=float, default=25.0)
     ap.add_argument("--requests", type=int, default=738)
-    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="client timeout, simulated s")
+    ap.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="client timeout, simulated s"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-sweep", type=int, default=32)
     ap.add_argument("--time-limit", type=float, default=1800.0, help="wall seconds per run")

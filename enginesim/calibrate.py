@@ -60,14 +60,34 @@ def moe_rows() -> list[Row]:
     ttft = measure_ttft(p, 100)
     scale = d54.aggregate_tps / d1.aggregate_tps
     return [
-        Row("MoE: 1 user decode tok/s", "16.8", f"{d1.per_user_tps:.2f}", "+/-15%",
-            abs(d1.per_user_tps / 16.8 - 1) <= 0.15),
-        Row("MoE: 54 users, per-user tok/s", "2.7", f"{d54.per_user_tps:.2f}", "+/-15%",
-            abs(d54.per_user_tps / 2.7 - 1) <= 0.15),
-        Row("MoE: aggregate 54 users / 1 user", "8.7x", f"{scale:.2f}x", "+/-15%",
-            abs(scale / 8.7 - 1) <= 0.15),
-        Row("MoE: TTFT short prompt, idle (s)", "0.37-0.54", f"{ttft:.3f}", "in range",
-            0.37 <= ttft <= 0.54),
+        Row(
+            "MoE: 1 user decode tok/s",
+            "16.8",
+            f"{d1.per_user_tps:.2f}",
+            "+/-15%",
+            abs(d1.per_user_tps / 16.8 - 1) <= 0.15,
+        ),
+        Row(
+            "MoE: 54 users, per-user tok/s",
+            "2.7",
+            f"{d54.per_user_tps:.2f}",
+            "+/-15%",
+            abs(d54.per_user_tps / 2.7 - 1) <= 0.15,
+        ),
+        Row(
+            "MoE: aggregate 54 users / 1 user",
+            "8.7x",
+            f"{scale:.2f}x",
+            "+/-15%",
+            abs(scale / 8.7 - 1) <= 0.15,
+        ),
+        Row(
+            "MoE: TTFT short prompt, idle (s)",
+            "0.37-0.54",
+            f"{ttft:.3f}",
+            "in range",
+            0.37 <= ttft <= 0.54,
+        ),
     ]
 
 
@@ -78,11 +98,22 @@ def seed2_rows() -> list[Row]:
     ratio = r8.tokens_per_s / single
     fail32 = r32.timed_out / r32.requests
     return [
-        Row("8B/16GB c=8: completed", "738/738", f"{r8.completed}/{r8.requests}", "all", r8.completed == r8.requests),
+        Row(
+            "8B/16GB c=8: completed",
+            "738/738",
+            f"{r8.completed}/{r8.requests}",
+            "all",
+            r8.completed == r8.requests,
+        ),
         Row("8B/16GB c=8: timed out", "0", str(r8.timed_out), "0", r8.timed_out == 0),
         Row("8B/16GB c=8: aggregate / single-stream", ">20x", f"{ratio:.1f}x", ">20x", ratio > 20),
-        Row("8B/16GB c=32: failed (timeout)", "700/738", f"{r32.timed_out}/{r32.requests}", ">=90%",
-            fail32 >= 0.90),
+        Row(
+            "8B/16GB c=32: failed (timeout)",
+            "700/738",
+            f"{r32.timed_out}/{r32.requests}",
+            ">=90%",
+            fail32 >= 0.90,
+        ),
     ]
 
 
@@ -95,10 +126,25 @@ def spec_rows() -> list[Row]:
         off = measure_decode(p, batch, speculative=False, **kw)
         gain = on.aggregate_tps / off.aggregate_tps
         if batch == 1:
-            rows.append(Row("spec coding gain, batch 1", "3.14x (vLLM)", f"{gain:.2f}x", ">=2.5x", gain >= bound))
+            rows.append(
+                Row(
+                    "spec coding gain, batch 1",
+                    "3.14x (vLLM)",
+                    f"{gain:.2f}x",
+                    ">=2.5x",
+                    gain >= bound,
+                )
+            )
         else:
-            rows.append(Row(f"spec coding gain, batch {batch}", "<=1 (inverts)", f"{gain:.2f}x", "<=1.0x",
-                            gain <= bound))
+            rows.append(
+                Row(
+                    f"spec coding gain, batch {batch}",
+                    "<=1 (inverts)",
+                    f"{gain:.2f}x",
+                    "<=1.0x",
+                    gain <= bound,
+                )
+            )
     return rows
 
 
@@ -112,9 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     w = max(len(r.figure) for r in rows)
     print(f"{'figure':<{w}}  {'seed':>13}  {'simulated':>10}  {'tolerance':>9}  ok")
     for r in rows:
-        print(f"{r.figure:<{w}}  {r.seed:>13}  {r.simulated:>10}  {r.tolerance:>9}  {'yes' if r.ok else 'NO'}")
+        print(
+            f"{r.figure:<{w}}  {r.seed:>13}  {r.simulated:>10}  {r.tolerance:>9}  {'yes' if r.ok else 'NO'}"
+        )
     r8, r32 = seed2_run(8), seed2_run(32)
-    print(f"\nseed 001 runs (timeout {SEED2_TIMEOUT_S:.0f} s, single-stream {seed2_single_stream():.1f} tok/s):")
+    print(
+        f"\nseed 001 runs (timeout {SEED2_TIMEOUT_S:.0f} s, single-stream {seed2_single_stream():.1f} tok/s):"
+    )
     print("  " + r8.row())
     print("  " + r32.row())
     print(f"\ncpu {time.process_time() - t0:.1f} s")

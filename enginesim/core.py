@@ -85,8 +85,14 @@ class _Req:
 class EngineCore:
     """One replica's engine. See the module docstring for the scheduling model."""
 
-    def __init__(self, profile: Profile, *, flavor: Flavor | None = None, seed: int = 0,
-                 speculative: bool | None = None) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        flavor: Flavor | None = None,
+        seed: int = 0,
+        speculative: bool | None = None,
+    ) -> None:
         self.profile = profile
         self.flavor = Flavor(flavor) if flavor is not None else profile.flavor
         self.seed = seed
@@ -108,13 +114,17 @@ class EngineCore:
         self.num_draft_tokens = spec.num_draft_tokens if (spec and self.speculative) else 0
         self._alpha: dict[Workload, float] = {}
         if spec is not None and self.speculative:
-            self._alpha = {w: acceptance_rate(spec.acceptance[w], spec.num_draft_tokens) for w in Workload}
+            self._alpha = {
+                w: acceptance_rate(spec.acceptance[w], spec.num_draft_tokens) for w in Workload
+            }
         self._out_median = profile.natural_output.median
         self._out_sigma = profile.natural_output.sigma
         # SGLang reservation ratio.
         self.new_token_ratio = eng.init_new_token_ratio
         self._ratio_min = eng.min_new_token_ratio
-        self._ratio_decay = (eng.init_new_token_ratio - eng.min_new_token_ratio) / eng.new_token_ratio_decay_steps
+        self._ratio_decay = (
+            eng.init_new_token_ratio - eng.min_new_token_ratio
+        ) / eng.new_token_ratio_decay_steps
         self._reqs: dict[str, _Req] = {}
         self._waiting: deque[_Req] = deque()
         self._running: list[_Req] = []
@@ -146,13 +156,22 @@ class EngineCore:
         if req.ignore_eos:
             target = req.max_tokens
         else:
-            natural = req.output_len if req.output_len is not None else self._natural_len(req.workload, rng)
+            natural = (
+                req.output_len
+                if req.output_len is not None
+                else self._natural_len(req.workload, rng)
+            )
             target = min(req.max_tokens, max(1, natural))
         target = max(target, min(req.min_tokens, req.max_tokens))
         reason = "length" if target >= req.max_tokens else "stop"
         r = _Req(
-            req=req, tokens=list(req.prompt_token_ids), prompt_len=p, target_len=target,
-            finish_reason=reason, arrival=now, rng=rng,
+            req=req,
+            tokens=list(req.prompt_token_ids),
+            prompt_len=p,
+            target_len=target,
+            finish_reason=reason,
+            arrival=now,
+            rng=rng,
             gen_base=zlib.crc32(f"{self.seed}:{req.request_id}".encode()),
         )
         if self.enable_prefix_caching:
@@ -196,7 +215,9 @@ class EngineCore:
         else:
             sched, spec_seqs = self._schedule_vllm(now, events)
         if not sched:
-            return StepResult(start=now, duration=0.0, events=events, num_running=len(self._running))
+            return StepResult(
+                start=now, duration=0.0, events=events, num_running=len(self._running)
+            )
         shape = self._shape(sched, spec_seqs)
         cost = self.roofline.cost(shape)
         end = now + cost.total
@@ -206,12 +227,19 @@ class EngineCore:
         self.total_steps += 1
         self.busy_time += cost.total
         self.last_cost = cost
-        return StepResult(start=now, duration=cost.total, events=events,
-                          num_running=len(self._running), num_prefill_tokens=n_prefill,
-                          num_decode_tokens=n_decode)
+        return StepResult(
+            start=now,
+            duration=cost.total,
+            events=events,
+            num_running=len(self._running),
+            num_prefill_tokens=n_prefill,
+            num_decode_tokens=n_decode,
+        )
 
     # -- scheduling: vLLM shape ------------------------------------------------------------
-    def _schedule_vllm(self, now: float, events: list[EngineEvent]) -> tuple[list[tuple[_Req, int]], int]:
+    def _schedule_vllm(
+        self, now: float, events: list[EngineEvent]
+    ) -> tuple[list[tuple[_Req, int]], int]:
         budget = self.max_num_batched_tokens
         sched: list[tuple[_Req, int]] = []
         spec_seqs = 0
@@ -257,7 +285,9 @@ class EngineCore:
         return sched, spec_seqs
 
     # -- scheduling: SGLang shape ----------------------------------------------------------
-    def _schedule_sglang(self, now: float, events: list[EngineEvent]) -> tuple[list[tuple[_Req, int]], int]:
+    def _schedule_sglang(
+        self, now: float, events: list[EngineEvent]
+    ) -> tuple[list[tuple[_Req, int]], int]:
         budget = self.max_num_batched_tokens
         sched: list[tuple[_Req, int]] = []
         # 1. Prefill batch: continue a chunked prefill, then admit new requests.
@@ -293,20 +323,27 @@ class EngineCore:
         for r in decoding:
             drafts = max(0, min(k, r.target_len - r.num_output - 1)) if k else 0
             wants.append(1 + drafts)
-        need = sum(max(0, self.pool.blocks_for(r.num_computed + w) - len(r.blocks)) for r, w in zip(decoding, wants, strict=True))
+        need = sum(
+            max(0, self.pool.blocks_for(r.num_computed + w) - len(r.blocks))
+            for r, w in zip(decoding, wants, strict=True)
+        )
         if need > self.pool.num_free:
             order = sorted(decoding, key=lambda r: (r.num_output, -r.prompt_len), reverse=True)
             while need > self.pool.num_free and len(order) > 1:
                 victim = order.pop()
                 idx = decoding.index(victim)
-                need -= max(0, self.pool.blocks_for(victim.num_computed + wants[idx]) - len(victim.blocks))
+                need -= max(
+                    0, self.pool.blocks_for(victim.num_computed + wants[idx]) - len(victim.blocks)
+                )
                 decoding.pop(idx)
                 wants.pop(idx)
                 self._running.remove(victim)
                 self._preempt(victim, events)
             total_decoded = sum(r.num_output for r in decoding)
             total_max_new = sum(r.req.max_tokens for r in decoding) or 1
-            self.new_token_ratio = min(1.0, (total_decoded + _RETRACT_DECODE_STEPS * len(decoding)) / total_max_new)
+            self.new_token_ratio = min(
+                1.0, (total_decoded + _RETRACT_DECODE_STEPS * len(decoding)) / total_max_new
+            )
         else:
             self.new_token_ratio = max(self._ratio_min, self.new_token_ratio - self._ratio_decay)
         spec_seqs = 0
@@ -341,7 +378,10 @@ class EngineCore:
         free_after = pool.num_free - revived
         if new > free_after:
             return False
-        if avail_tokens is not None and (new * bs + need_extra_tokens) > avail_tokens - revived * bs:
+        if (
+            avail_tokens is not None
+            and (new * bs + need_extra_tokens) > avail_tokens - revived * bs
+        ):
             return False
         pool.acquire(hits)
         r.blocks = hits + pool.allocate(new)
@@ -386,7 +426,9 @@ class EngineCore:
         full = upto_tokens // self.block_size
         if full > have:
             parent = r.hashes[-1] if have else ROOT_HASH
-            r.hashes.extend(chain_hashes(r.tokens[:full * self.block_size], self.block_size, parent, have))
+            r.hashes.extend(
+                chain_hashes(r.tokens[: full * self.block_size], self.block_size, parent, have)
+            )
 
     def _register(self, r: _Req) -> None:
         full = min(r.num_computed // self.block_size, len(r.blocks))
@@ -408,8 +450,14 @@ class EngineCore:
             attended += n * c + n * (n + 1) / 2
             kv += c + n
         passes = self.num_draft_tokens if spec_seqs else 0
-        return StepShape(tokens=tokens, attended=attended, kv_read_tokens=kv, num_seqs=len(sched),
-                         draft_passes=passes, draft_tokens_per_pass=spec_seqs)
+        return StepShape(
+            tokens=tokens,
+            attended=attended,
+            kv_read_tokens=kv,
+            num_seqs=len(sched),
+            draft_passes=passes,
+            draft_tokens_per_pass=spec_seqs,
+        )
 
     def _natural_len(self, workload: Workload, rng: random.Random) -> int:
         med = self._out_median.get(workload, 200)
@@ -424,7 +472,9 @@ class EngineCore:
         st.spec_num_accepted_tokens += acc
         return acc + 1
 
-    def _apply(self, sched: list[tuple[_Req, int]], end: float, events: list[EngineEvent]) -> tuple[int, int]:
+    def _apply(
+        self, sched: list[tuple[_Req, int]], end: float, events: list[EngineEvent]
+    ) -> tuple[int, int]:
         st = self._stats
         n_prefill = n_decode = 0
         finished: list[_Req] = []
@@ -459,11 +509,17 @@ class EngineCore:
             self._free_blocks(r)
             del self._reqs[r.rid]
             st.num_finished += 1
-            events.append(EngineEvent(
-                EventKind.FINISHED, r.rid, end, finish_reason=r.finish_reason,
-                prompt_tokens=r.prompt_len, completion_tokens=r.num_output,
-                cached_tokens=r.cached_tokens,
-            ))
+            events.append(
+                EngineEvent(
+                    EventKind.FINISHED,
+                    r.rid,
+                    end,
+                    finish_reason=r.finish_reason,
+                    prompt_tokens=r.prompt_len,
+                    completion_tokens=r.num_output,
+                    cached_tokens=r.cached_tokens,
+                )
+            )
         return n_prefill, n_decode
 
     # -- introspection for tests -------------------------------------------------------------

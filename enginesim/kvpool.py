@@ -25,8 +25,9 @@ from collections.abc import Sequence
 ROOT_HASH = 0x9E3779B97F4A7C15
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH,
-                 start_block: int = 0) -> list[int]:
+def chain_hashes(
+    token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH, start_block: int = 0
+) -> list[int]:
     """Chained hashes of the full blocks of `token_ids` from `start_block` on.
 
     `parent` is the hash of block `start_block - 1` (ROOT_HASH for block 0). Python's hash
@@ -36,7 +37,7 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_H
     n_full = len(token_ids) // block_size
     h = parent
     for b in range(start_block, n_full):
-        h = hash((h, tuple(token_ids[b * block_size:(b + 1) * block_size])))
+        h = hash((h, tuple(token_ids[b * block_size : (b + 1) * block_size])))
         out.append(h)
     return out
 
@@ -44,8 +45,16 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_H
 class BlockPool:
     """Reference-counted KV blocks, an LRU free queue, and the prefix-cache index."""
 
-    __slots__ = ("num_blocks", "block_size", "enable_caching", "_ref", "_hash", "_free",
-                 "_cached", "_num_cached_free")
+    __slots__ = (
+        "num_blocks",
+        "block_size",
+        "enable_caching",
+        "_ref",
+        "_hash",
+        "_free",
+        "_cached",
+        "_num_cached_free",
+    )
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if num_blocks <= 0:

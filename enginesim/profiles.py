@@ -41,7 +41,9 @@ class HardwareSpec(_Strict):
     name: str
     num_gpus: int = Field(1, ge=1)
     memory_gib: float = Field(gt=0, description="HBM per GPU as the engine sees it, GiB")
-    peak_tflops: float = Field(gt=0, description="dense tensor-core peak per GPU at the compute dtype")
+    peak_tflops: float = Field(
+        gt=0, description="dense tensor-core peak per GPU at the compute dtype"
+    )
     hbm_gbps: float = Field(gt=0, description="HBM bandwidth per GPU, GB/s")
     interconnect_gbps: float = Field(0.0, ge=0, description="per-GPU collective bandwidth, GB/s")
     collective_latency_us: float = Field(0.0, ge=0, description="latency of one collective op")
@@ -50,7 +52,9 @@ class HardwareSpec(_Strict):
 class MoESpec(_Strict):
     num_experts: int = Field(ge=1)
     experts_per_token: int = Field(ge=1)
-    expert_params_b: float = Field(gt=0, description="routed-expert parameters, all layers, billions")
+    expert_params_b: float = Field(
+        gt=0, description="routed-expert parameters, all layers, billions"
+    )
 
     @model_validator(mode="after")
     def _k_le_e(self) -> MoESpec:
@@ -110,7 +114,9 @@ class EngineSpec(_Strict):
     flavor: Flavor = Flavor.VLLM
     block_size: int = Field(16, ge=1, le=1024)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    activation_reserve_gib: float = Field(1.0, ge=0, description="per GPU: activations, CUDA graphs, workspace")
+    activation_reserve_gib: float = Field(
+        1.0, ge=0, description="per GPU: activations, CUDA graphs, workspace"
+    )
     pool_tokens: int | None = Field(None, ge=1, description="pin the measured KV pool (tokens)")
     max_model_len: int = Field(ge=2)
     max_num_seqs: int = Field(256, ge=1)
@@ -129,13 +135,23 @@ class PerfSpec(_Strict):
     data, not code, and each profile's YAML comments say where its values come from.
     """
 
-    step_overhead_ms: float = Field(2.0, ge=0, description="scheduler, sampling, launch gaps per step")
-    compute_efficiency: float = Field(0.5, gt=0, le=1, description="achieved / peak FLOPs for GEMMs")
+    step_overhead_ms: float = Field(
+        2.0, ge=0, description="scheduler, sampling, launch gaps per step"
+    )
+    compute_efficiency: float = Field(
+        0.5, gt=0, le=1, description="achieved / peak FLOPs for GEMMs"
+    )
     memory_efficiency: float = Field(0.8, gt=0, le=1, description="achieved / peak HBM bandwidth")
-    expert_memory_efficiency: float | None = Field(None, gt=0, le=1, description="effective bandwidth efficiency of routed-expert reads")
+    expert_memory_efficiency: float | None = Field(
+        None, gt=0, le=1, description="effective bandwidth efficiency of routed-expert reads"
+    )
     expert_load_imbalance: float = Field(1.0, ge=1, description="slowest EP rank / mean rank")
-    collectives_per_layer: float = Field(0.0, ge=0, description="TP all-reduce or EP all-to-all ops per layer")
-    comm_bytes_per_token_per_collective: float | None = Field(None, ge=0, description="default hidden_size*2")
+    collectives_per_layer: float = Field(
+        0.0, ge=0, description="TP all-reduce or EP all-to-all ops per layer"
+    )
+    comm_bytes_per_token_per_collective: float | None = Field(
+        None, ge=0, description="default hidden_size*2"
+    )
     attention_flops: bool = True
 
 
@@ -160,7 +176,9 @@ class SpeculativeSpec(_Strict):
                 raise ValueError(f"acceptance missing workload {w.value!r}")
             v = self.acceptance[w]
             if not 1.0 <= v < top:
-                raise ValueError(f"acceptance[{w.value}]={v} must be in [1, num_draft_tokens+1={top})")
+                raise ValueError(
+                    f"acceptance[{w.value}]={v} must be in [1, num_draft_tokens+1={top})"
+                )
         return self
 
 
@@ -216,7 +234,11 @@ class Profile(_Strict):
             raw = e.pool_tokens
         else:
             hw = self.hardware
-            budget = hw.num_gpus * (hw.memory_gib * e.gpu_memory_utilization - e.activation_reserve_gib) * GIB
+            budget = (
+                hw.num_gpus
+                * (hw.memory_gib * e.gpu_memory_utilization - e.activation_reserve_gib)
+                * GIB
+            )
             raw = max(0, math.floor((budget - self.model.weight_bytes) / self.model.kv_bytes))
         return raw // e.block_size * e.block_size
 

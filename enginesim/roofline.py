@@ -64,13 +64,17 @@ class Roofline:
         self.expert_bw = hw.hbm_gbps * 1e9 * g * expert_eff / perf.expert_load_imbalance
         self.overhead = perf.step_overhead_ms / 1e3
         self.active_params = m.active_params
-        self.attn_flops_per_ctx = 4.0 * m.num_layers * m.hidden_size if perf.attention_flops else 0.0
+        self.attn_flops_per_ctx = (
+            4.0 * m.num_layers * m.hidden_size if perf.attention_flops else 0.0
+        )
         self.kv_bytes = m.kv_bytes
         self.dense_bytes = m.dense_params * m.weight_bytes_per_param
         if m.moe is not None:
             self.num_experts = m.moe.num_experts
             self.route_miss = 1.0 - m.moe.experts_per_token / m.moe.num_experts
-            self.expert_bytes = m.moe.expert_params_b * 1e9 * m.weight_bytes_per_param / m.moe.num_experts
+            self.expert_bytes = (
+                m.moe.expert_params_b * 1e9 * m.weight_bytes_per_param / m.moe.num_experts
+            )
         else:
             self.num_experts = 0
             self.route_miss = 1.0
@@ -102,11 +106,17 @@ class Roofline:
     def cost(self, s: StepShape) -> StepCost:
         if s.tokens <= 0:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        compute = (2.0 * self.active_params * s.tokens + self.attn_flops_per_ctx * s.attended) / self.flops
+        compute = (
+            2.0 * self.active_params * s.tokens + self.attn_flops_per_ctx * s.attended
+        ) / self.flops
         memory = (self.dense_bytes + self.kv_bytes * s.kv_read_tokens) / self.bw
         if self.num_experts:
             memory += self.distinct_experts(s.tokens) * self.expert_bytes / self.expert_bw
-        comm = self.comm_latency + self.comm_per_token * s.tokens if self.comm_latency or self.comm_per_token else 0.0
+        comm = (
+            self.comm_latency + self.comm_per_token * s.tokens
+            if self.comm_latency or self.comm_per_token
+            else 0.0
+        )
         draft = 0.0
         if s.draft_passes:
             n = s.draft_tokens_per_pass

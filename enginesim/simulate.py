@@ -28,8 +28,13 @@ from enginesim.workloads import WorkItem, synthetic_items
 DEFAULT_MAX_TOKENS = 512
 
 
-def _core(profile_or_core: Profile | EngineCore | str, *, seed: int, flavor: Flavor | None,
-          speculative: bool | None) -> EngineCore:
+def _core(
+    profile_or_core: Profile | EngineCore | str,
+    *,
+    seed: int,
+    flavor: Flavor | None,
+    speculative: bool | None,
+) -> EngineCore:
     if isinstance(profile_or_core, EngineCore):
         return profile_or_core
     profile = load_profile(profile_or_core) if isinstance(profile_or_core, str) else profile_or_core
@@ -116,8 +121,16 @@ def run_closed_loop(
         item = pending.popleft()
         p = len(item.prompt_token_ids)
         mt = max(1, min(max_tokens, core.max_model_len - p))
-        core.add_request(SimRequest(item.request_id, item.prompt_token_ids, mt, workload=item.workload,
-                                    output_len=item.output_tokens), now)
+        core.add_request(
+            SimRequest(
+                item.request_id,
+                item.prompt_token_ids,
+                mt,
+                workload=item.workload,
+                output_len=item.output_tokens,
+            ),
+            now,
+        )
         live[item.request_id] = [start, start + timeout_s, float(p), -1.0]
         heapq.heappush(deadlines, (start + timeout_s, item.request_id))
 
@@ -179,17 +192,27 @@ def run_closed_loop(
     wall = last_outcome
     st = core.stats()
     return RunReport(
-        concurrency=concurrency, timeout_s=timeout_s, requests=len(items), completed=completed,
-        timed_out=timed_out, wall_time=wall, prompt_tokens=prompt_done, generated_tokens=gen_done,
+        concurrency=concurrency,
+        timeout_s=timeout_s,
+        requests=len(items),
+        completed=completed,
+        timed_out=timed_out,
+        wall_time=wall,
+        prompt_tokens=prompt_done,
+        generated_tokens=gen_done,
         tokens_per_s=(prompt_done + gen_done) / wall if wall > 0 else 0.0,
         generated_tokens_per_s=gen_done / wall if wall > 0 else 0.0,
-        p50_latency=_quantile(latencies, 0.5), p99_latency=_quantile(latencies, 0.99),
+        p50_latency=_quantile(latencies, 0.5),
+        p99_latency=_quantile(latencies, 0.99),
         max_latency=max(latencies) if latencies else float("nan"),
         mean_ttft=statistics.fmean(ttfts) if ttfts else float("nan"),
         mean_decode_tps=statistics.fmean(decode_rates) if decode_rates else float("nan"),
-        preemptions=st.num_preemptions, steps=core.total_steps,
+        preemptions=st.num_preemptions,
+        steps=core.total_steps,
         prefill_tokens_computed=core.total_prefill_tokens,
-        useful_prefill_fraction=prompt_done / core.total_prefill_tokens if core.total_prefill_tokens else 0.0,
+        useful_prefill_fraction=prompt_done / core.total_prefill_tokens
+        if core.total_prefill_tokens
+        else 0.0,
     )
 
 
@@ -219,8 +242,16 @@ def measure_decode(
     """
     core = _core(profile_or_core, seed=seed, flavor=flavor, speculative=speculative)
     for it in synthetic_items(batch, prompt_tokens, output_tokens, workload, prefix=f"dec{batch}"):
-        core.add_request(SimRequest(it.request_id, it.prompt_token_ids, output_tokens, workload=workload,
-                                    ignore_eos=True), 0.0)
+        core.add_request(
+            SimRequest(
+                it.request_id,
+                it.prompt_token_ids,
+                output_tokens,
+                workload=workload,
+                ignore_eos=True,
+            ),
+            0.0,
+        )
     first: dict[str, float] = {}
     rates: list[float] = []
     now = 0.0
@@ -238,8 +269,12 @@ def measure_decode(
                 rates.append((ev.completion_tokens - 1) / (ev.time - first[ev.request_id]))
         now = res.end
     per_user = statistics.fmean(rates)
-    return DecodeMeasurement(batch, per_user, per_user * batch,
-                             decode_time / decode_steps if decode_steps else float("nan"))
+    return DecodeMeasurement(
+        batch,
+        per_user,
+        per_user * batch,
+        decode_time / decode_steps if decode_steps else float("nan"),
+    )
 
 
 def measure_ttft(

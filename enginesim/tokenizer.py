@@ -34,7 +34,13 @@ _CODE_WORDS = (
     "( ) : , . = == + - [ ] { } \n \n     x i n len list dict key value result data"
 ).split(" ")
 GEN_VOCAB: tuple[str, ...] = tuple(
-    dict.fromkeys([(" " + w) if w and not w.startswith((" ", "\n")) else w for w in _CHAT_WORDS + _CODE_WORDS if w])
+    dict.fromkeys(
+        [
+            (" " + w) if w and not w.startswith((" ", "\n")) else w
+            for w in _CHAT_WORDS + _CODE_WORDS
+            if w
+        ]
+    )
 )
 
 
@@ -82,7 +88,9 @@ def apply_chat_template(messages: Sequence[dict]) -> str:
         content = msg.get("content", "")
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
             content = "".join(
-                str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"
+                str(p.get("text", ""))
+                for p in content
+                if isinstance(p, dict) and p.get("type") == "text"
             )
         parts.append(f"{marker}\n{content or ''}<|end|>\n")
     parts.append("<|assistant|>\n")

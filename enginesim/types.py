@@ -92,7 +92,9 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # tokens found
-    prompt_tokens: int = 0  # prompt tokens of finished requests' prefills (counted once per prefill)
+    prompt_tokens: int = (
+        0  # prompt tokens of finished requests' prefills (counted once per prefill)
+    )
     generation_tokens: int = 0
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

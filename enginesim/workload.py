@@ -47,7 +47,9 @@ def classify_workload(header: str | None, prompt_text: str) -> Workload:
     if _AGENTIC.search(prompt_text):
         return Workload.AGENTIC
     # The final "<|assistant|>" cue of a chat template is not a turn.
-    turns = len(_ASSISTANT_TURN.findall(prompt_text)) - (1 if prompt_text.rstrip().endswith("<|assistant|>") else 0)
+    turns = len(_ASSISTANT_TURN.findall(prompt_text)) - (
+        1 if prompt_text.rstrip().endswith("<|assistant|>") else 0
+    )
     if turns >= AGENTIC_MIN_TURNS:
         return Workload.AGENTIC
     if _CODE.search(prompt_text):

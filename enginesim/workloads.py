@@ -117,7 +117,10 @@ def seed2_workload(n: int = 738, seed: int = 0) -> list[WorkItem]:
     bank = _sentences()
     marker = "\x00DOC\x00"
     head, tail = _split_template(
-        [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": marker + TASK_SUFFIX}],
+        [
+            {"role": "system", "content": INSTRUCTION},
+            {"role": "user", "content": marker + TASK_SUFFIX},
+        ],
         marker,
     )
     head_ids = tokenizer.encode(head)
@@ -137,19 +140,26 @@ def seed2_workload(n: int = 738, seed: int = 0) -> list[WorkItem]:
             {"role": "system", "content": INSTRUCTION},
             {"role": "user", "content": doc + TASK_SUFFIX},
         ]
-        items.append(WorkItem(
-            request_id=f"seed2-{seed}-{i:05d}",
-            messages=messages,
-            prompt_text=head + doc + tail,
-            prompt_token_ids=head_ids + ids + tail_ids,
-            output_tokens=_lognormal(rng, OUT_MEDIAN, OUT_SIGMA, OUT_MIN, OUT_MAX),
-            workload=Workload.CHAT,
-        ))
+        items.append(
+            WorkItem(
+                request_id=f"seed2-{seed}-{i:05d}",
+                messages=messages,
+                prompt_text=head + doc + tail,
+                prompt_token_ids=head_ids + ids + tail_ids,
+                output_tokens=_lognormal(rng, OUT_MEDIAN, OUT_SIGMA, OUT_MIN, OUT_MAX),
+                workload=Workload.CHAT,
+            )
+        )
     return items
 
 
-def synthetic_items(n: int, prompt_tokens: int, output_tokens: int, workload: Workload = Workload.CHAT,
-                    prefix: str = "item") -> list[WorkItem]:
+def synthetic_items(
+    n: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    workload: Workload = Workload.CHAT,
+    prefix: str = "item",
+) -> list[WorkItem]:
     """`n` items with unique prompts of exactly `prompt_tokens` tokens (for measurements)."""
     bank = _sentences()
     items = []
@@ -165,6 +175,14 @@ def synthetic_items(n: int, prompt_tokens: int, output_tokens: int, workload: Wo
             j += 1
         ids = ids[:prompt_tokens]
         text = "".join(parts)
-        items.append(WorkItem(f"{prefix}-{i:06d}", [{"role": "user", "content": text}], text, ids,
-                              output_tokens, workload))
+        items.append(
+            WorkItem(
+                f"{prefix}-{i:06d}",
+                [{"role": "user", "content": text}],
+                text,
+                ids,
+                output_tokens,
+                workload,
+            )
+        )
     return items

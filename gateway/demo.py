@@ -145,8 +145,13 @@ async def engine_counter(url: str, name: str) -> float:
 DEFAULT_MAX_RUNNING = 8
 
 
-def gateway_config(replica_urls: Sequence[str], *, speed: float, timeout_s: float,
-                   max_running: int | None = DEFAULT_MAX_RUNNING) -> dict:
+def gateway_config(
+    replica_urls: Sequence[str],
+    *,
+    speed: float,
+    timeout_s: float,
+    max_running: int | None = DEFAULT_MAX_RUNNING,
+) -> dict:
     """kvgate in front of the replicas, with its timers in wall seconds.
 
     Queue deadline: a request may wait in kvgate's queue at most a sixth of the client's
@@ -155,8 +160,12 @@ def gateway_config(replica_urls: Sequence[str], *, speed: float, timeout_s: floa
     """
     return {
         "replicas": [
-            {"name": f"replica-{i}", "url": u, "engine": "vllm",
-             **({"max_running": max_running} if max_running else {})}
+            {
+                "name": f"replica-{i}",
+                "url": u,
+                "engine": "vllm",
+                **({"max_running": max_running} if max_running else {}),
+            }
             for i, u in enumerate(replica_urls)
         ],
         "admission": {"queue_timeout_s": timeout_s / speed / 6, "queue_max_per_model": 1024},

@@ -41,7 +41,9 @@ class ReplayResult:
     wall_s: float = 0.0
     prompt_tokens: int = 0  # of completed requests, from the engine's usage
     completion_tokens: int = 0
-    latencies: list[float] = field(default_factory=list)  # completed requests, first attempt to answer
+    latencies: list[float] = field(
+        default_factory=list
+    )  # completed requests, first attempt to answer
     error_samples: list[str] = field(default_factory=list)
     gave_up: int = 0  # items not finished when the run's time limit hit
 
@@ -163,4 +165,3 @@ async def replay(
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     result.wall_s = loop.time() - start
     return result
-

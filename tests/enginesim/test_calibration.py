@@ -18,7 +18,9 @@ from enginesim.workloads import seed2_workload
 
 @functools.cache
 def _rows(group: str) -> list[calibrate.Row]:
-    return {"moe": calibrate.moe_rows, "seed2": calibrate.seed2_rows, "spec": calibrate.spec_rows}[group]()
+    return {"moe": calibrate.moe_rows, "seed2": calibrate.seed2_rows, "spec": calibrate.spec_rows}[
+        group
+    ]()
 
 
 @pytest.mark.parametrize(("group", "index"), [("moe", i) for i in range(4)])
@@ -49,8 +51,12 @@ def test_collapse_is_a_cliff_and_wastes_work() -> None:
 
 
 def test_collapse_holds_for_other_workload_draws() -> None:
-    r = run_closed_loop(load_profile(calibrate.SEED2_PROFILE), seed2_workload(738, seed=2), 32,
-                        calibrate.SEED2_TIMEOUT_S)
+    r = run_closed_loop(
+        load_profile(calibrate.SEED2_PROFILE),
+        seed2_workload(738, seed=2),
+        32,
+        calibrate.SEED2_TIMEOUT_S,
+    )
     assert r.timed_out / r.requests >= 0.9
 
 

@@ -24,7 +24,9 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(300, 100_000) for _ in range(n)]
 
 
-def _drain(core: EngineCore, now: float = 0.0, check: bool = True) -> tuple[float, list[EngineEvent]]:
+def _drain(
+    core: EngineCore, now: float = 0.0, check: bool = True
+) -> tuple[float, list[EngineEvent]]:
     events: list[EngineEvent] = []
     for _ in range(100_000):
         if not core.has_work():
@@ -54,8 +56,15 @@ def test_randomized_run_holds_invariants(flavor: Flavor) -> None:
         for _ in range(rng.randrange(0, 3)):
             if nxt < len(ids):
                 p = (shared if rng.random() < 0.4 else []) + _prompt(rng, rng.randrange(5, 900))
-                core.add_request(SimRequest(ids[nxt], p, max_tokens=rng.randrange(1, 600),
-                                            workload=rng.choice(list(Workload))), now)
+                core.add_request(
+                    SimRequest(
+                        ids[nxt],
+                        p,
+                        max_tokens=rng.randrange(1, 600),
+                        workload=rng.choice(list(Workload)),
+                    ),
+                    now,
+                )
                 nxt += 1
         if rng.random() < 0.05 and core.request_ids():
             victim = rng.choice(sorted(core.request_ids()))
@@ -93,7 +102,8 @@ def test_preempted_request_recomputes_its_tokens() -> None:
     assert core.total_prefill_tokens > sum(len(p) for p in prompts.values())
     # Each preemption re-prefills the prompt (prompt tokens counted once per prefill).
     assert st.prompt_tokens == sum(len(p) for p in prompts.values()) + sum(
-        len(prompts[e.request_id]) for e in events if e.kind is EventKind.PREEMPTED)
+        len(prompts[e.request_id]) for e in events if e.kind is EventKind.PREEMPTED
+    )
     done = {e.request_id: e for e in events if e.kind is EventKind.FINISHED}
     assert all(done[r].completion_tokens == 1100 for r in prompts)
 
@@ -159,7 +169,10 @@ def test_output_lengths_and_finish_reasons() -> None:
     core.add_request(SimRequest("nat", p, max_tokens=1000, workload=Workload.AGENTIC), 0.0)
     _, events = _drain(core)
     fin = {e.request_id: e for e in events if e.kind is EventKind.FINISHED}
-    toks = {r: sum(len(e.token_ids) for e in events if e.kind is EventKind.TOKENS and e.request_id == r) for r in fin}
+    toks = {
+        r: sum(len(e.token_ids) for e in events if e.kind is EventKind.TOKENS and e.request_id == r)
+        for r in fin
+    }
     assert (fin["eos"].completion_tokens, fin["eos"].finish_reason) == (20, "stop")
     assert (fin["len"].completion_tokens, fin["len"].finish_reason) == (30, "length")
     assert (fin["ign"].completion_tokens, fin["ign"].finish_reason) == (40, "length")
@@ -181,12 +194,21 @@ def test_add_request_validation() -> None:
         core.add_request(SimRequest("ok", [400], max_tokens=10), 0.0)
 
 
-def _trace(seed: int, flavor: Flavor = Flavor.VLLM) -> list[tuple[str, str, float, tuple[int, ...]]]:
+def _trace(
+    seed: int, flavor: Flavor = Flavor.VLLM
+) -> list[tuple[str, str, float, tuple[int, ...]]]:
     core = EngineCore(_tiny(), flavor=flavor, seed=seed, speculative=True)
     rng = random.Random(11)
     for i in range(12):
-        core.add_request(SimRequest(f"d{i}", _prompt(rng, rng.randrange(10, 600)), max_tokens=900,
-                                    workload=list(Workload)[i % 3]), 0.0)
+        core.add_request(
+            SimRequest(
+                f"d{i}",
+                _prompt(rng, rng.randrange(10, 600)),
+                max_tokens=900,
+                workload=list(Workload)[i % 3],
+            ),
+            0.0,
+        )
     _, events = _drain(core)
     return [(e.kind.value, e.request_id, round(e.time, 9), tuple(e.token_ids)) for e in events]
 
@@ -199,13 +221,30 @@ def test_deterministic_for_a_seed(flavor: Flavor) -> None:
 
 def test_speculation_is_per_request_and_counted() -> None:
     """A request's accepted-token sequence does not depend on what else is running."""
+
     def run(others: int) -> list[int]:
         core = EngineCore(_tiny(), seed=1, speculative=True)
-        core.add_request(SimRequest("me", list(range(300, 364)), max_tokens=200, ignore_eos=True,
-                                    workload=Workload.CODING), 0.0)
+        core.add_request(
+            SimRequest(
+                "me",
+                list(range(300, 364)),
+                max_tokens=200,
+                ignore_eos=True,
+                workload=Workload.CODING,
+            ),
+            0.0,
+        )
         for i in range(others):
-            core.add_request(SimRequest(f"o{i}", list(range(500 + i, 564 + i)), max_tokens=150,
-                                        ignore_eos=True, workload=Workload.CHAT), 0.0)
+            core.add_request(
+                SimRequest(
+                    f"o{i}",
+                    list(range(500 + i, 564 + i)),
+                    max_tokens=150,
+                    ignore_eos=True,
+                    workload=Workload.CHAT,
+                ),
+                0.0,
+            )
         _, events = _drain(core)
         st = core.stats()
         assert st.spec_num_drafts > 0
@@ -216,7 +255,9 @@ def test_speculation_is_per_request_and_counted() -> None:
         reqs = 1 + others
         plain = st.generation_tokens - (st.spec_num_drafts + st.spec_num_accepted_tokens + reqs)
         assert 0 <= plain <= reqs
-        return [len(e.token_ids) for e in events if e.kind is EventKind.TOKENS and e.request_id == "me"]
+        return [
+            len(e.token_ids) for e in events if e.kind is EventKind.TOKENS and e.request_id == "me"
+        ]
 
     alone, crowded = run(0), run(5)
     assert alone == crowded

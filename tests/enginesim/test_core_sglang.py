@@ -15,7 +15,9 @@ def test_prefill_and_decode_run_in_separate_steps() -> None:
     core = _core()
     core.add_request(SimRequest("a", list(range(300, 400)), max_tokens=50, ignore_eos=True), 0.0)
     first = core.step(0.0)
-    core.add_request(SimRequest("b", list(range(500, 600)), max_tokens=50, ignore_eos=True), first.end)
+    core.add_request(
+        SimRequest("b", list(range(500, 600)), max_tokens=50, ignore_eos=True), first.end
+    )
     second = core.step(first.end)  # b's prefill runs alone: a does not decode in it
     assert second.num_prefill_tokens == 100 and second.num_decode_tokens == 0
     third = core.step(second.end)
@@ -24,11 +26,19 @@ def test_prefill_and_decode_run_in_separate_steps() -> None:
 
 def test_admission_reserves_max_new_tokens() -> None:
     """A request whose max_tokens reservation does not fit waits although its prompt fits."""
+
     def run(flavor: Flavor) -> int:
         core = EngineCore(load_profile("tiny"), flavor=flavor, seed=0)
         for i in range(3):
-            core.add_request(SimRequest(f"r{i}", list(range(300 + 1000 * i, 900 + 1000 * i)), max_tokens=1400,
-                                        ignore_eos=True), 0.0)
+            core.add_request(
+                SimRequest(
+                    f"r{i}",
+                    list(range(300 + 1000 * i, 900 + 1000 * i)),
+                    max_tokens=1400,
+                    ignore_eos=True,
+                ),
+                0.0,
+            )
         now = 0.0
         for _ in range(6):  # prefill chunks of 512 and a few decode steps
             now = core.step(now).end
@@ -44,7 +54,10 @@ def test_ratio_decays_then_rises_on_retraction() -> None:
     core = _core()
     start = core.new_token_ratio
     for i in range(8):
-        core.add_request(SimRequest(f"r{i}", list(range(300 + i, 700 + i)), max_tokens=1600, ignore_eos=True), 0.0)
+        core.add_request(
+            SimRequest(f"r{i}", list(range(300 + i, 700 + i)), max_tokens=1600, ignore_eos=True),
+            0.0,
+        )
     now, low, retracted = 0.0, start, False
     while core.has_work():
         res = core.step(now)

@@ -19,7 +19,13 @@ from enginesim.profiles import (
 
 def test_bundled_profiles_load() -> None:
     names = list_profiles()
-    for required in ("tiny", "seed2-8b-16gb", "seed1-moe-h200x16", "llama3-70b-h100x4", "seed2-8b-16gb-spec"):
+    for required in (
+        "tiny",
+        "seed2-8b-16gb",
+        "seed1-moe-h200x16",
+        "llama3-70b-h100x4",
+        "seed2-8b-16gb-spec",
+    ):
         assert required in names
     for n in names:
         p = load_profile(n)
@@ -33,7 +39,9 @@ def test_pinned_and_derived_pools() -> None:
     assert load_profile("tiny").pool_tokens == 4096
     p = load_profile("seed2-8b-16gb")
     hw, e, m = p.hardware, p.engine, p.model
-    expected = (hw.memory_gib * e.gpu_memory_utilization - e.activation_reserve_gib) * GIB - m.weight_bytes
+    expected = (
+        hw.memory_gib * e.gpu_memory_utilization - e.activation_reserve_gib
+    ) * GIB - m.weight_bytes
     assert p.pool_tokens == int(expected // m.kv_bytes) // 16 * 16
     assert m.kv_bytes == 131072
 

@@ -19,7 +19,9 @@ def test_seed2_workload_shape_and_speed() -> None:
     lens = [len(i.prompt_token_ids) for i in items]
     outs = [i.output_tokens for i in items]
     assert 2000 <= statistics.mean(lens) <= 3000  # large prompts
-    assert min(outs) >= 24 and max(outs) <= 200 and 50 <= statistics.median(outs) <= 100  # small outputs
+    assert (
+        min(outs) >= 24 and max(outs) <= 200 and 50 <= statistics.median(outs) <= 100
+    )  # small outputs
     # A shared instruction prefix (the same first ~300 tokens), then unique documents.
     first = items[0].prompt_token_ids
     for it in items[1:50]:
@@ -53,13 +55,24 @@ def test_classify_workload() -> None:
     assert classify_workload("coding", "hello") is Workload.CODING
     assert classify_workload(" Agentic ", "hello") is Workload.AGENTIC
     assert classify_workload("bogus", "tell me a story") is Workload.CHAT
-    assert classify_workload(None, t([{"role": "user", "content": "Write a poem about rain"}])) is Workload.CHAT
+    assert (
+        classify_workload(None, t([{"role": "user", "content": "Write a poem about rain"}]))
+        is Workload.CHAT
+    )
     code = "Fix this:\n```python\ndef f(x):\n    return x\n```"
     assert classify_workload(None, t([{"role": "user", "content": code}])) is Workload.CODING
     assert classify_workload(None, "import os\nprint(os.getcwd())") is Workload.CODING
-    tools = 'Thought: I need the weather.\nAction: get_weather\nObservation: 12C'
+    tools = "Thought: I need the weather.\nAction: get_weather\nObservation: 12C"
     assert classify_workload(None, tools) is Workload.AGENTIC
-    assert classify_workload(None, '{"tool_calls": [{"function": {"name": "x"}}]}') is Workload.AGENTIC
+    assert (
+        classify_workload(None, '{"tool_calls": [{"function": {"name": "x"}}]}') is Workload.AGENTIC
+    )
     turns = [{"role": r, "content": "ok"} for r in ["user", "assistant"] * 5]
-    assert classify_workload(None, t(turns + [{"role": "user", "content": "next"}])) is Workload.AGENTIC
-    assert classify_workload(None, t(turns[:4] + [{"role": "user", "content": "next"}])) is Workload.CHAT
+    assert (
+        classify_workload(None, t(turns + [{"role": "user", "content": "next"}]))
+        is Workload.AGENTIC
+    )
+    assert (
+        classify_workload(None, t(turns[:4] + [{"role": "user", "content": "next"}]))
+        is Workload.CHAT
+    )
