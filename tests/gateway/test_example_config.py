@@ -1,0 +1,18 @@
+"""The example configuration shipped in deploy/ stays valid as the schema evolves."""
+
+from pathlib import Path
+
+from gateway.config import GatewayConfig, load_config
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "kvgate.example.yaml"
+
+
+def test_example_config_loads_and_matches_defaults() -> None:
+    cfg = load_config(EXAMPLE, env={})
+    assert [r.engine for r in cfg.replicas] == ["vllm", "sglang", "llamacpp", "openai"]
+    assert cfg.replicas[0].max_running == 8
+    assert cfg.replicas[3].pool_tokens == 200000
+    defaults = GatewayConfig()
+    # Every section other than the example replicas documents the defaults exactly.
+    for section in ("listen", "admission", "upstream", "limits", "auth", "discovery", "logging"):
+        assert getattr(cfg, section) == getattr(defaults, section), section
