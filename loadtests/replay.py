@@ -4,8 +4,8 @@ This is the client of seed 001's bring-up runs: `concurrency` workers each keep 
 request in flight and take the next item when the previous one ends. A request that has
 not completed after `timeout_s` is abandoned (the connection is closed, which a
 well-behaved engine or gateway treats as an abort) and counts as timed out. With
-`retry_shed`, a 429 or 503 answer is retried after its `Retry-After`, as the openai SDK
-does but without a retry cap; each attempt gets a fresh timeout, as the SDK's does.
+`retry_shed`, a 429 or 503 answer is retried after its `retry-after-ms` / `Retry-After`,
+as the openai SDK does but without a retry cap; each attempt gets a fresh timeout, as the SDK's does.
 
 Client side only: it speaks HTTP to whatever URL it is given.
 """
@@ -64,13 +64,17 @@ class ReplayResult:
 
 
 def _retry_after(headers: Any, default: float) -> float:
-    raw = headers.get("Retry-After")
-    if raw is None:
-        return default
-    try:
-        return max(0.0, float(raw))
-    except ValueError:
-        return default
+    """Seconds to wait: ``retry-after-ms`` first (as the openai SDK reads it), then the
+    integer ``Retry-After``."""
+    for name, scale in (("retry-after-ms", 1e-3), ("Retry-After", 1.0)):
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        try:
+            return max(0.0, float(raw) * scale)
+        except ValueError:
+            continue
+    return default
 
 
 async def replay(
