@@ -258,7 +258,7 @@ def wrk_rps(url: str, body: dict, seconds: float, workdir: Path, connections: in
         "wrk.headers['Content-Type'] = 'application/json'\n"
     )
     out = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script), url],
+        ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "-s", str(script), url],
         capture_output=True,
         text=True,
         check=True,
@@ -288,27 +288,33 @@ class OpenLoopResult:
 
 
 async def open_loop(url: str, body: dict, rate: float, seconds: float) -> OpenLoopResult:
-    """Fire requests on a fixed schedule (not waiting for answers) and time each one."""
+    """Fire requests on a fixed schedule (not waiting for answers) and time each one.
+
+    Times come from `time.perf_counter` (uvloop's `loop.time()` has millisecond
+    resolution, too coarse for sub-millisecond differences). Latency counts from the
+    scheduled send time, so a client that falls behind its schedule shows it."""
     res = OpenLoopResult()
     payload = json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
-    loop = asyncio.get_running_loop()
+    clock = time.perf_counter
     async with aiohttp.ClientSession(connector=conn) as session:
         # Warm the connection pool so connection set-up is not measured.
-        await asyncio.gather(*(session.post(url, data=payload, headers=headers) for _ in range(8)))
+        for resp in await asyncio.gather(
+            *(session.post(url, data=payload, headers=headers) for _ in range(16))
+        ):
+            await resp.read()
 
         async def one(scheduled: float) -> None:
-            start = loop.time()
-            if start - scheduled > 0.005:
+            if clock() - scheduled > 0.002:
                 res.late_starts += 1
             try:
                 async with session.post(url, data=payload, headers=headers) as r:
                     first = None
                     async for _chunk in r.content.iter_any():
                         if first is None:
-                            first = loop.time()
-                    end = loop.time()
+                            first = clock()
+                    end = clock()
                     if r.status != 200:
                         res.errors += 1
                         return
@@ -319,11 +325,11 @@ async def open_loop(url: str, body: dict, rate: float, seconds: float) -> OpenLo
                 res.errors += 1
 
         n = int(rate * seconds)
-        t0 = loop.time() + 0.05
+        t0 = clock() + 0.05
         tasks = []
         for i in range(n):
             at = t0 + i / rate
-            delay = at - loop.time()
+            delay = at - clock()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(at)))
