@@ -107,3 +107,24 @@ def apply_models(state: ReplicaState, body: str | None) -> bool:
     if max_len is not None:
         state.max_model_len = max_len
     return True
+
+
+def apply_load(
+    state: ReplicaState,
+    samples: dict[str, list[Sample]],
+    *,
+    running: tuple[str, ...],
+    waiting: tuple[str, ...],
+    usage: tuple[str, ...],
+    preemptions: tuple[str, ...],
+) -> None:
+    """Copy an engine's load gauges onto `state`, each from the first metric name present
+    (summed across label sets; KV usage averaged). Absent metrics leave the field as is."""
+    if (value := total(samples, *running)) is not None:
+        state.engine_running = int(value)
+    if (value := total(samples, *waiting)) is not None:
+        state.engine_waiting = int(value)
+    if (value := mean(samples, *usage)) is not None:
+        state.kv_usage = value
+    if (value := total(samples, *preemptions)) is not None:
+        state.preemptions_total = value

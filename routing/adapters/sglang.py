@@ -13,9 +13,9 @@ from typing import Any
 
 from routing.adapters._common import (
     Responses,
+    apply_load,
     apply_models,
     as_int,
-    mean,
     ok_body,
     parse_json,
     parse_prometheus,
@@ -64,16 +64,12 @@ class SGLangAdapter:
                 pool_metric = total(samples, "sglang:max_total_num_tokens")
                 if pool_metric:
                     state.capacity_tokens = int(pool_metric)
-            running = total(samples, "sglang:num_running_reqs")
-            waiting = total(samples, "sglang:num_queue_reqs")
-            usage = mean(samples, "sglang:token_usage")
-            retracted = total(samples, "sglang:num_retracted_reqs_total")
-            if running is not None:
-                state.engine_running = int(running)
-            if waiting is not None:
-                state.engine_waiting = int(waiting)
-            if usage is not None:
-                state.kv_usage = usage
-            if retracted is not None:
-                state.preemptions_total = retracted
+            apply_load(
+                state,
+                samples,
+                running=("sglang:num_running_reqs",),
+                waiting=("sglang:num_queue_reqs",),
+                usage=("sglang:token_usage",),
+                preemptions=("sglang:num_retracted_reqs_total",),
+            )
         state.ready = models_ok and info_ok and metrics_ok and state.capacity_tokens is not None

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from routing.adapters._common import (
     Responses,
+    apply_load,
     apply_models,
     as_int,
-    mean,
     ok_body,
     parse_prometheus,
     total,
@@ -31,18 +31,14 @@ class VLLMAdapter:
         metrics_ok = samples is not None
         if samples is not None:
             self._apply_cache_config(state, samples)
-            running = total(samples, "vllm:num_requests_running")
-            waiting = total(samples, "vllm:num_requests_waiting")
-            usage = mean(samples, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-            preempt = total(samples, "vllm:num_preemptions_total")
-            if running is not None:
-                state.engine_running = int(running)
-            if waiting is not None:
-                state.engine_waiting = int(waiting)
-            if usage is not None:
-                state.kv_usage = usage
-            if preempt is not None:
-                state.preemptions_total = preempt
+            apply_load(
+                state,
+                samples,
+                running=("vllm:num_requests_running",),
+                waiting=("vllm:num_requests_waiting",),
+                usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+                preemptions=("vllm:num_preemptions_total",),
+            )
         state.ready = models_ok and metrics_ok and state.capacity_tokens is not None
 
     @staticmethod
