@@ -33,16 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from enginesim.profiles import load_profile  # noqa: E402
 from enginesim.workloads import seed2_workload  # noqa: E402
-from gateway.demo import (  # noqa: E402
-    DEFAULT_TIMEOUT_S,
-    engine_counter,
-    gateway_config,
-    start_gateway,
-    start_replica,
-    stopping,
-    wait_http,
-)
-from loadtests.replay import replay  # noqa: E402
+from gateway.demo import DEFAULT_TIMEOUT_S, run_phase  # noqa: E402
 
 PROFILE = "seed2-8b-16gb"
 
@@ -58,36 +49,21 @@ async def one_run(
     workdir: Path,
     max_running: int | None = None,
 ) -> dict:
-    replica = start_replica(PROFILE, args.speed, log=workdir / f"replica-{label}.log")
-    with stopping(replica):
-        await wait_http(replica.url + "/health", proc=replica)
-        target = replica.url
-        gw = None
-        if through_kvgate:
-            gw = start_gateway(
-                gateway_config(
-                    [replica.url], speed=args.speed, timeout_s=args.timeout, max_running=max_running
-                ),
-                workdir=workdir,
-                log=workdir / f"kvgate-{label}.log",
-            )
-            await wait_http(gw.url + "/ready", proc=gw)
-            target = gw.url
-        try:
-            res = await replay(
-                target,
-                model,
-                items,
-                concurrency=concurrency,
-                timeout_s=args.timeout / args.speed,
-                retry_shed=True,
-                time_limit_s=args.time_limit,
-            )
-            preemptions = await engine_counter(replica.url, "vllm:num_preemptions")
-        finally:
-            if gw is not None:
-                gw.stop()
-    row = {
+    row = await run_phase(
+        label,
+        items,
+        profile=PROFILE,
+        model=model,
+        speed=args.speed,
+        timeout_s=args.timeout,
+        concurrency=concurrency,
+        through_kvgate=through_kvgate,
+        workdir=workdir,
+        max_running=max_running,
+        time_limit_s=args.time_limit,
+    )
+    res = row.result
+    out = {
         "label": label,
         "through_kvgate": through_kvgate,
         "concurrency": concurrency,
@@ -102,16 +78,16 @@ async def one_run(
         "tokens_per_s": res.tokens_per_s / args.speed,
         "p50_s": res.quantile(0.5) * args.speed,
         "max_s": max(res.latencies, default=float("nan")) * args.speed,
-        "preemptions": preemptions,
+        "preemptions": row.preemptions,
         "error_samples": res.error_samples,
     }
     print(
         f"{label:>16s}: completed {res.completed:4d}/{res.requests} timed out {res.timed_out:4d} "
         f"errors {res.errors + res.gave_up:3d} shed-retries {res.shed_retries:5d} "
-        f"wall {row['wall_s']:8.1f} s preemptions {preemptions:6.0f}",
+        f"wall {out['wall_s']:8.1f} s preemptions {row.preemptions:6.0f}",
         flush=True,
     )
-    return row
+    return out
 
 
 async def main_async(args) -> int:

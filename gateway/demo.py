@@ -223,73 +223,88 @@ def render_table(rows: Sequence[Row], speed: float) -> str:
     return "\n".join(lines)
 
 
+async def run_phase(
+    label: str,
+    items: Sequence,
+    *,
+    profile: str,
+    model: str,
+    speed: float,
+    timeout_s: float,
+    concurrency: int,
+    through_kvgate: bool,
+    workdir: Path,
+    max_running: int | None = DEFAULT_MAX_RUNNING,
+    time_limit_s: float = 900.0,
+) -> Row:
+    """Replay `items` on a fresh replica, straight or through a fresh kvgate, and read the
+    replica's preemption counter afterwards. `timeout_s` is in simulated seconds."""
+    slug = label.replace(" ", "-").replace("=", "")
+    replica = start_replica(profile, speed, log=workdir / f"replica-{slug}.log")
+    with stopping(replica):
+        await wait_http(replica.url + "/health", proc=replica)
+        target = replica.url
+        gw: Process | None = None
+        if through_kvgate:
+            gw = start_gateway(
+                gateway_config(
+                    [replica.url], speed=speed, timeout_s=timeout_s, max_running=max_running
+                ),
+                workdir=workdir,
+                log=workdir / f"kvgate-{slug}.log",
+            )
+        with stopping(*([gw] if gw else [])):
+            if gw is not None:
+                await wait_http(gw.url + "/ready", proc=gw)
+                target = gw.url
+            res = await replay(
+                target,
+                model,
+                items,
+                concurrency=concurrency,
+                timeout_s=timeout_s / speed,
+                retry_shed=True,
+                time_limit_s=time_limit_s,
+            )
+        preemptions = await engine_counter(replica.url, "vllm:num_preemptions")
+    return Row(label, res, preemptions)
+
+
 async def run_demo(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     items = seed2_workload(args.requests, seed=args.seed)
-    model = profile.served_model_name
-    timeout_wall = args.timeout / args.speed
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-demo-"))
-    rows: list[Row] = []
     print(
         f"kvgate demo: {len(items)} requests of seed 001's workload, client concurrency "
         f"{args.concurrency}, client timeout {args.timeout:.0f} s, profile {profile.name} "
         f"(pool {profile.pool_tokens:,} tokens), replica clock x{args.speed:g}",
         flush=True,
     )
-
-    # 1. Straight at a replica.
-    replica = start_replica(args.profile, args.speed, log=workdir / "replica-straight.log")
-    with stopping(replica):
-        await wait_http(replica.url + "/health", proc=replica)
-        print("  straight at the replica ...", flush=True)
-        res = await replay(
-            replica.url,
-            model,
+    rows: list[Row] = []
+    for label, through in (("straight", False), ("through kvgate", True)):
+        print(f"  {label} ...", flush=True)
+        row = await run_phase(
+            label,
             items,
+            profile=args.profile,
+            model=profile.served_model_name,
+            speed=args.speed,
+            timeout_s=args.timeout,
             concurrency=args.concurrency,
-            timeout_s=timeout_wall,
-            retry_shed=True,
+            through_kvgate=through,
+            workdir=workdir,
+            max_running=args.max_running or None,
             time_limit_s=args.time_limit,
         )
-        rows.append(Row("straight", res, await engine_counter(replica.url, "vllm:num_preemptions")))
-        print(f"    done: {res.completed} completed, {res.timed_out} timed out", flush=True)
-
-    # 2. Through kvgate, fresh replica.
-    replica = start_replica(args.profile, args.speed, log=workdir / "replica-kvgate.log")
-    with stopping(replica):
-        await wait_http(replica.url + "/health", proc=replica)
-        gw = start_gateway(
-            gateway_config([replica.url], speed=args.speed, timeout_s=args.timeout),
-            workdir=workdir,
-            log=workdir / "kvgate.log",
-        )
-        with stopping(gw):
-            await wait_http(gw.url + "/ready", proc=gw)
-            print("  through kvgate ...", flush=True)
-            res = await replay(
-                gw.url,
-                model,
-                items,
-                concurrency=args.concurrency,
-                timeout_s=timeout_wall,
-                retry_shed=True,
-                time_limit_s=args.time_limit,
-            )
-            rows.append(
-                Row(
-                    "through kvgate", res, await engine_counter(replica.url, "vllm:num_preemptions")
-                )
-            )
-            print(f"    done: {res.completed} completed, {res.timed_out} timed out", flush=True)
-
+        rows.append(row)
+        print(f"    done: {row.result.completed} completed, {row.result.timed_out} timed out")
     for row in rows:
         for sample in row.result.error_samples:
             print(f"  {row.label}: error: {sample}", file=sys.stderr)
     print()
     print(render_table(rows, args.speed))
     print(f"\n(logs in {workdir})")
-    ok = rows[1].result.completed == len(items)
-    return 0 if ok else 1
+    return 0 if rows[1].result.completed == len(items) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -314,6 +329,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="replica clock speed-up over the wall clock",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--max-running",
+        type=int,
+        default=DEFAULT_MAX_RUNNING,
+        help="kvgate's running-request cap for the replica (0: KV fit alone)",
+    )
     ap.add_argument(
         "--time-limit",
         type=float,

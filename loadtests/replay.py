@@ -38,6 +38,7 @@ class ReplayResult:
     errors: int = 0  # any other non-2xx answer or broken connection
     shed_retries: int = 0  # 429/503 answers that were retried after Retry-After
     retry_wait_s: float = 0.0  # total time spent honouring Retry-After
+    retry_waits: list[float] = field(default_factory=list)  # each Retry-After honoured
     wall_s: float = 0.0
     prompt_tokens: int = 0  # of completed requests, from the engine's usage
     completion_tokens: int = 0
@@ -138,6 +139,7 @@ async def replay(
                             return
                         result.shed_retries += 1
                         result.retry_wait_s += wait
+                        result.retry_waits.append(wait)
                         await asyncio.sleep(wait)
                         continue
                     result.errors += 1
