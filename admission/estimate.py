@@ -97,12 +97,17 @@ class TokenEstimator:
         overhead = max(0, messages) * self._config.per_message_overhead_tokens
         return max(1, math.ceil(max(0, chars) / cpt) + overhead)
 
+    def has_tokenizer(self, model: str) -> bool:
+        return self._tokenizer_for is not None and self._tokenizer_for(model) is not None
+
     def prompt_tokens_for_text(self, model: str, text: str, messages: int = 1) -> int:
-        """Exact count when a tokenizer is configured for `model`, else the estimate."""
+        """Exact count when a tokenizer is configured for `model` (plus the chat template's
+        per-message overhead, which a tokenizer file does not describe), else the estimate."""
         if self._tokenizer_for is not None:
             counter = self._tokenizer_for(model)
             if counter is not None:
-                return max(1, counter(text))
+                overhead = max(0, messages) * self._config.per_message_overhead_tokens
+                return max(1, counter(text) + overhead)
         return self.prompt_tokens(model, len(text), messages)
 
     def observe_prompt(self, model: str, chars: int, messages: int, actual_tokens: int) -> None:

@@ -32,6 +32,7 @@ from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import UPSTREAM_PATHS, Pipeline
 from gateway.relay import Relay
+from gateway.tokenizers import load_token_counters
 from gateway.upstream import make_session
 from routing.picker import Picker
 
@@ -44,7 +45,8 @@ class GatewayState:
     def __init__(self, config: GatewayConfig, picker: Picker | None = None) -> None:
         self.config = config
         self.controller = AdmissionController(config.admission, picker)
-        self.estimator = TokenEstimator(config.admission)
+        counters = load_token_counters(config.tokenizers)
+        self.estimator = TokenEstimator(config.admission, tokenizer_for=counters.get)
         self.discovery: Discovery
         self.bridge: AdmissionBridge
         self.pipeline: Pipeline

@@ -41,6 +41,13 @@ def serve_main(argv: Sequence[str]) -> int:
         print(f"kvgate: {e}", file=sys.stderr)
         return 2
     if args.check:
+        from gateway.tokenizers import load_token_counters
+
+        try:
+            load_token_counters(config.tokenizers)
+        except ConfigError as e:
+            print(f"kvgate: {e}", file=sys.stderr)
+            return 2
         print(f"kvgate: config OK ({len(config.replicas)} replicas)")
         return 0
     if not config.replicas:
@@ -60,6 +67,9 @@ def serve_main(argv: Sequence[str]) -> int:
         runner(_serve(config))
     except KeyboardInterrupt:
         pass
+    except ConfigError as e:  # raised while building the app (e.g. a tokenizer file)
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(
             f"kvgate: cannot listen on {config.listen.host}:{config.listen.port}: {e}",

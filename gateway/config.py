@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FilePath,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from admission.config import AdmissionConfig
 
@@ -121,6 +129,9 @@ class GatewayConfig(_Strict):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    # Model name -> local Hugging Face tokenizer.json: exact prompt counts for that model
+    # instead of the learned chars-per-token estimate (see gateway/tokenizers.py).
+    tokenizers: dict[str, FilePath] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _unique_replica_names(self) -> GatewayConfig:

@@ -217,7 +217,12 @@ class Pipeline:
                 chars += len(json.dumps(parsed.tools, separators=(",", ":")))
             ctx.num_messages = len(parsed.messages)
             ctx.prompt_chars = chars
-            ctx.prompt_tokens = est.prompt_tokens(ctx.model, chars, ctx.num_messages)
+            if est.has_tokenizer(ctx.model):
+                ctx.prompt_exact = True
+                counted = text + json.dumps(parsed.tools) if parsed.tools else text
+                ctx.prompt_tokens = est.prompt_tokens_for_text(ctx.model, counted, ctx.num_messages)
+            else:
+                ctx.prompt_tokens = est.prompt_tokens(ctx.model, chars, ctx.num_messages)
         else:
             assert isinstance(parsed, CompletionRequest)
             text, exact = parsed.prompt_parts()
@@ -226,6 +231,9 @@ class Pipeline:
             if exact is not None:
                 ctx.prompt_exact = True
                 ctx.prompt_tokens = max(1, exact)
+            elif est.has_tokenizer(ctx.model):
+                ctx.prompt_exact = True
+                ctx.prompt_tokens = est.prompt_tokens_for_text(ctx.model, text, 0)
             else:
                 ctx.prompt_tokens = est.prompt_tokens(ctx.model, len(text), 0)
         bound = parsed.output_bound

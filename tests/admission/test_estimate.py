@@ -59,7 +59,9 @@ def test_denser_text_makes_the_estimate_conservative_at_once() -> None:
 
 def test_exact_tokenizer_hook_is_used_when_configured() -> None:
     est = TokenEstimator(AdmissionConfig(), tokenizer_for=lambda m: len if m == "exact" else None)
-    assert est.prompt_tokens_for_text("exact", "abcdef") == 6
+    assert est.prompt_tokens_for_text("exact", "abcdef", 0) == 6
+    # Chat: exact text plus the template's per-message overhead (not in a tokenizer file).
+    assert est.prompt_tokens_for_text("exact", "abcdef", 2) == 6 + 2 * 8
     assert est.prompt_tokens_for_text("other", "abcdef", 1) == est.prompt_tokens("other", 6, 1)
 
 

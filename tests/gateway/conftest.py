@@ -63,6 +63,7 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
         auth: dict[str, Any] | None = None,
         limits: dict[str, Any] | None = None,
         discovery: dict[str, Any] | None = None,
+        tokenizers: dict[str, str] | None = None,
         **replica_fields: Any,
     ) -> Gateway:
         if replicas is None:
@@ -83,6 +84,7 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
             "limits": limits or {},
             "discovery": {"refresh_interval_s": 0.2, "probe_timeout_s": 0.5, **(discovery or {})},
             "logging": {"access_log": False},
+            "tokenizers": tokenizers or {},
         }
         gw = Gateway(config_from_mapping(data, env={}), host="127.0.0.1", port=0)
         await gw.start()

@@ -14,5 +14,14 @@ def test_example_config_loads_and_matches_defaults() -> None:
     assert cfg.replicas[3].pool_tokens == 200000
     defaults = GatewayConfig()
     # Every section other than the example replicas documents the defaults exactly.
-    for section in ("listen", "admission", "upstream", "limits", "auth", "discovery", "logging"):
+    for section in (
+        "listen",
+        "admission",
+        "upstream",
+        "limits",
+        "auth",
+        "discovery",
+        "logging",
+        "tokenizers",
+    ):
         assert getattr(cfg, section) == getattr(defaults, section), section
