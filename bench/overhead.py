@@ -32,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -43,6 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gateway.demo import Process, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -55,12 +57,6 @@ BODY_NONSTREAM = {
     "max_tokens": 16,
 }
 BODY_STREAM = {**BODY_NONSTREAM, "max_tokens": STREAM_CHUNKS, "stream": True}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _nginx_str(s: str) -> str:
@@ -112,21 +108,6 @@ MODELS_JSON = json.dumps(
 )
 
 
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
-
-
 def _wait_port(port: int, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -137,7 +118,7 @@ def _wait_port(port: int, timeout: float = 15.0) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
-def start_nginx(workdir: Path, name: str, servers: str) -> Proc:
+def start_nginx(workdir: Path, name: str, servers: str) -> Process:
     conf = workdir / f"{name}.conf"
     conf.write_text(
         f"""
@@ -162,7 +143,7 @@ http {{
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    return Proc(name, popen)
+    return Process(name, popen, "")
 
 
 def upstream_servers(workdir: Path, port_ns: int, port_st: int) -> str:
@@ -209,7 +190,7 @@ def proxy_servers(pairs: list[tuple[int, int]]) -> str:
     return "\n".join(out)
 
 
-def start_kvgate(workdir: Path, name: str, port: int, upstream_port: int) -> Proc:
+def start_kvgate(workdir: Path, name: str, port: int, upstream_port: int) -> Process:
     cfg = workdir / f"{name}.yaml"
     cfg.write_text(
         json.dumps(
@@ -233,7 +214,7 @@ def start_kvgate(workdir: Path, name: str, port: int, upstream_port: int) -> Pro
         stdout=subprocess.DEVNULL,
         stderr=open(workdir / f"{name}.log", "wb"),  # noqa: SIM115 - closed with the process
     )
-    return Proc(name, popen)
+    return Process(name, popen, "")
 
 
 async def _wait_ready(url: str, limit_s: float = 20.0) -> None:
@@ -359,10 +340,10 @@ def main() -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
     workdir.chmod(0o755)  # nginx workers drop root and must read the stream body
-    up_ns, up_st = _free_port(), _free_port()
-    ngx_ns, ngx_st = _free_port(), _free_port()
-    kv_ns, kv_st = _free_port(), _free_port()
-    procs: list[Proc] = []
+    up_ns, up_st = free_port(), free_port()
+    ngx_ns, ngx_st = free_port(), free_port()
+    kv_ns, kv_st = free_port(), free_port()
+    procs: list[Process] = []
     try:
         procs.append(start_nginx(workdir, "upstream", upstream_servers(workdir, up_ns, up_st)))
         procs.append(

@@ -240,27 +240,27 @@ class EngineMetrics:
         prefix = "sglang" if flavor is Flavor.SGLANG else "vllm"
         labels = ["model_name"] if flavor is Flavor.SGLANG else ["model_name", "engine"]
         values = [model_name] if flavor is Flavor.SGLANG else [model_name, "0"]
-        self._ttft = Histogram(
-            f"{prefix}:time_to_first_token_seconds",
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                f"{prefix}:{name}", doc, labels, buckets=buckets, registry=self.registry
+            ).labels(*values)
+
+        self._ttft = histogram(
+            "time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
-        ).labels(*values)
-        self._itl = Histogram(
-            f"{prefix}:inter_token_latency_seconds",
+            TTFT_BUCKETS,
+        )
+        self._itl = histogram(
+            "inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
-            labels,
-            buckets=ITL_BUCKETS,
-            registry=self.registry,
-        ).labels(*values)
-        self._e2e = Histogram(
-            f"{prefix}:e2e_request_latency_seconds",
+            ITL_BUCKETS,
+        )
+        self._e2e = histogram(
+            "e2e_request_latency_seconds",
             "Histogram of end to end request latency in seconds.",
-            labels,
-            buckets=E2E_BUCKETS,
-            registry=self.registry,
-        ).labels(*values)
+            E2E_BUCKETS,
+        )
         self._success: Counter | None = None
         if flavor is Flavor.VLLM:
             self._success = Counter(

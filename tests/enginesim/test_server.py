@@ -5,21 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
 import pytest
 
-from tests.enginesim.test_server_helpers import CHAT, COMPLETIONS, chat_body, parse_sse, wait_until
+from tests.enginesim.helpers import CHAT, COMPLETIONS, chat_body, parse_sse, wait_until
 
 
 @pytest.fixture
 async def server(enginesim_server):
     return await enginesim_server("tiny", speed=50.0)
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        yield s
 
 
 def _assert_usage(usage: dict, completion_tokens: int) -> None:

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from enginesim.cli import build_parser, main
-from tests.enginesim.test_server_helpers import CHAT, chat_body
+from tests.enginesim.helpers import CHAT, chat_body
 
 ROOT = Path(__file__).resolve().parents[2]
 

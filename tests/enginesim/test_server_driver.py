@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from tests.enginesim.test_server_helpers import COMPLETIONS, scrape
+from tests.enginesim.helpers import COMPLETIONS, scrape
 
 
 @pytest.mark.parametrize("speed", [1.0, 200.0])

@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.enginesim.test_server_helpers import (
+from tests.enginesim.helpers import (
     CHAT,
     COMPLETIONS,
     chat_body,
@@ -15,12 +15,6 @@ from tests.enginesim.test_server_helpers import (
     scrape,
     wait_until,
 )
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        yield s
 
 
 async def _run_requests(session: aiohttp.ClientSession, url: str, n: int) -> tuple[int, int]:
