@@ -80,6 +80,15 @@ class AdmissionConfig(BaseModel):
     drain_window_s: float = Field(
         20.0, gt=0.0, description="Time constant (busy seconds) of the drain-rate EWMA."
     )
+    retry_memory_s: float = Field(
+        120.0,
+        ge=0.0,
+        description="How long a shed request's first arrival is remembered, so its retry "
+        "keeps its place in line (0 disables; keep above max_retry_after_s).",
+    )
+    retry_memory_entries: int = Field(
+        100_000, ge=0, description="Most shed requests remembered at once (oldest dropped)."
+    )
     cold_retry_after_s: float = Field(
         5.0,
         gt=0.0,

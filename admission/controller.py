@@ -15,8 +15,9 @@ Ledger
     of reservations never exceeds the replica's running cap.
 
 Queue order and head-of-line policy
-    Entries are served by priority (higher first), then arrival (submission order). The
-    policy is *strict order per replica*: an entry that cannot be admitted blocks every
+    Entries are served by priority (higher first), then arrival (`AdmissionRequest.arrival`,
+    which for a recognised retry is its first attempt's: see `admission.retries`), then
+    submission order. The policy is *strict order per replica*: an entry that cannot be admitted blocks every
     replica it could ever run on, and a later entry may only be admitted to a replica no
     earlier entry is waiting for. A large request at the head is therefore never starved
     by a stream of small ones that keep taking the space it waits for, and requests of
@@ -141,7 +142,7 @@ class _Reservation:
 
 @dataclass(slots=True)
 class _Entry:
-    key: tuple[int, int]  # (-priority, submission sequence)
+    key: tuple[int, float, int]  # (-priority, arrival, submission sequence)
     req: AdmissionRequest
     raw: int  # prompt + expected output, before block rounding
     deadline: float
@@ -247,7 +248,7 @@ class AdmissionController:
             return Shed(rid, "no_replica", self._clamp(None))
 
         deadline = min(req.deadline, now + self.config.queue_timeout_s)
-        entry = _Entry((-req.priority, self._seq), req, raw, deadline)
+        entry = _Entry((-req.priority, req.arrival, self._seq), req, raw, deadline)
         self._seq += 1
         pos = bisect.bisect_left(self._queue, entry.key, key=lambda e: e.key)
         # Strict order: replicas an earlier entry waits for are closed to this one. Stop

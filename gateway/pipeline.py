@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
+from admission.retries import RetryMemory
 from admission.types import AdmissionRequest, Admit, Refuse, Shed
 from gateway.admitter import AdmissionBridge
 from gateway.config import GatewayConfig
@@ -89,6 +90,9 @@ class Pipeline:
         self._max_body = config.limits.max_body_bytes
         self._queue_timeout = config.admission.queue_timeout_s
         self._retry_once = config.upstream.retry_once
+        self._retries = RetryMemory(
+            config.admission.retry_memory_s, config.admission.retry_memory_entries
+        )
         # Per-replica constants, computed once: URL and the headers sent upstream.
         self._urls = {rc.name: rc.url for rc in config.replicas}
         self._headers: dict[str, dict[str, str]] = {}
@@ -289,6 +293,10 @@ class Pipeline:
                 ) from None
         ctx.deadline = now + wait_for
         ctx.admission_id = ctx.request_id
+        # A retry of a request kvgate shed keeps its first arrival, i.e. its place in line
+        # (admission/retries.py). The key is a digest: the memory never holds bodies.
+        retry_key = hash((ctx.tenant, ctx.model, ctx.raw))
+        first = self._retries.first_arrival(retry_key, now)
         req = AdmissionRequest(
             request_id=ctx.request_id,
             model=ctx.model,
@@ -297,16 +305,19 @@ class Pipeline:
             max_tokens=ctx.max_tokens,
             tenant=ctx.tenant,
             priority=priority,
-            arrival=now,
+            arrival=now if first is None else first,
             deadline=ctx.deadline,
             workload=ctx.workload,
         )
         verdict, _queued = await self.bridge.admit(req)
         if isinstance(verdict, Admit):
+            if first is not None:
+                self._retries.forget(retry_key)
             self._admitted(ctx, verdict)
             self.metrics.queue_wait.observe(ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
             return
         if isinstance(verdict, Shed):
+            self._retries.remember(retry_key, req.arrival, self._loop.time())
             self.metrics.shed.labels(verdict.reason).inc()
             if verdict.status == 429:
                 raise ApiError(
