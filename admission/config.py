@@ -46,6 +46,14 @@ class AdmissionConfig(BaseModel):
         description="Releases seen on a model's replicas before the drain rate is trusted.",
     )
     max_retry_after_s: float = Field(60.0, ge=1.0, description="Upper clamp of Retry-After.")
+    min_retry_after_s: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Lower clamp of the retry delay. The Retry-After header is whole seconds "
+        "(at least 1); retry-after-ms, which the openai SDKs read first, carries this finer "
+        "value. 1 s suits real engines; the demo scales it with its simulated clock.",
+    )
     # --- additions beyond the documented API (all have defaults) ---
     default_output_tokens: int = Field(
         1024,

@@ -35,7 +35,8 @@ Shedding and Retry-After
     its deadline, so it is never held only to time out later. With fewer than
     ``min_drain_samples`` releases observed there is no evidence to shed on: the request
     is queued (its deadline still bounds the wait) and Retry-After is the documented
-    ``cold_retry_after_s``. Retry-After is clamped to [1, max_retry_after_s].
+    ``cold_retry_after_s``. The delay is clamped to [min_retry_after_s, max_retry_after_s]
+    (by default [1, 60] s).
 
 Expiry
     `expire(now)` sheds entries past their deadline (reason ``queue_timeout``) or whose
@@ -413,7 +414,7 @@ class AdmissionController:
 
     def retry_after(self, model: str, need_tokens: int, now: float) -> float:
         """Seconds until `need_tokens` could be admitted for `model` behind its whole
-        queue, clamped to [1, max_retry_after_s]."""
+        queue, clamped to [min_retry_after_s, max_retry_after_s]."""
         wait = self._wait_for(
             self._wait_context(model, now),
             need_tokens,
@@ -585,7 +586,7 @@ class AdmissionController:
 
     def _clamp(self, wait: float | None) -> float:
         value = self.config.cold_retry_after_s if wait is None else wait
-        return min(self.config.max_retry_after_s, max(1.0, value))
+        return min(self.config.max_retry_after_s, max(self.config.min_retry_after_s, value))
 
     def _refuse_too_long(self, req: AdmissionRequest, raw: int, known: list[_Replica]) -> Refuse:
         total = req.prompt_tokens + req.max_tokens

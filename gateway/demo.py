@@ -169,7 +169,12 @@ def gateway_config(
             }
             for i, u in enumerate(replica_urls)
         ],
-        "admission": {"queue_timeout_s": timeout_s / speed / 8, "queue_max_per_model": 1024},
+        "admission": {
+            "queue_timeout_s": timeout_s / speed / 8,
+            "queue_max_per_model": 1024,
+            # A 1 s retry floor in the replica's time, not 25 replica seconds.
+            "min_retry_after_s": 1.0 / speed,
+        },
         "upstream": {"first_byte_s": timeout_s / speed, "total_s": 2 * timeout_s / speed},
         "discovery": {"refresh_interval_s": 0.5},
         "logging": {"level": "warning", "access_log": False},

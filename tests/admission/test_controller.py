@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from pydantic import ValidationError
 
@@ -408,3 +410,19 @@ def test_custom_picker_sees_the_request_and_may_decline() -> None:
 
 def controller_with(picker: Picker) -> AdmissionController:
     return AdmissionController(AdmissionConfig(headroom=0.0), picker)
+
+
+def test_a_finer_retry_floor_passes_the_honest_wait_through() -> None:
+    """With min_retry_after_s below 1 s a short honest wait is not rounded up to 1 s; the
+    shell still sends a whole-second Retry-After, and the precise value as retry-after-ms."""
+    from gateway.errors import retry_after_headers
+
+    ctrl = controller(queue_max_per_model=0, min_retry_after_s=0.01)
+    ctrl.upsert_replica(replica(capacity=1000), 0.0)
+    now = warm_drain(ctrl, 10, rate=10_000.0)
+    ctrl.submit(request("big", 500, 500), now)
+    tiny = ctrl.submit(request("x", 1, 1), now)
+    assert isinstance(tiny, Shed) and 0.01 <= tiny.retry_after < 1.0
+    headers = retry_after_headers(tiny.retry_after)
+    assert headers["Retry-After"] == "1"
+    assert int(headers["retry-after-ms"]) == math.ceil(tiny.retry_after * 1000) < 1000
