@@ -166,10 +166,8 @@ class AdmissionController:
         self._seq = 0
         self._pending: list[Admit] = []  # admitted by expire(); handed out by the next call
         self._now = 0.0
-        # Counters for metrics.
+        # Reservations a stream outgrew while its replica had no room (exported by the shell).
         self.top_up_failures = 0
-        self.admitted_total = 0
-        self.queued_total = 0
 
     # ------------------------------------------------------------------ replicas
     def upsert_replica(
@@ -286,7 +284,6 @@ class AdmissionController:
         self._queued[rid] = entry
         self._queue_per_model[model] = model_depth + 1
         self._queue_tokens[model] = model_tokens + raw
-        self.queued_total += 1
         estimated = wait if wait is not None else self.config.cold_retry_after_s
         return Queued(rid, position, estimated)
 
@@ -495,7 +492,6 @@ class AdmissionController:
         self._reservations[entry.req.request_id] = _Reservation(
             entry.req.request_id, rep.name, entry.req.model, tokens
         )
-        self.admitted_total += 1
         return Admit(entry.req.request_id, rep.name, tokens)
 
     def _settle(self, now: float) -> list[Admit]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from enginesim import tokenizer
 from enginesim.kvpool import ROOT_HASH, BlockPool, chain_hashes
 from enginesim.profiles import Profile
-from enginesim.roofline import Roofline, StepCost, StepShape
+from enginesim.roofline import Roofline, StepShape
 from enginesim.spec import acceptance_rate, accepted_drafts
 from enginesim.types import (
     EngineEvent,
@@ -133,7 +133,6 @@ class EngineCore:
         self.total_prefill_tokens = 0  # prefill positions computed (recompute counted again)
         self.total_steps = 0
         self.busy_time = 0.0
-        self.last_cost: StepCost | None = None
 
     # -- public API ----------------------------------------------------------------------
     def add_request(self, req: SimRequest, now: float) -> None:
@@ -226,7 +225,6 @@ class EngineCore:
         n_prefill, n_decode = self._apply(sched, end, events)
         self.total_steps += 1
         self.busy_time += cost.total
-        self.last_cost = cost
         return StepResult(
             start=now,
             duration=cost.total,

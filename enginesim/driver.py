@@ -202,10 +202,6 @@ class EngineDriver:
         self._running.set()
         self._wake.set()
 
-    @property
-    def paused(self) -> bool:
-        return not self._running.is_set()
-
     # -- the loop ----------------------------------------------------------------------
 
     async def _run(self) -> None:

@@ -163,16 +163,6 @@ class BlockPool:
                 if hashes[bid] is not None:
                     self._num_cached_free += 1
 
-    def reset_cache(self) -> None:
-        """Forget every unreferenced cached block (a cache flush)."""
-        for bid in list(self._free):
-            h = self._hash[bid]
-            if h is not None:
-                self._hash[bid] = None
-                if self._cached.get(h) == bid:
-                    del self._cached[h]
-        self._num_cached_free = 0
-
     def check(self) -> None:
         """Assert internal consistency (used by tests after every step)."""
         assert len(self._free) + sum(1 for r in self._ref if r > 0) == self.num_blocks

@@ -80,7 +80,11 @@ def build_app(config: GatewayConfig, *, picker: Picker | None = None) -> web.App
         st.bridge = AdmissionBridge(st.controller)
         st.bridge.start()
         st.discovery = Discovery(config.replicas, session, st.bridge, config.discovery)
-        st.metrics = GatewayMetrics(st.controller.replica_usage, st.queue_depths)
+        st.metrics = GatewayMetrics(
+            st.controller.replica_usage,
+            st.queue_depths,
+            lambda: st.controller.top_up_failures,
+        )
         pipeline_ref: list[Pipeline] = []
         relay = Relay(session, config.upstream, lambda ctx: pipeline_ref[0].on_progress(ctx))
         st.pipeline = Pipeline(

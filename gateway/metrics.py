@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from admission.types import ReplicaUsage
@@ -32,9 +32,11 @@ class _LedgerCollector(Collector):
         self,
         usage: Callable[[], list[ReplicaUsage]],
         queue_depths: Callable[[], dict[str, int]],
+        topup_failures: Callable[[], int],
     ) -> None:
         self._usage = usage
         self._queue_depths = queue_depths
+        self._topup_failures = topup_failures
 
     def collect(self) -> Iterable[Metric]:
         depth = GaugeMetricFamily(
@@ -65,7 +67,13 @@ class _LedgerCollector(Collector):
             reserved.add_metric([u.name], u.reserved_tokens)
             running.add_metric([u.name], u.running)
             ready.add_metric([u.name], 1 if u.ready else 0)
-        return [depth, cap, reserved, running, ready]
+        topup = CounterMetricFamily(
+            "kvgate_reservation_topup_failures",
+            "Streams that outgrew their KV reservation while the replica had no room "
+            "(the stream went on; the engine's own scheduler absorbed the excess)",
+        )
+        topup.add_metric([], self._topup_failures())
+        return [depth, cap, reserved, running, ready, topup]
 
 
 class GatewayMetrics:
@@ -75,6 +83,7 @@ class GatewayMetrics:
         self,
         usage: Callable[[], list[ReplicaUsage]],
         queue_depths: Callable[[], dict[str, int]],
+        topup_failures: Callable[[], int],
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
@@ -106,7 +115,7 @@ class GatewayMetrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
-        r.register(_LedgerCollector(usage, queue_depths))
+        r.register(_LedgerCollector(usage, queue_depths, topup_failures))
         self._requests_children: dict[tuple[str, str], Counter] = {}
 
     def count_request(self, model: str, outcome: str) -> None:

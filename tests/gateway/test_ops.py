@@ -101,6 +101,11 @@ async def test_metrics_move_with_traffic(replica, gateway):
     assert after[("kvgate_queue_wait_seconds_count", ())] == 2
     assert after[("kvgate_queue_depth", (("model", MODEL),))] == 0
     assert after[("kvgate_replica_running", (("replica", "r0"),))] == 0
+    # The admission core's top-up failure count is exported as read at scrape time.
+    assert after[("kvgate_reservation_topup_failures_total", ())] == 0
+    gw.controller.top_up_failures = 3
+    assert (await scrape(gw))[("kvgate_reservation_topup_failures_total", ())] == 3
+    gw.controller.top_up_failures = 0
 
 
 async def test_admin_replicas_requires_token(replica, gateway):
