@@ -297,17 +297,12 @@ class Pipeline:
         # (admission/retries.py). The key is a digest: the memory never holds bodies.
         retry_key = hash((ctx.tenant, ctx.model, ctx.raw))
         first = self._retries.first_arrival(retry_key, now)
-        req = AdmissionRequest(
-            request_id=ctx.request_id,
-            model=ctx.model,
-            prompt_tokens=ctx.prompt_tokens,
-            expected_output=ctx.expected_output,
-            max_tokens=ctx.max_tokens,
-            tenant=ctx.tenant,
-            priority=priority,
+        req = _admission_request(
+            ctx,
+            ctx.request_id,
             arrival=now if first is None else first,
             deadline=ctx.deadline,
-            workload=ctx.workload,
+            priority=priority,
         )
         verdict, _queued = await self.bridge.admit(req)
         if isinstance(verdict, Admit):
@@ -418,17 +413,8 @@ class Pipeline:
         ctx.admission_id = rid
         try:
             verdict = ctrl.submit(
-                AdmissionRequest(
-                    request_id=rid,
-                    model=ctx.model,
-                    prompt_tokens=ctx.prompt_tokens,
-                    expected_output=ctx.expected_output,
-                    max_tokens=ctx.max_tokens,
-                    tenant=ctx.tenant,
-                    arrival=ctx.arrival,
-                    deadline=now,  # now or never: the client has already waited once
-                    workload=ctx.workload,
-                ),
+                # Now or never: the client has already waited once.
+                _admission_request(ctx, rid, arrival=ctx.arrival, deadline=now),
                 now,
             )
         finally:
@@ -497,6 +483,24 @@ class Pipeline:
         """Free the reservation or queue entry (idempotent; always runs)."""
         if ctx.admission_id is not None:
             self.bridge.release(ctx.admission_id)
+
+
+def _admission_request(
+    ctx: RequestContext, rid: str, *, arrival: float, deadline: float, priority: int = 0
+) -> AdmissionRequest:
+    """What admission needs to know of a request, from its context."""
+    return AdmissionRequest(
+        request_id=rid,
+        model=ctx.model,
+        prompt_tokens=ctx.prompt_tokens,
+        expected_output=ctx.expected_output,
+        max_tokens=ctx.max_tokens,
+        tenant=ctx.tenant,
+        priority=priority,
+        arrival=arrival,
+        deadline=deadline,
+        workload=ctx.workload,
+    )
 
 
 def _too_large(limit: int) -> ApiError:
