@@ -56,7 +56,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from admission.config import AdmissionConfig
 from admission.drain import DrainMeter
@@ -242,7 +242,10 @@ class AdmissionController:
         raw = max(1, req.prompt_tokens) + max(0, req.expected_output)
         known = [r for r in serving if r.capacity is not None or r.max_model_len is not None]
         if known and not any(r.can_ever_fit(req, raw) for r in known):
-            return self._refuse_too_long(req, raw, known)
+            clamped = None if req.prompt_exact else self._clamp_estimate(req, known)
+            if clamped is None:
+                return self._refuse_too_long(req, raw, known)
+            req, raw = clamped
         if not any(r.usable and r.can_ever_fit(req, raw) for r in serving):
             return Shed(rid, "no_replica", self._clamp(None))
 
@@ -583,6 +586,32 @@ class AdmissionController:
     def _clamp(self, wait: float | None) -> float:
         value = self.config.cold_retry_after_s if wait is None else wait
         return min(self.config.max_retry_after_s, max(self.config.min_retry_after_s, value))
+
+    @staticmethod
+    def _clamp_estimate(
+        req: AdmissionRequest, known: list[_Replica]
+    ) -> tuple[AdmissionRequest, int] | None:
+        """An estimated prompt that looks too long for every replica, cut down to the
+        largest request some replica can hold, so that it is forwarded and the engine,
+        which counts exactly, decides (invariant 4: no 400 on a guess). None when even a
+        one-token prompt cannot fit: the declared ``max_tokens`` alone is over every
+        limit, which is exact."""
+        best: tuple[AdmissionRequest, int] | None = None
+        for rep in known:
+            room = rep.effective if rep.capacity is not None else None
+            prompt = req.prompt_tokens
+            if rep.max_model_len is not None:
+                prompt = min(prompt, rep.max_model_len - req.max_tokens)
+            output = req.expected_output
+            if room is not None:
+                room = room // rep.block_size * rep.block_size
+                prompt = min(prompt, room - output)
+            if prompt < 1:
+                continue
+            raw = prompt + output
+            if best is None or raw > best[1]:
+                best = (replace(req, prompt_tokens=prompt), raw)
+        return best
 
     def _refuse_too_long(self, req: AdmissionRequest, raw: int, known: list[_Replica]) -> Refuse:
         total = req.prompt_tokens + req.max_tokens

@@ -22,6 +22,39 @@ class AdmissionRequest:
     arrival: float = 0.0
     deadline: float = float("inf")  # absolute time by which it must be admitted
     workload: str = "chat"
+    # True when `prompt_tokens` is an exact count (a tokenizer, the engine's /tokenize,
+    # token ids). Only an exact count may be refused as too long: an estimate that puts
+    # a request over a limit is forwarded with a reservation clamped to the limit, and
+    # the engine's own answer decides (invariant 4).
+    prompt_exact: bool = True
+    # The client's last retry (openai SDKs: x-stainless-retry-count == max_retries):
+    # shedding it turns into a user-visible failure, so it is queued ahead of first
+    # attempts of the same priority.
+    last_retry: bool = False
+    # Seconds the client allows for the whole service once admitted (its read timeout
+    # less the time it will have queued, for a non-stream request), or None when unknown.
+    # The learned limit keeps service times inside the budgets of the requests it sees.
+    latency_budget: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Completion:
+    """What a released request tells admission about its replica (all optional).
+
+    ``service_s`` runs from admission to the end of the response; ``ttft_s`` from
+    admission to the first streamed token; ``itl_s`` is the stream's mean inter-token
+    gap. Token counts are the engine's ``usage``. ``ok`` is False for upstream errors
+    and timeouts (which say the replica is struggling); client disconnects are not
+    reported as completions at all.
+    """
+
+    ok: bool = True
+    service_s: float | None = None
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    latency_budget: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,6 +104,9 @@ class ReplicaUsage:
     effective_capacity_tokens: int
     reserved_tokens: int
     running: int
-    max_running: int | None
-    binding_ceiling: str  # "none" | "kv_capacity" | "running_cap" | "not_ready"
+    max_running: int | None  # configured or engine-reported cap (an upper bound)
+    binding_ceiling: str  # "none" | "kv_capacity" | "running_cap" | "latency" | "not_ready"
     models: list[str] = field(default_factory=list)
+    limit: int | None = None  # the learned running limit in force (None: not learning)
+    limit_reason: str = ""  # what last moved the learned limit
+    engine_kv_tokens: int | None = None  # the engine's own KV usage, in tokens

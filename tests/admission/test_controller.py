@@ -426,3 +426,20 @@ def test_a_finer_retry_floor_passes_the_honest_wait_through() -> None:
     headers = retry_after_headers(tiny.retry_after)
     assert headers["Retry-After"] == "1"
     assert int(headers["retry-after-ms"]) == math.ceil(tiny.retry_after * 1000) < 1000
+
+
+def test_an_estimate_over_the_limit_is_forwarded_clamped_never_refused() -> None:
+    ctrl = controller()
+    ctrl.upsert_replica(replica(capacity=1000, max_model_len=800), 0.0)
+    guess = request("guess", 900, 50)
+    guess.prompt_exact = False
+    verdict = ctrl.submit(guess, 0.0)
+    # Clamped to what the replica holds: prompt 750 + 50 output (max_model_len 800).
+    assert verdict == Admit("guess", "r1", 800)
+    exact = request("exact", 900, 50)
+    assert isinstance(ctrl.submit(exact, 0.0), Refuse)
+    # max_tokens is declared, hence exact: over the context on its own, refused at once.
+    over = request("over", 10, 900)
+    over.prompt_exact = False
+    refused = ctrl.submit(over, 0.0)
+    assert isinstance(refused, Refuse) and refused.code == "context_length_exceeded"
