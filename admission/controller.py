@@ -63,6 +63,7 @@ from admission.drain import DrainMeter
 from admission.types import (
     AdmissionRequest,
     Admit,
+    Completion,
     Queued,
     Refuse,
     ReplicaUsage,
@@ -290,8 +291,14 @@ class AdmissionController:
         estimated = wait if wait is not None else self.config.cold_retry_after_s
         return Queued(rid, position, estimated)
 
-    def release(self, request_id: str, now: float) -> list[Admit]:
+    def release(
+        self, request_id: str, now: float, completion: Completion | None = None
+    ) -> list[Admit]:
         """Free the request's reservation, or drop it from the queue; idempotent.
+
+        `completion` is what the request measured about its replica (latency, usage); the
+        learned running limit of that replica feeds on it. None (client disconnect,
+        queue exit) teaches nothing.
 
         Returns the requests this admitted from the queue (plus any admitted by an
         earlier `expire` that were not handed out yet).
