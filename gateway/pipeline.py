@@ -495,6 +495,7 @@ def _admission_request(
         prompt_tokens=ctx.prompt_tokens,
         expected_output=ctx.expected_output,
         max_tokens=ctx.max_tokens,
+        prompt_exact=ctx.prompt_exact,
         tenant=ctx.tenant,
         priority=priority,
         arrival=arrival,
