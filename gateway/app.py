@@ -26,6 +26,7 @@ from admission.estimate import TokenEstimator
 from gateway.admin import replicas_snapshot, require_admin
 from gateway.admitter import AdmissionBridge
 from gateway.config import GatewayConfig
+from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
 from gateway.errors import ApiError
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -87,8 +88,16 @@ def build_app(config: GatewayConfig, *, picker: Picker | None = None) -> web.App
         )
         pipeline_ref: list[Pipeline] = []
         relay = Relay(session, config.upstream, lambda ctx: pipeline_ref[0].on_progress(ctx))
+        counter = PromptCounter(config, st.estimator, st.discovery, st.metrics, session)
         st.pipeline = Pipeline(
-            config, st.controller, st.estimator, st.bridge, st.discovery, relay, st.metrics
+            config,
+            st.controller,
+            st.estimator,
+            st.bridge,
+            st.discovery,
+            relay,
+            st.metrics,
+            counter=counter,
         )
         pipeline_ref.append(st.pipeline)
         await st.discovery.start()

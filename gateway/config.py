@@ -98,6 +98,35 @@ class UpstreamConfig(_Strict):
     # Retry once on another replica when the chosen one refuses the connection or answers
     # 5xx before any byte reached the client.
     retry_once: bool = True
+    # Bound of the one call to a replica's tokenize endpoint that counts a prompt near a
+    # limit exactly (gateway/counting.py); past it the request goes on with its estimate.
+    tokenize_timeout_s: PositiveFloat = 2.0
+
+
+class CountingConfig(_Strict):
+    """How prompt tokens are counted before admission (see gateway/counting.py).
+
+    A prompt is estimated from its characters; when the estimate puts it within
+    ``near_limit_margin`` of a limit (the smallest ``max_model_len`` serving its model,
+    or the largest KV pool), kvgate asks a ready replica's own tokenize endpoint for the
+    exact count, once. Media parts cannot be counted from characters: each is reserved
+    at a fixed allowance and such a prompt is never refused on kvgate's count.
+    """
+
+    # Ask a replica's tokenize endpoint (vLLM, SGLang, llama.cpp) near a limit.
+    replica_tokenize: bool = True
+    near_limit_margin: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
+    # Exact counts remembered per (model, digest of the prompt or of one long message);
+    # 0 disables the cache.
+    cache_entries: Annotated[int, Field(ge=0)] = 4096
+    # Tokens reserved per image part (also for video, file and unknown non-text parts).
+    # 1,000 covers the fixed-size vision encoders (LLaVA-1.5 576, Gemma 3 256, a 1024x1024
+    # high-detail image at OpenAI's tiling 765) and is below dynamic-resolution ones at
+    # large images (Qwen2-VL ~1,300 at one megapixel): raise it for such models.
+    image_part_tokens: Annotated[int, Field(ge=0)] = 1000
+    # Tokens reserved per audio part: a 30 s clip (Whisper's window) at Qwen2-Audio's
+    # 25 tokens a second.
+    audio_part_tokens: Annotated[int, Field(ge=0)] = 750
 
 
 class LimitsConfig(_Strict):
@@ -125,6 +154,7 @@ class GatewayConfig(_Strict):
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    counting: CountingConfig = Field(default_factory=CountingConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)

@@ -33,6 +33,9 @@ class RequestContext:
     prompt_chars: int = 0
     num_messages: int = 1
     prompt_exact: bool = False
+    # False when the prompt has parts a character count cannot describe (images, audio):
+    # its usage must not teach the estimator's chars-per-token.
+    prompt_countable: bool = True
     prompt_tokens: int = 0
     max_tokens: int = 0
     expected_output: int = 0

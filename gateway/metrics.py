@@ -23,6 +23,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+# estimated / actual prompt tokens: 1 is a perfect count, 2 reserves twice what is used.
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0)
 
 
 class _LedgerCollector(Collector):
@@ -115,6 +117,26 @@ class GatewayMetrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        self.prompt_estimate_ratio = Histogram(
+            "kvgate_prompt_estimate_ratio",
+            "Prompt tokens kvgate reserved for / the engine's usage.prompt_tokens, by whether "
+            "kvgate's count was exact",
+            ["exact"],
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self._ratio_children = {
+            True: self.prompt_estimate_ratio.labels("true"),
+            False: self.prompt_estimate_ratio.labels("false"),
+        }
+        self.prompt_counts = Counter(
+            "kvgate_prompt_counts",
+            "Prompts near a limit counted exactly before admission, by how: replica (its "
+            "tokenize endpoint answered), cache (counted before), failed (error or timeout: "
+            "went on with the estimate), unavailable (no replica can count it)",
+            ["how"],
+            registry=r,
+        )
         r.register(_LedgerCollector(usage, queue_depths, topup_failures))
         self._requests_children: dict[tuple[str, str], Counter] = {}
 
@@ -126,6 +148,14 @@ class GatewayMetrics:
             # cannot create unbounded label cardinality.
             child = self._requests_children[key] = self.requests.labels(model, outcome)
         child.inc()
+
+    def observe_prompt_estimate(self, estimated: int, actual: int, exact: bool) -> None:
+        """How far the prompt count admission used was from what the engine counted."""
+        if estimated > 0 and actual > 0:
+            self._ratio_children[exact].observe(estimated / actual)
+
+    def count_prompt_count(self, how: str) -> None:
+        self.prompt_counts.labels(how).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -36,6 +36,7 @@ from admission.types import AdmissionRequest, Admit, Refuse, Shed
 from gateway.admitter import AdmissionBridge
 from gateway.config import GatewayConfig
 from gateway.context import Kind, RequestContext
+from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
 from gateway.errors import ApiError, invalid_request
 from gateway.logging import access_log_enabled, log_access
@@ -78,6 +79,8 @@ class Pipeline:
         discovery: Discovery,
         relay: Relay,
         metrics: GatewayMetrics,
+        *,
+        counter: PromptCounter | None = None,
     ) -> None:
         self.config = config
         self.controller = controller
@@ -86,6 +89,8 @@ class Pipeline:
         self.discovery = discovery
         self.relay = relay
         self.metrics = metrics
+        # Without a session (no counter given) prompts are estimated and counted locally only.
+        self.counter = counter or PromptCounter(config, estimator, discovery, metrics)
         self._api_keys = dict(config.auth.api_keys)
         self._max_body = config.limits.max_body_bytes
         self._queue_timeout = config.admission.queue_timeout_s
@@ -122,7 +127,7 @@ class Pipeline:
         try:
             self.authenticate(request, ctx)
             await self.parse(request, ctx)
-            text = self.estimate(ctx)
+            text = await self.estimate(ctx)
             self.classify(request, ctx, text)
             self.tenant_limits(ctx)
             await self.admit(request, ctx)
@@ -208,46 +213,31 @@ class Pipeline:
         ctx.stream = parsed.stream
         ctx.client_wants_usage = parsed.wants_usage
 
-    def estimate(self, ctx: RequestContext) -> str:
-        """Prompt tokens from characters (no tokenizer round trip), output from history.
-        Returns the prompt text for the classifier (kept out of the context and logs)."""
-        parsed = ctx.parsed
-        est = self.estimator
-        if isinstance(parsed, ChatCompletionRequest):
-            text = parsed.prompt_text()
-            chars = len(text)
-            if parsed.tools:
-                # Tool schemas are rendered into the prompt by the chat template.
-                chars += len(json.dumps(parsed.tools, separators=(",", ":")))
-            ctx.num_messages = len(parsed.messages)
-            ctx.prompt_chars = chars
-            if est.has_tokenizer(ctx.model):
-                ctx.prompt_exact = True
-                counted = text + json.dumps(parsed.tools) if parsed.tools else text
-                ctx.prompt_tokens = est.prompt_tokens_for_text(ctx.model, counted, ctx.num_messages)
-            else:
-                ctx.prompt_tokens = est.prompt_tokens(ctx.model, chars, ctx.num_messages)
-        else:
-            assert isinstance(parsed, CompletionRequest)
-            text, exact = parsed.prompt_parts()
-            ctx.num_messages = 0
-            ctx.prompt_chars = len(text)
-            if exact is not None:
-                ctx.prompt_exact = True
-                ctx.prompt_tokens = max(1, exact)
-            elif est.has_tokenizer(ctx.model):
-                ctx.prompt_exact = True
-                ctx.prompt_tokens = est.prompt_tokens_for_text(ctx.model, text, 0)
-            else:
-                ctx.prompt_tokens = est.prompt_tokens(ctx.model, len(text), 0)
-        bound = parsed.output_bound
+    async def estimate(self, ctx: RequestContext) -> str:
+        """Prompt tokens, output tokens to reserve. Returns the prompt text for the
+        classifier (kept out of the context and logs).
+
+        The prompt is estimated from its characters, or counted exactly where that is
+        free (token ids, a local tokenizer). Only a request the estimate puts near a limit
+        costs one call to a replica's tokenize endpoint (gateway/counting.py): admission
+        may refuse an exact count, never an estimate."""
+        counter = self.counter
+        measured = counter.measure(ctx)
+        self._bound_output(ctx)
+        if counter.near_limit(ctx, measured) and await counter.count_on_replica(ctx, measured):
+            self._bound_output(ctx)
+        counter.settle(ctx, measured)
+        return measured.text
+
+    def _bound_output(self, ctx: RequestContext) -> None:
+        """Output tokens to reserve, from history, within the context the prompt leaves."""
+        bound = ctx.parsed.output_bound  # type: ignore[union-attr]
         max_len = self.discovery.max_model_len(ctx.model)
         limit = max(1, (max_len - ctx.prompt_tokens) if max_len else MAX_TOKENS_CEILING)
-        ctx.expected_output = est.expected_output(ctx.model, bound, limit)
+        ctx.expected_output = self.estimator.expected_output(ctx.model, bound, limit)
         # Without a client bound the engine may generate up to the context; admission's
         # never-fits check then uses what we reserve.
         ctx.max_tokens = bound if bound is not None else ctx.expected_output
-        return text
 
     def classify(self, request: web.Request, ctx: RequestContext, text: str) -> None:
         parsed = ctx.parsed
@@ -440,7 +430,16 @@ class Pipeline:
         """Learn from the engine's usage, count the outcome, write the access line."""
         model_label = ctx.model if ctx.model in self.discovery.known_models else "_unknown"
         if ctx.outcome == "ok":
-            if ctx.usage_prompt is not None and not ctx.prompt_exact and ctx.prompt_chars:
+            if ctx.usage_prompt is not None:
+                self.metrics.observe_prompt_estimate(
+                    ctx.prompt_tokens, ctx.usage_prompt, ctx.prompt_exact
+                )
+            if (
+                ctx.usage_prompt is not None
+                and not ctx.prompt_exact
+                and ctx.prompt_chars
+                and ctx.prompt_countable
+            ):
                 self.estimator.observe_prompt(
                     ctx.model, ctx.prompt_chars, ctx.num_messages, ctx.usage_prompt
                 )

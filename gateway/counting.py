@@ -1,0 +1,429 @@
+"""Count, do not guess, before saying no: prompt token counts for admission.
+
+Admission sizes a request's KV reservation, and refuses what can never fit, from its
+prompt token count. The count comes from the cheapest source that is good enough:
+
+1. **Token ids** (a completions prompt of ids): exact, free.
+2. **A local tokenizer** (``tokenizers:`` in the config): the text is counted exactly,
+   in process. Long texts (a shared system prompt, the earlier turns of a growing
+   conversation) are counted once and remembered per (model, digest of that text).
+3. **The estimate**: characters / the learned chars-per-token, plus the template's
+   per-message overhead, plus a fixed allowance per media part (`gateway.prompt`).
+   Far from every limit this is all a request costs: no network call, no hashing.
+4. **The replica's own count**, only when the estimate puts the request *near a limit*
+   (prompt + max_tokens within ``counting.near_limit_margin`` of the smallest
+   ``max_model_len`` serving the model, or its KV need within that margin of the largest
+   pool): one call, bounded by ``upstream.tokenize_timeout_s``, to the tokenize endpoint
+   of one ready replica serving the model, taken in turn:
+
+   - vLLM (and enginesim): ``POST /tokenize`` with the chat request's ``messages``,
+     ``tools`` and template options (the engine applies its chat template), or with the
+     completion ``prompt``; the answer's ``count`` is exactly what the engine will count.
+   - llama.cpp: ``POST /apply-template`` (chat) then ``POST /tokenize`` with
+     ``add_special`` (two loopback calls under the same bound).
+   - SGLang serves ``/tokenize`` for a plain ``prompt`` only (no chat template): exact
+     for completions; for chat it counts the rendered text, a lower bound (see 5).
+   - ``openai`` engines have no tokenize endpoint: nothing is asked.
+
+   Requests with media parts are not sent: the engine would fetch and process the
+   media just to count. Answers are remembered per (engine, model, digest of the
+   request), so a client's retry of a request kvgate shed is not counted twice. A
+   replica that answers 404/405/501 is not asked again for five minutes; one that fails
+   otherwise or times out, for ten seconds. A failed count is never retried: the request
+   goes on with its estimate.
+
+5. **A text count without the template** (a local tokenizer or SGLang, for chat): the
+   text's tokens are exact but the template's overhead is the configured guess. Such a
+   count is treated as exact (refusable) when the guess cannot change the verdict: the
+   request fits with the overhead counted, or is over every limit with no overhead at
+   all. In between, and whenever media allowances are part of the count, it is not.
+
+Only an exact count may be refused (invariant 4). An estimate over every limit is
+forwarded with its reservation clamped to what fits, and the engine's own 400 answers
+(see `admission.controller`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from admission.estimate import TokenEstimator
+from gateway.config import GatewayConfig
+from gateway.context import RequestContext
+from gateway.discovery import Discovery, ReplicaWatcher
+from gateway.metrics import GatewayMetrics
+from gateway.prompt import PromptShape, chat_shape
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("kvgate.counting")
+
+# Engines whose servers count prompts for us, and the path they do it on.
+TOKENIZE_ENGINES = frozenset({"vllm", "sglang", "llamacpp"})
+# Chat-completion fields that change what vLLM's chat template renders.
+_TEMPLATE_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+)
+_UNSUPPORTED = frozenset({404, 405, 501})
+_UNSUPPORTED_PAUSE_S = 300.0
+_FAILURE_PAUSE_S = 10.0
+_LOCAL_CACHE_MIN_CHARS = 512  # shorter texts are cheaper to count than to hash
+
+
+def _round_up(tokens: int, block_size: int) -> int:
+    return -(-max(0, tokens) // max(1, block_size)) * max(1, block_size)
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+# ====================================================================== limits (pure)
+@dataclass(slots=True, frozen=True)
+class ReplicaLimit:
+    """What one replica serving a model can ever hold (as admission checks it)."""
+
+    max_model_len: int | None
+    pool: int | None  # effective KV pool in tokens
+    block_size: int = 16
+
+    def fits(self, prompt: int, max_tokens: int, output: int) -> bool:
+        if self.max_model_len is not None and prompt + max_tokens > self.max_model_len:
+            return False
+        return self.pool is None or _round_up(max(1, prompt) + max(0, output), self.block_size) <= (
+            self.pool
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    """The known limits of the replicas serving one model."""
+
+    replicas: tuple[ReplicaLimit, ...] = ()
+
+    def fits(self, prompt: int, max_tokens: int, output: int) -> bool:
+        """Some replica can ever hold it (True when no limit is known)."""
+        return not self.replicas or any(r.fits(prompt, max_tokens, output) for r in self.replicas)
+
+    def near(self, prompt: int, max_tokens: int, output: int, margin: float) -> bool:
+        """Within `margin` of (or over) the smallest context or the largest pool."""
+        lens = [r.max_model_len for r in self.replicas if r.max_model_len is not None]
+        if lens and prompt + max_tokens >= (1.0 - margin) * min(lens):
+            return True
+        pools = [r.pool for r in self.replicas if r.pool is not None]
+        return bool(pools) and max(1, prompt) + output >= (1.0 - margin) * max(pools)
+
+
+def limits_for(discovery: Discovery, model: str, headroom: float) -> Limits:
+    """The limits of every replica that lists `model` (read from discovery, as admission
+    sees them: a pinned pool wins, the effective pool keeps `headroom` free)."""
+    out: list[ReplicaLimit] = []
+    for w in discovery.watchers.values():
+        s = w.state
+        if model not in s.models:
+            continue
+        cap = w.config.pool_tokens if w.config.pool_tokens is not None else s.capacity_tokens
+        pool = math.floor(cap * (1.0 - headroom)) if cap else None
+        if s.max_model_len is None and pool is None:
+            continue
+        out.append(ReplicaLimit(s.max_model_len, pool, max(1, s.block_size)))
+    return Limits(tuple(out))
+
+
+# ====================================================================== the counter
+class _Lru:
+    """A bounded least-recently-used map of counts."""
+
+    __slots__ = ("_data", "_size")
+
+    def __init__(self, size: int) -> None:
+        self._data: OrderedDict[Hashable, Any] = OrderedDict()
+        self._size = size
+
+    def get(self, key: Hashable) -> Any:
+        value = self._data.get(key)
+        if value is not None:
+            self._data.move_to_end(key)
+        return value
+
+    def put(self, key: Hashable, value: Any) -> None:
+        if self._size <= 0:
+            return
+        self._data[key] = value
+        self._data.move_to_end(key)
+        if len(self._data) > self._size:
+            self._data.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@dataclass(slots=True)
+class Measured:
+    """What `PromptCounter.measure` learned of a request's prompt."""
+
+    text: str  # for the classifier
+    limits: Limits
+    shape: PromptShape | None = None  # chat requests
+    media_tokens: int = 0
+    # Exact tokens of the rendered text without the chat template (a lower bound of what
+    # the engine counts), when a tokenizer counted the text but not the template.
+    floor: int | None = None
+
+
+class _Failed(Exception):
+    def __init__(self, status: int | None, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+class PromptCounter:
+    """Fills a request's prompt count: estimated, counted locally, or asked of a replica."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        estimator: TokenEstimator,
+        discovery: Discovery,
+        metrics: GatewayMetrics,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        cfg = config.counting
+        self._cfg = cfg
+        self._estimator = estimator
+        self._discovery = discovery
+        self._metrics = metrics
+        self._session = session if cfg.replica_tokenize else None
+        self._timeout = config.upstream.tokenize_timeout_s
+        self._headroom = config.admission.headroom
+        self._overhead = config.admission.per_message_overhead_tokens
+        self._cache = _Lru(cfg.cache_entries)
+        self._turn = itertools.count()
+        self._paused: dict[str, float] = {}  # replica -> loop time until which it is not asked
+        self._headers: dict[str, dict[str, str]] = {}
+        for rc in config.replicas:
+            h = {"Content-Type": "application/json"}
+            if rc.api_key:
+                h["Authorization"] = f"Bearer {rc.api_key}"
+            self._headers[rc.name] = h
+
+    # ------------------------------------------------------------------ no IO
+    def measure(self, ctx: RequestContext) -> Measured:
+        """Fill the context's prompt fields from characters, token ids or a local tokenizer."""
+        parsed = ctx.parsed
+        est = self._estimator
+        model = ctx.model
+        local = est.has_tokenizer(model)
+        limits = limits_for(self._discovery, model, self._headroom)
+        if isinstance(parsed, ChatCompletionRequest):
+            shape = chat_shape(parsed)
+            cfg = self._cfg
+            media = shape.media_tokens(cfg.image_part_tokens, cfg.audio_part_tokens)
+            ctx.num_messages = shape.messages
+            ctx.prompt_chars = shape.chars
+            ctx.prompt_countable = shape.countable
+            ctx.prompt_exact = False
+            m = Measured(shape.text, limits, shape, media)
+            if local:
+                m.floor = sum(self._count_local(model, p) for p in shape.pieces if p)
+                ctx.prompt_tokens = m.floor + shape.messages * self._overhead + media
+            else:
+                ctx.prompt_tokens = est.prompt_tokens(model, shape.chars, shape.messages) + media
+            return m
+        assert isinstance(parsed, CompletionRequest)
+        text, ids = parsed.prompt_parts()
+        ctx.num_messages = 0
+        ctx.prompt_chars = len(text)
+        ctx.prompt_countable = True
+        if ids is not None:
+            ctx.prompt_exact = True
+            ctx.prompt_tokens = max(1, ids)
+        elif local:
+            ctx.prompt_exact = True
+            ctx.prompt_tokens = max(1, self._count_local(model, text))
+        else:
+            ctx.prompt_exact = False
+            ctx.prompt_tokens = est.prompt_tokens(model, len(text), 0)
+        return Measured(text, limits)
+
+    def near_limit(self, ctx: RequestContext, m: Measured) -> bool:
+        """The count is not exact and the request is near (or over) a limit."""
+        return not ctx.prompt_exact and m.limits.near(
+            ctx.prompt_tokens, ctx.max_tokens, ctx.expected_output, self._cfg.near_limit_margin
+        )
+
+    def settle(self, ctx: RequestContext, m: Measured) -> None:
+        """Decide whether a text count without the template may be refused on (module
+        docstring, point 5)."""
+        if ctx.prompt_exact or m.floor is None:
+            return
+        limits = m.limits
+        if m.media_tokens == 0 and limits.fits(
+            ctx.prompt_tokens, ctx.max_tokens, ctx.expected_output
+        ):
+            ctx.prompt_exact = True
+        elif not limits.fits(m.floor, ctx.max_tokens, ctx.expected_output):
+            ctx.prompt_exact = True
+
+    def _count_local(self, model: str, text: str) -> int:
+        est = self._estimator
+        if len(text) < _LOCAL_CACHE_MIN_CHARS:
+            return est.prompt_tokens_for_text(model, text, 0)
+        key = ("local", model, _digest(text.encode("utf-8", "surrogatepass")))
+        n = self._cache.get(key)
+        if n is None:
+            n = est.prompt_tokens_for_text(model, text, 0)
+            self._cache.put(key, n)
+        return n
+
+    # ------------------------------------------------------------------ one call
+    def _target(self, model: str) -> ReplicaWatcher | None:
+        now = asyncio.get_running_loop().time()
+        eligible = [
+            w
+            for w in self._discovery.watchers.values()
+            if w.state.ready
+            and model in w.state.models
+            and w.config.engine in TOKENIZE_ENGINES
+            and self._paused.get(w.config.name, 0.0) <= now
+        ]
+        if not eligible:
+            return None
+        return eligible[next(self._turn) % len(eligible)]
+
+    async def count_on_replica(self, ctx: RequestContext, m: Measured) -> bool:
+        """Ask one replica for the prompt's count; True when the context's count changed."""
+        if self._session is None:
+            return False
+        shape = m.shape
+        if shape is not None and not shape.countable:
+            self._metrics.count_prompt_count("unavailable")
+            return False
+        w = self._target(ctx.model)
+        if w is None:
+            self._metrics.count_prompt_count("unavailable")
+            return False
+        engine = w.config.engine
+        chat = shape is not None
+        if chat and engine == "sglang" and m.floor is not None:
+            return False  # SGLang counts the text only, which is already counted
+        first = self._request(ctx, m, engine)
+        key = (engine, ctx.model, _digest(first[1]))
+        cached = self._cache.get(key)
+        if cached is not None:
+            tokens, exact = cached
+            self._metrics.count_prompt_count("cache")
+        else:
+            try:
+                async with asyncio.timeout(self._timeout):
+                    tokens, exact = await self._ask(w, ctx, engine, chat, first)
+            except (
+                _Failed,
+                aiohttp.ClientError,
+                TimeoutError,
+                ValueError,
+                KeyError,
+                TypeError,
+            ) as e:
+                status = e.status if isinstance(e, _Failed) else None
+                pause = _UNSUPPORTED_PAUSE_S if status in _UNSUPPORTED else _FAILURE_PAUSE_S
+                self._paused[w.config.name] = asyncio.get_running_loop().time() + pause
+                self._metrics.count_prompt_count("failed")
+                log.log(
+                    logging.INFO if status in _UNSUPPORTED else logging.DEBUG,
+                    "replica %s could not count a prompt (%s); not asked for %.0f s",
+                    w.config.name,
+                    e if str(e) else type(e).__name__,
+                    pause,
+                )
+                return False
+            self._cache.put(key, (tokens, exact))
+            self._metrics.count_prompt_count("replica")
+            if exact and ctx.prompt_countable and ctx.prompt_chars:
+                # An exact count is as good a sample of the model's text as the engine's
+                # usage: it teaches the estimator before any response arrives.
+                self._estimator.observe_prompt(
+                    ctx.model, ctx.prompt_chars, ctx.num_messages, tokens
+                )
+        if exact:
+            ctx.prompt_tokens = max(1, tokens)
+            ctx.prompt_exact = True
+        else:  # the text without its template (SGLang chat)
+            m.floor = tokens
+            ctx.prompt_tokens = tokens + ctx.num_messages * self._overhead + m.media_tokens
+        return True
+
+    def _request(self, ctx: RequestContext, m: Measured, engine: str) -> tuple[str, bytes]:
+        """The first (path, body) to send to a replica of `engine` for this prompt."""
+        body = ctx.body or {}
+        if m.shape is None:
+            if engine == "llamacpp":
+                out: dict[str, Any] = {"content": m.text, "add_special": True}
+            else:
+                out = {"model": ctx.model, "prompt": m.text}
+            return "/tokenize", json.dumps(out).encode()
+        if engine == "sglang":
+            text = "\n".join(p for p in m.shape.pieces if p)
+            out = {"model": ctx.model, "prompt": text, "add_special_tokens": False}
+            return "/tokenize", json.dumps(out).encode()
+        out = {"messages": body.get("messages", [])}
+        if body.get("tools"):
+            out["tools"] = body["tools"]
+        if engine == "llamacpp":
+            return "/apply-template", json.dumps(out).encode()
+        out["model"] = ctx.model
+        for k in _TEMPLATE_FIELDS:
+            if k in body:
+                out[k] = body[k]
+        return "/tokenize", json.dumps(out).encode()
+
+    async def _ask(
+        self,
+        w: ReplicaWatcher,
+        ctx: RequestContext,
+        engine: str,
+        chat: bool,
+        first: tuple[str, bytes],
+    ) -> tuple[int, bool]:
+        """(tokens, exact) from the replica; raises on any failure."""
+        url = w.config.url
+        headers = {**self._headers[w.config.name], "X-Request-Id": ctx.request_id}
+        path, data = first
+        answer = await self._post(url + path, data, headers)
+        if engine == "llamacpp":
+            if chat:
+                prompt = answer["prompt"]
+                if not isinstance(prompt, str):
+                    raise TypeError("apply-template answered without a prompt")
+                body = {"content": prompt, "add_special": True}
+                answer = await self._post(url + "/tokenize", json.dumps(body).encode(), headers)
+            return len(answer["tokens"]), True
+        count = answer.get("count")
+        if not isinstance(count, int) or isinstance(count, bool):
+            count = len(answer["tokens"])
+        return count, not (chat and engine == "sglang")
+
+    async def _post(self, url: str, data: bytes, headers: dict[str, str]) -> Any:
+        assert self._session is not None
+        async with self._session.post(url, data=data, headers=headers) as r:
+            raw = await r.read()
+            if r.status != 200:
+                raise _Failed(r.status, f"HTTP {r.status}")
+        answer = json.loads(raw)
+        if not isinstance(answer, dict):
+            raise TypeError("tokenize answered something other than an object")
+        return answer
