@@ -1,0 +1,222 @@
+"""Prompt counting without IO: what a chat template renders, media allowances, limits,
+and the count-near-a-limit decision when the character estimate is 2x off."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from admission.config import AdmissionConfig
+from admission.controller import AdmissionController
+from admission.estimate import TokenEstimator
+from admission.types import AdmissionRequest, Admit, Refuse
+from gateway.config import ReplicaConfig, config_from_mapping
+from gateway.context import RequestContext
+from gateway.counting import Limits, PromptCounter, ReplicaLimit
+from gateway.metrics import GatewayMetrics
+from gateway.prompt import chat_shape
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.tokenizers import load_token_counters
+from routing.types import ReplicaState
+
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+AGENT_TURNS = [
+    {"role": "user", "content": "weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+]
+
+
+def chat(messages: list[dict], **extra: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **extra})
+
+
+def test_tool_calls_tool_messages_and_tool_schemas_are_counted() -> None:
+    shape = chat(AGENT_TURNS, tools=TOOLS)
+    s = chat_shape(shape)
+    call_text = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+    schemas = json.dumps(TOOLS, separators=(",", ":"))
+    assert s.pieces == ["weather in Paris?", "18 degrees and sunny", call_text, schemas]
+    # The classifier still reads only the messages' text.
+    assert s.text == "weather in Paris?\n18 degrees and sunny"
+    assert s.chars == len(s.text) + len(call_text) + len(schemas)
+    assert s.messages == 3 and s.countable
+    # The legacy function_call is a call too.
+    legacy = chat_shape(
+        chat([{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}])
+    )
+    assert legacy.pieces == ['{"name": "f", "arguments": {}}']
+    # The estimate grows with what the template renders, not only with the messages' text.
+    est = TokenEstimator(AdmissionConfig(initial_chars_per_token=3.0))
+    bare = chat_shape(chat([{"role": "user", "content": "weather in Paris?"}]))
+    assert (
+        est.prompt_tokens("m", s.chars, s.messages)
+        - est.prompt_tokens("m", bare.chars, bare.messages)
+        >= (len(call_text) + len(schemas) + len("18 degrees and sunny")) // 3 + 2 * 8
+    )
+
+
+def test_a_local_tokenizer_counts_tool_calls_and_tool_messages(tmp_path: Path) -> None:
+    """Word-level tokenizer: every whitespace-separated word is one token."""
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    cfg = config_from_mapping({"tokenizers": {"m": str(path)}}, env={})
+    est = TokenEstimator(cfg.admission, tokenizer_for=load_token_counters(cfg.tokenizers).get)
+    counter = PromptCounter(cfg, est, _discovery([]), _metrics())
+    ctx = _ctx(chat(AGENT_TURNS))
+    m = counter.measure(ctx)
+    words = (
+        3
+        + 4
+        + len('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'.split())
+    )
+    assert m.floor == words
+    assert ctx.prompt_tokens == words + 3 * cfg.admission.per_message_overhead_tokens
+    counter.settle(ctx, m)
+    assert ctx.prompt_exact  # no limit known: the overhead guess cannot change a verdict
+
+
+def test_media_parts_get_an_allowance_and_are_not_countable() -> None:
+    parts = [
+        {"type": "text", "text": "what is in these?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "image_url", "image_url": {"url": "https://example.invalid/b.png"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "video_url", "video_url": {"url": "https://example.invalid/c.mp4"}},
+    ]
+    s = chat_shape(chat([{"role": "user", "content": parts}]))
+    assert (s.images, s.audios, s.others) == (2, 1, 1)
+    assert not s.countable
+    assert s.text == "what is in these?" and s.chars == len(s.text)
+    assert s.media_tokens(1000, 750) == 3 * 1000 + 750
+    # Counted into the reservation, and the prompt is never marked exact on an allowance.
+    cfg = config_from_mapping({}, env={})
+    counter = PromptCounter(
+        cfg, TokenEstimator(cfg.admission), _discovery([_replica(2048, 100_000)]), _metrics()
+    )
+    ctx = _ctx(chat([{"role": "user", "content": parts}]))
+    m = counter.measure(ctx)
+    assert ctx.prompt_tokens >= 3750 and not ctx.prompt_countable
+    counter.settle(ctx, m)
+    assert not ctx.prompt_exact
+
+
+def test_limits_near_and_fits_follow_admission() -> None:
+    limits = Limits((ReplicaLimit(2048, 3891, 16), ReplicaLimit(1024, None, 16)))
+    # near: within 10% of the smallest context, or of the largest pool.
+    assert not limits.near(800, 100, 100, 0.1)
+    assert limits.near(850, 100, 100, 0.1)  # 950 >= 0.9 * 1024
+    assert limits.fits(1900, 100, 100) and not limits.fits(2000, 100, 100)
+    pool_only = Limits((ReplicaLimit(None, 1000, 16),))
+    assert pool_only.near(880, 0, 20, 0.1) and not pool_only.near(700, 0, 100, 0.1)
+    # The KV need is rounded up to whole blocks, as admission does: 980 -> 992, 1010 -> 1024.
+    assert pool_only.fits(880, 10_000, 100) and not pool_only.fits(990, 0, 20)
+    assert Limits().fits(10**9, 10**9, 10**9) and not Limits().near(10**9, 0, 0, 0.1)
+
+
+@pytest.mark.parametrize("guess_error", [0.5, 2.0], ids=["guess-2x-low", "guess-2x-high"])
+@pytest.mark.parametrize("exact_available", [True, False], ids=["exact", "no-exact"])
+def test_estimate_wrong_by_2x_either_way_refuses_nothing_wrongly(
+    guess_error: float, exact_available: bool
+) -> None:
+    """Text of 4 chars/token, guessed at 2x or 0.5x that. Whatever the guess, a request
+    that truly fits is never refused; one that truly does not is refused only on an
+    exact count (else the engine decides). With an exact count near the limit, every
+    truly-too-long request the estimate puts near the limit is refused at once."""
+    true_cpt = 4.0
+    max_tokens = 64
+    cfg = config_from_mapping({"admission": {"initial_chars_per_token": true_cpt * guess_error}})
+    est = TokenEstimator(cfg.admission)
+    counter = PromptCounter(cfg, est, _discovery([_replica(2048, 4096)]), _metrics())
+    ctrl = AdmissionController(cfg.admission, seed=1)
+    ctrl.upsert_replica(
+        ReplicaState(
+            "r0", "http://r0", models=["m"], ready=True, capacity_tokens=4096, max_model_len=2048
+        ),
+        0.0,
+    )
+    refused_truly_over = 0
+    for i, true_tokens in enumerate(range(50, 4000, 37)):
+        prompt = "abc " * true_tokens  # 4 chars a token by construction
+        ctx = _ctx(CompletionRequest.model_validate({"model": "m", "prompt": prompt}))
+        m = counter.measure(ctx)
+        ctx.max_tokens = ctx.expected_output = max_tokens
+        if counter.near_limit(ctx, m) and exact_available:
+            ctx.prompt_tokens, ctx.prompt_exact = true_tokens, True  # the replica's count
+        counter.settle(ctx, m)
+        rid = f"q{i}"
+        verdict = ctrl.submit(
+            AdmissionRequest(
+                rid,
+                "m",
+                ctx.prompt_tokens,
+                ctx.expected_output,
+                ctx.max_tokens,
+                prompt_exact=ctx.prompt_exact,
+            ),
+            0.0,
+        )
+        truly_fits = true_tokens + max_tokens <= 2048
+        if isinstance(verdict, Refuse):
+            assert not truly_fits, f"{true_tokens} tokens refused on a guess of {guess_error}x"
+            assert ctx.prompt_exact
+            refused_truly_over += 1
+        else:
+            assert isinstance(verdict, Admit), verdict
+            assert verdict.reserved_tokens <= 4096
+        ctrl.release(rid, 0.0)
+    assert ctrl.reserved_tokens() == 0
+    over = len([t for t in range(50, 4000, 37) if t + max_tokens > 2048])
+    if exact_available and guess_error == 0.5:
+        assert refused_truly_over == over  # the high guess puts them all near the limit
+    if not exact_available:
+        assert refused_truly_over == 0
+
+
+# ---------------------------------------------------------------------- helpers
+def _metrics() -> GatewayMetrics:
+    return GatewayMetrics(lambda: [], lambda: {}, lambda: 0)
+
+
+def _replica(max_model_len: int | None, pool: int | None) -> SimpleNamespace:
+    rc = ReplicaConfig(name="r0", url="http://r0")
+    state = ReplicaState(
+        "r0",
+        "http://r0",
+        models=["m"],
+        ready=True,
+        capacity_tokens=pool,
+        max_model_len=max_model_len,
+    )
+    return SimpleNamespace(config=rc, state=state)
+
+
+def _discovery(watchers: list[SimpleNamespace]) -> SimpleNamespace:
+    """What the counter reads of discovery: its watchers' config and state."""
+    return SimpleNamespace(watchers={w.config.name: w for w in watchers})
+
+
+def _ctx(parsed: ChatCompletionRequest | CompletionRequest) -> RequestContext:
+    kind = "chat" if isinstance(parsed, ChatCompletionRequest) else "completion"
+    ctx = RequestContext("t", kind, "/", 0.0, parsed=parsed, model=parsed.model)
+    ctx.body = parsed.model_dump()
+    return ctx
