@@ -28,8 +28,9 @@ prompt token count. The count comes from the cheapest source that is good enough
    Requests with media parts are not sent: the engine would fetch and process the
    media just to count. Answers are remembered per (engine, model, digest of the
    request), so a client's retry of a request kvgate shed is not counted twice. A
-   replica that answers 404/405/501 is not asked again for five minutes; one that fails
-   otherwise or times out, for ten seconds. A failed count is never retried: the request
+   replica that answers 404/405/501 (or in another shape) is not asked again for five
+   minutes; one that answers 5xx, times out or refuses the connection, for ten seconds;
+   another 4xx refuses only that request. A failed count is never retried: the request
    goes on with its estimate.
 
 5. **A text count without the template** (a local tokenizer or SGLang, for chat): the
@@ -68,7 +69,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("kvgate.counting")
 
-# Engines whose servers count prompts for us, and the path they do it on.
+# Engines whose servers count prompts for us (the endpoints are in the module docstring).
 TOKENIZE_ENGINES = frozenset({"vllm", "sglang", "llamacpp"})
 # Chat-completion fields that change what vLLM's chat template renders.
 _TEMPLATE_FIELDS = (
@@ -82,6 +83,20 @@ _UNSUPPORTED = frozenset({404, 405, 501})
 _UNSUPPORTED_PAUSE_S = 300.0
 _FAILURE_PAUSE_S = 10.0
 _LOCAL_CACHE_MIN_CHARS = 512  # shorter texts are cheaper to count than to hash
+
+
+def _pause_after(e: Exception) -> float:
+    """How long not to ask a replica again after a failed count: long when it does not
+    serve the endpoint (404, 405, 501) or answers in another shape; short when it is in
+    trouble (5xx, timeout, connection); not at all when it refused this one request
+    (another 4xx), which says nothing about the next."""
+    if isinstance(e, _Failed):
+        if e.status in _UNSUPPORTED:
+            return _UNSUPPORTED_PAUSE_S
+        return _FAILURE_PAUSE_S if e.status is None or e.status >= 500 else 0.0
+    if isinstance(e, ValueError | KeyError | TypeError):
+        return _UNSUPPORTED_PAUSE_S
+    return _FAILURE_PAUSE_S
 
 
 def _round_up(tokens: int, block_size: int) -> int:
@@ -339,12 +354,12 @@ class PromptCounter:
                 KeyError,
                 TypeError,
             ) as e:
-                status = e.status if isinstance(e, _Failed) else None
-                pause = _UNSUPPORTED_PAUSE_S if status in _UNSUPPORTED else _FAILURE_PAUSE_S
-                self._paused[w.config.name] = asyncio.get_running_loop().time() + pause
+                pause = _pause_after(e)
+                if pause:
+                    self._paused[w.config.name] = asyncio.get_running_loop().time() + pause
                 self._metrics.count_prompt_count("failed")
                 log.log(
-                    logging.INFO if status in _UNSUPPORTED else logging.DEBUG,
+                    logging.INFO if pause >= _UNSUPPORTED_PAUSE_S else logging.DEBUG,
                     "replica %s could not count a prompt (%s); not asked for %.0f s",
                     w.config.name,
                     e if str(e) else type(e).__name__,

@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from enginesim import tokenizer
 from enginesim.server import EngineServer, error_response
 from tests.gateway.conftest import MODEL
 
@@ -36,10 +37,12 @@ class CountingReplica(EngineServer):
         self.tokenize_status: int | None = kwargs.pop("tokenize_status", None)
         self.tokenize_hangs: bool = kwargs.pop("tokenize_hangs", False)
         self.hits: Counter[str] = Counter()
+        self.tokenize_bodies: list[dict[str, Any]] = []
         super().__init__(*args, **kwargs)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         self.hits["tokenize"] += 1
+        self.tokenize_bodies.append(await request.json())
         if self.tokenize_hangs:
             await asyncio.Event().wait()
         if self.tokenize_status is not None:
@@ -210,3 +213,103 @@ async def test_an_image_part_does_not_teach_the_learned_ratio(counting_replica, 
     ratio = await samples(gw, "kvgate_prompt_estimate_ratio")
     assert ratio[("kvgate_prompt_estimate_ratio_count", (("exact", "false"),))] == 2
     assert srv.hits["tokenize"] == 0
+
+
+async def test_sglang_counts_the_text_and_the_template_overhead_decides_only_when_it_cannot_matter(
+    counting_replica, gateway
+):
+    """SGLang's /tokenize takes a plain prompt (no chat template): kvgate counts the text
+    exactly and adds the configured per-message overhead. It refuses only when the text
+    alone is over the context, and leaves to the engine the band where the overhead guess
+    would decide."""
+    srv = await counting_replica(flavor="sglang")
+    gw = await gateway(srv, engine="sglang")
+    url = gw.url + "/v1/chat/completions"
+
+    status, data = await post(url, chat_body(TOO_LONG))  # 2,100 text tokens alone: over
+    assert status == 400 and data["error"]["code"] == "context_length_exceeded"
+    assert srv.hits == Counter(tokenize=1)
+    assert "messages" not in srv.tokenize_bodies[0] and "prompt" in srv.tokenize_bodies[0]
+
+    status, data = await post(url, chat_body(FITS))  # 1,400 text tokens: fits either way
+    assert status == 200, data
+    # 1,400 text tokens fit with 644 to generate (2,044), but not once the overhead guess
+    # of 8 is added (2,052): not kvgate's call. The engine counts 1,407 and refuses.
+    status, data = await post(url, chat_body(FITS, max_tokens=644))
+    assert status == 400 and data["error"]["code"] != "context_length_exceeded"
+    assert srv.hits == Counter(tokenize=2, chat=2)  # the same text's count was cached
+
+
+class LlamaCppStub:
+    """A llama.cpp server as kvgate sees it: /props, /v1/models, /apply-template, /tokenize
+    and a chat endpoint that checks the context (enginesim's tokenizer and template)."""
+
+    def __init__(self) -> None:
+        self.hits: Counter[str] = Counter()
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    def _count(self, prompt: str) -> int:
+        return 1 + len(tokenizer.encode(prompt))  # BOS, as add_special does
+
+    async def start(self) -> None:
+        async def props(request: web.Request) -> web.Response:
+            settings = {"n_ctx": MAX_MODEL_LEN}
+            return web.json_response({"total_slots": 2, "default_generation_settings": settings})
+
+        async def models(request: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+
+        async def apply_template(request: web.Request) -> web.Response:
+            self.hits["apply-template"] += 1
+            body = await request.json()
+            return web.json_response({"prompt": tokenizer.apply_chat_template(body["messages"])})
+
+        async def tokenize(request: web.Request) -> web.Response:
+            self.hits["tokenize"] += 1
+            body = await request.json()
+            assert body["add_special"] is True
+            return web.json_response({"tokens": list(range(self._count(body["content"])))})
+
+        async def chat(request: web.Request) -> web.Response:
+            self.hits["chat"] += 1
+            body = await request.json()
+            n = self._count(tokenizer.apply_chat_template(body["messages"]))
+            if n + body["max_tokens"] > MAX_MODEL_LEN:
+                return error_response(400, "the request exceeds the available context size")
+            usage = {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1}
+            choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}}
+            return web.json_response({"choices": [choice], "usage": usage})
+
+        app = web.Application(client_max_size=1 << 24)
+        app.router.add_get("/props", props)
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/apply-template", apply_template)
+        app.router.add_post("/tokenize", tokenize)
+        app.router.add_post("/v1/chat/completions", chat)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def llamacpp() -> AsyncIterator[LlamaCppStub]:
+    stub = LlamaCppStub()
+    await stub.start()
+    yield stub
+    assert stub.runner is not None
+    await stub.runner.cleanup()
+
+
+async def test_llamacpp_chat_is_templated_then_tokenized(llamacpp, gateway):
+    gw = await gateway(replicas=[{"name": "l0", "url": llamacpp.url, "engine": "llamacpp"}])
+    url = gw.url + "/v1/chat/completions"
+    status, data = await post(url, chat_body(TOO_LONG))
+    assert status == 400 and data["error"]["code"] == "context_length_exceeded"
+    assert llamacpp.hits == Counter({"apply-template": 1, "tokenize": 1})
+    status, data = await post(url, chat_body(FITS))
+    assert status == 200, data
+    assert llamacpp.hits == Counter({"apply-template": 2, "tokenize": 2, "chat": 1})
