@@ -18,6 +18,7 @@ def test_example_config_loads_and_matches_defaults() -> None:
         "listen",
         "admission",
         "upstream",
+        "counting",
         "limits",
         "auth",
         "discovery",
