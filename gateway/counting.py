@@ -55,7 +55,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -108,8 +108,7 @@ def _digest(data: bytes) -> bytes:
 
 
 # ====================================================================== limits (pure)
-@dataclass(slots=True, frozen=True)
-class ReplicaLimit:
+class ReplicaLimit(NamedTuple):
     """What one replica serving a model can ever hold (as admission checks it)."""
 
     max_model_len: int | None
@@ -119,16 +118,22 @@ class ReplicaLimit:
     def fits(self, prompt: int, max_tokens: int, output: int) -> bool:
         if self.max_model_len is not None and prompt + max_tokens > self.max_model_len:
             return False
-        return self.pool is None or _round_up(max(1, prompt) + max(0, output), self.block_size) <= (
-            self.pool
-        )
+        need = _round_up(max(1, prompt) + max(0, output), self.block_size)
+        return self.pool is None or need <= self.pool
 
 
-@dataclass(slots=True, frozen=True)
-class Limits:
-    """The known limits of the replicas serving one model."""
+class Limits(NamedTuple):
+    """The known limits of the replicas serving one model (build with `Limits.of`)."""
 
     replicas: tuple[ReplicaLimit, ...] = ()
+    shortest: int | None = None  # the smallest max_model_len
+    largest: int | None = None  # the largest effective pool
+
+    @classmethod
+    def of(cls, replicas: tuple[ReplicaLimit, ...]) -> Limits:
+        lens = [r.max_model_len for r in replicas if r.max_model_len is not None]
+        pools = [r.pool for r in replicas if r.pool is not None]
+        return cls(replicas, min(lens, default=None), max(pools, default=None))
 
     def fits(self, prompt: int, max_tokens: int, output: int) -> bool:
         """Some replica can ever hold it (True when no limit is known)."""
@@ -136,27 +141,29 @@ class Limits:
 
     def near(self, prompt: int, max_tokens: int, output: int, margin: float) -> bool:
         """Within `margin` of (or over) the smallest context or the largest pool."""
-        lens = [r.max_model_len for r in self.replicas if r.max_model_len is not None]
-        if lens and prompt + max_tokens >= (1.0 - margin) * min(lens):
+        keep = 1.0 - margin
+        if self.shortest is not None and prompt + max_tokens >= keep * self.shortest:
             return True
-        pools = [r.pool for r in self.replicas if r.pool is not None]
-        return bool(pools) and max(1, prompt) + output >= (1.0 - margin) * max(pools)
+        return self.largest is not None and max(1, prompt) + output >= keep * self.largest
 
 
 def limits_for(discovery: Discovery, model: str, headroom: float) -> Limits:
     """The limits of every replica that lists `model` (read from discovery, as admission
     sees them: a pinned pool wins, the effective pool keeps `headroom` free)."""
     out: list[ReplicaLimit] = []
+    keep = 1.0 - headroom
     for w in discovery.watchers.values():
         s = w.state
         if model not in s.models:
             continue
-        cap = w.config.pool_tokens if w.config.pool_tokens is not None else s.capacity_tokens
-        pool = math.floor(cap * (1.0 - headroom)) if cap else None
+        cap = w.config.pool_tokens
+        if cap is None:
+            cap = s.capacity_tokens
+        pool = math.floor(cap * keep) if cap else None
         if s.max_model_len is None and pool is None:
             continue
-        out.append(ReplicaLimit(s.max_model_len, pool, max(1, s.block_size)))
-    return Limits(tuple(out))
+        out.append(ReplicaLimit(s.max_model_len, pool, s.block_size or 1))
+    return Limits.of(tuple(out))
 
 
 # ====================================================================== the counter
@@ -229,6 +236,9 @@ class PromptCounter:
         self._cache = _Lru(cfg.cache_entries)
         self._turn = itertools.count()
         self._paused: dict[str, float] = {}  # replica -> loop time until which it is not asked
+        # model -> (the watchers' updated_at when computed, limits): limits change only
+        # when an adapter applies a discovery round, which stamps updated_at.
+        self._limits: dict[str, tuple[tuple[float, ...], Limits]] = {}
         self._headers: dict[str, dict[str, str]] = {}
         for rc in config.replicas:
             h = {"Content-Type": "application/json"}
@@ -243,7 +253,7 @@ class PromptCounter:
         est = self._estimator
         model = ctx.model
         local = est.has_tokenizer(model)
-        limits = limits_for(self._discovery, model, self._headroom)
+        limits = self._limits_of(model)
         if isinstance(parsed, ChatCompletionRequest):
             shape = chat_shape(parsed)
             cfg = self._cfg
@@ -274,6 +284,16 @@ class PromptCounter:
             ctx.prompt_exact = False
             ctx.prompt_tokens = est.prompt_tokens(model, len(text), 0)
         return Measured(text, limits)
+
+    def _limits_of(self, model: str) -> Limits:
+        stamp = tuple(w.state.updated_at for w in self._discovery.watchers.values())
+        hit = self._limits.get(model)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        limits = limits_for(self._discovery, model, self._headroom)
+        if limits.replicas:  # only models some replica serves: clients cannot grow this
+            self._limits[model] = (stamp, limits)
+        return limits
 
     def near_limit(self, ctx: RequestContext, m: Measured) -> bool:
         """The count is not exact and the request is near (or over) a limit."""

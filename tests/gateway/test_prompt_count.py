@@ -121,16 +121,30 @@ def test_media_parts_get_an_allowance_and_are_not_countable() -> None:
 
 
 def test_limits_near_and_fits_follow_admission() -> None:
-    limits = Limits((ReplicaLimit(2048, 3891, 16), ReplicaLimit(1024, None, 16)))
+    limits = Limits.of((ReplicaLimit(2048, 3891, 16), ReplicaLimit(1024, None, 16)))
     # near: within 10% of the smallest context, or of the largest pool.
     assert not limits.near(800, 100, 100, 0.1)
     assert limits.near(850, 100, 100, 0.1)  # 950 >= 0.9 * 1024
     assert limits.fits(1900, 100, 100) and not limits.fits(2000, 100, 100)
-    pool_only = Limits((ReplicaLimit(None, 1000, 16),))
+    pool_only = Limits.of((ReplicaLimit(None, 1000, 16),))
     assert pool_only.near(880, 0, 20, 0.1) and not pool_only.near(700, 0, 100, 0.1)
     # The KV need is rounded up to whole blocks, as admission does: 980 -> 992, 1010 -> 1024.
     assert pool_only.fits(880, 10_000, 100) and not pool_only.fits(990, 0, 20)
     assert Limits().fits(10**9, 10**9, 10**9) and not Limits().near(10**9, 0, 0, 0.1)
+
+
+def test_limits_are_recomputed_when_discovery_applies_a_round() -> None:
+    cfg = config_from_mapping({}, env={})
+    replica = _replica(2048, 4096)
+    counter = PromptCounter(cfg, TokenEstimator(cfg.admission), _discovery([replica]), _metrics())
+    body = {"model": "m", "prompt": "x", "max_tokens": 1800}
+    ctx = _ctx(CompletionRequest.model_validate(body))
+    ctx.max_tokens = ctx.expected_output = 1800
+    assert counter.near_limit(ctx, counter.measure(ctx)) is False  # 1,801 < 0.9 x 2,048
+    replica.state.max_model_len = 1900  # a redeploy with a shorter context...
+    assert counter.near_limit(ctx, counter.measure(ctx)) is False  # ...not yet applied
+    replica.state.updated_at = 1.0  # the adapter applied the round
+    assert counter.near_limit(ctx, counter.measure(ctx)) is True
 
 
 @pytest.mark.parametrize("guess_error", [0.5, 2.0], ids=["guess-2x-low", "guess-2x-high"])
