@@ -231,7 +231,8 @@ class Pipeline:
 
     def _bound_output(self, ctx: RequestContext) -> None:
         """Output tokens to reserve, from history, within the context the prompt leaves."""
-        bound = ctx.parsed.output_bound  # type: ignore[union-attr]
+        assert ctx.parsed is not None
+        bound = ctx.parsed.output_bound
         max_len = self.discovery.max_model_len(ctx.model)
         limit = max(1, (max_len - ctx.prompt_tokens) if max_len else MAX_TOKENS_CEILING)
         ctx.expected_output = self.estimator.expected_output(ctx.model, bound, limit)

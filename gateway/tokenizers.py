@@ -4,8 +4,11 @@ When the config maps a model to a Hugging Face ``tokenizer.json`` (``tokenizers:
 YAML), kvgate counts that model's prompt tokens exactly instead of estimating them from
 characters. The file is read once at start-up; counting runs the Rust tokenizer (tens of
 microseconds for a few thousand tokens). A ``tokenizer.json`` holds no chat template, so
-for chat requests kvgate counts the messages' text exactly and adds the admission
-config's per-message template overhead.
+for chat requests kvgate counts the text the template renders (messages, tool calls, tool
+schemas) exactly and adds the admission config's per-message template overhead; such a
+count is refused on only when that overhead guess cannot change the verdict, and a chat
+request near a limit is still counted by a replica's tokenize endpoint, template included
+(gateway/counting.py).
 
 The ``tokenizers`` package is an optional dependency (``pip install 'kvgate[tokenizer]'``);
 configuring a tokenizer without it is a configuration error that names the field.
