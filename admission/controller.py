@@ -60,6 +60,8 @@ from dataclasses import dataclass, field, replace
 
 from admission.config import AdmissionConfig
 from admission.drain import DrainMeter
+from admission.estimate import SortedWindow
+from admission.limit import LatencyTargets, LimitSettings, RunningLimit, latency_ratio
 from admission.types import (
     AdmissionRequest,
     Admit,
@@ -90,11 +92,21 @@ class _Replica:
     capacity: int | None = None
     block_size: int = 16
     max_model_len: int | None = None
-    cap: int | None = None  # running-request cap
+    cap: int | None = None  # running-request cap from config or engine (an upper bound)
+    limit: RunningLimit | None = None  # the learned running limit (None: not learning)
     labels: dict[str, str] = field(default_factory=dict)
     reserved: int = 0
     running: int = 0
     effective: int = 0
+    signals_at: float = -1.0  # `updated_at` of the engine view last fed to the limit
+    # Seconds per token of recent completions (p90), for the deadline of a queued request.
+    service_per_token: SortedWindow = field(default_factory=lambda: SortedWindow(64))
+    ttft_per_token: SortedWindow = field(default_factory=lambda: SortedWindow(64))
+
+    @property
+    def allowed(self) -> int | None:
+        """Requests that may run at once: the learned limit within the hard cap."""
+        return self.cap if self.limit is None else self.limit.allowed(self.cap)
 
     @property
     def usable(self) -> bool:
@@ -117,7 +129,8 @@ class _Replica:
         return self.capacity is None or self.need(raw_tokens) <= self.effective
 
     def fits_now(self, raw_tokens: int) -> bool:
-        if self.cap is not None and self.running >= self.cap:
+        allowed = self.allowed
+        if allowed is not None and self.running >= allowed:
             return False
         return self.need(raw_tokens) <= self.free
 
@@ -140,11 +153,12 @@ class _Reservation:
     replica: str
     model: str
     tokens: int
+    admitted_at: float
 
 
 @dataclass(slots=True)
 class _Entry:
-    key: tuple[int, float, int]  # (-priority, arrival, submission sequence)
+    key: tuple[int, int, float, int]  # (-priority, 0 if last retry else 1, arrival, sequence)
     req: AdmissionRequest
     raw: int  # prompt + expected output, before block rounding
     deadline: float
@@ -167,6 +181,17 @@ class AdmissionController:
         self._seq = 0
         self._pending: list[Admit] = []  # admitted by expire(); handed out by the next call
         self._now = 0.0
+        self._limit_settings = LimitSettings(
+            initial=config.initial_limit,
+            window=config.limit_window,
+            knee_efficiency=config.knee_efficiency,
+            budget_fraction=config.latency_budget_fraction,
+            probe_step=config.limit_probe_step,
+        )
+        self._targets = {
+            model: LatencyTargets(t.ttft_s, t.itl_s, t.e2e_s)
+            for model, t in config.latency_targets.items()
+        }
         # Reservations a stream outgrew while its replica had no room (exported by the shell).
         self.top_up_failures = 0
 
@@ -192,6 +217,8 @@ class AdmissionController:
             rep = self._replicas[state.name] = _Replica(
                 name=state.name, drain=DrainMeter(self.config.drain_window_s)
             )
+            if self.config.learn_limit:
+                rep.limit = RunningLimit(self._limit_settings, now)
         rep.present = True
         rep.models = frozenset(state.models)
         rep.capacity = pinned_capacity if pinned_capacity is not None else state.capacity_tokens
@@ -208,6 +235,16 @@ class AdmissionController:
         rep.effective = (
             math.floor(rep.capacity * (1.0 - self.config.headroom)) if rep.capacity else 0
         )
+        if rep.limit is not None and state.updated_at != rep.signals_at:
+            rep.signals_at = state.updated_at
+            rep.limit.engine_signals(
+                preemptions_total=state.preemptions_total,
+                waiting=state.engine_waiting,
+                engine_running=state.engine_running,
+                running=rep.running,
+                now=now,
+                cap=rep.cap,
+            )
         return self._flush(self._settle(now))
 
     def remove_replica(self, name: str, now: float) -> list[Admit]:
@@ -250,8 +287,18 @@ class AdmissionController:
         if not any(r.usable and r.can_ever_fit(req, raw) for r in serving):
             return Shed(rid, "no_replica", self._clamp(None))
 
-        deadline = min(req.deadline, now + self.config.queue_timeout_s)
-        entry = _Entry((-req.priority, req.arrival, self._seq), req, raw, deadline)
+        if req.latency_budget is not None:
+            # The client said how long it waits (its read timeout): queue only while the
+            # predicted service (a stream: its first token) still fits after the wait.
+            # The configured queue timeout is the default for clients that say nothing.
+            deadline = min(
+                req.deadline, now + req.latency_budget - self._predict(req, raw, serving)
+            )
+        else:
+            deadline = min(req.deadline, now + self.config.queue_timeout_s)
+        entry = _Entry(
+            (-req.priority, 0 if req.last_retry else 1, req.arrival, self._seq), req, raw, deadline
+        )
         self._seq += 1
         pos = bisect.bisect_left(self._queue, entry.key, key=lambda e: e.key)
         # Strict order: replicas an earlier entry waits for are closed to this one. Stop
@@ -311,6 +358,10 @@ class AdmissionController:
             rep.running -= 1
             rep.drain.record(res.tokens, now)
             rep.drain.set_busy(rep.running > 0, now)
+            if completion is not None:
+                self._learn(rep, res, completion, now)
+            if rep.limit is not None:
+                rep.limit.running_changed(rep.running, now)
             if not rep.present and rep.running == 0:
                 del self._replicas[rep.name]
         else:
@@ -397,6 +448,8 @@ class AdmissionController:
                     max_running=rep.cap,
                     binding_ceiling=blocked_by.get(rep.name, "none"),
                     models=sorted(rep.models),
+                    limit=rep.allowed if rep.limit is not None else None,
+                    limit_reason=rep.limit.reason if rep.limit is not None else "",
                 )
             )
         return out
@@ -448,7 +501,47 @@ class AdmissionController:
         res = self._reservations.get(request_id)
         return Admit(res.request_id, res.replica, res.tokens) if res else None
 
+    def limit_of(self, replica: str) -> RunningLimit | None:
+        """The learned running limit of `replica` (for tests, benches and the admin API)."""
+        rep = self._replicas.get(replica)
+        return rep.limit if rep is not None else None
+
     # ------------------------------------------------------------------ internals
+    def _learn(self, rep: _Replica, res: _Reservation, c: Completion, now: float) -> None:
+        """Feed one completion to the replica's latency history and learned limit."""
+        prompt = c.prompt_tokens or 0
+        work = prompt + (c.completion_tokens or 0)
+        if c.ok and c.service_s is not None and work > 0:
+            rep.service_per_token.add(c.service_s / work)
+        if c.ok and c.ttft_s is not None and prompt > 0:
+            rep.ttft_per_token.add(c.ttft_s / prompt)
+        if rep.limit is None:
+            return
+        targets = self._targets.get(res.model) or self._targets.get("*")
+        ratio = latency_ratio(
+            service_s=c.service_s,
+            ttft_s=c.ttft_s,
+            itl_s=c.itl_s,
+            budget_s=c.latency_budget,
+            budget_fraction=self.config.latency_budget_fraction,
+            targets=targets,
+            stream=c.ttft_s is not None,
+        )
+        rep.limit.completed(
+            now, res.admitted_at, ok=c.ok, work_tokens=work or res.tokens, ratio=ratio, cap=rep.cap
+        )
+
+    def _predict(self, req: AdmissionRequest, raw: int, serving: list[_Replica]) -> float:
+        """Predicted service of `req` once admitted (a stream: time to first token), from
+        the p90 seconds per token of recent completions on its replicas; 0 before any."""
+        best = 0.0
+        for rep in serving:
+            window = rep.ttft_per_token if req.stream else rep.service_per_token
+            if len(window):
+                tokens = req.prompt_tokens if req.stream else raw
+                best = max(best, window.quantile(0.9) * tokens)
+        return best
+
     def _candidate_names(self, entry: _Entry) -> Iterable[str]:
         for rep in self._replicas.values():
             if (
@@ -478,7 +571,7 @@ class AdmissionController:
                 free_tokens=r.free,
                 effective_capacity=r.effective,
                 running=r.running,
-                max_running=r.cap,
+                max_running=r.allowed,
                 labels=r.labels,
             )
             for r in fitting
@@ -499,8 +592,10 @@ class AdmissionController:
         rep.reserved += tokens
         rep.running += 1
         rep.drain.set_busy(True, now)
+        if rep.limit is not None:
+            rep.limit.running_changed(rep.running, now)
         self._reservations[entry.req.request_id] = _Reservation(
-            entry.req.request_id, rep.name, entry.req.model, tokens
+            entry.req.request_id, rep.name, entry.req.model, tokens, now
         )
         return Admit(entry.req.request_id, rep.name, tokens)
 
@@ -551,8 +646,9 @@ class AdmissionController:
             return None
         frees = [max(0, r.free) for r in reps]
         slots: int | None = None
-        if all(r.cap is not None for r in reps):
-            slots = sum(max(0, (r.cap or 0) - r.running) for r in reps)
+        allowed = [r.allowed for r in reps]
+        if all(a is not None for a in allowed):
+            slots = sum(max(0, (a or 0) - r.running) for a, r in zip(allowed, reps, strict=True))
         return _WaitContext(
             rates[0],
             rates[1],
@@ -649,8 +745,9 @@ class AdmissionController:
         for rep in self._replicas.values():
             if not rep.usable:
                 out[rep.name] = "not_ready"
-            elif rep.cap is not None and rep.running >= rep.cap:
-                out[rep.name] = "running_cap"
+            elif (allowed := rep.allowed) is not None and rep.running >= allowed:
+                learned = rep.cap is None or allowed < rep.cap
+                out[rep.name] = "latency" if learned else "running_cap"
             elif rep.name in head_for and rep.need(head_for[rep.name].raw) > rep.free:
                 out[rep.name] = "kv_capacity"
             elif rep.free < rep.block_size:

@@ -32,7 +32,7 @@ TokenCounter = Callable[[str], int]
 TokenizerLookup = Callable[[str], TokenCounter | None]
 
 
-class _Window:
+class SortedWindow:
     """The last `size` samples, kept both in arrival order and sorted (O(n) memmove updates)."""
 
     __slots__ = ("_order", "_sorted", "_size")
@@ -64,8 +64,8 @@ class _ModelStats:
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.chars_per_token = config.initial_chars_per_token
-        self.prompt_ratios = _Window(config.estimator_window)
-        self.outputs = _Window(config.estimator_window)
+        self.prompt_ratios = SortedWindow(config.estimator_window)
+        self.outputs = SortedWindow(config.estimator_window)
         self.output_q: int | None = None  # cached learned quantile
 
 

@@ -35,6 +35,7 @@ class AdmissionRequest:
     # less the time it will have queued, for a non-stream request), or None when unknown.
     # The learned limit keeps service times inside the budgets of the requests it sees.
     latency_budget: float | None = None
+    stream: bool = False  # a stream's budget bounds its time to first token only
 
 
 @dataclass(slots=True, frozen=True)

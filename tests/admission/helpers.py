@@ -52,7 +52,8 @@ def request(
 
 
 def controller(**overrides: object) -> AdmissionController:
-    settings: dict[str, object] = {"headroom": 0.0}
+    # The ledger and queue mechanics, without the learned limit (tests/admission/test_limit.py).
+    settings: dict[str, object] = {"headroom": 0.0, "learn_limit": False}
     settings.update(overrides)
     return AdmissionController(AdmissionConfig(**settings), seed=7)
 

@@ -1,0 +1,306 @@
+"""The running ceiling of one replica, learned online from what it measures (sans-IO).
+
+Seed 000 names three ceilings: KV capacity, the running-request cap, and the per-user
+latency SLO, and says the latency one usually binds first; seed 001's card is the
+example (its KV pool holds ~19 of that job's requests, but the card serves only ~8 at
+once inside a 45 s client timeout). The ledger enforces the KV ceiling; a configured or
+engine-reported cap is an upper bound. This module learns the rest, per replica, so that
+no operator has to run the ceiling sweep and copy its answer into the config.
+
+The limit L is the number of requests kvgate lets run on the replica at once. It moves
+on evidence, one *window* at a time. A window is at least ``limit_window`` (and at least
+L) requests that completed after they were admitted under the current limit, so every
+window measures the replica at one setting: requests admitted under an earlier limit
+are ignored, as a sweep step ignores its warm-up.
+
+Per window:
+
+* **Latency.** Each completion is scored by its worst ratio of measured to target: its
+  service time against ``latency_budget_fraction`` of the client's own timeout (the
+  openai SDKs send it), its time to first token, its inter-token latency and its
+  end-to-end time against the model's configured targets (`LatencyTargets`). A failed
+  request (upstream error or timeout) scores ``FAILURE_RATIO``. When the window's p90
+  ratio ``r`` is above 1, the limit goes to ``mean_running * 0.85 / r`` (bounded to
+  [0.5, 0.9] of the current limit): past the knee, service time grows in proportion to
+  concurrency, so this lands just inside the target. This is the latency ceiling, and
+  it is what follows a replica that slows down and comes back.
+* **Goodput.** Every window that kept the replica busy (mean running >= 80% of L)
+  contributes a point (mean running N, work tokens completed per second G) to a fit of
+  the replica's throughput curve ``G(N) = Gmax * N / (N + K)`` (the saturation curve of a
+  batched server: linear while the batch amortises the weights, flat once compute or
+  memory bandwidth binds). The knee is where one more running request buys less than
+  ``knee_efficiency`` of an average request's throughput: ``N = K * (1 / e - 1)``. This
+  is seed 001's sweep done live, with every window of the run as a sweep point.
+* **Growth.** While the replica is kept busy and the latency ratio allows it, the limit
+  grows: doubling from a cold start until the first bound is met (slow start), then by
+  ``limit_probe_step`` per window. Growth never exceeds what the latency ratio predicts
+  the replica can take (``N * 0.85 / r``) nor the fitted knee. A replica kvgate does not
+  keep busy gives no evidence, and its limit holds.
+
+Between windows, the engine's own signals act at once (each discovery round):
+
+* **Preemptions** (the engine's counter rose): kvgate admitted more than the engine
+  could keep resident; the limit drops to 75% of what was running.
+* **The engine's waiting queue** (two rounds in a row with requests waiting inside the
+  engine while kvgate holds them): the engine runs fewer than kvgate admitted, so the
+  limit drops to what the engine runs.
+
+The limit is a float kept within [1, cap]; the controller uses its floor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+FAILURE_RATIO = 2.0
+_INSIDE = 0.85  # aim this far inside a latency target
+
+
+@dataclass(slots=True, frozen=True)
+class LimitSettings:
+    """The knobs of `RunningLimit` (copied from `AdmissionConfig`)."""
+
+    initial: float = 2.0
+    window: int = 8
+    knee_efficiency: float = 0.1
+    budget_fraction: float = 0.5
+    probe_step: float = 0.15
+    fit_points: int = 24
+
+
+@dataclass(slots=True, frozen=True)
+class LatencyTargets:
+    """A model's latency targets in seconds (None: no target of that kind)."""
+
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    e2e_s: float | None = None
+
+
+class RunningLimit:
+    """The learned running limit of one replica."""
+
+    __slots__ = (
+        "_s",
+        "value",
+        "reason",
+        "_slow_start",
+        "_changed_at",
+        "_count",
+        "_ratios",
+        "_work",
+        "_started",
+        "_area",
+        "_running",
+        "_last",
+        "_points",
+        "knee",
+        "_preemptions",
+        "_waiting_rounds",
+        "windows",
+        "last_ratio",
+    )
+
+    def __init__(self, settings: LimitSettings, now: float = 0.0) -> None:
+        self._s = settings
+        self.value = max(1.0, settings.initial)
+        self.reason = "cold_start"
+        self._slow_start = True
+        self._changed_at = now
+        self._count = 0  # completions in the window
+        self._ratios: list[float] = []
+        self._work = 0
+        self._started = now
+        self._area = 0.0  # integral of running requests over the window
+        self._running = 0
+        self._last = now
+        self._points: deque[tuple[float, float]] = deque(maxlen=settings.fit_points)
+        self.knee: float | None = None  # fitted knee of the goodput curve
+        self._preemptions: float | None = None
+        self._waiting_rounds = 0
+        self.windows = 0
+        self.last_ratio: float | None = None  # p90 latency ratio of the last window
+
+    def allowed(self, cap: int | None) -> int:
+        """Requests that may run now: floor of the limit, within the hard cap."""
+        n = max(1, int(self.value))
+        return n if cap is None else min(n, cap)
+
+    # ------------------------------------------------------------------ inputs
+    def running_changed(self, running: int, now: float) -> None:
+        """The replica's admitted request count is now `running`."""
+        if now > self._last:
+            self._area += self._running * (now - self._last)
+            self._last = now
+        self._running = running
+
+    def completed(
+        self,
+        now: float,
+        admitted_at: float,
+        *,
+        ok: bool,
+        work_tokens: int,
+        ratio: float | None,
+        cap: int | None,
+    ) -> None:
+        """A request admitted at `admitted_at` ended at `now`; `ratio` is its worst
+        measured / target latency ratio (None when it had no target)."""
+        if admitted_at < self._changed_at:
+            return  # admitted under an earlier limit: no evidence about this one
+        self._count += 1
+        self._work += max(0, work_tokens)
+        score = ratio if ok else FAILURE_RATIO
+        if score is not None:
+            self._ratios.append(score)
+        if self._count >= max(self._s.window, math.ceil(self.value)):
+            self._close_window(now, cap)
+
+    def engine_signals(
+        self,
+        *,
+        preemptions_total: float | None,
+        waiting: int,
+        engine_running: int,
+        running: int,
+        now: float,
+        cap: int | None,
+    ) -> None:
+        """One discovery round's view of the engine, against what kvgate holds there."""
+        if preemptions_total is not None:
+            before = self._preemptions
+            self._preemptions = preemptions_total
+            if before is not None and preemptions_total > before and running > 0:
+                self._slow_start = False
+                self._set(min(self.value, running) * 0.75, "preemption", now, cap)
+                return
+        if waiting > 0 and 0 < engine_running < running:
+            self._waiting_rounds += 1
+            if self._waiting_rounds >= 2:
+                self._waiting_rounds = 0
+                self._slow_start = False
+                self._set(min(self.value, float(engine_running)), "engine_queue", now, cap)
+        else:
+            self._waiting_rounds = 0
+
+    # ------------------------------------------------------------------ the window
+    def _close_window(self, now: float, cap: int | None) -> None:
+        self.running_changed(self._running, now)
+        span = now - self._started
+        if span <= 0:
+            return
+        self.windows += 1
+        mean_running = self._area / span
+        goodput = self._work / span
+        ratio = _quantile(self._ratios, 0.9) if self._ratios else None
+        self.last_ratio = ratio
+        busy = mean_running >= 0.8 * self.value or (cap is not None and mean_running >= 0.8 * cap)
+        if busy and goodput > 0 and mean_running > 0:
+            self._points.append((mean_running, goodput))
+            self.knee = self._fit_knee()
+        base = max(1.0, mean_running)
+        if ratio is not None and ratio > 1.0:
+            self._slow_start = False
+            target = base * _INSIDE / ratio
+            lo, hi = 0.5 * self.value, 0.9 * self.value
+            self._set(min(hi, max(lo, target)), "latency", now, cap)
+            return
+        if not busy:
+            self._reset_window(now)  # no evidence for more: hold
+            return
+        grow = self.value * 2.0 if self._slow_start else self.value * (1.0 + self._s.probe_step)
+        grow = max(grow, self.value + 1.0)
+        bounds: list[tuple[float, str]] = [(grow, "probe")]
+        if ratio is not None and ratio > 0:
+            bounds.append((max(self.value, base * _INSIDE / ratio), "latency"))
+        if self.knee is not None:
+            bounds.append((max(1.0, self.knee), "knee"))
+        value, reason = min(bounds)
+        if reason != "probe":
+            self._slow_start = False
+        if cap is not None and value >= cap:
+            reason = "running_cap"
+        self._set(value, reason, now, cap)
+
+    def _fit_knee(self) -> float | None:
+        """Least-squares fit of 1/G = 1/Gmax + (K/Gmax) / N over the window points;
+        the knee N = K (1/e - 1). None until the points span a 2x range of N."""
+        pts = self._points
+        if len(pts) < 3:
+            return None
+        ns = [n for n, _ in pts]
+        if max(ns) < 2.0 * min(ns):
+            return None
+        xs = [1.0 / n for n, _ in pts]
+        ys = [1.0 / g for _, g in pts]
+        mx = sum(xs) / len(xs)
+        my = sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx <= 0:
+            return None
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+        intercept = my - slope * mx
+        if intercept <= 0:
+            return None  # still rising linearly at the largest N seen: no knee yet
+        if slope <= 0:
+            return min(ns)  # flat (or falling) over the whole range: the smallest N serves
+        k = slope / intercept
+        return k * (1.0 / self._s.knee_efficiency - 1.0)
+
+    def _set(self, value: float, reason: str, now: float, cap: int | None) -> None:
+        hi = float(cap) if cap is not None else math.inf
+        value = min(max(1.0, value), hi)
+        if int(value) != int(self.value):
+            self._changed_at = now
+        self.value = value
+        self.reason = reason
+        self._reset_window(now)
+
+    def _reset_window(self, now: float) -> None:
+        self._count = 0
+        self._ratios = []
+        self._work = 0
+        self._started = now
+        self._area = 0.0
+        self._last = now
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def latency_ratio(
+    *,
+    service_s: float | None,
+    ttft_s: float | None,
+    itl_s: float | None,
+    budget_s: float | None,
+    budget_fraction: float,
+    targets: LatencyTargets | None,
+    stream: bool,
+) -> float | None:
+    """A completion's worst measured / target latency ratio, or None without targets.
+
+    The client's own timeout (`budget_s`) bounds a non-stream request's whole service and
+    a stream's time to first token; kvgate aims for `budget_fraction` of it, leaving the
+    rest for queueing. Configured targets add TTFT, inter-token and end-to-end bounds.
+    """
+    worst: float | None = None
+
+    def consider(measured: float | None, target: float | None) -> None:
+        nonlocal worst
+        if measured is None or target is None or target <= 0:
+            return
+        r = measured / target
+        worst = r if worst is None else max(worst, r)
+
+    if budget_s is not None:
+        consider(ttft_s if stream else service_s, budget_s * budget_fraction)
+    if targets is not None:
+        consider(ttft_s, targets.ttft_s)
+        consider(itl_s, targets.itl_s)
+        consider(service_s, targets.e2e_s)
+    return worst
