@@ -121,7 +121,7 @@ class AdmissionConfig(BaseModel):
         2.0, ge=1.0, description="Running limit of a replica before anything was measured."
     )
     limit_window: int = Field(
-        8, ge=2, description="Completions (at least the limit) per measurement window."
+        16, ge=2, description="Completions (at least the limit) per measurement window."
     )
     knee_efficiency: float = Field(
         0.1,
@@ -131,7 +131,7 @@ class AdmissionConfig(BaseModel):
         "an average request's throughput.",
     )
     latency_budget_fraction: float = Field(
-        0.5,
+        0.6,
         gt=0.0,
         le=1.0,
         description="Share of a client's own timeout (x-stainless-read-timeout) a request's "
@@ -144,6 +144,13 @@ class AdmissionConfig(BaseModel):
         default_factory=dict,
         description="Per-model latency targets; the key '*' applies to models not listed. "
         "Default: none, so only clients' own timeouts and goodput bound the limit.",
+    )
+    retry_jitter: float = Field(
+        0.1,
+        ge=0.0,
+        lt=1.0,
+        description="Retry-After is multiplied by a uniform factor in [1 - j, 1 + j] (before "
+        "the clamp) so that a shed crowd does not come back in lockstep.",
     )
     cold_retry_after_s: float = Field(
         5.0,

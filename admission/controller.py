@@ -55,13 +55,15 @@ from __future__ import annotations
 
 import bisect
 import math
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from admission.config import AdmissionConfig
 from admission.drain import DrainMeter
-from admission.estimate import SortedWindow
+from admission.estimate import ServiceModel
 from admission.limit import LatencyTargets, LimitSettings, RunningLimit, latency_ratio
+from admission.retries import ReturningBacklog
 from admission.types import (
     AdmissionRequest,
     Admit,
@@ -99,9 +101,9 @@ class _Replica:
     running: int = 0
     effective: int = 0
     signals_at: float = -1.0  # `updated_at` of the engine view last fed to the limit
-    # Seconds per token of recent completions (p90), for the deadline of a queued request.
-    service_per_token: SortedWindow = field(default_factory=lambda: SortedWindow(64))
-    ttft_per_token: SortedWindow = field(default_factory=lambda: SortedWindow(64))
+    # Service (and time to first token) against tokens, for the deadline of a queued request.
+    service: ServiceModel = field(default_factory=ServiceModel)
+    ttft: ServiceModel = field(default_factory=ServiceModel)
 
     @property
     def allowed(self) -> int | None:
@@ -180,6 +182,8 @@ class AdmissionController:
         self._queue_tokens: dict[str, int] = {}  # model -> sum of queued raw needs
         self._seq = 0
         self._pending: list[Admit] = []  # admitted by expire(); handed out by the next call
+        self._returning = ReturningBacklog()  # shed requests expected back
+        self._rng = random.Random(seed)  # Retry-After jitter
         self._now = 0.0
         self._limit_settings = LimitSettings(
             initial=config.initial_limit,
@@ -241,6 +245,7 @@ class AdmissionController:
                 preemptions_total=state.preemptions_total,
                 waiting=state.engine_waiting,
                 engine_running=state.engine_running,
+                kv_usage=state.kv_usage,
                 running=rep.running,
                 now=now,
                 cap=rep.cap,
@@ -274,6 +279,8 @@ class AdmissionController:
         rid = req.request_id
         if rid in self._reservations or rid in self._queued:
             raise ValueError(f"request id {rid!r} is already admitted or queued")
+        if req.retry_key is not None:
+            self._returning.discard(req.model, req.retry_key)  # it is back
         serving = [r for r in self._replicas.values() if r.present and req.model in r.models]
         if not serving:
             return Refuse(rid, 404, "model_not_found", f"The model `{req.model}` does not exist.")
@@ -291,9 +298,15 @@ class AdmissionController:
             # The client said how long it waits (its read timeout): queue only while the
             # predicted service (a stream: its first token) still fits after the wait.
             # The configured queue timeout is the default for clients that say nothing.
-            deadline = min(
-                req.deadline, now + req.latency_budget - self._predict(req, raw, serving)
-            )
+            # It may queue for the part of the budget the learned limit does not give to
+            # service (1 - latency_budget_fraction), and less when its own predicted
+            # service leaves less; a request predicted to need (nearly) all of it still
+            # queues briefly: the prediction is an upper estimate, and shedding it
+            # forever helps nobody.
+            budget = req.latency_budget
+            share = (1.0 - self.config.latency_budget_fraction) * budget
+            slack = max(min(share, budget - self._predict(req, raw, serving)), 0.1 * budget)
+            deadline = min(req.deadline, now + slack)
         else:
             deadline = min(req.deadline, now + self.config.queue_timeout_s)
         entry = _Entry(
@@ -317,9 +330,17 @@ class AdmissionController:
         model = req.model
         model_depth = self._queue_per_model.get(model, 0)
         model_tokens = self._queue_tokens.get(model, 0)
+        # Shed requests that will come back before this one count ahead of it.
+        back_tokens, back_count = self._returning.ahead(model, req.arrival, now)
         if model_depth >= self.config.queue_max_per_model:
-            wait = self._wait_for(self._wait_context(model, now), raw, model_tokens, model_depth)
-            return Shed(rid, "queue_full", self._clamp(wait))
+            wait = self._wait_for(
+                self._wait_context(model, now),
+                raw,
+                model_tokens + back_tokens,
+                model_depth + back_count,
+            )
+            # No room to queue when it is back until the backlog ahead has drained.
+            return self._shed(req, raw, "queue_full", wait, now, now)
         if pos == len(self._queue):  # common case: behind everything of its model
             ahead_tokens, position = model_tokens, model_depth
         else:
@@ -328,9 +349,11 @@ class AdmissionController:
                 if e.req.model == model:
                     ahead_tokens += e.raw
                     position += 1
-        wait = self._wait_for(self._wait_context(model, now), raw, ahead_tokens, position)
+        wait = self._wait_for(
+            self._wait_context(model, now), raw, ahead_tokens + back_tokens, position + back_count
+        )
         if deadline <= now or (wait is not None and now + wait > deadline):
-            return Shed(rid, "deadline", self._clamp(wait))
+            return self._shed(req, raw, "deadline", wait, deadline, now)
         self._queue.insert(pos, entry)
         self._queued[rid] = entry
         self._queue_per_model[model] = model_depth + 1
@@ -418,7 +441,7 @@ class AdmissionController:
             else:
                 reason = "deadline"
             self._dequeue(entry)
-            shed.append(Shed(entry.req.request_id, reason, self._clamp(wait)))
+            shed.append(self._shed(entry.req, entry.raw, reason, wait, entry.deadline, now))
         if shed:
             self._pending.extend(self._settle(now))
         return shed
@@ -474,14 +497,20 @@ class AdmissionController:
 
     def retry_after(self, model: str, need_tokens: int, now: float) -> float:
         """Seconds until `need_tokens` could be admitted for `model` behind its whole
-        queue, clamped to [min_retry_after_s, max_retry_after_s]."""
+        backlog (its queue and the shed requests expected back), clamped to
+        [min_retry_after_s, max_retry_after_s] (no jitter)."""
+        back_tokens, back_count = self._returning.ahead(model, now, now)
         wait = self._wait_for(
             self._wait_context(model, now),
             need_tokens,
-            self._queue_tokens.get(model, 0),
-            self._queue_per_model.get(model, 0),
+            self._queue_tokens.get(model, 0) + back_tokens,
+            self._queue_per_model.get(model, 0) + back_count,
         )
         return self._clamp(wait)
+
+    def returning(self) -> int:
+        """Shed requests currently expected back (addition to the API)."""
+        return len(self._returning)
 
     def drain_rate(self, model: str, now: float) -> tuple[float, float] | None:
         """(tokens/s, requests/s) released by `model`'s ready replicas, or None while
@@ -512,9 +541,9 @@ class AdmissionController:
         prompt = c.prompt_tokens or 0
         work = prompt + (c.completion_tokens or 0)
         if c.ok and c.service_s is not None and work > 0:
-            rep.service_per_token.add(c.service_s / work)
+            rep.service.add(work, c.service_s)
         if c.ok and c.ttft_s is not None and prompt > 0:
-            rep.ttft_per_token.add(c.ttft_s / prompt)
+            rep.ttft.add(prompt, c.ttft_s)
         if rep.limit is None:
             return
         targets = self._targets.get(res.model) or self._targets.get("*")
@@ -532,14 +561,16 @@ class AdmissionController:
         )
 
     def _predict(self, req: AdmissionRequest, raw: int, serving: list[_Replica]) -> float:
-        """Predicted service of `req` once admitted (a stream: time to first token), from
-        the p90 seconds per token of recent completions on its replicas; 0 before any."""
+        """Predicted service of `req` once admitted (a stream: time to first token), the
+        largest of its replicas' upper estimates (`ServiceModel`); 0 before any sample.
+        An upper estimate, not a typical one: a request admitted at its deadline with a
+        typical prediction would time out half the time."""
         best = 0.0
         for rep in serving:
-            window = rep.ttft_per_token if req.stream else rep.service_per_token
-            if len(window):
-                tokens = req.prompt_tokens if req.stream else raw
-                best = max(best, window.quantile(0.9) * tokens)
+            if req.stream:
+                best = max(best, rep.ttft.predict(req.prompt_tokens))
+            else:
+                best = max(best, rep.service.predict(raw))
         return best
 
     def _candidate_names(self, entry: _Entry) -> Iterable[str]:
@@ -685,6 +716,39 @@ class AdmissionController:
             rate = ctx.requests_per_s
             wait = max(wait, slot_deficit / rate if rate > 0 else math.inf)
         return wait
+
+    def _shed(
+        self,
+        req: AdmissionRequest,
+        raw: int,
+        reason: str,
+        wait: float | None,
+        deadline: float,
+        now: float,
+    ) -> Shed:
+        """Shed `req` with a Retry-After that brings it back when it can queue again.
+
+        `wait` is the estimated time until it could be admitted behind the whole backlog
+        (queue and returning sheds). It may queue for up to its deadline once back, so it
+        is told to return after ``wait - (deadline - now) / 2`` (half the client's
+        tolerance, when it stated one), jittered by a uniform factor in [1 - j, 1 + j], then clamped. Its
+        own tokens join the returning backlog until it is back or overdue.
+        """
+        if wait is None:
+            delay = self.config.cold_retry_after_s
+        else:
+            # Back with half its tolerance still ahead: estimates are noisy, and a request
+            # that returns to find the wait just over its tolerance is shed once more.
+            tolerance = deadline - now if math.isfinite(deadline) and deadline > now else 0.0
+            delay = max(0.0, wait - 0.5 * tolerance)
+        j = self.config.retry_jitter
+        if j > 0:
+            delay *= self._rng.uniform(1.0 - j, 1.0 + j)
+        delay = self._clamp(delay)
+        key = req.retry_key if req.retry_key is not None else req.request_id
+        expires = now + delay * (1.0 + j) + max(self.config.min_retry_after_s, 0.25 * delay)
+        self._returning.add(req.model, key, req.arrival, expires, raw)
+        return Shed(req.request_id, reason, delay)
 
     def _clamp(self, wait: float | None) -> float:
         value = self.config.cold_retry_after_s if wait is None else wait

@@ -19,8 +19,8 @@ Per window:
   service time against ``latency_budget_fraction`` of the client's own timeout (the
   openai SDKs send it), its time to first token, its inter-token latency and its
   end-to-end time against the model's configured targets (`LatencyTargets`). A failed
-  request (upstream error or timeout) scores ``FAILURE_RATIO``. When the window's p90
-  ratio ``r`` is above 1, the limit goes to ``mean_running * 0.85 / r`` (bounded to
+  request (upstream error or timeout) scores ``FAILURE_RATIO``. When the window's worst
+  ratio ``r`` is above 1 (the worst, not a percentile: a client times out on the tail), the limit goes to ``mean_running * 0.85 / r`` (bounded to
   [0.5, 0.9] of the current limit): past the knee, service time grows in proportion to
   concurrency, so this lands just inside the target. This is the latency ceiling, and
   it is what follows a replica that slows down and comes back.
@@ -42,8 +42,10 @@ Between windows, the engine's own signals act at once (each discovery round):
 * **Preemptions** (the engine's counter rose): kvgate admitted more than the engine
   could keep resident; the limit drops to 75% of what was running.
 * **The engine's waiting queue** (two rounds in a row with requests waiting inside the
-  engine while kvgate holds them): the engine runs fewer than kvgate admitted, so the
-  limit drops to what the engine runs.
+  engine while kvgate holds more than it runs, and its pool at least 90% used): the
+  engine's pool holds fewer than kvgate admitted, so the limit drops to what it runs.
+  (A request waits briefly in any engine, e.g. for the step's prefill token budget; a
+  waiting queue with free pool is not a pool shortage and is left to the latency rule.)
 
 The limit is a float kept within [1, cap]; the controller uses its floor.
 """
@@ -51,11 +53,11 @@ The limit is a float kept within [1, cap]; the controller uses its floor.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 FAILURE_RATIO = 2.0
 _INSIDE = 0.85  # aim this far inside a latency target
+_POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortage
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,11 +65,11 @@ class LimitSettings:
     """The knobs of `RunningLimit` (copied from `AdmissionConfig`)."""
 
     initial: float = 2.0
-    window: int = 8
+    window: int = 16
     knee_efficiency: float = 0.1
-    budget_fraction: float = 0.5
+    budget_fraction: float = 0.6
     probe_step: float = 0.15
-    fit_points: int = 24
+    ratio_quantile: float = 1.0  # the window's slowest request: clients time out on the tail
 
 
 @dataclass(slots=True, frozen=True)
@@ -116,7 +118,8 @@ class RunningLimit:
         self._area = 0.0  # integral of running requests over the window
         self._running = 0
         self._last = now
-        self._points: deque[tuple[float, float]] = deque(maxlen=settings.fit_points)
+        # allowed limit -> [seconds, running-seconds, work tokens] of busy windows there
+        self._points: dict[int, list[float]] = {}
         self.knee: float | None = None  # fitted knee of the goodput curve
         self._preemptions: float | None = None
         self._waiting_rounds = 0
@@ -150,12 +153,19 @@ class RunningLimit:
         measured / target latency ratio (None when it had no target)."""
         if admitted_at < self._changed_at:
             return  # admitted under an earlier limit: no evidence about this one
+        if self._count == 0:
+            # Rates are measured between completions: from the first counted one on, so
+            # the service time of the first requests after a change does not dilute them.
+            self._started = now
+            self._area = 0.0
+            self._last = now
+        else:
+            self._work += max(0, work_tokens)
         self._count += 1
-        self._work += max(0, work_tokens)
         score = ratio if ok else FAILURE_RATIO
         if score is not None:
             self._ratios.append(score)
-        if self._count >= max(self._s.window, math.ceil(self.value)):
+        if self._count > max(self._s.window, math.ceil(self.value)):
             self._close_window(now, cap)
 
     def engine_signals(
@@ -164,6 +174,7 @@ class RunningLimit:
         preemptions_total: float | None,
         waiting: int,
         engine_running: int,
+        kv_usage: float,
         running: int,
         now: float,
         cap: int | None,
@@ -176,7 +187,10 @@ class RunningLimit:
                 self._slow_start = False
                 self._set(min(self.value, running) * 0.75, "preemption", now, cap)
                 return
-        if waiting > 0 and 0 < engine_running < running:
+        # A request waits inside the engine for a moment as a matter of course (a prefill
+        # waits for the step's token budget); it is kvgate's doing only when the engine
+        # keeps requests waiting because its pool is full.
+        if waiting > 0 and 0 < engine_running < running and kv_usage >= _POOL_FULL:
             self._waiting_rounds += 1
             if self._waiting_rounds >= 2:
                 self._waiting_rounds = 0
@@ -194,11 +208,17 @@ class RunningLimit:
         self.windows += 1
         mean_running = self._area / span
         goodput = self._work / span
-        ratio = _quantile(self._ratios, 0.9) if self._ratios else None
+        ratio = _quantile(self._ratios, self._s.ratio_quantile) if self._ratios else None
         self.last_ratio = ratio
-        busy = mean_running >= 0.8 * self.value or (cap is not None and mean_running >= 0.8 * cap)
-        if busy and goodput > 0 and mean_running > 0:
-            self._points.append((mean_running, goodput))
+        allowed = self.allowed(cap)
+        busy = mean_running >= 0.8 * allowed
+        if busy and goodput > 0:
+            # One point per setting: windows at the same limit pool their time and work,
+            # so the fit sees each setting's mean, not each window's noise.
+            acc = self._points.setdefault(allowed, [0.0, 0.0, 0.0])
+            acc[0] += span
+            acc[1] += self._area
+            acc[2] += self._work
             self.knee = self._fit_knee()
         base = max(1.0, mean_running)
         if ratio is not None and ratio > 1.0:
@@ -216,7 +236,8 @@ class RunningLimit:
         if ratio is not None and ratio > 0:
             bounds.append((max(self.value, base * _INSIDE / ratio), "latency"))
         if self.knee is not None:
-            bounds.append((max(1.0, self.knee), "knee"))
+            # The knee stops growth; it never pulls the limit down (latency does that).
+            bounds.append((max(self.value, self.knee), "knee"))
         value, reason = min(bounds)
         if reason != "probe":
             self._slow_start = False
@@ -227,25 +248,31 @@ class RunningLimit:
     def _fit_knee(self) -> float | None:
         """Least-squares fit of 1/G = 1/Gmax + (K/Gmax) / N over the window points;
         the knee N = K (1/e - 1). None until the points span a 2x range of N."""
-        pts = self._points
+        pts = [
+            (area / span, work / span, span)
+            for span, area, work in self._points.values()
+            if span > 0 and area > 0 and work > 0
+        ]
         if len(pts) < 3:
             return None
-        ns = [n for n, _ in pts]
+        ns = [n for n, _, _ in pts]
         if max(ns) < 2.0 * min(ns):
             return None
-        xs = [1.0 / n for n, _ in pts]
-        ys = [1.0 / g for _, g in pts]
-        mx = sum(xs) / len(xs)
-        my = sum(ys) / len(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
+        xs = [1.0 / n for n, _, _ in pts]
+        ys = [1.0 / g for _, g, _ in pts]
+        ws = [w for _, _, w in pts]
+        total = sum(ws)
+        mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / total
+        my = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
+        sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
         if sxx <= 0:
             return None
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+        slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / sxx
         intercept = my - slope * mx
         if intercept <= 0:
             return None  # still rising linearly at the largest N seen: no knee yet
         if slope <= 0:
-            return min(ns)  # flat (or falling) over the whole range: the smallest N serves
+            return min(ns)  # flat (or falling) over the whole range: more buys nothing
         k = slope / intercept
         return k * (1.0 / self._s.knee_efficiency - 1.0)
 

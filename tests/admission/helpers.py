@@ -53,7 +53,8 @@ def request(
 
 def controller(**overrides: object) -> AdmissionController:
     # The ledger and queue mechanics, without the learned limit (tests/admission/test_limit.py).
-    settings: dict[str, object] = {"headroom": 0.0, "learn_limit": False}
+    # Retry-After exactly as computed (jitter has its own test).
+    settings: dict[str, object] = {"headroom": 0.0, "learn_limit": False, "retry_jitter": 0.0}
     settings.update(overrides)
     return AdmissionController(AdmissionConfig(**settings), seed=7)
 
