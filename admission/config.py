@@ -137,6 +137,13 @@ class AdmissionConfig(BaseModel):
         description="Share of a client's own timeout (x-stainless-read-timeout) a request's "
         "service may take; the rest is left for queueing.",
     )
+    latency_target_quantile: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Quantile of a window's requests held to the latency targets (0.5: the "
+        "median user, as seed 000's per-user decode rate; 0.9 for a p90 SLO).",
+    )
     limit_probe_step: float = Field(
         0.15, gt=0.0, le=1.0, description="Relative growth of the limit per busy window."
     )

@@ -191,6 +191,7 @@ class AdmissionController:
             knee_efficiency=config.knee_efficiency,
             budget_fraction=config.latency_budget_fraction,
             probe_step=config.limit_probe_step,
+            target_quantile=config.latency_target_quantile,
         )
         self._targets = {
             model: LatencyTargets(t.ttft_s, t.itl_s, t.e2e_s)

@@ -56,7 +56,8 @@ import math
 from dataclasses import dataclass
 
 FAILURE_RATIO = 2.0
-_INSIDE = 0.85  # aim this far inside a latency target
+_INSIDE_HARD = 0.85  # aim this far inside a client's timeout budget (its slowest request)
+_INSIDE_SOFT = 0.95  # and this far inside a configured target (its quantile)
 _POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortage
 
 
@@ -69,7 +70,7 @@ class LimitSettings:
     knee_efficiency: float = 0.1
     budget_fraction: float = 0.6
     probe_step: float = 0.15
-    ratio_quantile: float = 1.0  # the window's slowest request: clients time out on the tail
+    target_quantile: float = 0.5
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,7 +92,8 @@ class RunningLimit:
         "_slow_start",
         "_changed_at",
         "_count",
-        "_ratios",
+        "_hard",
+        "_soft",
         "_work",
         "_started",
         "_area",
@@ -112,7 +114,8 @@ class RunningLimit:
         self._slow_start = True
         self._changed_at = now
         self._count = 0  # completions in the window
-        self._ratios: list[float] = []
+        self._hard: list[float] = []  # ratios against clients' own timeouts
+        self._soft: list[float] = []  # ratios against configured latency targets
         self._work = 0
         self._started = now
         self._area = 0.0  # integral of running requests over the window
@@ -146,11 +149,12 @@ class RunningLimit:
         *,
         ok: bool,
         work_tokens: int,
-        ratio: float | None,
+        ratio: tuple[float | None, float | None],
         cap: int | None,
     ) -> None:
-        """A request admitted at `admitted_at` ended at `now`; `ratio` is its worst
-        measured / target latency ratio (None when it had no target)."""
+        """A request admitted at `admitted_at` ended at `now`; `ratio` is its measured /
+        target latency ratio against its client's timeout and against the configured
+        targets (`latency_ratio`; None where it had none)."""
         if admitted_at < self._changed_at:
             return  # admitted under an earlier limit: no evidence about this one
         if self._count == 0:
@@ -162,9 +166,13 @@ class RunningLimit:
         else:
             self._work += max(0, work_tokens)
         self._count += 1
-        score = ratio if ok else FAILURE_RATIO
-        if score is not None:
-            self._ratios.append(score)
+        hard, soft = ratio
+        if not ok:
+            hard = FAILURE_RATIO
+        if hard is not None:
+            self._hard.append(hard)
+        if soft is not None:
+            self._soft.append(soft)
         if self._count > max(self._s.window, math.ceil(self.value)):
             self._close_window(now, cap)
 
@@ -208,7 +216,15 @@ class RunningLimit:
         self.windows += 1
         mean_running = self._area / span
         goodput = self._work / span
-        ratio = _quantile(self._ratios, self._s.ratio_quantile) if self._ratios else None
+        # Clients' timeouts are hard: the window's slowest request counts. Targets are
+        # service levels: their quantile (the median user by default, as seed 000's
+        # "per-user decode rate" is) counts. Each is aimed at from a little inside.
+        aims: list[float] = []
+        if self._hard:
+            aims.append(max(self._hard) / _INSIDE_HARD)
+        if self._soft:
+            aims.append(_quantile(self._soft, self._s.target_quantile) / _INSIDE_SOFT)
+        ratio = max(aims) if aims else None  # 1.0 = exactly at the aimed-at point
         self.last_ratio = ratio
         allowed = self.allowed(cap)
         busy = mean_running >= 0.8 * allowed
@@ -221,9 +237,9 @@ class RunningLimit:
             acc[2] += self._work
             self.knee = self._fit_knee()
         base = max(1.0, mean_running)
-        if ratio is not None and ratio > 1.0:
+        if ratio is not None and ratio > 1.0 / _INSIDE_SOFT:
             self._slow_start = False
-            target = base * _INSIDE / ratio
+            target = base / ratio
             lo, hi = 0.5 * self.value, 0.9 * self.value
             self._set(min(hi, max(lo, target)), "latency", now, cap)
             return
@@ -234,7 +250,7 @@ class RunningLimit:
         grow = max(grow, self.value + 1.0)
         bounds: list[tuple[float, str]] = [(grow, "probe")]
         if ratio is not None and ratio > 0:
-            bounds.append((max(self.value, base * _INSIDE / ratio), "latency"))
+            bounds.append((max(self.value, base / ratio), "latency"))
         if self.knee is not None:
             # The knee stops growth; it never pulls the limit down (latency does that).
             bounds.append((max(self.value, self.knee), "knee"))
@@ -287,7 +303,8 @@ class RunningLimit:
 
     def _reset_window(self, now: float) -> None:
         self._count = 0
-        self._ratios = []
+        self._hard = []
+        self._soft = []
         self._work = 0
         self._started = now
         self._area = 0.0
@@ -308,26 +325,27 @@ def latency_ratio(
     budget_fraction: float,
     targets: LatencyTargets | None,
     stream: bool,
-) -> float | None:
-    """A completion's worst measured / target latency ratio, or None without targets.
+) -> tuple[float | None, float | None]:
+    """A completion's (client-timeout ratio, worst configured-target ratio), each
+    measured / target, None where there is no such target.
 
     The client's own timeout (`budget_s`) bounds a non-stream request's whole service and
     a stream's time to first token; kvgate aims for `budget_fraction` of it, leaving the
-    rest for queueing. Configured targets add TTFT, inter-token and end-to-end bounds.
+    rest for queueing. Configured targets are TTFT, inter-token and end-to-end times.
     """
-    worst: float | None = None
-
-    def consider(measured: float | None, target: float | None) -> None:
-        nonlocal worst
-        if measured is None or target is None or target <= 0:
-            return
-        r = measured / target
-        worst = r if worst is None else max(worst, r)
-
-    if budget_s is not None:
-        consider(ttft_s if stream else service_s, budget_s * budget_fraction)
+    hard = None
+    if budget_s is not None and budget_s > 0:
+        measured = ttft_s if stream else service_s
+        if measured is not None:
+            hard = measured / (budget_s * budget_fraction)
+    soft = None
     if targets is not None:
-        consider(ttft_s, targets.ttft_s)
-        consider(itl_s, targets.itl_s)
-        consider(service_s, targets.e2e_s)
-    return worst
+        for measured, target in (
+            (ttft_s, targets.ttft_s),
+            (itl_s, targets.itl_s),
+            (service_s, targets.e2e_s),
+        ):
+            if measured is not None and target is not None and target > 0:
+                r = measured / target
+                soft = r if soft is None else max(soft, r)
+    return hard, soft
