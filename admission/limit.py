@@ -173,7 +173,9 @@ class RunningLimit:
             self._hard.append(hard)
         if soft is not None:
             self._soft.append(soft)
-        if self._count > max(self._s.window, math.ceil(self.value)):
+        # Slow start needs less evidence to double than a decision near the knee.
+        window = self._s.window // 2 if self._slow_start else self._s.window
+        if self._count > max(window, math.ceil(self.value)):
             self._close_window(now, cap)
 
     def engine_signals(

@@ -294,7 +294,8 @@ def run(
             send(client, item, first, retries)
         elif kind == "timeout":
             att = live.get(data)  # type: ignore[arg-type]
-            if att is not None and not att.done:
+            # A stream's read timeout bounds its first token (later gaps are short).
+            if att is not None and not att.done and not (stream and att.first_token):
                 if att.admitted_at is not None:
                     core.abort(att.rid, now)
                 report.timed_out += 1
@@ -304,7 +305,12 @@ def run(
                 )
                 att.done = True
                 live.pop(att.rid, None)
-                start_engine(ctrl.release(att.rid, now))
+                # The gateway reads a client that leaves at its own declared timeout as
+                # a failed request of the replica (see Pipeline._completion).
+                gone = (
+                    Completion(ok=False) if att.admitted_at is not None and send_timeout else None
+                )
+                start_engine(ctrl.release(att.rid, now, gone))
                 finish(att)
         elif kind == "probe":
             st = core.stats()

@@ -143,6 +143,7 @@ def gateway_config(
     speed: float,
     timeout_s: float,
     max_running: int | None = None,
+    admission: dict | None = None,
 ) -> dict:
     """kvgate in front of the replicas, with its timers in wall seconds.
 
@@ -165,6 +166,7 @@ def gateway_config(
             "queue_max_per_model": 1024,
             # A 1 s retry floor in the replica's time, not 25 replica seconds.
             "min_retry_after_s": 1.0 / speed,
+            **(admission or {}),
         },
         "upstream": {"first_byte_s": timeout_s / speed, "total_s": 2 * timeout_s / speed},
         "discovery": {"refresh_interval_s": 0.5},
@@ -276,6 +278,8 @@ async def run_phase(
     time_limit_s: float = 900.0,
     max_retries: int | None = None,
     slow_at: tuple[float, float, float] | None = None,
+    stream: bool = False,
+    admission: dict | None = None,
 ) -> Row:
     """Replay `items` on a fresh replica, straight or through a fresh kvgate, and read the
     replica's preemption counter afterwards. `timeout_s` is in simulated seconds."""
@@ -288,7 +292,11 @@ async def run_phase(
         if through_kvgate:
             gw = start_gateway(
                 gateway_config(
-                    [replica.url], speed=speed, timeout_s=timeout_s, max_running=max_running
+                    [replica.url],
+                    speed=speed,
+                    timeout_s=timeout_s,
+                    max_running=max_running,
+                    admission=admission,
                 ),
                 workdir=workdir,
                 log=workdir / f"kvgate-{slug}.log",
@@ -312,6 +320,7 @@ async def run_phase(
                     retry_shed=True,
                     time_limit_s=time_limit_s,
                     max_retries=max_retries,
+                    stream=stream,
                 )
             finally:
                 for t in tasks:
@@ -320,6 +329,7 @@ async def run_phase(
                     with contextlib.suppress(asyncio.CancelledError):
                         await t
         preemptions = await engine_counter(replica.url, "vllm:num_preemptions")
+        preemptions += await engine_counter(replica.url, "sglang:num_retracted_reqs")
     return Row(label, res, preemptions, limits)
 
 

@@ -505,6 +505,14 @@ class Pipeline:
         if ctx.outcome != "ok":
             if ctx.upstream_error == "timeout" or ctx.outcome == "upstream_timeout":
                 return Completion(ok=False, latency_budget=ctx.latency_budget)
+            budget = ctx.latency_budget
+            if (
+                ctx.outcome == "client_disconnect"
+                and budget is not None
+                and self._loop.time() - ctx.arrival >= 0.9 * budget
+            ):
+                # The client left at the timeout it declared: the replica failed it.
+                return Completion(ok=False, latency_budget=budget)
             return None
         now = self._loop.time()
         ttft = itl = None

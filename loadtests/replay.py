@@ -55,6 +55,8 @@ class ReplayResult:
     )  # completed requests, first attempt to answer
     error_samples: list[str] = field(default_factory=list)
     gave_up: int = 0  # items not finished when the run's time limit hit
+    ttfts: list[float] = field(default_factory=list)  # streams: attempt start to first token
+    itls: list[float] = field(default_factory=list)  # streams: mean gap between tokens
     retries: int = 0  # attempts after the first, for any reason
     failed: int = 0  # items that failed on their last allowed retry (with max_retries)
     failed_after: list[float] = field(default_factory=list)  # first attempt to failure
@@ -93,6 +95,41 @@ def _retry_after(headers: Any, default: float) -> float:
     return default
 
 
+async def _read_stream(
+    resp: aiohttp.ClientResponse,
+    result: ReplayResult,
+    sent: float,
+    loop: asyncio.AbstractEventLoop,
+) -> dict:
+    """Read an SSE answer to its end; record TTFT and mean inter-token gap; return usage.
+    An error event inside the stream raises ClientPayloadError (counted as an error)."""
+    first = last = None
+    chunks = 0
+    usage: dict = {}
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        obj = json.loads(data)
+        if "error" in obj:
+            raise aiohttp.ClientPayloadError(f"error event in stream: {obj['error']}")
+        if obj.get("usage"):
+            usage = obj["usage"]
+        if obj.get("choices"):
+            now = loop.time()
+            if first is None:
+                first = now
+            last = now
+            chunks += 1
+    if first is not None:
+        result.ttfts.append(first - sent)
+        if chunks > 1 and last is not None:
+            result.itls.append((last - first) / (chunks - 1))
+    return usage
+
+
 def _sdk_backoff(attempt: int) -> float:
     """The openai SDK's retry delay without a usable Retry-After: 0.5 s doubling per
     retry, at most 8 s, less up to 25% jitter."""
@@ -113,6 +150,7 @@ async def replay(
     headers: dict[str, str] | None = None,
     max_retries: int | None = None,
     read_timeout_header: float | None = None,
+    stream: bool = False,
 ) -> ReplayResult:
     """Replay `items` against `base_url` (an OpenAI-compatible server) and tally the outcome.
 
@@ -122,6 +160,8 @@ async def replay(
     in-flight requests are cancelled, counted in `gave_up`. `read_timeout_header` is
     the timeout the client declares in ``x-stainless-read-timeout`` (default
     `timeout_s`; a simulated engine's clock may run faster than the client's).
+    With `stream`, responses are streamed and `timeout_s` bounds the wait for each
+    chunk (as the SDK's read timeout does), not the whole answer.
     """
     declared = timeout_s if read_timeout_header is None else read_timeout_header
     result = ReplayResult(concurrency=concurrency, requests=len(items))
@@ -141,6 +181,7 @@ async def replay(
             "messages": item.messages,
             "max_tokens": item.output_tokens,
             "ignore_eos": True,
+            **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}),
             **(extra_body or {}),
         }
         payload = json.dumps(body).encode()
@@ -169,12 +210,22 @@ async def replay(
                 "x-stainless-retry-count": str(attempt),
             }
             try:
+                sent = loop.time()
                 async with session.post(
                     url,
                     data=payload,
                     headers=attempt_headers,
-                    timeout=aiohttp.ClientTimeout(total=timeout_s),
+                    timeout=aiohttp.ClientTimeout(sock_read=timeout_s)
+                    if stream
+                    else aiohttp.ClientTimeout(total=timeout_s),
                 ) as resp:
+                    if stream and resp.status == 200:
+                        usage = await _read_stream(resp, result, sent, loop)
+                        result.completed += 1
+                        result.prompt_tokens += int(usage.get("prompt_tokens", 0))
+                        result.completion_tokens += int(usage.get("completion_tokens", 0))
+                        result.latencies.append(loop.time() - first_sent)
+                        return
                     data = await resp.read()
                     if resp.status == 200:
                         usage = json.loads(data).get("usage") or {}
