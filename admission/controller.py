@@ -55,11 +55,15 @@ from __future__ import annotations
 
 import bisect
 import math
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from admission.config import AdmissionConfig
 from admission.drain import DrainMeter
+from admission.estimate import ServiceModel
+from admission.limit import LatencyTargets, LimitSettings, RunningLimit, latency_ratio
+from admission.retries import ReturningBacklog
 from admission.types import (
     AdmissionRequest,
     Admit,
@@ -90,11 +94,21 @@ class _Replica:
     capacity: int | None = None
     block_size: int = 16
     max_model_len: int | None = None
-    cap: int | None = None  # running-request cap
+    cap: int | None = None  # running-request cap from config or engine (an upper bound)
+    limit: RunningLimit | None = None  # the learned running limit (None: not learning)
     labels: dict[str, str] = field(default_factory=dict)
     reserved: int = 0
     running: int = 0
     effective: int = 0
+    signals_at: float = -1.0  # `updated_at` of the engine view last fed to the limit
+    # Service (and time to first token) against tokens, for the deadline of a queued request.
+    service: ServiceModel = field(default_factory=ServiceModel)
+    ttft: ServiceModel = field(default_factory=ServiceModel)
+
+    @property
+    def allowed(self) -> int | None:
+        """Requests that may run at once: the learned limit within the hard cap."""
+        return self.cap if self.limit is None else self.limit.allowed(self.cap)
 
     @property
     def usable(self) -> bool:
@@ -117,7 +131,8 @@ class _Replica:
         return self.capacity is None or self.need(raw_tokens) <= self.effective
 
     def fits_now(self, raw_tokens: int) -> bool:
-        if self.cap is not None and self.running >= self.cap:
+        allowed = self.allowed
+        if allowed is not None and self.running >= allowed:
             return False
         return self.need(raw_tokens) <= self.free
 
@@ -140,11 +155,12 @@ class _Reservation:
     replica: str
     model: str
     tokens: int
+    admitted_at: float
 
 
 @dataclass(slots=True)
 class _Entry:
-    key: tuple[int, float, int]  # (-priority, arrival, submission sequence)
+    key: tuple[int, int, float, int]  # (-priority, 0 if last retry else 1, arrival, sequence)
     req: AdmissionRequest
     raw: int  # prompt + expected output, before block rounding
     deadline: float
@@ -166,7 +182,21 @@ class AdmissionController:
         self._queue_tokens: dict[str, int] = {}  # model -> sum of queued raw needs
         self._seq = 0
         self._pending: list[Admit] = []  # admitted by expire(); handed out by the next call
+        self._returning = ReturningBacklog()  # shed requests expected back
+        self._rng = random.Random(seed)  # Retry-After jitter
         self._now = 0.0
+        self._limit_settings = LimitSettings(
+            initial=config.initial_limit,
+            window=config.limit_window,
+            knee_efficiency=config.knee_efficiency,
+            budget_fraction=config.latency_budget_fraction,
+            probe_step=config.limit_probe_step,
+            target_quantile=config.latency_target_quantile,
+        )
+        self._targets = {
+            model: LatencyTargets(t.ttft_s, t.itl_s, t.e2e_s)
+            for model, t in config.latency_targets.items()
+        }
         # Reservations a stream outgrew while its replica had no room (exported by the shell).
         self.top_up_failures = 0
 
@@ -192,6 +222,8 @@ class AdmissionController:
             rep = self._replicas[state.name] = _Replica(
                 name=state.name, drain=DrainMeter(self.config.drain_window_s)
             )
+            if self.config.learn_limit:
+                rep.limit = RunningLimit(self._limit_settings, now)
         rep.present = True
         rep.models = frozenset(state.models)
         rep.capacity = pinned_capacity if pinned_capacity is not None else state.capacity_tokens
@@ -208,6 +240,17 @@ class AdmissionController:
         rep.effective = (
             math.floor(rep.capacity * (1.0 - self.config.headroom)) if rep.capacity else 0
         )
+        if rep.limit is not None and state.updated_at != rep.signals_at:
+            rep.signals_at = state.updated_at
+            rep.limit.engine_signals(
+                preemptions_total=state.preemptions_total,
+                waiting=state.engine_waiting,
+                engine_running=state.engine_running,
+                kv_usage=state.kv_usage,
+                running=rep.running,
+                now=now,
+                cap=rep.cap,
+            )
         return self._flush(self._settle(now))
 
     def remove_replica(self, name: str, now: float) -> list[Admit]:
@@ -237,6 +280,8 @@ class AdmissionController:
         rid = req.request_id
         if rid in self._reservations or rid in self._queued:
             raise ValueError(f"request id {rid!r} is already admitted or queued")
+        if req.retry_key is not None:
+            self._returning.discard(req.model, req.retry_key)  # it is back
         serving = [r for r in self._replicas.values() if r.present and req.model in r.models]
         if not serving:
             return Refuse(rid, 404, "model_not_found", f"The model `{req.model}` does not exist.")
@@ -250,8 +295,24 @@ class AdmissionController:
         if not any(r.usable and r.can_ever_fit(req, raw) for r in serving):
             return Shed(rid, "no_replica", self._clamp(None))
 
-        deadline = min(req.deadline, now + self.config.queue_timeout_s)
-        entry = _Entry((-req.priority, req.arrival, self._seq), req, raw, deadline)
+        if req.latency_budget is not None:
+            # The client said how long it waits (its read timeout): queue only while the
+            # predicted service (a stream: its first token) still fits after the wait.
+            # The configured queue timeout is the default for clients that say nothing.
+            # It may queue for the part of the budget the learned limit does not give to
+            # service (1 - latency_budget_fraction), and less when its own predicted
+            # service leaves less; a request predicted to need (nearly) all of it still
+            # queues briefly: the prediction is an upper estimate, and shedding it
+            # forever helps nobody.
+            budget = req.latency_budget
+            share = (1.0 - self.config.latency_budget_fraction) * budget
+            slack = max(min(share, budget - self._predict(req, raw, serving)), 0.1 * budget)
+            deadline = min(req.deadline, now + slack)
+        else:
+            deadline = min(req.deadline, now + self.config.queue_timeout_s)
+        entry = _Entry(
+            (-req.priority, 0 if req.last_retry else 1, req.arrival, self._seq), req, raw, deadline
+        )
         self._seq += 1
         pos = bisect.bisect_left(self._queue, entry.key, key=lambda e: e.key)
         # Strict order: replicas an earlier entry waits for are closed to this one. Stop
@@ -270,9 +331,17 @@ class AdmissionController:
         model = req.model
         model_depth = self._queue_per_model.get(model, 0)
         model_tokens = self._queue_tokens.get(model, 0)
+        # Shed requests that will come back before this one count ahead of it.
+        back_tokens, back_count = self._returning.ahead(model, req.arrival, now)
         if model_depth >= self.config.queue_max_per_model:
-            wait = self._wait_for(self._wait_context(model, now), raw, model_tokens, model_depth)
-            return Shed(rid, "queue_full", self._clamp(wait))
+            wait = self._wait_for(
+                self._wait_context(model, now),
+                raw,
+                model_tokens + back_tokens,
+                model_depth + back_count,
+            )
+            # No room to queue when it is back until the backlog ahead has drained.
+            return self._shed(req, raw, "queue_full", wait, now, now)
         if pos == len(self._queue):  # common case: behind everything of its model
             ahead_tokens, position = model_tokens, model_depth
         else:
@@ -281,9 +350,11 @@ class AdmissionController:
                 if e.req.model == model:
                     ahead_tokens += e.raw
                     position += 1
-        wait = self._wait_for(self._wait_context(model, now), raw, ahead_tokens, position)
+        wait = self._wait_for(
+            self._wait_context(model, now), raw, ahead_tokens + back_tokens, position + back_count
+        )
         if deadline <= now or (wait is not None and now + wait > deadline):
-            return Shed(rid, "deadline", self._clamp(wait))
+            return self._shed(req, raw, "deadline", wait, deadline, now)
         self._queue.insert(pos, entry)
         self._queued[rid] = entry
         self._queue_per_model[model] = model_depth + 1
@@ -311,6 +382,10 @@ class AdmissionController:
             rep.running -= 1
             rep.drain.record(res.tokens, now)
             rep.drain.set_busy(rep.running > 0, now)
+            if completion is not None:
+                self._learn(rep, res, completion, now)
+            if rep.limit is not None:
+                rep.limit.running_changed(rep.running, now)
             if not rep.present and rep.running == 0:
                 del self._replicas[rep.name]
         else:
@@ -367,7 +442,7 @@ class AdmissionController:
             else:
                 reason = "deadline"
             self._dequeue(entry)
-            shed.append(Shed(entry.req.request_id, reason, self._clamp(wait)))
+            shed.append(self._shed(entry.req, entry.raw, reason, wait, entry.deadline, now))
         if shed:
             self._pending.extend(self._settle(now))
         return shed
@@ -397,6 +472,8 @@ class AdmissionController:
                     max_running=rep.cap,
                     binding_ceiling=blocked_by.get(rep.name, "none"),
                     models=sorted(rep.models),
+                    limit=rep.allowed if rep.limit is not None else None,
+                    limit_reason=rep.limit.reason if rep.limit is not None else "",
                 )
             )
         return out
@@ -421,14 +498,20 @@ class AdmissionController:
 
     def retry_after(self, model: str, need_tokens: int, now: float) -> float:
         """Seconds until `need_tokens` could be admitted for `model` behind its whole
-        queue, clamped to [min_retry_after_s, max_retry_after_s]."""
+        backlog (its queue and the shed requests expected back), clamped to
+        [min_retry_after_s, max_retry_after_s] (no jitter)."""
+        back_tokens, back_count = self._returning.ahead(model, now, now)
         wait = self._wait_for(
             self._wait_context(model, now),
             need_tokens,
-            self._queue_tokens.get(model, 0),
-            self._queue_per_model.get(model, 0),
+            self._queue_tokens.get(model, 0) + back_tokens,
+            self._queue_per_model.get(model, 0) + back_count,
         )
         return self._clamp(wait)
+
+    def returning(self) -> int:
+        """Shed requests currently expected back (addition to the API)."""
+        return len(self._returning)
 
     def drain_rate(self, model: str, now: float) -> tuple[float, float] | None:
         """(tokens/s, requests/s) released by `model`'s ready replicas, or None while
@@ -448,7 +531,49 @@ class AdmissionController:
         res = self._reservations.get(request_id)
         return Admit(res.request_id, res.replica, res.tokens) if res else None
 
+    def limit_of(self, replica: str) -> RunningLimit | None:
+        """The learned running limit of `replica` (for tests, benches and the admin API)."""
+        rep = self._replicas.get(replica)
+        return rep.limit if rep is not None else None
+
     # ------------------------------------------------------------------ internals
+    def _learn(self, rep: _Replica, res: _Reservation, c: Completion, now: float) -> None:
+        """Feed one completion to the replica's latency history and learned limit."""
+        prompt = c.prompt_tokens or 0
+        work = prompt + (c.completion_tokens or 0)
+        if c.ok and c.service_s is not None and work > 0:
+            rep.service.add(work, c.service_s)
+        if c.ok and c.ttft_s is not None and prompt > 0:
+            rep.ttft.add(prompt, c.ttft_s)
+        if rep.limit is None:
+            return
+        targets = self._targets.get(res.model) or self._targets.get("*")
+        ratio = latency_ratio(
+            service_s=c.service_s,
+            ttft_s=c.ttft_s,
+            itl_s=c.itl_s,
+            budget_s=c.latency_budget,
+            budget_fraction=self.config.latency_budget_fraction,
+            targets=targets,
+            stream=c.ttft_s is not None,
+        )
+        rep.limit.completed(
+            now, res.admitted_at, ok=c.ok, work_tokens=work or res.tokens, ratio=ratio, cap=rep.cap
+        )
+
+    def _predict(self, req: AdmissionRequest, raw: int, serving: list[_Replica]) -> float:
+        """Predicted service of `req` once admitted (a stream: time to first token), the
+        largest of its replicas' upper estimates (`ServiceModel`); 0 before any sample.
+        An upper estimate, not a typical one: a request admitted at its deadline with a
+        typical prediction would time out half the time."""
+        best = 0.0
+        for rep in serving:
+            if req.stream:
+                best = max(best, rep.ttft.predict(req.prompt_tokens))
+            else:
+                best = max(best, rep.service.predict(raw))
+        return best
+
     def _candidate_names(self, entry: _Entry) -> Iterable[str]:
         for rep in self._replicas.values():
             if (
@@ -478,7 +603,7 @@ class AdmissionController:
                 free_tokens=r.free,
                 effective_capacity=r.effective,
                 running=r.running,
-                max_running=r.cap,
+                max_running=r.allowed,
                 labels=r.labels,
             )
             for r in fitting
@@ -499,8 +624,10 @@ class AdmissionController:
         rep.reserved += tokens
         rep.running += 1
         rep.drain.set_busy(True, now)
+        if rep.limit is not None:
+            rep.limit.running_changed(rep.running, now)
         self._reservations[entry.req.request_id] = _Reservation(
-            entry.req.request_id, rep.name, entry.req.model, tokens
+            entry.req.request_id, rep.name, entry.req.model, tokens, now
         )
         return Admit(entry.req.request_id, rep.name, tokens)
 
@@ -551,8 +678,9 @@ class AdmissionController:
             return None
         frees = [max(0, r.free) for r in reps]
         slots: int | None = None
-        if all(r.cap is not None for r in reps):
-            slots = sum(max(0, (r.cap or 0) - r.running) for r in reps)
+        allowed = [r.allowed for r in reps]
+        if all(a is not None for a in allowed):
+            slots = sum(max(0, (a or 0) - r.running) for a, r in zip(allowed, reps, strict=True))
         return _WaitContext(
             rates[0],
             rates[1],
@@ -589,6 +717,39 @@ class AdmissionController:
             rate = ctx.requests_per_s
             wait = max(wait, slot_deficit / rate if rate > 0 else math.inf)
         return wait
+
+    def _shed(
+        self,
+        req: AdmissionRequest,
+        raw: int,
+        reason: str,
+        wait: float | None,
+        deadline: float,
+        now: float,
+    ) -> Shed:
+        """Shed `req` with a Retry-After that brings it back when it can queue again.
+
+        `wait` is the estimated time until it could be admitted behind the whole backlog
+        (queue and returning sheds). It may queue for up to its deadline once back, so it
+        is told to return after ``wait - (deadline - now) / 2`` (half the client's
+        tolerance, when it stated one), jittered by a uniform factor in [1 - j, 1 + j], then clamped. Its
+        own tokens join the returning backlog until it is back or overdue.
+        """
+        if wait is None:
+            delay = self.config.cold_retry_after_s
+        else:
+            # Back with half its tolerance still ahead: estimates are noisy, and a request
+            # that returns to find the wait just over its tolerance is shed once more.
+            tolerance = deadline - now if math.isfinite(deadline) and deadline > now else 0.0
+            delay = max(0.0, wait - 0.5 * tolerance)
+        j = self.config.retry_jitter
+        if j > 0:
+            delay *= self._rng.uniform(1.0 - j, 1.0 + j)
+        delay = self._clamp(delay)
+        key = req.retry_key if req.retry_key is not None else req.request_id
+        expires = now + delay * (1.0 + j) + max(self.config.min_retry_after_s, 0.25 * delay)
+        self._returning.add(req.model, key, req.arrival, expires, raw)
+        return Shed(req.request_id, reason, delay)
 
     def _clamp(self, wait: float | None) -> float:
         value = self.config.cold_retry_after_s if wait is None else wait
@@ -649,8 +810,9 @@ class AdmissionController:
         for rep in self._replicas.values():
             if not rep.usable:
                 out[rep.name] = "not_ready"
-            elif rep.cap is not None and rep.running >= rep.cap:
-                out[rep.name] = "running_cap"
+            elif (allowed := rep.allowed) is not None and rep.running >= allowed:
+                learned = rep.cap is None or allowed < rep.cap
+                out[rep.name] = "latency" if learned else "running_cap"
             elif rep.name in head_for and rep.need(head_for[rep.name].raw) > rep.free:
                 out[rep.name] = "kv_capacity"
             elif rep.free < rep.block_size:

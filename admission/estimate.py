@@ -32,7 +32,7 @@ TokenCounter = Callable[[str], int]
 TokenizerLookup = Callable[[str], TokenCounter | None]
 
 
-class _Window:
+class SortedWindow:
     """The last `size` samples, kept both in arrival order and sorted (O(n) memmove updates)."""
 
     __slots__ = ("_order", "_sorted", "_size")
@@ -64,8 +64,8 @@ class _ModelStats:
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.chars_per_token = config.initial_chars_per_token
-        self.prompt_ratios = _Window(config.estimator_window)
-        self.outputs = _Window(config.estimator_window)
+        self.prompt_ratios = SortedWindow(config.estimator_window)
+        self.outputs = SortedWindow(config.estimator_window)
         self.output_q: int | None = None  # cached learned quantile
 
 
@@ -156,3 +156,52 @@ class TokenEstimator:
         stats.outputs.add(float(completion_tokens))
         if len(stats.outputs) >= self._config.min_output_samples:
             stats.output_q = max(1, math.ceil(stats.outputs.quantile(self._config.output_quantile)))
+
+
+class ServiceModel:
+    """Service time as a line in the request's tokens, fitted to recent completions.
+
+    Under continuous batching a request's service is a share of the replica's time that
+    grows with its own work (``slope * tokens``) plus what it waits behind the others
+    (``base``). Least squares over the last `size` completions; a prediction adds the
+    ``quantile`` of the residuals, so it is an upper estimate rather than a typical one.
+    The fit is refreshed lazily, at most once per added sample.
+    """
+
+    __slots__ = ("_xs", "_ys", "_quantile", "_fit")
+
+    def __init__(self, size: int = 64, quantile: float = 1.0) -> None:
+        self._xs: deque[float] = deque(maxlen=size)
+        self._ys: deque[float] = deque(maxlen=size)
+        self._quantile = quantile
+        self._fit: tuple[float, float, float] | None = None
+
+    def __len__(self) -> int:
+        return len(self._xs)
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self._xs.append(tokens)
+        self._ys.append(seconds)
+        self._fit = None
+
+    def predict(self, tokens: float) -> float:
+        """Upper estimate of the service of a request of `tokens`; 0 without samples."""
+        if not self._xs:
+            return 0.0
+        if self._fit is None:
+            self._fit = self._refit()
+        base, slope, margin = self._fit
+        return max(0.0, base + slope * tokens + margin)
+
+    def _refit(self) -> tuple[float, float, float]:
+        xs, ys = self._xs, self._ys
+        n = len(xs)
+        mx = sum(xs) / n
+        my = sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+        slope = max(0.0, slope)
+        base = my - slope * mx
+        residuals = sorted(y - (base + slope * x) for x, y in zip(xs, ys, strict=True))
+        idx = min(n - 1, max(0, math.ceil(self._quantile * n) - 1))
+        return base, slope, max(0.0, residuals[idx])

@@ -19,6 +19,7 @@ Entries expire `ttl_s` after they were last shed and the memory holds at most
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -67,3 +68,68 @@ class RetryMemory:
     def forget(self, key: Hashable) -> None:
         """The request got in: later identical requests are newcomers again."""
         self._entries.pop(key, None)
+
+
+class ReturningBacklog:
+    """Shed requests expected back, per model, so that what they will need counts ahead
+    of later arrivals (sans-IO).
+
+    A shed is not gone: a client that honours Retry-After returns, and the gateway queues
+    it as of its first arrival (`RetryMemory`). Its tokens are therefore part of the true
+    backlog ahead of every request that arrived after it, and a Retry-After computed from
+    the queue alone sends a crowd back at once, to be shed again. Entries leave when the
+    request comes back (`discard` by its key) or when it is overdue (`expires`: a client
+    that gave up).
+    """
+
+    __slots__ = ("_entries", "_totals", "_heap", "_seq")
+
+    def __init__(self) -> None:
+        # model -> key -> (first arrival, expiry, tokens)
+        self._entries: dict[str, dict[Hashable, tuple[float, float, int]]] = {}
+        self._totals: dict[str, list[int]] = {}  # model -> [tokens, count]
+        self._heap: list[tuple[float, int, str, Hashable]] = []
+        self._seq = 0
+
+    def add(self, model: str, key: Hashable, arrival: float, expires: float, tokens: int) -> None:
+        self.discard(model, key)
+        self._entries.setdefault(model, {})[key] = (arrival, expires, tokens)
+        tot = self._totals.setdefault(model, [0, 0])
+        tot[0] += tokens
+        tot[1] += 1
+        self._seq += 1
+        heapq.heappush(self._heap, (expires, self._seq, model, key))
+
+    def discard(self, model: str, key: Hashable) -> None:
+        got = self._entries.get(model, {}).pop(key, None)
+        if got is not None:
+            tot = self._totals[model]
+            tot[0] -= got[2]
+            tot[1] -= 1
+
+    def ahead(self, model: str, arrival: float, now: float) -> tuple[int, int]:
+        """(tokens, requests) expected back for `model` that arrived before `arrival`."""
+        self._expire(now)
+        entries = self._entries.get(model)
+        if not entries:
+            return 0, 0
+        if arrival >= now:  # a newcomer: everything returning is ahead of it
+            tokens, count = self._totals[model]
+            return tokens, count
+        tokens = count = 0
+        for first, _, need in entries.values():
+            if first < arrival:
+                tokens += need
+                count += 1
+        return tokens, count
+
+    def __len__(self) -> int:
+        return sum(t[1] for t in self._totals.values())
+
+    def _expire(self, now: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            expires, _, model, key = heapq.heappop(heap)
+            got = self._entries.get(model, {}).get(key)
+            if got is not None and got[1] == expires:
+                self.discard(model, key)

@@ -35,6 +35,10 @@ class AdmissionRequest:
     # less the time it will have queued, for a non-stream request), or None when unknown.
     # The learned limit keeps service times inside the budgets of the requests it sees.
     latency_budget: float | None = None
+    stream: bool = False  # a stream's budget bounds its time to first token only
+    # Identifies a request across its retries (the gateway's digest of tenant, model and
+    # body): a shed request's key is expected back, and its tokens count as backlog.
+    retry_key: int | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -8,11 +8,18 @@ does but without a retry cap, and abandons an attempt after the client timeout (
   find the best fixed concurrency: the shortest wall time among runs that completed all
   738 requests;
 - client concurrency 32 and 128 straight at the replica: the cliff;
-- client concurrency 32 and 128 through kvgate.
+- client concurrency 32 and 128 through kvgate, with no running cap anywhere: kvgate
+  learns the replica's limit, and the clients send their timeout as the openai SDKs do
+  (``x-stainless-read-timeout``); nothing from the sweep is handed to kvgate;
+- the same job from clients that behave like the openai SDK's defaults (``max_retries=2``,
+  Retry-After honoured up to 60 s, timeouts retried): straight and through kvgate.
 
-Targets (issue 3): straight at 32 and 128, at least 90% lost; through kvgate, 738 of
-738 complete, zero preemptions on the replica, wall time at most 1.10x the best fixed
-concurrency. Times are the replica's simulated seconds (wall x speed).
+Targets (issue 6): straight at 32 and 128, at least 90% lost; through kvgate, 738 of
+738 complete, zero timeouts, zero preemptions on the replica, wall time at most 1.10x the
+best fixed concurrency, at most 1.5 retries per completed request at c=32. Times are the
+replica's simulated seconds (wall x speed). kvgate's general constants (limit window,
+latency budget share) were tuned on seed 1 of the workload in virtual time
+(bench/vtime.py); this bench replays seed 0.
 
     .venv/bin/python bench/seed2_replay.py [--speed 25] [--requests 738]
 
@@ -47,7 +54,7 @@ async def one_run(
     through_kvgate: bool,
     concurrency: int,
     workdir: Path,
-    max_running: int | None = None,
+    max_retries: int | None = None,
 ) -> dict:
     row = await run_phase(
         label,
@@ -59,8 +66,8 @@ async def one_run(
         concurrency=concurrency,
         through_kvgate=through_kvgate,
         workdir=workdir,
-        max_running=max_running,
         time_limit_s=args.time_limit,
+        max_retries=max_retries,
     )
     res = row.result
     out = {
@@ -80,11 +87,18 @@ async def one_run(
         "max_s": max(res.latencies, default=float("nan")) * args.speed,
         "preemptions": row.preemptions,
         "error_samples": res.error_samples,
+        "retries": res.retries,
+        "retries_per_completed": res.retries_per_completed,
+        "failed": res.failed,
+        "failed_after_s": [x * args.speed for x in res.failed_after],
+        "limit": row.limit_summary(args.speed),
+        "limits": [(t * args.speed, v, why) for t, v, why in row.limits],
     }
     print(
         f"{label:>16s}: completed {res.completed:4d}/{res.requests} timed out {res.timed_out:4d} "
         f"errors {res.errors + res.gave_up:3d} shed-retries {res.shed_retries:5d} "
-        f"wall {out['wall_s']:8.1f} s preemptions {row.preemptions:6.0f}",
+        f"wall {out['wall_s']:8.1f} s preemptions {row.preemptions:6.0f} "
+        f"retries/completed {res.retries_per_completed:5.2f} limit {out['limit']}",
         flush=True,
     )
     return out
@@ -124,10 +138,11 @@ async def main_async(args) -> int:
         r for r in rows if not r["through_kvgate"] and r["completed"] == r["requests"]
     ]
     best = min(complete_straight, key=lambda r: r["wall_s"]) if complete_straight else None
-    # kvgate gets the replica's running cap from the sweep, as an operator would from the
-    # ceiling-finding procedure of seed 001: the best fixed concurrency.
-    cap = best["concurrency"] if best else None
-    print(f"kvgate running cap for the replica: {cap} (best fixed concurrency)", flush=True)
+    print(
+        f"sweep's best fixed concurrency: {best['concurrency'] if best else None} "
+        "(not given to kvgate)",
+        flush=True,
+    )
     for c in (32, 128):
         rows.append(
             await one_run(
@@ -138,26 +153,61 @@ async def main_async(args) -> int:
                 through_kvgate=True,
                 concurrency=c,
                 workdir=workdir,
-                max_running=cap,
+            )
+        )
+    sdk_rows = []
+    for through in (False, True):
+        label = f"{'kvgate' if through else 'straight'} c=32 sdk"
+        sdk_rows.append(
+            await one_run(
+                label,
+                items,
+                profile.served_model_name,
+                args,
+                through_kvgate=through,
+                concurrency=32,
+                workdir=workdir,
+                max_retries=2,
             )
         )
     print()
     print(
-        "| run | completed | lost | shed+retried | wall (sim s) | tok/s | p50 (s) | max (s) | preemptions |"
+        "| run | completed | lost | timed out | retries/completed | wall (sim s) | tok/s "
+        "| p50 (s) | max (s) | preemptions | learned limit |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(
-            f"| {r['label']} | {r['completed']} | {r['lost']} | {r['shed_retries']} | {r['wall_s']:.0f} | "
-            f"{r['tokens_per_s']:.0f} | {r['p50_s']:.1f} | {r['max_s']:.1f} | {r['preemptions']:.0f} |"
+            f"| {r['label']} | {r['completed']} | {r['lost']} | {r['timed_out']} | "
+            f"{r['retries_per_completed']:.2f} | {r['wall_s']:.0f} | {r['tokens_per_s']:.0f} | "
+            f"{r['p50_s']:.1f} | {r['max_s']:.1f} | {r['preemptions']:.0f} | {r['limit']} |"
         )
+    print()
+    print(
+        "| openai-SDK-like clients (max_retries=2), c=32 | completed | failed | timed-out "
+        "attempts | median time to fail (s) | max time to fail (s) |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in sdk_rows:
+        fails = sorted(r["failed_after_s"])
+        med = f"{fails[len(fails) // 2]:.1f}" if fails else "-"
+        mx = f"{fails[-1]:.1f}" if fails else "-"
+        print(
+            f"| {r['label']} | {r['completed']} | {r['failed']} | {r['timed_out']} | {med} | {mx} |"
+        )
+    rows += sdk_rows
     verdicts = {}
     for r in rows:
         if r["label"] in ("straight c=32", "straight c=128"):
             verdicts[r["label"] + " loses >= 90%"] = r["lost"] >= 0.9 * r["requests"]
         if r["through_kvgate"]:
             verdicts[r["label"] + " completes all"] = r["completed"] == r["requests"]
+            verdicts[r["label"] + " zero timeouts"] = r["timed_out"] == 0
             verdicts[r["label"] + " zero preemptions"] = r["preemptions"] == 0
+            if r["label"] == "kvgate c=32":
+                verdicts[
+                    f"{r['label']} {r['retries_per_completed']:.2f} retries per completed <= 1.5"
+                ] = r["retries_per_completed"] <= 1.5
             if best is not None:
                 ratio = r["wall_s"] / best["wall_s"]
                 r["wall_vs_best"] = ratio
@@ -173,7 +223,6 @@ async def main_async(args) -> int:
         "timeout_s": args.timeout,
         "requests": args.requests,
         "best_fixed": best["label"] if best else None,
-        "kvgate_max_running": cap,
         "rows": rows,
         "verdicts": verdicts,
     }

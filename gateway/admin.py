@@ -42,6 +42,8 @@ def replicas_snapshot(controller: AdmissionController, discovery: Discovery) -> 
                 "max_running": u.max_running if u else s.max_running,
                 "queue": sum(queue.get(m, 0) for m in models),
                 "binding_ceiling": u.binding_ceiling if u else "not_ready",
+                "limit": u.limit if u else None,
+                "limit_reason": u.limit_reason if u else "",
                 "block_size": s.block_size,
                 "max_model_len": s.max_model_len,
                 "engine_running": s.engine_running,

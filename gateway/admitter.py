@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable
 
 from admission.controller import AdmissionController
-from admission.types import AdmissionRequest, Admit, Queued, Refuse, Shed
+from admission.types import AdmissionRequest, Admit, Completion, Queued, Refuse, Shed
 
 log = logging.getLogger("kvgate.admission")
 
@@ -70,16 +70,17 @@ class AdmissionBridge:
             return verdict, False
         fut: asyncio.Future[Admit | Shed] = self._loop.create_future()
         self._waiters[req.request_id] = fut
-        if min(req.deadline, now + self.controller.config.queue_timeout_s) < self._armed:
+        first = self.controller.next_deadline()
+        if first is not None and first < self._armed:
             self._wake.set()  # this entry may expire before what the task sleeps towards
         try:
             return await fut, True
         finally:
             self._waiters.pop(req.request_id, None)
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, completion: Completion | None = None) -> None:
         """Free a reservation or queue entry (idempotent) and hand out what that admits."""
-        self.resolve(self.controller.release(request_id, self._loop.time()))
+        self.resolve(self.controller.release(request_id, self._loop.time(), completion))
 
     def resolve(self, verdicts: Iterable[Admit | Shed]) -> None:
         """Deliver verdicts the controller produced for queued requests."""

@@ -43,6 +43,8 @@ class RequestContext:
     workload: str = "chat"
     # admit
     deadline: float = float("inf")
+    latency_budget: float | None = None  # the client's own timeout (x-stainless-read-timeout)
+    last_retry: bool = False
     admission_id: str | None = None
     replica: str | None = None
     reserved: int = 0

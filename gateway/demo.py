@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -137,27 +137,20 @@ async def engine_counter(url: str, name: str) -> float:
     return total
 
 
-# The replica's running-request cap (ceiling 2/3 of the seeds): the concurrency at which
-# seed 001's card was healthy, and the one bench/seed2_replay.py's sweep finds best. On
-# this card the KV pool alone would admit ~19 of these 2.5k-token requests, but the T4's
-# prefill compute serves 19 at once in ~30 s each, too slow for a 45 s client: the
-# latency ceiling binds before the KV ceiling, as seed 000 says it usually does.
-DEFAULT_MAX_RUNNING = 8
-
-
 def gateway_config(
     replica_urls: Sequence[str],
     *,
     speed: float,
     timeout_s: float,
-    max_running: int | None = DEFAULT_MAX_RUNNING,
+    max_running: int | None = None,
+    admission: dict | None = None,
 ) -> dict:
     """kvgate in front of the replicas, with its timers in wall seconds.
 
-    Queue deadline: a request may wait in kvgate's queue at most an eighth of the client's
-    timeout, so an admitted request still has the time it needs to be served (at the
-    running cap the slowest of seed 001's requests takes ~38 of the client's 45 s);
-    beyond that kvgate sheds it at once with Retry-After instead of letting it time out.
+    No running cap and no queue deadline are configured: kvgate learns each replica's
+    running limit, and queues a request only while its client's own timeout (sent in
+    ``x-stainless-read-timeout``, as the openai SDKs do) still leaves room for its
+    predicted service. `max_running` is an optional upper bound for experiments.
     """
     return {
         "replicas": [
@@ -170,15 +163,39 @@ def gateway_config(
             for i, u in enumerate(replica_urls)
         ],
         "admission": {
-            "queue_timeout_s": timeout_s / speed / 8,
             "queue_max_per_model": 1024,
             # A 1 s retry floor in the replica's time, not 25 replica seconds.
             "min_retry_after_s": 1.0 / speed,
+            **(admission or {}),
         },
         "upstream": {"first_byte_s": timeout_s / speed, "total_s": 2 * timeout_s / speed},
         "discovery": {"refresh_interval_s": 0.5},
         "logging": {"level": "warning", "access_log": False},
+        "auth": {"admin_token": ADMIN_TOKEN},
     }
+
+
+ADMIN_TOKEN = "demo-admin"
+
+
+async def watch_limits(
+    url: str, out: list[tuple[float, int, str]], *, every_s: float = 0.2
+) -> None:
+    """Record the replica's learned limit from ``/admin/replicas`` until cancelled:
+    (wall seconds since start, limit, what last moved it), one entry per change."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with aiohttp.ClientSession() as s:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, OSError, ValueError, KeyError):
+                async with s.get(url + "/admin/replicas", headers=headers) as r:
+                    doc = await r.json()
+                rep = doc["replicas"][0]
+                limit = rep.get("limit")
+                if limit is not None and (not out or out[-1][1] != limit):
+                    out.append((loop.time() - start, int(limit), str(rep.get("limit_reason"))))
+            await asyncio.sleep(every_s)
 
 
 @dataclass
@@ -186,6 +203,18 @@ class Row:
     label: str
     result: ReplayResult
     preemptions: float
+    limits: list[tuple[float, int, str]] = field(default_factory=list)
+
+    def limit_summary(self, speed: float) -> str:
+        """The learned limit: its value over the second half of the run (min-max)."""
+        if not self.limits:
+            return "-"
+        half = self.result.wall_s / 2
+        late = [v for t, v, _ in self.limits if t >= half]
+        before = [v for t, v, _ in self.limits if t < half]
+        values = late + ([before[-1]] if before else [])
+        lo, hi = min(values), max(values)
+        return f"{lo}" if lo == hi else f"{lo}-{hi}"
 
 
 def render_table(rows: Sequence[Row], speed: float) -> str:
@@ -198,6 +227,11 @@ def render_table(rows: Sequence[Row], speed: float) -> str:
         ("timed out (client gave up)", lambda r: f"{r.result.timed_out}"),
         ("other errors", lambda r: f"{r.result.errors + r.result.gave_up}"),
         ("shed, then retried after Retry-After", lambda r: f"{r.result.shed_retries}"),
+        (
+            "retries per completed request",
+            lambda r: f"{r.result.shed_retries / max(1, r.result.completed):.2f}",
+        ),
+        ("learned running limit (second half)", lambda r: r.limit_summary(speed)),
         ("wall time (simulated)", lambda r: sim(r.result.wall_s)),
         (
             "aggregate tokens/s (prompt+output, completed)",
@@ -240,8 +274,12 @@ async def run_phase(
     concurrency: int,
     through_kvgate: bool,
     workdir: Path,
-    max_running: int | None = DEFAULT_MAX_RUNNING,
+    max_running: int | None = None,
     time_limit_s: float = 900.0,
+    max_retries: int | None = None,
+    slow_at: tuple[float, float, float] | None = None,
+    stream: bool = False,
+    admission: dict | None = None,
 ) -> Row:
     """Replay `items` on a fresh replica, straight or through a fresh kvgate, and read the
     replica's preemption counter afterwards. `timeout_s` is in simulated seconds."""
@@ -254,26 +292,57 @@ async def run_phase(
         if through_kvgate:
             gw = start_gateway(
                 gateway_config(
-                    [replica.url], speed=speed, timeout_s=timeout_s, max_running=max_running
+                    [replica.url],
+                    speed=speed,
+                    timeout_s=timeout_s,
+                    max_running=max_running,
+                    admission=admission,
                 ),
                 workdir=workdir,
                 log=workdir / f"kvgate-{slug}.log",
             )
+        limits: list[tuple[float, int, str]] = []
         with stopping(*([gw] if gw else [])):
+            tasks: list[asyncio.Task] = []
             if gw is not None:
                 await wait_http(gw.url + "/ready", proc=gw)
                 target = gw.url
-            res = await replay(
-                target,
-                model,
-                items,
-                concurrency=concurrency,
-                timeout_s=timeout_s / speed,
-                retry_shed=True,
-                time_limit_s=time_limit_s,
-            )
+                tasks.append(asyncio.create_task(watch_limits(gw.url, limits)))
+            if slow_at is not None:
+                tasks.append(asyncio.create_task(slow_replica(replica.url, *slow_at)))
+            try:
+                res = await replay(
+                    target,
+                    model,
+                    items,
+                    concurrency=concurrency,
+                    timeout_s=timeout_s / speed,
+                    retry_shed=True,
+                    time_limit_s=time_limit_s,
+                    max_retries=max_retries,
+                    stream=stream,
+                )
+            finally:
+                for t in tasks:
+                    t.cancel()
+                for t in tasks:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
         preemptions = await engine_counter(replica.url, "vllm:num_preemptions")
-    return Row(label, res, preemptions)
+        preemptions += await engine_counter(replica.url, "sglang:num_retracted_reqs")
+    return Row(label, res, preemptions, limits)
+
+
+async def slow_replica(url: str, start_s: float, end_s: float, factor: float) -> None:
+    """Slow the replica's engine `factor` times from `start_s` to `end_s` (wall seconds
+    from now) with enginesim's ``slow`` fault, then restore it."""
+    async with aiohttp.ClientSession() as s:
+        await asyncio.sleep(start_s)
+        async with s.post(url + "/admin/faults", json={"mode": "slow", "factor": factor}) as r:
+            r.raise_for_status()
+        await asyncio.sleep(end_s - start_s)
+        async with s.post(url + "/admin/faults", json={"mode": "none"}) as r:
+            r.raise_for_status()
 
 
 async def run_demo(args: argparse.Namespace) -> int:
@@ -338,8 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--max-running",
         type=int,
-        default=DEFAULT_MAX_RUNNING,
-        help="kvgate's running-request cap for the replica (0: KV fit alone)",
+        default=0,
+        help="an upper bound on the replica's learned running limit (0: none)",
     )
     ap.add_argument(
         "--time-limit",

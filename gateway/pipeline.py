@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.retries import RetryMemory
-from admission.types import AdmissionRequest, Admit, Refuse, Shed
+from admission.types import AdmissionRequest, Admit, Completion, Refuse, Shed
 from gateway.admitter import AdmissionBridge
 from gateway.config import GatewayConfig
 from gateway.context import Kind, RequestContext
@@ -58,6 +58,11 @@ _SCHEMAS: dict[Kind, type[ChatCompletionRequest] | type[CompletionRequest]] = {
 H_QUEUE_TIMEOUT = "x-kvgate-queue-timeout"  # seconds the client is willing to wait in queue
 H_PRIORITY = "x-kvgate-priority"  # integer, higher is admitted first
 H_WORKLOAD = "x-workload"  # coding | agentic | chat, overrides the classifier
+# Sent by the official openai SDKs on every request: their read timeout in seconds, and
+# which retry this is (0 for the first attempt; the SDKs retry twice by default).
+H_READ_TIMEOUT = "x-stainless-read-timeout"
+H_RETRY_COUNT = "x-stainless-retry-count"
+SDK_DEFAULT_MAX_RETRIES = 2
 
 
 def _validation_message(err: ValidationError) -> tuple[str, str | None]:
@@ -259,21 +264,28 @@ class Pipeline:
         stage order stays the one documented above."""
 
     async def admit(self, request: web.Request, ctx: RequestContext) -> None:
-        """Admit now, wait in the queue, or answer shed/refuse."""
+        """Admit now, wait in the queue, or answer shed/refuse.
+
+        The queue deadline comes from, in this order: ``x-kvgate-queue-timeout`` (capped
+        by the configured queue timeout); the client's own read timeout
+        (``x-stainless-read-timeout``, which the openai SDKs send), less the predicted
+        service, or for a stream the predicted time to first token (the controller
+        predicts it); else the configured queue timeout.
+        """
         now = self._loop.time()
-        wait_for = self._queue_timeout
+        deadline = math.inf
         hdr = request.headers.get(H_QUEUE_TIMEOUT)
         if hdr is not None:
+            deadline = now + min(self._queue_timeout, _seconds(hdr, H_QUEUE_TIMEOUT))
+        if (read := request.headers.get(H_READ_TIMEOUT)) is not None:
+            ctx.latency_budget = _seconds(read, H_READ_TIMEOUT) or None
+        if (count := request.headers.get(H_RETRY_COUNT)) is not None:
             try:
-                asked = float(hdr)
+                ctx.last_retry = int(count) >= SDK_DEFAULT_MAX_RETRIES
             except ValueError:
-                asked = math.nan
-            if not math.isfinite(asked) or asked < 0:
                 raise invalid_request(
-                    f"{H_QUEUE_TIMEOUT} must be a non-negative number of seconds.",
-                    param=H_QUEUE_TIMEOUT,
-                )
-            wait_for = min(wait_for, asked)
+                    f"{H_RETRY_COUNT} must be an integer.", param=H_RETRY_COUNT
+                ) from None
         priority = 0
         if (p := request.headers.get(H_PRIORITY)) is not None:
             try:
@@ -282,7 +294,7 @@ class Pipeline:
                 raise invalid_request(
                     f"{H_PRIORITY} must be an integer.", param=H_PRIORITY
                 ) from None
-        ctx.deadline = now + wait_for
+        ctx.deadline = deadline
         ctx.admission_id = ctx.request_id
         # A retry of a request kvgate shed keeps its first arrival, i.e. its place in line
         # (admission/retries.py). The key is a digest: the memory never holds bodies.
@@ -480,9 +492,45 @@ class Pipeline:
         }
 
     def release(self, ctx: RequestContext) -> None:
-        """Free the reservation or queue entry (idempotent; always runs)."""
+        """Free the reservation or queue entry (idempotent; always runs), telling
+        admission what the request measured about its replica."""
         if ctx.admission_id is not None:
-            self.bridge.release(ctx.admission_id)
+            self.bridge.release(ctx.admission_id, self._completion(ctx))
+
+    def _completion(self, ctx: RequestContext) -> Completion | None:
+        """What an ended request says about its replica's load, or None when it says
+        nothing (never admitted, client gone, errors that are not about load)."""
+        if ctx.admitted_at is None:
+            return None
+        if ctx.outcome != "ok":
+            if ctx.upstream_error == "timeout" or ctx.outcome == "upstream_timeout":
+                return Completion(ok=False, latency_budget=ctx.latency_budget)
+            budget = ctx.latency_budget
+            if (
+                ctx.outcome == "client_disconnect"
+                and budget is not None
+                and self._loop.time() - ctx.arrival >= 0.9 * budget
+            ):
+                # The client left at the timeout it declared: the replica failed it.
+                return Completion(ok=False, latency_budget=budget)
+            return None
+        now = self._loop.time()
+        ttft = itl = None
+        if ctx.stream and ctx.first_byte_at is not None:
+            ttft = ctx.first_byte_at - ctx.admitted_at
+            if ctx.events > 1 and ctx.last_event_at is not None:
+                itl = (ctx.last_event_at - ctx.first_byte_at) / (ctx.events - 1)
+        return Completion(
+            ok=True,
+            service_s=now - ctx.admitted_at,
+            ttft_s=ttft,
+            itl_s=itl,
+            prompt_tokens=ctx.usage_prompt if ctx.usage_prompt is not None else ctx.prompt_tokens,
+            completion_tokens=ctx.usage_completion
+            if ctx.usage_completion is not None
+            else ctx.generated,
+            latency_budget=ctx.latency_budget,
+        )
 
 
 def _admission_request(
@@ -495,13 +543,27 @@ def _admission_request(
         prompt_tokens=ctx.prompt_tokens,
         expected_output=ctx.expected_output,
         max_tokens=ctx.max_tokens,
-        prompt_exact=ctx.prompt_exact,
         tenant=ctx.tenant,
         priority=priority,
         arrival=arrival,
         deadline=deadline,
         workload=ctx.workload,
+        prompt_exact=ctx.prompt_exact,
+        last_retry=ctx.last_retry,
+        latency_budget=ctx.latency_budget,
+        stream=ctx.stream,
     )
+
+
+def _seconds(value: str, header: str) -> float:
+    """A header's non-negative number of seconds, or a 400 naming the header."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise invalid_request(f"{header} must be a non-negative number of seconds.", param=header)
+    return seconds
 
 
 def _too_large(limit: int) -> ApiError:

@@ -52,7 +52,9 @@ def request(
 
 
 def controller(**overrides: object) -> AdmissionController:
-    settings: dict[str, object] = {"headroom": 0.0}
+    # The ledger and queue mechanics, without the learned limit (tests/admission/test_limit.py).
+    # Retry-After exactly as computed (jitter has its own test).
+    settings: dict[str, object] = {"headroom": 0.0, "learn_limit": False, "retry_jitter": 0.0}
     settings.update(overrides)
     return AdmissionController(AdmissionConfig(**settings), seed=7)
 

@@ -255,7 +255,9 @@ def test_queue_full_sheds_with_retry_after_from_drain_rate() -> None:
     expected = 600 / ctrl.drain_rate("m", now)[0]  # type: ignore[index]
     assert shed.retry_after == pytest.approx(expected, rel=1e-6)
     assert 4.0 < shed.retry_after < 8.0
-    assert ctrl.retry_after("m", 200, now) == pytest.approx(shed.retry_after)
+    # The shed request is expected back: the next one waits behind it too (800 tokens).
+    assert ctrl.returning() == 1
+    assert ctrl.retry_after("m", 200, now) == pytest.approx(expected * 800 / 600)
 
 
 def test_retry_after_is_clamped() -> None:

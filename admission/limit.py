@@ -1,0 +1,353 @@
+"""The running ceiling of one replica, learned online from what it measures (sans-IO).
+
+Seed 000 names three ceilings: KV capacity, the running-request cap, and the per-user
+latency SLO, and says the latency one usually binds first; seed 001's card is the
+example (its KV pool holds ~19 of that job's requests, but the card serves only ~8 at
+once inside a 45 s client timeout). The ledger enforces the KV ceiling; a configured or
+engine-reported cap is an upper bound. This module learns the rest, per replica, so that
+no operator has to run the ceiling sweep and copy its answer into the config.
+
+The limit L is the number of requests kvgate lets run on the replica at once. It moves
+on evidence, one *window* at a time. A window is at least ``limit_window`` (and at least
+L) requests that completed after they were admitted under the current limit, so every
+window measures the replica at one setting: requests admitted under an earlier limit
+are ignored, as a sweep step ignores its warm-up.
+
+Per window:
+
+* **Latency.** Each completion is scored by its worst ratio of measured to target: its
+  service time against ``latency_budget_fraction`` of the client's own timeout (the
+  openai SDKs send it), its time to first token, its inter-token latency and its
+  end-to-end time against the model's configured targets (`LatencyTargets`). A failed
+  request (upstream error or timeout) scores ``FAILURE_RATIO``. When the window's worst
+  ratio ``r`` is above 1 (the worst, not a percentile: a client times out on the tail), the limit goes to ``mean_running * 0.85 / r`` (bounded to
+  [0.5, 0.9] of the current limit): past the knee, service time grows in proportion to
+  concurrency, so this lands just inside the target. This is the latency ceiling, and
+  it is what follows a replica that slows down and comes back.
+* **Goodput.** Every window that kept the replica busy (mean running >= 80% of L)
+  contributes a point (mean running N, work tokens completed per second G) to a fit of
+  the replica's throughput curve ``G(N) = Gmax * N / (N + K)`` (the saturation curve of a
+  batched server: linear while the batch amortises the weights, flat once compute or
+  memory bandwidth binds). The knee is where one more running request buys less than
+  ``knee_efficiency`` of an average request's throughput: ``N = K * (1 / e - 1)``. This
+  is seed 001's sweep done live, with every window of the run as a sweep point.
+* **Growth.** While the replica is kept busy and the latency ratio allows it, the limit
+  grows: doubling from a cold start until the first bound is met (slow start), then by
+  ``limit_probe_step`` per window. Growth never exceeds what the latency ratio predicts
+  the replica can take (``N * 0.85 / r``) nor the fitted knee. A replica kvgate does not
+  keep busy gives no evidence, and its limit holds.
+
+Between windows, the engine's own signals act at once (each discovery round):
+
+* **Preemptions** (the engine's counter rose): kvgate admitted more than the engine
+  could keep resident; the limit drops to 75% of what was running.
+* **The engine's waiting queue** (two rounds in a row with requests waiting inside the
+  engine while kvgate holds more than it runs, and its pool at least 90% used): the
+  engine's pool holds fewer than kvgate admitted, so the limit drops to what it runs.
+  (A request waits briefly in any engine, e.g. for the step's prefill token budget; a
+  waiting queue with free pool is not a pool shortage and is left to the latency rule.)
+
+The limit is a float kept within [1, cap]; the controller uses its floor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+FAILURE_RATIO = 2.0
+_INSIDE_HARD = 0.85  # aim this far inside a client's timeout budget (its slowest request)
+_INSIDE_SOFT = 0.95  # and this far inside a configured target (its quantile)
+_POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortage
+
+
+@dataclass(slots=True, frozen=True)
+class LimitSettings:
+    """The knobs of `RunningLimit` (copied from `AdmissionConfig`)."""
+
+    initial: float = 2.0
+    window: int = 16
+    knee_efficiency: float = 0.1
+    budget_fraction: float = 0.6
+    probe_step: float = 0.15
+    target_quantile: float = 0.5
+
+
+@dataclass(slots=True, frozen=True)
+class LatencyTargets:
+    """A model's latency targets in seconds (None: no target of that kind)."""
+
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    e2e_s: float | None = None
+
+
+class RunningLimit:
+    """The learned running limit of one replica."""
+
+    __slots__ = (
+        "_s",
+        "value",
+        "reason",
+        "_slow_start",
+        "_changed_at",
+        "_count",
+        "_hard",
+        "_soft",
+        "_work",
+        "_started",
+        "_area",
+        "_running",
+        "_last",
+        "_points",
+        "knee",
+        "_preemptions",
+        "_waiting_rounds",
+        "windows",
+        "last_ratio",
+    )
+
+    def __init__(self, settings: LimitSettings, now: float = 0.0) -> None:
+        self._s = settings
+        self.value = max(1.0, settings.initial)
+        self.reason = "cold_start"
+        self._slow_start = True
+        self._changed_at = now
+        self._count = 0  # completions in the window
+        self._hard: list[float] = []  # ratios against clients' own timeouts
+        self._soft: list[float] = []  # ratios against configured latency targets
+        self._work = 0
+        self._started = now
+        self._area = 0.0  # integral of running requests over the window
+        self._running = 0
+        self._last = now
+        # allowed limit -> [seconds, running-seconds, work tokens] of busy windows there
+        self._points: dict[int, list[float]] = {}
+        self.knee: float | None = None  # fitted knee of the goodput curve
+        self._preemptions: float | None = None
+        self._waiting_rounds = 0
+        self.windows = 0
+        self.last_ratio: float | None = None  # p90 latency ratio of the last window
+
+    def allowed(self, cap: int | None) -> int:
+        """Requests that may run now: floor of the limit, within the hard cap."""
+        n = max(1, int(self.value))
+        return n if cap is None else min(n, cap)
+
+    # ------------------------------------------------------------------ inputs
+    def running_changed(self, running: int, now: float) -> None:
+        """The replica's admitted request count is now `running`."""
+        if now > self._last:
+            self._area += self._running * (now - self._last)
+            self._last = now
+        self._running = running
+
+    def completed(
+        self,
+        now: float,
+        admitted_at: float,
+        *,
+        ok: bool,
+        work_tokens: int,
+        ratio: tuple[float | None, float | None],
+        cap: int | None,
+    ) -> None:
+        """A request admitted at `admitted_at` ended at `now`; `ratio` is its measured /
+        target latency ratio against its client's timeout and against the configured
+        targets (`latency_ratio`; None where it had none)."""
+        if admitted_at < self._changed_at:
+            return  # admitted under an earlier limit: no evidence about this one
+        if self._count == 0:
+            # Rates are measured between completions: from the first counted one on, so
+            # the service time of the first requests after a change does not dilute them.
+            self._started = now
+            self._area = 0.0
+            self._last = now
+        else:
+            self._work += max(0, work_tokens)
+        self._count += 1
+        hard, soft = ratio
+        if not ok:
+            hard = FAILURE_RATIO
+        if hard is not None:
+            self._hard.append(hard)
+        if soft is not None:
+            self._soft.append(soft)
+        # Slow start needs less evidence to double than a decision near the knee.
+        window = self._s.window // 2 if self._slow_start else self._s.window
+        if self._count > max(window, math.ceil(self.value)):
+            self._close_window(now, cap)
+
+    def engine_signals(
+        self,
+        *,
+        preemptions_total: float | None,
+        waiting: int,
+        engine_running: int,
+        kv_usage: float,
+        running: int,
+        now: float,
+        cap: int | None,
+    ) -> None:
+        """One discovery round's view of the engine, against what kvgate holds there."""
+        if preemptions_total is not None:
+            before = self._preemptions
+            self._preemptions = preemptions_total
+            if before is not None and preemptions_total > before and running > 0:
+                self._slow_start = False
+                self._set(min(self.value, running) * 0.75, "preemption", now, cap)
+                return
+        # A request waits inside the engine for a moment as a matter of course (a prefill
+        # waits for the step's token budget); it is kvgate's doing only when the engine
+        # keeps requests waiting because its pool is full.
+        if waiting > 0 and 0 < engine_running < running and kv_usage >= _POOL_FULL:
+            self._waiting_rounds += 1
+            if self._waiting_rounds >= 2:
+                self._waiting_rounds = 0
+                self._slow_start = False
+                self._set(min(self.value, float(engine_running)), "engine_queue", now, cap)
+        else:
+            self._waiting_rounds = 0
+
+    # ------------------------------------------------------------------ the window
+    def _close_window(self, now: float, cap: int | None) -> None:
+        self.running_changed(self._running, now)
+        span = now - self._started
+        if span <= 0:
+            return
+        self.windows += 1
+        mean_running = self._area / span
+        goodput = self._work / span
+        # Clients' timeouts are hard: the window's slowest request counts. Targets are
+        # service levels: their quantile (the median user by default, as seed 000's
+        # "per-user decode rate" is) counts. Each is aimed at from a little inside.
+        aims: list[float] = []
+        if self._hard:
+            aims.append(max(self._hard) / _INSIDE_HARD)
+        if self._soft:
+            aims.append(_quantile(self._soft, self._s.target_quantile) / _INSIDE_SOFT)
+        ratio = max(aims) if aims else None  # 1.0 = exactly at the aimed-at point
+        self.last_ratio = ratio
+        allowed = self.allowed(cap)
+        busy = mean_running >= 0.8 * allowed
+        if busy and goodput > 0:
+            # One point per setting: windows at the same limit pool their time and work,
+            # so the fit sees each setting's mean, not each window's noise.
+            acc = self._points.setdefault(allowed, [0.0, 0.0, 0.0])
+            acc[0] += span
+            acc[1] += self._area
+            acc[2] += self._work
+            self.knee = self._fit_knee()
+        base = max(1.0, mean_running)
+        if ratio is not None and ratio > 1.0 / _INSIDE_SOFT:
+            self._slow_start = False
+            target = base / ratio
+            lo, hi = 0.5 * self.value, 0.9 * self.value
+            self._set(min(hi, max(lo, target)), "latency", now, cap)
+            return
+        if not busy:
+            self._reset_window(now)  # no evidence for more: hold
+            return
+        grow = self.value * 2.0 if self._slow_start else self.value * (1.0 + self._s.probe_step)
+        grow = max(grow, self.value + 1.0)
+        bounds: list[tuple[float, str]] = [(grow, "probe")]
+        if ratio is not None and ratio > 0:
+            bounds.append((max(self.value, base / ratio), "latency"))
+        if self.knee is not None:
+            # The knee stops growth; it never pulls the limit down (latency does that).
+            bounds.append((max(self.value, self.knee), "knee"))
+        value, reason = min(bounds)
+        if reason != "probe":
+            self._slow_start = False
+        if cap is not None and value >= cap:
+            reason = "running_cap"
+        self._set(value, reason, now, cap)
+
+    def _fit_knee(self) -> float | None:
+        """Least-squares fit of 1/G = 1/Gmax + (K/Gmax) / N over the window points;
+        the knee N = K (1/e - 1). None until the points span a 2x range of N."""
+        pts = [
+            (area / span, work / span, span)
+            for span, area, work in self._points.values()
+            if span > 0 and area > 0 and work > 0
+        ]
+        if len(pts) < 3:
+            return None
+        ns = [n for n, _, _ in pts]
+        if max(ns) < 2.0 * min(ns):
+            return None
+        xs = [1.0 / n for n, _, _ in pts]
+        ys = [1.0 / g for _, g, _ in pts]
+        ws = [w for _, _, w in pts]
+        total = sum(ws)
+        mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / total
+        my = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
+        sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+        if sxx <= 0:
+            return None
+        slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / sxx
+        intercept = my - slope * mx
+        if intercept <= 0:
+            return None  # still rising linearly at the largest N seen: no knee yet
+        if slope <= 0:
+            return min(ns)  # flat (or falling) over the whole range: more buys nothing
+        k = slope / intercept
+        return k * (1.0 / self._s.knee_efficiency - 1.0)
+
+    def _set(self, value: float, reason: str, now: float, cap: int | None) -> None:
+        hi = float(cap) if cap is not None else math.inf
+        value = min(max(1.0, value), hi)
+        if int(value) != int(self.value):
+            self._changed_at = now
+        self.value = value
+        self.reason = reason
+        self._reset_window(now)
+
+    def _reset_window(self, now: float) -> None:
+        self._count = 0
+        self._hard = []
+        self._soft = []
+        self._work = 0
+        self._started = now
+        self._area = 0.0
+        self._last = now
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def latency_ratio(
+    *,
+    service_s: float | None,
+    ttft_s: float | None,
+    itl_s: float | None,
+    budget_s: float | None,
+    budget_fraction: float,
+    targets: LatencyTargets | None,
+    stream: bool,
+) -> tuple[float | None, float | None]:
+    """A completion's (client-timeout ratio, worst configured-target ratio), each
+    measured / target, None where there is no such target.
+
+    The client's own timeout (`budget_s`) bounds a non-stream request's whole service and
+    a stream's time to first token; kvgate aims for `budget_fraction` of it, leaving the
+    rest for queueing. Configured targets are TTFT, inter-token and end-to-end times.
+    """
+    hard = None
+    if budget_s is not None and budget_s > 0:
+        measured = ttft_s if stream else service_s
+        if measured is not None:
+            hard = measured / (budget_s * budget_fraction)
+    soft = None
+    if targets is not None:
+        for measured, target in (
+            (ttft_s, targets.ttft_s),
+            (itl_s, targets.itl_s),
+            (service_s, targets.e2e_s),
+        ):
+            if measured is not None and target is not None and target > 0:
+                r = measured / target
+                soft = r if soft is None else max(soft, r)
+    return hard, soft

@@ -1,0 +1,328 @@
+"""kvgate's admission core in front of a simulated engine, on one virtual clock.
+
+The same `AdmissionController` the gateway runs, driving `enginesim`'s `EngineCore`
+directly, with closed-loop clients that behave like the replay client and the openai
+SDK: each keeps one request outstanding, sends its own timeout as the read-timeout
+header would, honours Retry-After on a shed (up to `max_retries` when given), and gives
+up an attempt after `timeout_s` (a disconnect: the engine aborts the request, admission
+releases it without a completion sample). The engine's gauges reach admission every
+`probe_s`, as discovery would deliver them. No wall clock, no IO: a whole seed-001 run
+takes about a CPU second, so tests can assert on the learned limit and benches can sweep.
+
+`slow` maps virtual time to a slowdown factor of the engine's steps (enginesim's `slow`
+fault), for the shift experiments.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from admission.config import AdmissionConfig
+from admission.controller import AdmissionController
+from admission.estimate import TokenEstimator
+from admission.types import AdmissionRequest, Admit, Completion, Queued, Refuse, Shed
+from enginesim.core import EngineCore
+from enginesim.profiles import load_profile
+from enginesim.types import EventKind, SimRequest
+from enginesim.workloads import WorkItem
+from routing.types import ReplicaState
+
+REPLICA = "r0"
+
+
+@dataclass
+class VtReport:
+    requests: int
+    completed: int = 0
+    timed_out: int = 0
+    failed: int = 0  # shed on the last allowed retry, or refused
+    retries: int = 0  # sheds that were retried after Retry-After
+    wall_s: float = 0.0
+    tokens: int = 0  # prompt + completion tokens of completed requests
+    latencies: list[float] = field(default_factory=list)  # first attempt to answer
+    fail_after: list[float] = field(default_factory=list)  # first attempt to failure
+    ttfts: list[float] = field(default_factory=list)
+    decode_rates: list[float] = field(default_factory=list)  # per request, tokens/s after first
+    preemptions: int = 0
+    limits: list[tuple[float, int, str]] = field(default_factory=list)  # (t, limit, reason)
+    max_running: int = 0
+    # per timed-out attempt: (time, retries before it, queue wait before admission or None)
+    timeouts: list[tuple[float, int, float | None]] = field(default_factory=list)
+
+    @property
+    def retries_per_completed(self) -> float:
+        return self.retries / self.completed if self.completed else float("inf")
+
+    def quantile(self, q: float) -> float:
+        if not self.latencies:
+            return float("nan")
+        s = sorted(self.latencies)
+        return s[min(len(s) - 1, int(q * len(s)))]
+
+    def limit_at(self, t: float) -> int:
+        value = self.limits[0][1] if self.limits else 0
+        for at, lim, _ in self.limits:
+            if at > t:
+                break
+            value = lim
+        return value
+
+
+@dataclass
+class _Attempt:
+    client: int
+    item: WorkItem
+    first: float  # first attempt's start
+    start: float
+    retries: int
+    rid: str
+    admitted_at: float | None = None
+    first_token: float | None = None
+    done: bool = False
+
+
+def run(
+    profile: str,
+    items: Sequence[WorkItem],
+    *,
+    concurrency: int,
+    timeout_s: float,
+    config: AdmissionConfig | None = None,
+    send_timeout: bool = True,
+    max_retries: int | None = None,
+    stream: bool = False,
+    slow: Callable[[float], float] | None = None,
+    probe_s: float = 2.0,
+    pool_tokens: int | None = None,
+    max_running: int | None = None,
+    seed: int = 0,
+    time_limit_s: float = 1e6,
+) -> VtReport:
+    """Replay `items` through admission into one simulated replica of `profile`."""
+    prof = load_profile(profile)
+    core = EngineCore(prof, seed=seed)
+    cfg = config if config is not None else AdmissionConfig()
+    ctrl = AdmissionController(cfg, seed=seed)
+    est = TokenEstimator(cfg)
+    model = prof.served_model_name
+    state = ReplicaState(
+        name=REPLICA,
+        base_url="sim://" + REPLICA,
+        ready=True,
+        models=[model],
+        capacity_tokens=prof.num_gpu_blocks * prof.block_size,
+        block_size=prof.block_size,
+        max_model_len=core.max_model_len,
+    )
+    report = VtReport(requests=len(items))
+    pending = list(reversed(items))
+    live: dict[str, _Attempt] = {}
+    heap: list[tuple[float, int, str, object]] = []
+    seq = itertools.count()
+    now = 0.0
+
+    def push(t: float, kind: str, data: object) -> None:
+        heapq.heappush(heap, (t, next(seq), kind, data))
+
+    def note_limit() -> None:
+        lim = ctrl.limit_of(REPLICA)
+        if lim is None:
+            return
+        value = lim.allowed(max_running)
+        if not report.limits or report.limits[-1][1] != value:
+            report.limits.append((now, value, lim.reason))
+
+    def start_engine(admits: Sequence[Admit]) -> None:
+        for a in admits:
+            att = live.get(a.request_id)
+            if att is None or att.done:
+                ctrl.release(a.request_id, now)
+                continue
+            att.admitted_at = now
+            p = len(att.item.prompt_token_ids)
+            core.add_request(
+                SimRequest(
+                    att.rid,
+                    list(att.item.prompt_token_ids),
+                    max(1, min(att.item.output_tokens, core.max_model_len - p)),
+                    workload=att.item.workload,
+                    output_len=att.item.output_tokens,
+                ),
+                now,
+            )
+        report.max_running = max(report.max_running, ctrl.replica_usage()[0].running)
+
+    def finish(att: _Attempt) -> None:
+        att.done = True
+        live.pop(att.rid, None)
+        if pending:
+            push(now, "send", (att.client, pending.pop(), now, now, 0))
+        elif not live:
+            report.wall_s = now
+
+    def handle_verdict(att: _Attempt, verdict: object) -> None:
+        if isinstance(verdict, Admit):
+            start_engine([verdict])
+        elif isinstance(verdict, Shed):
+            shed(att, verdict)
+        elif isinstance(verdict, Refuse):
+            report.failed += 1
+            report.fail_after.append(now - att.first)
+            finish(att)
+        else:
+            assert isinstance(verdict, Queued)
+
+    def shed(att: _Attempt, verdict: Shed) -> None:
+        live.pop(att.rid, None)
+        att.done = True
+        if max_retries is not None and att.retries >= max_retries:
+            report.failed += 1
+            report.fail_after.append(now - att.first)
+            finish(att)
+            return
+        report.retries += 1
+        push(
+            now + verdict.retry_after,
+            "send",
+            (att.client, att.item, att.first, None, att.retries + 1),
+        )
+
+    def send(client: int, item: WorkItem, first: float, retries: int) -> None:
+        rid = f"{item.request_id}#{retries}"
+        att = _Attempt(client, item, first, now, retries, rid)
+        live[rid] = att
+        p = len(item.prompt_token_ids)
+        bound = item.output_tokens
+        req = AdmissionRequest(
+            request_id=rid,
+            model=model,
+            prompt_tokens=p,
+            expected_output=est.expected_output(model, bound, core.max_model_len - p),
+            max_tokens=bound,
+            arrival=first,
+            last_retry=max_retries is not None and retries >= max_retries,
+            latency_budget=timeout_s if send_timeout else None,
+            stream=stream,
+            retry_key=hash(item.request_id),
+        )
+        push(now + timeout_s, "timeout", rid)
+        handle_verdict(att, ctrl.submit(req, now))
+
+    start_engine(ctrl.upsert_replica(state, 0.0, max_running=max_running))
+    note_limit()
+    for c in range(min(concurrency, len(pending))):
+        push(0.0, "send", (c, pending.pop(), 0.0, 0.0, 0))
+    push(probe_s, "probe", None)
+    step_end: float | None = None
+    step_events: list = []
+    while (live or pending or any(k == "send" for _, _, k, _ in heap)) and now < time_limit_s:
+        if step_end is None and core.has_work():
+            res = core.step(now)
+            factor = slow(now) if slow is not None else 1.0
+            step_end = now + res.duration * factor
+            step_events = res.events
+            if res.duration == 0.0 and not res.events:
+                step_end = None
+        candidates = [heap[0][0]] if heap else []
+        if step_end is not None:
+            candidates.append(step_end)
+        nd = ctrl.next_deadline()
+        if nd is not None:
+            candidates.append(max(now, nd))
+        if not candidates:
+            break
+        t = min(candidates)
+        now = max(now, t)
+        if step_end is not None and step_end <= now:
+            step_end = None
+            for ev in step_events:
+                att = live.get(ev.request_id)
+                if att is None:
+                    continue
+                if ev.kind is EventKind.TOKENS and att.first_token is None:
+                    att.first_token = now
+                elif ev.kind is EventKind.FINISHED:
+                    assert att.admitted_at is not None
+                    service = now - att.admitted_at
+                    ttft = (att.first_token or now) - att.admitted_at
+                    est.observe_output(model, ev.completion_tokens)
+                    admits = ctrl.release(
+                        att.rid,
+                        now,
+                        Completion(
+                            ok=True,
+                            service_s=service,
+                            ttft_s=ttft if stream else None,
+                            itl_s=(now - att.first_token) / (ev.completion_tokens - 1)
+                            if stream and att.first_token and ev.completion_tokens > 1
+                            else None,
+                            prompt_tokens=ev.prompt_tokens,
+                            completion_tokens=ev.completion_tokens,
+                            latency_budget=timeout_s if send_timeout else None,
+                        ),
+                    )
+                    report.completed += 1
+                    report.tokens += ev.prompt_tokens + ev.completion_tokens
+                    report.latencies.append(now - att.first)
+                    report.ttfts.append(ttft)
+                    if (
+                        att.first_token is not None
+                        and ev.completion_tokens > 1
+                        and now > att.first_token
+                    ):
+                        report.decode_rates.append(
+                            (ev.completion_tokens - 1) / (now - att.first_token)
+                        )
+                    finish(att)
+                    start_engine(admits)
+                    note_limit()
+            continue
+        nd = ctrl.next_deadline()
+        if nd is not None and nd <= now:
+            for s in ctrl.expire(now):
+                att = live.get(s.request_id)
+                if att is not None:
+                    shed(att, s)
+            start_engine(ctrl.pump(now))
+            continue
+        _, _, kind, data = heapq.heappop(heap)
+        if kind == "send":
+            client, item, first, _, retries = data  # type: ignore[misc]
+            send(client, item, first, retries)
+        elif kind == "timeout":
+            att = live.get(data)  # type: ignore[arg-type]
+            # A stream's read timeout bounds its first token (later gaps are short).
+            if att is not None and not att.done and not (stream and att.first_token):
+                if att.admitted_at is not None:
+                    core.abort(att.rid, now)
+                report.timed_out += 1
+                report.fail_after.append(now - att.first)
+                report.timeouts.append(
+                    (now, att.retries, att.admitted_at - att.start if att.admitted_at else None)
+                )
+                att.done = True
+                live.pop(att.rid, None)
+                # The gateway reads a client that leaves at its own declared timeout as
+                # a failed request of the replica (see Pipeline._completion).
+                gone = (
+                    Completion(ok=False) if att.admitted_at is not None and send_timeout else None
+                )
+                start_engine(ctrl.release(att.rid, now, gone))
+                finish(att)
+        elif kind == "probe":
+            st = core.stats()
+            state.engine_running = st.num_running
+            state.engine_waiting = st.num_waiting
+            state.kv_usage = st.kv_usage
+            state.preemptions_total = float(st.num_preemptions)
+            state.updated_at = now
+            start_engine(ctrl.upsert_replica(state, now, max_running=max_running))
+            note_limit()
+            if live or pending:
+                push(now + probe_s, "probe", None)
+    report.wall_s = report.wall_s or now
+    report.preemptions = core.stats().num_preemptions
+    return report

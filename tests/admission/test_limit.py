@@ -1,0 +1,214 @@
+"""The learned running limit, on virtual time: unit behaviour of `RunningLimit`, and the
+admission core in front of a simulated seed-001 replica (bench/vtime.py)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from admission.config import AdmissionConfig
+from admission.limit import LimitSettings, RunningLimit, latency_ratio
+from bench.vtime import run
+from enginesim.simulate import run_closed_loop
+from enginesim.workloads import seed2_workload
+from tests.admission.helpers import controller, replica, request
+
+PROFILE = "seed2-8b-16gb"
+TIMEOUT_S = 45.0
+
+
+def feed_window(
+    lim: RunningLimit,
+    now: float,
+    *,
+    running: int,
+    ratio: float | None,
+    work: int = 1000,
+    gap: float = 1.0,
+    cap: int | None = None,
+) -> float:
+    """Complete enough requests at `running` in flight to close one window."""
+    lim.running_changed(running, now)
+    windows, value = lim.windows, lim.value
+    for _ in range(60):
+        now += gap
+        lim.completed(now, now - 0.5, ok=True, work_tokens=work, ratio=(ratio, None), cap=cap)
+        if lim.windows > windows or lim.value != value:
+            break
+    return now
+
+
+def test_a_latency_ratio_over_one_cuts_the_limit_to_just_inside_the_budget() -> None:
+    lim = RunningLimit(LimitSettings(initial=10, window=4))
+    now = feed_window(lim, 0.0, running=10, ratio=2.0)
+    # Slowest request at twice 60% of its client's timeout: about 10 * 0.85 / 2.
+    assert lim.reason == "latency"
+    assert 4.0 <= lim.value <= 5.0
+    assert lim.allowed(None) == int(lim.value)
+    # A hard cap bounds it from above whatever is learned.
+    assert lim.allowed(3) == 3
+    del now
+
+
+def test_the_limit_grows_only_while_the_replica_is_kept_busy() -> None:
+    lim = RunningLimit(LimitSettings(initial=4, window=4))
+    now = feed_window(lim, 0.0, running=1, ratio=0.2)  # idle replica: no evidence for more
+    assert lim.value == 4
+    now = feed_window(lim, now, running=4, ratio=0.2)  # busy and fast: slow start doubles
+    assert lim.value == 8
+    assert lim.reason == "probe"
+
+
+def test_growth_is_bounded_by_what_the_latency_ratio_predicts() -> None:
+    lim = RunningLimit(LimitSettings(initial=8, window=4))
+    feed_window(lim, 0.0, running=8, ratio=0.6)  # slowest at 0.6: room for 8 * 0.85 / 0.6
+    assert lim.value == pytest.approx(8 * 0.85 / 0.6)
+    assert lim.reason == "latency"
+
+
+def test_requests_admitted_under_an_earlier_limit_are_not_evidence() -> None:
+    lim = RunningLimit(LimitSettings(initial=8, window=4))
+    lim.running_changed(8, 0.0)
+    lim.engine_signals(
+        preemptions_total=0, waiting=0, engine_running=8, kv_usage=0.5, running=8, now=1.0, cap=None
+    )
+    lim.engine_signals(
+        preemptions_total=3, waiting=0, engine_running=8, kv_usage=1.0, running=8, now=2.0, cap=None
+    )
+    assert lim.reason == "preemption" and lim.value == 6  # 75% of what was running
+    for i in range(20):  # slow completions of requests admitted before the cut
+        lim.completed(3.0 + i, 0.5, ok=True, work_tokens=100, ratio=(5.0, None), cap=None)
+    assert lim.value == 6 and lim.windows == 0
+
+
+def test_the_engine_queue_cuts_the_limit_only_when_its_pool_is_full() -> None:
+    lim = RunningLimit(LimitSettings(initial=8))
+    signals = {"preemptions_total": 0.0, "engine_running": 5, "running": 8, "cap": None}
+    for t in range(5):  # waiting for the prefill budget with room in the pool: normal
+        lim.engine_signals(waiting=3, kv_usage=0.4, now=float(t), **signals)
+    assert lim.value == 8
+    lim.engine_signals(waiting=3, kv_usage=0.97, now=10.0, **signals)
+    assert lim.value == 8  # one round is not enough
+    lim.engine_signals(waiting=3, kv_usage=0.97, now=12.0, **signals)
+    assert lim.value == 5 and lim.reason == "engine_queue"
+
+
+def test_the_knee_of_a_saturating_goodput_curve_stops_growth() -> None:
+    # G(N) = 1000 N / (N + 2): the knee at efficiency 0.1 is 2 * (1 / 0.1 - 1) = 18.
+    lim = RunningLimit(LimitSettings(initial=2, window=4, knee_efficiency=0.1))
+    now = 0.0
+    for _ in range(12):
+        n = lim.allowed(None)
+        goodput = 1000.0 * n / (n + 2.0)
+        now = feed_window(lim, now, running=n, ratio=None, work=int(goodput), gap=1.0)
+    assert lim.knee == pytest.approx(18.0, rel=0.05)
+    assert 16 <= lim.value <= 19
+
+
+def test_latency_ratio_separates_client_timeouts_from_targets() -> None:
+    hard, soft = latency_ratio(
+        service_s=12.0,
+        ttft_s=None,
+        itl_s=None,
+        budget_s=40.0,
+        budget_fraction=0.6,
+        targets=None,
+        stream=False,
+    )
+    assert hard == pytest.approx(0.5) and soft is None
+    from admission.limit import LatencyTargets
+
+    hard, soft = latency_ratio(
+        service_s=30.0,
+        ttft_s=2.0,
+        itl_s=0.3,
+        budget_s=10.0,
+        budget_fraction=0.5,
+        targets=LatencyTargets(ttft_s=1.0, itl_s=0.2),
+        stream=True,
+    )
+    assert hard == pytest.approx(0.4)  # a stream's budget bounds its first token
+    assert soft == pytest.approx(2.0)  # worst of TTFT 2/1 and ITL 0.3/0.2
+
+
+# ---------------------------------------------------------------- against enginesim
+
+
+@pytest.fixture(scope="module")
+def seed2_items():
+    return seed2_workload(320, seed=3)
+
+
+@pytest.fixture(scope="module")
+def best_fixed(seed2_items) -> int:
+    """Seed 001's sweep in virtual time: the fixed concurrency with the shortest wall time
+    among those that complete everything."""
+    best = None
+    for c in (2, 4, 8, 16):
+        rep = run_closed_loop(PROFILE, seed2_items, c, TIMEOUT_S)
+        if rep.completed == len(seed2_items) and (best is None or rep.wall_time < best[1]):
+            best = (c, rep.wall_time)
+    assert best is not None
+    return best[0]
+
+
+def test_a_cold_replica_finds_its_knee_without_falling_off_the_cliff(
+    seed2_items, best_fixed
+) -> None:
+    report = run(PROFILE, seed2_items, concurrency=64, timeout_s=TIMEOUT_S)
+    assert report.completed == len(seed2_items)
+    assert report.timed_out == 0 and report.failed == 0
+    assert report.preemptions == 0
+    # Early: within the first quarter of the run the limit is within 2 of the sweep's best.
+    early = report.wall_s / 4
+    assert any(abs(v - best_fixed) <= 2 for t, v, _ in report.limits if t <= early)
+    # Steady state: never far above the knee, and no swing beyond a factor of two.
+    late = [v for t, v, _ in report.limits if t >= report.wall_s / 2]
+    late.append(report.limit_at(report.wall_s / 2))
+    assert max(late) <= 1.5 * best_fixed
+    assert max(late) <= 2 * min(late)
+    # And nothing was lost for it: close to the best fixed concurrency's wall time.
+    fixed = run_closed_loop(PROFILE, seed2_items, best_fixed, TIMEOUT_S)
+    assert report.wall_s <= 1.15 * fixed.wall_time
+
+
+def test_the_limit_follows_a_slowdown_and_the_recovery(seed2_items) -> None:
+    def slow(t: float) -> float:
+        return 2.0 if 250.0 <= t < 650.0 else 1.0
+
+    report = run(PROFILE, seed2_items * 2, concurrency=32, timeout_s=TIMEOUT_S, slow=slow)
+
+    def mean_limit(a: float, b: float) -> float:
+        return statistics.fmean(report.limit_at(a + (b - a) * i / 50) for i in range(50))
+
+    before = mean_limit(100, 250)
+    during = mean_limit(400, 650)
+    after = mean_limit(800, 1000)
+    assert during < 0.8 * before
+    assert after > 1.2 * during
+    assert report.preemptions == 0
+
+
+def test_the_learned_limit_never_admits_past_the_kv_ceiling() -> None:
+    # Long requests on the 4k-token pool: the KV ceiling binds long before latency does.
+    ctrl = controller(learn_limit=True, initial_limit=64)
+    ctrl.upsert_replica(replica(capacity=4096, block_size=16), 0.0)
+    admitted = 0
+    for i in range(40):
+        if type(ctrl.submit(request(f"r{i}", 900, 100), 0.0)).__name__ == "Admit":
+            admitted += 1
+    assert admitted == 4  # 4 x 1008 tokens fit 4096; the limit of 64 does not matter
+    assert ctrl.reserved_tokens() <= 4096
+    (usage,) = ctrl.replica_usage()
+    assert usage.binding_ceiling == "kv_capacity"
+
+
+def test_a_configured_cap_stays_an_upper_bound(seed2_items) -> None:
+    report = run(PROFILE, seed2_items, concurrency=32, timeout_s=TIMEOUT_S, max_running=3)
+    assert report.max_running <= 3
+    assert max(v for _, v, _ in report.limits) <= 3
+
+
+def test_config_defaults_learn_the_limit() -> None:
+    assert AdmissionConfig().learn_limit is True
