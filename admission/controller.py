@@ -77,6 +77,8 @@ from admission.types import (
 from routing.picker import MostHeadroomPicker, Picker
 from routing.types import Candidate, ReplicaState, RouteRequest
 
+_POOL_MEMORY_S = 300.0  # how long a pool measured smaller than configured is kept
+
 
 def round_up(tokens: int, block_size: int) -> int:
     """`tokens` rounded up to a whole number of `block_size` blocks."""
@@ -101,6 +103,11 @@ class _Replica:
     running: int = 0
     effective: int = 0
     signals_at: float = -1.0  # `updated_at` of the engine view last fed to the limit
+    # The pool as the engine's KV usage shows it, when smaller than the configured one:
+    # (bound in tokens, rounds in a row below, time last confirmed).
+    measured_pool: int | None = None
+    below_rounds: int = 0
+    measured_at: float = 0.0
     # Service (and time to first token) against tokens, for the deadline of a queued request.
     service: ServiceModel = field(default_factory=ServiceModel)
     ttft: ServiceModel = field(default_factory=ServiceModel)
@@ -237,10 +244,14 @@ class AdmissionController:
         else:
             rep.cap = self.config.default_max_running
         rep.labels = dict(state.labels)
-        rep.effective = (
-            math.floor(rep.capacity * (1.0 - self.config.headroom)) if rep.capacity else 0
-        )
-        if rep.limit is not None and state.updated_at != rep.signals_at:
+        fresh = state.updated_at != rep.signals_at
+        if fresh and rep.capacity is not None:
+            self._check_pool(rep, state.kv_usage, now)
+        pool = rep.capacity
+        if pool is not None and rep.measured_pool is not None:
+            pool = min(pool, rep.measured_pool)
+        rep.effective = math.floor(pool * (1.0 - self.config.headroom)) if pool else 0
+        if rep.limit is not None and fresh:
             rep.signals_at = state.updated_at
             rep.limit.engine_signals(
                 preemptions_total=state.preemptions_total,
@@ -537,6 +548,30 @@ class AdmissionController:
         return rep.limit if rep is not None else None
 
     # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _check_pool(rep: _Replica, kv_usage: float, now: float) -> None:
+        """Hold the configured pool against the engine's own KV usage.
+
+        The engine holds at most what kvgate reserved there, so its pool is at most
+        ``reserved / usage``. When that bound stays below 90% of the configured pool for
+        two discovery rounds, the pool is overstated (a wrong pin, or other clients on
+        the engine) and the bound is used instead. Without fresh confirmation for
+        ``_POOL_MEMORY_S`` the configured pool is trusted again.
+        """
+        assert rep.capacity is not None
+        if kv_usage >= 0.5 and rep.reserved > 0:
+            bound = int(rep.reserved / kv_usage)
+            if bound < 0.9 * rep.capacity:
+                rep.below_rounds += 1
+                if rep.below_rounds >= 2:
+                    known = rep.measured_pool
+                    rep.measured_pool = bound if known is None else min(known, bound)
+                    rep.measured_at = now
+                return
+        rep.below_rounds = 0
+        if rep.measured_pool is not None and now - rep.measured_at > _POOL_MEMORY_S:
+            rep.measured_pool = None
+
     def _learn(self, rep: _Replica, res: _Reservation, c: Completion, now: float) -> None:
         """Feed one completion to the replica's latency history and learned limit."""
         prompt = c.prompt_tokens or 0

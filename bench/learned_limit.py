@@ -292,9 +292,7 @@ def main() -> int:
     ap.add_argument("--speed", type=float, default=10.0)
     ap.add_argument("--only", choices=["shift", "moe"], default=None)
     ap.add_argument("--shift-requests", type=int, default=900)
-    ap.add_argument(
-        "--shift-wall", type=float, default=1100.0, help="expected simulated run time"
-    )
+    ap.add_argument("--shift-wall", type=float, default=1100.0, help="expected simulated run time")
     ap.add_argument("--moe-requests", type=int, default=500)
     ap.add_argument("--time-limit", type=float, default=1800.0, help="wall seconds per run")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learned_limit.json")

@@ -211,7 +211,10 @@ def run(
         push(now + timeout_s, "timeout", rid)
         handle_verdict(att, ctrl.submit(req, now))
 
-    start_engine(ctrl.upsert_replica(state, 0.0, max_running=max_running))
+    def upsert() -> list[Admit]:
+        return ctrl.upsert_replica(state, now, pinned_capacity=pool_tokens, max_running=max_running)
+
+    start_engine(upsert())
     note_limit()
     for c in range(min(concurrency, len(pending))):
         push(0.0, "send", (c, pending.pop(), 0.0, 0.0, 0))
@@ -319,7 +322,7 @@ def run(
             state.kv_usage = st.kv_usage
             state.preemptions_total = float(st.num_preemptions)
             state.updated_at = now
-            start_engine(ctrl.upsert_replica(state, now, max_running=max_running))
+            start_engine(upsert())
             note_limit()
             if live or pending:
                 push(now + probe_s, "probe", None)

@@ -445,3 +445,53 @@ def test_an_estimate_over_the_limit_is_forwarded_clamped_never_refused() -> None
     over.prompt_exact = False
     refused = ctrl.submit(over, 0.0)
     assert isinstance(refused, Refuse) and refused.code == "context_length_exceeded"
+
+
+def test_retry_after_grows_with_the_backlog_and_its_jitter_stays_in_bounds() -> None:
+    ctrl = controller(queue_max_per_model=0, retry_jitter=0.0)
+    ctrl.upsert_replica(replica(capacity=1000), 0.0)
+    now = warm_drain(ctrl, 200, 100.0)
+    assert isinstance(ctrl.submit(request("hold", 500, 500), now), Admit)  # pool full
+    delays = []
+    for i in range(5):
+        req = request(f"s{i}", 100, 100)
+        req.arrival = now
+        shed = ctrl.submit(req, now)
+        assert isinstance(shed, Shed)
+        delays.append(shed.retry_after)
+    # Each shed request is expected back, so each next one is told to wait longer.
+    assert delays == sorted(delays) and delays[-1] > delays[0]
+    assert ctrl.returning() == 5
+
+    jittery = controller(queue_max_per_model=0, retry_jitter=0.1)
+    jittery.upsert_replica(replica(capacity=1000), 0.0)
+    now = warm_drain(jittery, 200, 100.0)
+    assert isinstance(jittery.submit(request("hold", 500, 500), now), Admit)
+    seen = []
+    for i in range(60):
+        base = jittery.retry_after("m", 200, now)  # what the next shed waits, unjittered
+        req = request(f"j{i}", 100, 100)
+        req.arrival = now
+        shed = jittery.submit(req, now)
+        assert isinstance(shed, Shed)
+        if jittery.config.min_retry_after_s < shed.retry_after < jittery.config.max_retry_after_s:
+            assert 0.9 * base - 1e-9 <= shed.retry_after <= 1.1 * base + 1e-9
+            seen.append(shed.retry_after / base)
+    assert len(seen) >= 10 and max(seen) - min(seen) > 0.05  # spread, not lockstep
+
+
+def test_a_returning_request_does_not_count_itself_ahead() -> None:
+    ctrl = controller(queue_max_per_model=0)
+    ctrl.upsert_replica(replica(capacity=1000), 0.0)
+    now = warm_drain(ctrl, 200, 100.0)
+    assert isinstance(ctrl.submit(request("hold", 500, 500), now), Admit)
+    first = request("x", 100, 100)
+    first.retry_key = 42
+    first.arrival = now
+    assert isinstance(ctrl.submit(first, now), Shed)
+    assert ctrl.returning() == 1
+    again = request("x.1", 100, 100)
+    again.retry_key = 42
+    again.arrival = first.arrival
+    ctrl.submit(again, now + 1.0)
+    assert ctrl.returning() == 1  # the old entry left; the new shed is the only one

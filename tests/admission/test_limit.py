@@ -212,3 +212,44 @@ def test_a_configured_cap_stays_an_upper_bound(seed2_items) -> None:
 
 def test_config_defaults_learn_the_limit() -> None:
     assert AdmissionConfig().learn_limit is True
+
+
+def test_an_overstated_pool_is_corrected_from_the_engines_kv_usage() -> None:
+    from enginesim.workloads import synthetic_items
+
+    items = synthetic_items(120, 500, 300)
+    # The config claims twice the replica's real 4,096-token pool.
+    blind = run(
+        "tiny",
+        items,
+        concurrency=16,
+        timeout_s=600.0,
+        pool_tokens=8192,
+        config=AdmissionConfig(learn_limit=False),
+        probe_s=0.5,
+    )
+    assert blind.preemptions > 10  # believing the config pushes the engine to preempt
+    learned = run("tiny", items, concurrency=16, timeout_s=600.0, pool_tokens=8192, probe_s=0.5)
+    assert learned.completed == len(items)
+    assert learned.preemptions <= 2
+    assert learned.max_running <= 6  # 4,096 tokens hold about 5 of these 800-token requests
+
+
+def test_the_pool_bound_needs_two_rounds_and_is_forgotten_without_evidence() -> None:
+    ctrl = controller()
+    state = replica(capacity=2000)
+    ctrl.upsert_replica(state, 0.0)
+    assert type(ctrl.submit(request("a", 500, 500), 0.0)).__name__ == "Admit"
+    # The engine says the 1,000 reserved tokens fill its whole pool.
+    for t, expect in ((1.0, 2000), (2.0, 1000)):
+        state.kv_usage = 1.0
+        state.updated_at = t
+        ctrl.upsert_replica(state, t)
+        assert ctrl.replica_usage()[0].effective_capacity_tokens == expect
+    assert type(ctrl.submit(request("b", 1, 1), 2.0)).__name__ == "Queued"
+    ctrl.release("a", 3.0)
+    ctrl.release("b", 3.0)
+    state.kv_usage = 0.0
+    state.updated_at = 400.0
+    ctrl.upsert_replica(state, 400.0)  # nothing confirmed it for 300 s: trusted again
+    assert ctrl.replica_usage()[0].effective_capacity_tokens == 2000

@@ -185,3 +185,80 @@ async def test_a_shed_request_that_retries_keeps_its_place(replica, gateway, mem
         big.close()  # frees the slot: the head of the queue goes first
         await asyncio.gather(c, d)
     assert finished == (["C", "D"] if memory_s else ["D", "C"])
+
+
+async def test_the_clients_read_timeout_bounds_its_queue_wait(replica, gateway):
+    srv = await replica(speed=1.0)
+    # The configured queue timeout is long; the client's own (openai SDK) header is not.
+    gw = await gateway(srv, pool_tokens=512, admission={"queue_timeout_s": 30.0})
+    async with aiohttp.ClientSession() as s:
+        big = await s.post(gw.url + "/v1/chat/completions", json=body(440, stream=True))
+        assert len(await read_events(big, 1)) == 1
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        async with s.post(
+            gw.url + "/v1/chat/completions",
+            json=body(100),
+            headers={"x-stainless-read-timeout": "1.0", "x-stainless-retry-count": "0"},
+        ) as r:
+            waited = loop.time() - t0
+            assert r.status == 503
+            assert (await r.json())["error"]["code"] == "overloaded"
+        big.close()
+    # Queued for at most the part of its 1 s the learned limit leaves to queueing (40%).
+    assert 0.2 <= waited < 1.0
+
+
+async def test_bad_sdk_headers_are_a_clear_400(replica, gateway):
+    gw = await gateway(await replica())
+    async with aiohttp.ClientSession() as s:
+        for name, value in (
+            ("x-stainless-read-timeout", "soon"),
+            ("x-stainless-read-timeout", "-1"),
+            ("x-stainless-retry-count", "two"),
+        ):
+            async with s.post(
+                gw.url + "/v1/chat/completions", json=body(4), headers={name: value}
+            ) as r:
+                assert r.status == 400
+                err = (await r.json())["error"]
+                assert err["param"] == name and err["type"] == "invalid_request_error"
+
+
+async def test_a_last_retry_is_admitted_before_earlier_first_attempts(replica, gateway):
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv, pool_tokens=512)
+    order: list[str] = []
+
+    async def one(s: aiohttp.ClientSession, name: str, retry: int) -> None:
+        async with s.post(
+            gw.url + "/v1/chat/completions",
+            json=body(20),
+            headers={"x-stainless-retry-count": str(retry)},
+        ) as r:
+            assert r.status == 200
+        order.append(name)
+
+    async with aiohttp.ClientSession() as s:
+        big = await s.post(gw.url + "/v1/chat/completions", json=body(440, stream=True))
+        assert len(await read_events(big, 1)) == 1
+        first = asyncio.create_task(one(s, "first-attempt", 0))
+        assert await wait_for(lambda: gw.controller.queue_depth() == 1)
+        last = asyncio.create_task(one(s, "last-retry", 2))
+        assert await wait_for(lambda: gw.controller.queue_depth() == 2)
+        big.close()
+        await asyncio.gather(first, last)
+    # Both fit once the big one is gone; the last retry was served first all the same.
+    assert order[0] == "last-retry"
+
+
+async def test_the_learned_limit_and_binding_ceiling_are_exported(replica, gateway):
+    gw = await gateway(await replica(), admission={"initial_limit": 3})
+    live = await scrape(gw)
+    assert live[("kvgate_replica_limit", (("replica", "r0"),))] == 3
+    binding = {
+        dict(labels)["ceiling"]: v
+        for (name, labels), v in live.items()
+        if name == "kvgate_replica_binding_ceiling"
+    }
+    assert binding["none"] == 1 and sum(binding.values()) == 1
