@@ -240,7 +240,9 @@ async def test_a_last_retry_is_admitted_before_earlier_first_attempts(replica, g
         order.append(name)
 
     async with aiohttp.ClientSession() as s:
-        big = await s.post(gw.url + "/v1/chat/completions", json=body(440, stream=True))
+        # 8 prompt tokens (counted exactly: near the pool) + 450 = 464 of 486 reserved:
+        # a 20-token request (32 with its prompt, block-rounded) must wait.
+        big = await s.post(gw.url + "/v1/chat/completions", json=body(450, stream=True))
         assert len(await read_events(big, 1)) == 1
         first = asyncio.create_task(one(s, "first-attempt", 0))
         assert await wait_for(lambda: gw.controller.queue_depth() == 1)
