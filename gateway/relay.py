@@ -86,7 +86,10 @@ class Relay:
         body["stream_options"] = (
             {**opts, "include_usage": True} if isinstance(opts, dict) else {"include_usage": True}
         )
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        try:
+            return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800") is valid JSON, not UTF-8
+            return json.dumps(body, separators=(",", ":")).encode()
 
     # ------------------------------------------------------------------ entry point
     async def forward(

@@ -248,3 +248,24 @@ async def test_api_keys_map_to_tenants(replica, gateway):
             gw.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-a"}
         ) as r:
             assert r.status == 200
+
+
+async def test_a_lone_surrogate_in_a_stream_request_is_relayed_not_a_500(replica, gateway):
+    gw = await gateway(await replica())
+    raw = (
+        '{"model": "tiny-llm", "stream": true, "max_tokens": 3, "ignore_eos": true, '
+        '"messages": [{"role": "user", "content": "odd \\ud800 text"}]}'
+    ).encode()
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            gw.url + "/v1/chat/completions",
+            data=raw,
+            headers={"Content-Type": "application/json"},
+        ) as r,
+    ):
+        err = (await r.json())["error"]
+    # kvgate forwarded it (before the fix: a 500 internal_error of kvgate's own). The
+    # simulated engine then fails on the surrogate itself, which kvgate reports as the
+    # upstream's error.
+    assert r.status == 502 and err["code"] == "upstream_status_5xx"
