@@ -76,6 +76,18 @@ def encode(text: str) -> list[int]:
     return out
 
 
+def encode_pieces(text: str) -> list[tuple[int, str]]:
+    """`encode(text)` with the text of each token (as llama.cpp's /tokenize `with_pieces`)."""
+    out: list[tuple[int, str]] = []
+    pos = 0
+    for m in _SPECIAL_RE.finditer(text):
+        out.extend((_piece_id(p), p) for p in _PIECE.findall(text, pos, m.start()))
+        out.append((SPECIAL[m.group(0)], m.group(0)))
+        pos = m.end()
+    out.extend((_piece_id(p), p) for p in _PIECE.findall(text, pos))
+    return out
+
+
 def count_tokens(text: str) -> int:
     return len(encode(text))
 
