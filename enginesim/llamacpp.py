@@ -267,20 +267,35 @@ class LlamaCppCore:
             if t is None:
                 out.append(SlotInfo(sl.id, sl.n_ctx, False))
                 continue
+            if sl.task is None:
+                # A released slot keeps its cache and its last task's parameters; its
+                # per-request figures are reset, as llama-server resets a slot's stats.
+                out.append(
+                    SlotInfo(
+                        id=sl.id,
+                        n_ctx=sl.n_ctx,
+                        is_processing=False,
+                        id_task=t.id_task,
+                        n_prompt_tokens=len(sl.tokens),
+                        n_predict=t.n_predict,
+                        ignore_eos=t.req.ignore_eos,
+                    )
+                )
+                continue
             n = len(t.generated)
             remain = UNLIMITED if t.n_predict == UNLIMITED else t.n_predict - n
             out.append(
                 SlotInfo(
                     id=sl.id,
                     n_ctx=sl.n_ctx,
-                    is_processing=sl.task is not None,
+                    is_processing=True,
                     id_task=t.id_task,
                     n_prompt_tokens=len(sl.tokens),
                     n_prompt_tokens_processed=t.n_past - t.n_cached,
                     n_prompt_tokens_cache=t.n_cached,
                     n_predict=t.n_predict,
                     ignore_eos=t.req.ignore_eos,
-                    has_next_token=not t.done,
+                    has_next_token=True,
                     n_remain=remain,
                     n_decoded=n,
                 )

@@ -74,24 +74,30 @@ _DEFAULT_PARAMS: dict[str, Any] = {
     "dry_multiplier": 0.0,
     "dry_base": 1.75,
     "dry_allowed_length": 2,
-    "dry_penalty_last_n": -1,
+    "dry_penalty_last_n": 64,
     "mirostat": 0,
     "mirostat_tau": 5.0,
     "mirostat_eta": 0.1,
+    "adaptive_target": -1.0,
+    "adaptive_decay": 0.9,
     "max_tokens": UNLIMITED,
     "n_predict": UNLIMITED,
     "n_keep": 0,
     "n_discard": 0,
     "ignore_eos": False,
-    "stream": True,
+    "stream": False,
     "n_probs": 0,
     "min_keep": 0,
     "chat_format": "Content-only",
     "reasoning_format": "none",
+    "reasoning_in_content": False,
+    "generation_prompt": "",
     "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
                  "xtc", "temperature"],
+    "speculative.types": "none",
     "timings_per_token": False,
     "post_sampling_probs": False,
+    "backend_sampling": False,
     "lora": [],
 }  # fmt: skip
 # A Jinja rendering of `tokenizer.apply_chat_template`, for /props.
@@ -214,6 +220,10 @@ class LlamaCppApi:
         return {**_DEFAULT_PARAMS, "max_tokens": n_predict, "n_predict": n_predict,
                 "ignore_eos": ignore_eos}  # fmt: skip
 
+    def _ftype(self) -> str:
+        b = self.server.profile.model.weight_bytes_per_param
+        return "all F32" if b >= 4 else "MOSTLY_F16" if b >= 2 else "MOSTLY_Q4_K_M"
+
     async def props(self, request: web.Request) -> web.Response:
         name = self.server.model_name
         return _json(
@@ -224,16 +234,27 @@ class LlamaCppApi:
                 },
                 "total_slots": self.core.n_slots,
                 "model_alias": name,
+                "model_ftype": self._ftype(),
                 "model_path": f"/models/{name}.gguf",
                 "modalities": {"vision": False, "video": False, "audio": False},
+                "media_marker": "<__media__>",
                 "endpoint_slots": True,
                 "endpoint_props": False,
                 "endpoint_metrics": True,
+                "ui": False,
+                "ui_settings": {},
                 "chat_template": CHAT_TEMPLATE,
+                "chat_template_caps": {
+                    "supports_string_content": True,
+                    "supports_system_role": True,
+                    "supports_tool_calls": False,
+                    "supports_tools": False,
+                },
                 "bos_token": "<|begin|>",
                 "eos_token": "<|end|>",
                 "build_info": BUILD_INFO,
                 "is_sleeping": False,
+                "cors_proxy_enabled": False,
             }
         )
 
@@ -331,6 +352,7 @@ class LlamaCppApi:
                 "n_embd": p.model.hidden_size,
                 "n_params": int(p.model.params_b * 1e9),
                 "size": int(p.model.weight_bytes),
+                "ftype": self._ftype(),
             },
         }
         listing = {

@@ -109,6 +109,14 @@ async def test_slots_show_processing_and_fail_on_no_slot(server, session):
         resp.close()
     (await fifth).close()
     await wait_until(lambda: not server.core.has_work())
+    # A released slot keeps its cache and last parameters; its request figures reset.
+    async with session.get(server.url + "/slots") as r:
+        idle = (await r.json())[3]
+    assert idle["is_processing"] is False and idle["n_prompt_tokens"] > 20
+    assert idle["n_prompt_tokens_processed"] == idle["n_prompt_tokens_cache"] == 0
+    assert idle["next_token"] == [
+        {"has_next_token": False, "has_new_line": False, "n_remain": -1, "n_decoded": 0}
+    ]
 
 
 async def test_tokenize_detokenize_apply_template(server, session):
@@ -299,7 +307,7 @@ async def test_openai_client_sees_llamacpp_errors(server):
 async def test_bad_input_and_unknown_routes(server, session):
     async with session.post(server.url + COMPLETIONS, data=b"{not json") as r:
         assert r.status == 500 and (await r.json())["error"]["type"] == "server_error"
-    async with session.post(server.url + CHAT, json={"messages": []}) as r:
+    async with session.post(server.url + CHAT, json={"model": "m"}) as r:
         assert r.status == 400
         err = (await r.json())["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == 400 and "param" not in err
