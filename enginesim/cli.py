@@ -3,16 +3,18 @@
     enginesim serve --profile tiny --port 8001 [--host 127.0.0.1] [--speed 1.0]
                     [--flavor vllm|sglang|llamacpp] [--seed 0]
                     [--speculative | --no-speculative]
-                    [--kv-unified | --no-kv-unified] [--kv-cache-metrics]   (llamacpp)
+                    [--kv-unified | --no-kv-unified] [--cache-ram MIB] [--kv-cache-metrics]
+                                                                     (llamacpp only)
                     [--fault MODE [--fault-status N] [--fault-factor X] [--fault-after-tokens N]]
     enginesim profiles
 
 `--flavor llamacpp` (or a profile with `flavor: llamacpp`, such as `llamacpp-tiny`) serves
 llama.cpp's llama-server: slots, `/props`, `/slots`, `llamacpp:` metrics, no preemption.
 Its KV layout is per slot unless `--kv-unified` (or the profile's `kv_unified: true`) makes
-it one pool shared by all slots. `--kv-cache-metrics` adds the two KV gauges that
-llama-server builds before May 2025 exported (`llamacpp:kv_cache_usage_ratio`,
-`llamacpp:kv_cache_tokens`).
+it one pool shared by all slots. `--cache-ram` sizes llama-server's host-RAM prompt
+cache (MiB; 0 turns it off, -1 no limit; default 8,192, as llama-server's).
+`--kv-cache-metrics` adds the two KV gauges that llama-server builds before May 2025
+exported (`llamacpp:kv_cache_usage_ratio`, `llamacpp:kv_cache_tokens`).
 
 The server runs on uvloop. SIGINT and SIGTERM stop it cleanly; the `crash` fault ends the
 process with exit status 1, as a crashing engine would.
@@ -77,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: as the profile says)",
     )
     serve.add_argument(
+        "--cache-ram",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="llamacpp: host-RAM prompt cache size, 0 off, -1 no limit (default: the profile's)",
+    )
+    serve.add_argument(
         "--kv-cache-metrics",
         action="store_true",
         help="llamacpp: also export llamacpp:kv_cache_usage_ratio and kv_cache_tokens, "
@@ -118,6 +127,7 @@ async def _serve(args: argparse.Namespace, fault: FaultConfig | None) -> int:
         exit_on_crash=True,
         kv_unified=args.kv_unified,
         kv_cache_metrics=args.kv_cache_metrics,
+        cache_ram_mib=args.cache_ram,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -191,8 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.speculative:
             parser.error("--speculative: the llamacpp flavor does not model speculative decoding")
         args.speculative = False
-    elif args.kv_unified is not None or args.kv_cache_metrics:
-        parser.error("--kv-unified and --kv-cache-metrics need the llamacpp flavor")
+        if args.cache_ram is not None and args.cache_ram < -1:
+            parser.error("--cache-ram: must be -1 (no limit), 0 (off) or a size in MiB")
+    elif args.kv_unified is not None or args.kv_cache_metrics or args.cache_ram is not None:
+        parser.error("--kv-unified, --cache-ram and --kv-cache-metrics need the llamacpp flavor")
 
     try:
         import uvloop

@@ -17,9 +17,13 @@ profile's pool, one cell per token). What this core imitates, read from llama.cp
 * Prompt cache. A slot keeps the tokens of its last request (prompt and generation but
   the last sampled token, whose KV is never computed). The next request in that slot
   reuses the longest common prefix with its prompt and computes the rest, always at
-  least one token. It is per slot, never shared between slots. (The host-RAM prompt
-  cache of `--cache-ram`, which can move a slot's cache to another slot, is not
-  modelled.)
+  least one token. Behind the slots sits llama-server's host-RAM prompt cache
+  (`--cache-ram`, 8,192 MiB by default; the profile's `cache_ram_mib`, 0 turns it off):
+  a slot taken by least-recent use (or by a weak match) first saves its tokens there,
+  then restores the cached prompt that matches the new one best, so a session finds its
+  history even after its slot served others. Whenever a request starts, every idle slot
+  is saved there too and, in the unified layout, cleared, which gives its cells back to
+  the pool. Entries are sized at the model's KV bytes per token; the oldest go first.
 * Limits, checked when a slot starts the request (not on arrival, so a deferred request
   learns it late): a prompt of at least the slot's context fails with HTTP 400
   `exceed_context_size_error`. A generation that fills its slot's context stops with
@@ -67,6 +71,8 @@ from enginesim.types import (
 
 # llama-server's --slot-prompt-similarity default.
 SLOT_PROMPT_SIMILARITY = 0.1
+# The host-RAM prompt cache keeps no entry that would lose more than this of its length.
+PROMPT_CACHE_MIN_KEEP = 0.25
 # n_predict of a request without max_tokens: generate until EOS or the slot's context ends.
 UNLIMITED = -1
 CONTEXT_EXCEEDED = "Context size has been exceeded."
@@ -156,14 +162,72 @@ class _Slot:
     t_last_used: float = -1.0
 
 
+class _PromptCache:
+    """llama-server's host-RAM prompt cache: saved slot states, oldest first."""
+
+    def __init__(self, limit_bytes: int, bytes_per_token: int) -> None:
+        self.limit_bytes = limit_bytes  # 0: no limit
+        self.bytes_per_token = max(1, bytes_per_token)
+        self.states: deque[list[int]] = deque()
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(t) for t in self.states)
+
+    def save(self, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        if any(_common_prefix(st, tokens) == len(tokens) for st in self.states):
+            return  # already held (as this prompt or a longer one)
+        size = len(tokens) * self.bytes_per_token
+        if self.limit_bytes and size > self.limit_bytes:
+            return
+        # Entries the new one contains are obsolete.
+        self.states = deque(st for st in self.states if _common_prefix(st, tokens) < len(st))
+        while self.states and self.limit_bytes and (self.n_tokens * self.bytes_per_token + size
+                                                    > self.limit_bytes):  # fmt: skip
+            self.states.popleft()
+        self.states.append(list(tokens))
+
+    def load(self, current: list[int], prompt: list[int]) -> list[int] | None:
+        """The cached state better for `prompt` than `current` (taken out), or None."""
+        lcp = _common_prefix(current, prompt)
+        keep_best = lcp / len(current) if current else -1.0
+        sim_best = lcp / len(prompt)
+        best = None
+        for i, st in enumerate(self.states):
+            n = _common_prefix(st, prompt)
+            keep, sim = n / len(st), n / len(prompt)
+            if keep < PROMPT_CACHE_MIN_KEEP:
+                continue  # do not trash a large prompt for a small match
+            if keep_best < keep and sim_best < sim:
+                keep_best, sim_best, best = keep, sim, i
+        if best is None:
+            return None
+        tokens = self.states[best]
+        del self.states[best]
+        return tokens
+
+
 class LlamaCppCore:
     """One llama-server. See the module docstring for what is modelled."""
 
-    def __init__(self, profile: Profile, *, seed: int = 0, kv_unified: bool | None = None) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        seed: int = 0,
+        kv_unified: bool | None = None,
+        cache_ram_mib: int | None = None,
+    ) -> None:
         self.profile = profile
         self.seed = seed
         eng = profile.engine
         self.kv_unified = eng.kv_unified if kv_unified is None else bool(kv_unified)
+        ram = eng.cache_ram_mib if cache_ram_mib is None else cache_ram_mib
+        self.prompt_cache = (
+            _PromptCache(max(0, ram) * 1024 * 1024, profile.kv_bytes_per_token) if ram else None
+        )
         self.n_ctx = profile.pool_tokens
         self.n_slots = profile.max_num_seqs
         self.n_batch = profile.max_num_batched_tokens
@@ -348,6 +412,7 @@ class LlamaCppCore:
             if slot is None:
                 return  # all slots busy: the rest stays deferred
             task = self._deferred.popleft()
+            self._cache_idle_slots(busy=slot)
             n_prompt = len(task.prompt)
             if n_prompt >= slot.n_ctx:
                 # The slot took the task and refused it: llama-server releases it again
@@ -372,20 +437,38 @@ class LlamaCppCore:
 
     def _pick_slot(self, prompt: list[int]) -> _Slot | None:
         best: _Slot | None = None
-        best_sim = 0.0
+        best_lcp = 0
         for sl in self.slots:
             if sl.task is not None or not sl.tokens:
                 continue
-            sim = _common_prefix(sl.tokens, prompt) / len(prompt)
-            if sim > best_sim and sim > SLOT_PROMPT_SIMILARITY:
-                best, best_sim = sl, sim
-        if best is not None:
-            return best
-        t_last = math.inf
-        for sl in self.slots:
-            if sl.task is None and (best is None or sl.t_last_used <= t_last):
-                best, t_last = sl, sl.t_last_used
+            lcp = _common_prefix(sl.tokens, prompt)
+            if lcp > best_lcp and lcp / len(prompt) > SLOT_PROMPT_SIMILARITY:
+                best, best_lcp = sl, lcp
+        # A slot picked by a weak match (it would lose over half its cache) or by least
+        # recent use trades its cache with the RAM cache.
+        update_cache = best is not None and best_lcp / len(best.tokens) < 0.5
+        if best is None:
+            t_last = math.inf
+            for sl in self.slots:
+                if sl.task is None and (best is None or sl.t_last_used <= t_last):
+                    best, t_last = sl, sl.t_last_used
+            update_cache = best is not None
+        if best is not None and update_cache and self.prompt_cache is not None:
+            self.prompt_cache.save(best.tokens)
+            restored = self.prompt_cache.load(best.tokens, prompt)
+            if restored is not None:
+                best.tokens = restored
         return best
+
+    def _cache_idle_slots(self, busy: _Slot) -> None:
+        """llama-server's --cache-idle-slots (on with the RAM cache), as a request starts."""
+        if self.prompt_cache is None:
+            return
+        for sl in self.slots:
+            if sl.task is None and sl is not busy:
+                self.prompt_cache.save(sl.tokens)
+                if self.kv_unified:
+                    sl.tokens = []
 
     def _release(self, slot: _Slot, now: float) -> None:
         task = slot.task

@@ -126,6 +126,8 @@ class EngineSpec(_Strict):
     # max_num_batched_tokens n_batch, max_model_len the model's trained context. Without
     # kv_unified each slot owns n_ctx / slots cells; with it all slots share the pool.
     kv_unified: bool = False
+    # llama.cpp's host-RAM prompt cache (--cache-ram, MiB): 0 turns it off, -1 no limit.
+    cache_ram_mib: int = Field(8192, ge=-1)
     # SGLang shape: the reservation ratio for max_new_tokens of running requests.
     init_new_token_ratio: float = Field(0.7, gt=0, le=1)
     min_new_token_ratio: float = Field(0.1, gt=0, le=1)

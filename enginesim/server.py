@@ -248,6 +248,7 @@ class EngineServer:
         exit_on_crash: bool = False,
         kv_unified: bool | None = None,
         kv_cache_metrics: bool = False,
+        cache_ram_mib: int | None = None,
     ) -> None:
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         self.host = host
@@ -258,11 +259,13 @@ class EngineServer:
         if self.flavor is Flavor.LLAMACPP:
             if speculative:
                 raise ValueError("the llamacpp flavor does not model speculative decoding")
-            self.core = LlamaCppCore(self.profile, seed=seed, kv_unified=kv_unified)
+            self.core = LlamaCppCore(
+                self.profile, seed=seed, kv_unified=kv_unified, cache_ram_mib=cache_ram_mib
+            )
             on_scrape = self.core.reset_metrics_bucket
         else:
-            if kv_unified is not None:
-                raise ValueError("kv_unified applies to the llamacpp flavor only")
+            if kv_unified is not None or cache_ram_mib is not None:
+                raise ValueError("kv_unified and cache_ram_mib apply to the llamacpp flavor only")
             self.core = EngineCore(
                 self.profile, flavor=self.flavor, seed=seed, speculative=speculative
             )

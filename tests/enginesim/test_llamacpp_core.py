@@ -214,7 +214,9 @@ def test_unified_overflow_fails_every_active_request_at_that_step() -> None:
 
 
 def test_unified_purges_idle_caches_before_failing() -> None:
-    core = _core(unified=True)
+    # Without the RAM cache (--cache-ram 0) idle slots keep their cells in the pool until
+    # a batch needs them.
+    core = LlamaCppCore(load_profile("llamacpp-tiny"), kv_unified=True, cache_ram_mib=0)
     rng = random.Random(9)
     for i in range(3):  # three finished requests leave ~3,000 cells cached in idle slots
         core.add_request(_req(f"old{i}", _prompt(rng, 900), max_tokens=100), 0.0)
@@ -278,3 +280,49 @@ def test_deterministic_for_a_seed() -> None:
 
     assert trace(1) == trace(1)
     assert trace(1) != trace(2)
+
+
+# -- the host-RAM prompt cache (checked against a real llama-server, -np 4 -c 4096) --------------
+
+
+def _slot_tokens(core: LlamaCppCore) -> list[int]:
+    return [i.n_prompt_tokens for i in core.slot_info()]
+
+
+def test_ram_cache_restores_a_session_whose_slot_served_others() -> None:
+    """The real server answered C with cached_tokens 301 and left the slots at
+    339/339/330/339; without the RAM cache nothing would be found."""
+    a = [500] * 300 + [501]
+    for ram, expected in ((None, 301), (0, 0)):
+        core = LlamaCppCore(load_profile("llamacpp-tiny"), cache_ram_mib=ram)
+        core.add_request(_req("A", a, max_tokens=20), 0.0)
+        now, events = _run(core)
+        assert _by_id(events, EventKind.STARTED)["A"].slot == 3
+        assert _slot_tokens(core) == [0, 0, 0, 320]
+        for i in range(4):
+            core.add_request(_req(f"B{i}", [600 + i] * 300, max_tokens=40), now)
+        now, _ = _run(core, now)
+        assert _slot_tokens(core) == [339] * 4  # A's slot went to a B
+        core.add_request(_req("C", a + [502] * 10, max_tokens=20), now)
+        _, events = _run(core, now)
+        assert _by_id(events, EventKind.FINISHED)["C"].cached_tokens == expected
+        if ram is None:  # which slot is least recently used among equals is timing
+            assert sorted(_slot_tokens(core)) == [330, 339, 339, 339]
+
+
+def test_unified_idle_slots_are_saved_and_cleared_when_a_request_starts() -> None:
+    """Real server, --kv-unified: slots 320 -> (B starts) 319 in slot 2 and slot 3 at 0 ->
+    A's session again restored into slot 1 with cached_tokens 301."""
+    core = _core(unified=True)
+    a = [500] * 300 + [501]
+    core.add_request(_req("A", a, max_tokens=20), 0.0)
+    now, _ = _run(core)
+    assert _slot_tokens(core) == [0, 0, 0, 320]
+    core.add_request(_req("B", [600] * 300, max_tokens=20), now)
+    now, _ = _run(core, now)
+    assert _slot_tokens(core) == [0, 0, 319, 0]  # A's cells went back to the pool
+    for _ in range(2):
+        core.add_request(_req("A2", a + [7], max_tokens=20), now)
+        now, events = _run(core, now)
+        assert _by_id(events, EventKind.FINISHED)["A2"].cached_tokens == 301
+        assert _slot_tokens(core) == [0, 321, 0, 0]

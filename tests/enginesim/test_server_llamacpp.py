@@ -240,6 +240,22 @@ async def test_disconnect_releases_the_slot_and_starts_a_deferred_request(server
     assert server.driver.num_in_flight == 0 and server.core.stats().num_aborted == 4
 
 
+async def test_chat_second_turn_reuses_the_slot_cache(server, session):
+    """A resent history hits everything the slot computed: prompt and answer but its
+    last token (llama.cpp's per-slot prompt cache, with the simulator's round trip)."""
+    turn1 = [{"role": "user", "content": "Tell me about slots."}]
+    body = {"messages": turn1, "max_tokens": 30, "ignore_eos": True}
+    async with session.post(server.url + CHAT, json=body) as r:
+        data = await r.json()
+    p1, answer = data["usage"]["prompt_tokens"], data["choices"][0]["message"]["content"]
+    turn2 = [*turn1, {"role": "assistant", "content": answer},
+             {"role": "user", "content": "And the cache?"}]  # fmt: skip
+    async with session.post(server.url + CHAT, json={"messages": turn2, "max_tokens": 2}) as r:
+        data = await r.json()
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == p1 + 30 - 1
+    assert data["timings"]["cache_n"] == p1 + 30 - 1
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 
@@ -325,7 +341,9 @@ async def test_bad_input_and_unknown_routes(server, session):
 
 
 async def test_cli_llamacpp_unified():
-    proc, url = await _spawn("--profile", "llamacpp-tiny", "--speed", "20", "--kv-unified")
+    proc, url = await _spawn(
+        "--profile", "llamacpp-tiny", "--speed", "20", "--kv-unified", "--cache-ram", "0"
+    )  # fmt: skip
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
             async with s.get(url + "/props") as r:
