@@ -12,8 +12,14 @@ What a client sees of a llama-server, with shapes read from llama.cpp's
 * `POST /v1/chat/completions` (also `/chat/completions`) and `POST /v1/completions`,
   stream and non-stream, with llama.cpp's `timings` and
   `usage.prompt_tokens_details.cached_tokens`; ids are `chatcmpl-` and 32 alphanumerics
-  for both, and `system_fingerprint` is the build. llama.cpp's native `/completion` is
-  not served.
+  for both, and `system_fingerprint` is the build. `max_tokens` 0 still generates one
+  token, a negative one sets no limit. llama.cpp's native `/completion` is not served.
+
+A stream whose client goes away is cancelled at once (llama-server notices at its next
+write). A non-stream one is not: llama-server's HTTP thread looks at its connection only
+when its wait for results times out, after one second without a result for any request
+(another stream's tokens, a `/slots` or `/metrics` answer restart the wait), so on a busy
+server an abandoned non-stream request generates to its end. Here too, in virtual seconds.
 
 Errors are `{"error": {"code": <HTTP status>, "message": ..., "type": ...}}` with
 llama.cpp's type strings; a prompt that does not fit its slot's context is HTTP 400
@@ -27,7 +33,9 @@ validation.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +51,8 @@ if TYPE_CHECKING:
     from enginesim.server import EngineServer, _Prepared
 
 BUILD_INFO = "b0-enginesim"
+# llama-server's HTTP thread waits this long for a result before it checks its client.
+HTTP_POLLING_SECONDS = 1.0
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _ERROR_TYPES = {
@@ -179,6 +189,48 @@ class LlamaCppApi:
         core = server.core
         assert isinstance(core, LlamaCppCore)
         self.core = core
+        self._last_result = 0.0  # virtual time of the last result of any request
+        self._lingering: set[str] = set()
+        self._linger_tasks: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        for task in list(self._linger_tasks):
+            task.cancel()
+        await asyncio.gather(*self._linger_tasks, return_exceptions=True)
+
+    def lingers(self, request_id: str) -> bool:
+        """True while an abandoned non-stream request still runs, as on llama-server."""
+        return request_id in self._lingering
+
+    def _result(self) -> None:
+        self._last_result = self.server.driver.vnow()
+
+    def _linger(self, request_id: str, handle: RequestHandle, since: float) -> None:
+        self._lingering.add(request_id)
+        task = asyncio.get_running_loop().create_task(self._abandon(request_id, handle, since))
+        self._linger_tasks.add(task)
+        task.add_done_callback(self._linger_tasks.discard)
+
+    async def _abandon(self, request_id: str, handle: RequestHandle, since: float) -> None:
+        """Cancel an abandoned non-stream request when llama-server would notice.
+
+        `since` is when its HTTP thread began to wait (the request's arrival).
+        """
+        driver = self.server.driver
+        gone = driver.vnow()
+        try:
+            while not handle.done:
+                seen = self._last_result
+                last = max(seen, since)
+                # The wait restarted at the last result and times out every second; the
+                # first timeout after the hang-up sees the client gone.
+                fire = last + HTTP_POLLING_SECONDS * max(1, math.ceil(gone - last))
+                await asyncio.sleep(max(0.0, (fire - driver.vnow()) / driver.speed))
+                if self._last_result == seen:
+                    break
+        finally:
+            self._lingering.discard(request_id)
+            driver.abort(request_id)
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_get("/health", self.health)
@@ -282,12 +334,14 @@ class LlamaCppApi:
         return out
 
     async def slots(self, request: web.Request) -> web.Response:
+        self._result()  # a task through llama-server's queue, with a result
         info = self.core.slot_info()
         if request.query.get("fail_on_no_slot") and all(s.is_processing for s in info):
             return llamacpp_error_response(503, "no slot available")
         return _json([self._slot_json(s) for s in info])
 
     async def metrics(self, request: web.Request) -> web.Response:
+        self._result()
         return web.Response(
             body=self.server.metrics.render(),
             headers={
@@ -392,13 +446,24 @@ class LlamaCppApi:
     ) -> web.StreamResponse:
         token_ids: list[int] = []
         final: EngineEvent | None = None
-        while final is None:
-            for ev in await handle.next_batch():
-                token_ids.extend(ev.token_ids)
-                if ev.kind in (EventKind.FINISHED, EventKind.FAILED, EventKind.ABORTED):
-                    final = ev
-            if prep.drop_after is not None and len(token_ids) >= prep.drop_after and final is None:
-                self.server._drop(request, prep)
+        since = self.server.driver.vnow()
+        try:
+            while final is None:
+                for ev in await handle.next_batch():
+                    token_ids.extend(ev.token_ids)
+                    if ev.kind in (EventKind.FINISHED, EventKind.FAILED, EventKind.ABORTED):
+                        final = ev
+                if (
+                    prep.drop_after is not None
+                    and len(token_ids) >= prep.drop_after
+                    and final is None
+                ):
+                    self.server._drop(request, prep)
+        except asyncio.CancelledError:
+            if not handle.done:  # the client went away; the engine has not noticed yet
+                self._linger(prep.public_id, handle, since)
+            raise
+        self._result()
         if final.kind is not EventKind.FINISHED:
             err = final.error or _aborted()
             return _json({"error": error_object(err)}, err.status)
@@ -451,10 +516,12 @@ class LlamaCppApi:
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         resp.enable_chunked_encoding()
         await resp.prepare(request)
+        self._result()  # the start is a result too (llama-server's "begin" partial)
         chat = prep.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def send(payload: dict[str, Any]) -> None:
+            self._result()
             await resp.write(b"data: " + _dumps(payload).encode() + b"\n\n")
 
         def chat_chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:

@@ -333,6 +333,8 @@ class EngineServer:
 
     async def stop(self) -> None:
         self._closing = True
+        if self.flavor is Flavor.LLAMACPP:
+            await self.llamacpp.close()
         await self.driver.stop()
         self._not_hung.set()  # release hung handlers so shutdown does not wait for them
         if self._crash_task is not None:
@@ -663,11 +665,13 @@ class EngineServer:
             # starts the request, and has no up-front check of prompt + max_tokens.
             if n_prompt == 0:
                 raise ApiError(400, "empty prompt", "prompt")
-            if max_tokens is not None and max_tokens < 1:
-                raise ApiError(400, f"{max_param} must be at least 1, got {max_tokens}.")
+            # n_predict: negative is unlimited, and 0 still generates one token.
+            if max_tokens is None or max_tokens < 0:
+                n_predict = UNLIMITED
+            else:
+                n_predict = max(1, max_tokens)
             return self._prepared(
-                request, req, kind, model, prompt_text, prompt_ids,
-                UNLIMITED if max_tokens is None else max_tokens,
+                request, req, kind, model, prompt_text, prompt_ids, n_predict
             )  # fmt: skip
         limit = self.profile.max_model_len
         if n_prompt == 0:
@@ -768,8 +772,10 @@ class EngineServer:
             return await self._complete(request, prep, handle)
         finally:
             # Every way out (finished, client gone, cancelled, fault, bug) ends the core
-            # request; after a normal finish this is a no-op.
-            self.driver.abort(prep.public_id)
+            # request; after a normal finish this is a no-op. (llama-server is slower to
+            # notice a non-stream client gone: see LlamaCppApi.complete.)
+            if not (self.flavor is Flavor.LLAMACPP and self.llamacpp.lingers(prep.public_id)):
+                self.driver.abort(prep.public_id)
 
     # -- non-stream --------------------------------------------------------------------
 

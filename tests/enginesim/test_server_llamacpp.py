@@ -256,6 +256,45 @@ async def test_chat_second_turn_reuses_the_slot_cache(server, session):
     assert data["timings"]["cache_n"] == p1 + 30 - 1
 
 
+async def test_abandoned_non_stream_request_lingers_on_a_quiet_server(enginesim_server, session):
+    """llama-server sees a non-stream client gone only when its 1 s wait for results
+    times out: the request runs on for up to a (virtual) second, then is cancelled."""
+    server = await enginesim_server("llamacpp-tiny", speed=5.0)  # 1 s is 200 ms here
+    body = {"prompt": _words(30), "max_tokens": 900, "ignore_eos": True}
+    task = asyncio.create_task(session.post(server.url + COMPLETIONS, json=body))
+    await wait_until(lambda: server.core.stats().num_running == 1)
+    gone = server.driver.vnow()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)
+    assert server.core.stats().num_running == 1  # still generating
+    await wait_until(lambda: server.core.stats().num_running == 0)
+    assert 0 < server.driver.vnow() - gone <= 1.5
+    st = server.core.stats()
+    assert st.num_aborted == 1 and 0 < st.tokens_predicted < 900
+
+
+async def test_abandoned_non_stream_request_runs_to_its_end_on_a_busy_server(server, session):
+    """Another stream's tokens keep restarting the wait: the abandoned request finishes."""
+    stream = await session.post(
+        server.url + COMPLETIONS,
+        json={"prompt": _words(10), "max_tokens": 1000, "ignore_eos": True, "stream": True},
+    )
+    body = {"prompt": _words(30), "max_tokens": 300, "ignore_eos": True}
+    task = asyncio.create_task(session.post(server.url + COMPLETIONS, json=body))
+    await wait_until(lambda: server.core.stats().num_running == 2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await stream.read()  # the stream runs on to its end meanwhile
+    stream.close()
+    await wait_until(lambda: server.core.stats().num_running == 0)
+    st = server.core.stats()
+    assert st.num_aborted == 0 and st.num_finished == 2
+    assert st.tokens_predicted == 300 + 1000
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 
