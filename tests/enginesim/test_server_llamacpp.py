@@ -180,6 +180,12 @@ async def test_chat_non_stream_shape(server, session):
     usage = data["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    # tokenize(apply-template(messages)) is the request's prompt_tokens, as on llama-server.
+    msgs = chat_body()["messages"]
+    async with session.post(server.url + "/apply-template", json={"messages": msgs}) as r:
+        prompt = (await r.json())["prompt"]
+    async with session.post(server.url + "/tokenize", json={"content": prompt}) as r:
+        assert len((await r.json())["tokens"]) == usage["prompt_tokens"]
     t = data["timings"]
     assert (
         t["prompt_n"] == usage["prompt_tokens"] and t["predicted_n"] == usage["completion_tokens"]
