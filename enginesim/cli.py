@@ -1,9 +1,20 @@
 """`enginesim`: run a simulated LLM engine replica from the command line.
 
     enginesim serve --profile tiny --port 8001 [--host 127.0.0.1] [--speed 1.0]
-                    [--flavor vllm|sglang] [--seed 0] [--speculative | --no-speculative]
+                    [--flavor vllm|sglang|llamacpp] [--seed 0]
+                    [--speculative | --no-speculative]
+                    [--kv-unified | --no-kv-unified] [--cache-ram MIB] [--kv-cache-metrics]
+                                                                     (llamacpp only)
                     [--fault MODE [--fault-status N] [--fault-factor X] [--fault-after-tokens N]]
     enginesim profiles
+
+`--flavor llamacpp` (or a profile with `flavor: llamacpp`, such as `llamacpp-tiny`) serves
+llama.cpp's llama-server: slots, `/props`, `/slots`, `llamacpp:` metrics, no preemption.
+Its KV layout is per slot unless `--kv-unified` (or the profile's `kv_unified: true`) makes
+it one pool shared by all slots. `--cache-ram` sizes llama-server's host-RAM prompt
+cache (MiB; 0 turns it off, -1 no limit; default 8,192, as llama-server's).
+`--kv-cache-metrics` adds the two KV gauges that llama-server builds before May 2025
+exported (`llamacpp:kv_cache_usage_ratio`, `llamacpp:kv_cache_tokens`).
 
 The server runs on uvloop. SIGINT and SIGTERM stop it cleanly; the `crash` fault ends the
 process with exit status 1, as a crashing engine would.
@@ -35,7 +46,9 @@ def _positive_float(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="enginesim",
-        description="A simulated vLLM/SGLang replica speaking the OpenAI API on a virtual clock.",
+        description=(
+            "A simulated vLLM/SGLang/llama.cpp replica speaking the OpenAI API on a virtual clock."
+        ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -49,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="virtual seconds per wall second (20 runs the engine 20x faster)",
     )
-    serve.add_argument("--flavor", choices=["vllm", "sglang"], default=None,
+    serve.add_argument("--flavor", choices=["vllm", "sglang", "llamacpp"], default=None,
                        help="engine imitated (default: the profile's)")  # fmt: skip
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument(
@@ -57,6 +70,26 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="force speculative decoding on or off (default: as the profile says)",
+    )
+    serve.add_argument(
+        "--kv-unified",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="llamacpp: one KV pool shared by all slots instead of n_ctx / slots each "
+        "(default: as the profile says)",
+    )
+    serve.add_argument(
+        "--cache-ram",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="llamacpp: host-RAM prompt cache size, 0 off, -1 no limit (default: the profile's)",
+    )
+    serve.add_argument(
+        "--kv-cache-metrics",
+        action="store_true",
+        help="llamacpp: also export llamacpp:kv_cache_usage_ratio and kv_cache_tokens, "
+        "as llama-server builds before May 2025 did",
     )
     serve.add_argument(
         "--fault",
@@ -79,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(args: argparse.Namespace, fault: FaultConfig | None) -> int:
+    from enginesim.llamacpp import LlamaCppCore
     from enginesim.server import EngineServer
 
     server = EngineServer(
@@ -91,6 +125,9 @@ async def _serve(args: argparse.Namespace, fault: FaultConfig | None) -> int:
         speculative=args.speculative,
         fault=fault,
         exit_on_crash=True,
+        kv_unified=args.kv_unified,
+        kv_cache_metrics=args.kv_cache_metrics,
+        cache_ram_mib=args.cache_ram,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -99,12 +136,21 @@ async def _serve(args: argparse.Namespace, fault: FaultConfig | None) -> int:
             loop.add_signal_handler(sig, stop.set)
     await server.start()
     p = server.profile
-    logging.getLogger("enginesim").info(
-        "enginesim serving %s (profile %s, flavor %s, pool %d tokens = %d blocks x %d, "
-        "max_model_len %d, speed %gx) on %s",
-        server.model_name, p.name, server.flavor, p.num_gpu_blocks * p.block_size,
-        p.num_gpu_blocks, p.block_size, p.max_model_len, args.speed, server.url,
-    )  # fmt: skip
+    core = server.core
+    if isinstance(core, LlamaCppCore):
+        logging.getLogger("enginesim").info(
+            "enginesim serving %s (profile %s, flavor llamacpp, n_ctx %d, %d slots of %d "
+            "cells, kv_unified %s, speed %gx) on %s",
+            server.model_name, p.name, core.n_ctx, core.n_slots, core.slot_n_ctx,
+            core.kv_unified, args.speed, server.url,
+        )  # fmt: skip
+    else:
+        logging.getLogger("enginesim").info(
+            "enginesim serving %s (profile %s, flavor %s, pool %d tokens = %d blocks x %d, "
+            "max_model_len %d, speed %gx) on %s",
+            server.model_name, p.name, server.flavor, p.num_gpu_blocks * p.block_size,
+            p.num_gpu_blocks, p.block_size, p.max_model_len, args.speed, server.url,
+        )  # fmt: skip
     # A line a supervising script can wait for, with the port actually bound.
     print(f"enginesim ready {server.url}", flush=True)
     try:
@@ -144,11 +190,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--fault-status/--fault-factor/--fault-after-tokens need --fault")
 
     from enginesim.profiles import ProfileError, load_profile
+    from enginesim.types import Flavor
 
     try:
         args.profile = load_profile(args.profile)
     except ProfileError as exc:
         parser.error(str(exc))
+    flavor = Flavor(args.flavor) if args.flavor else args.profile.flavor
+    if flavor is Flavor.LLAMACPP:
+        if args.speculative:
+            parser.error("--speculative: the llamacpp flavor does not model speculative decoding")
+        args.speculative = False
+        if args.cache_ram is not None and args.cache_ram < -1:
+            parser.error("--cache-ram: must be -1 (no limit), 0 (off) or a size in MiB")
+    elif args.kv_unified is not None or args.kv_cache_metrics or args.cache_ram is not None:
+        parser.error("--kv-unified, --cache-ram and --kv-cache-metrics need the llamacpp flavor")
 
     try:
         import uvloop

@@ -21,6 +21,14 @@ Two scheduler shapes are modelled:
   and jumps back up when decode runs out of memory and requests are retracted (freed and
   re-queued, like a preemption).
 
+The prefix cache works as vLLM's: each full block of a request's tokens, prompt and output
+alike, is published under a hash chained from the previous block's as soon as its KV is
+computed (during decode as during prefill; drafts count only once accepted), and a
+finished, aborted or preempted request's blocks join the LRU free queue with their hashes
+kept. The last sampled token is never fed back, so a block it would complete stays
+private. Generated ids come from `tokenizer.next_generated` and re-encode to themselves,
+so a chat session that resends its history hits the blocks of its earlier answers.
+
 Nothing here is per token except appending generated token ids: block bookkeeping is per
 block, and step cost is a handful of float operations per step.
 """
@@ -48,7 +56,6 @@ from enginesim.types import (
     Workload,
 )
 
-_GEN_VOCAB = len(tokenizer.GEN_VOCAB)
 # SGLang's retract heuristic: a retracted batch is assumed to need this many more
 # decode steps per request when the new-token ratio is recomputed.
 _RETRACT_DECODE_STEPS = 20
@@ -492,8 +499,11 @@ class EngineCore:
                 n_decode += n
                 emit = self._accepted(r, drafts) if drafts > 0 else 1
             emit = min(emit, r.target_len - r.num_output)
-            base = r.gen_base + r.num_output * 7919
-            new_ids = [tokenizer.GEN_BASE + (base + j * 7919) % _GEN_VOCAB for j in range(emit)]
+            new_ids = []
+            prev = r.tokens[-1]
+            for j in range(r.num_output, r.num_output + emit):
+                prev = tokenizer.next_generated(r.gen_base, j, prev)
+                new_ids.append(prev)
             r.tokens.extend(new_ids)
             r.num_computed = len(r.tokens) - 1
             st.generation_tokens += emit
@@ -525,8 +535,15 @@ class EngineCore:
         """Assert pool consistency and that every live block belongs to a running request."""
         self.pool.check()
         assert self.pool.num_used <= self.num_gpu_blocks
-        held = sum(len(r.blocks) for r in self._running)
         assert all(not r.blocks for r in self._waiting)
-        assert held >= self.pool.num_used  # shared prefix blocks are counted once per holder
+        # Each block's reference count is exactly the number of running requests holding
+        # it (a shared prefix block once per holder); unreferenced blocks are free.
+        holders: dict[int, int] = {}
+        for r in self._running:
+            assert len(set(r.blocks)) == len(r.blocks)
+            for b in r.blocks:
+                holders[b] = holders.get(b, 0) + 1
+        assert holders == {b: n for b, n in enumerate(self.pool._ref) if n}
         for r in self._running:
             assert len(r.blocks) * self.block_size >= r.num_computed
+            assert r.num_registered <= len(r.blocks)

@@ -51,9 +51,10 @@ class CoreLike:
 class RequestHandle:
     """A request in flight: its event queue and the timestamps its latency metrics need.
 
-    The queue carries TOKENS events followed by exactly one terminal event (FINISHED or
-    ABORTED). PREEMPTED events are not forwarded: a client cannot see a preemption except
-    as a pause in the stream.
+    The queue carries TOKENS events followed by exactly one terminal event (FINISHED,
+    ABORTED, or FAILED when the engine answers with an error), and for a llama.cpp core a
+    STARTED event first, when a slot takes the request. PREEMPTED events are not
+    forwarded: a client cannot see a preemption except as a pause in the stream.
     """
 
     request_id: str
@@ -284,11 +285,13 @@ class EngineDriver:
                 if metrics is not None:
                     metrics.observe_finished(now - handle.arrival, ev.finish_reason or "stop")
                 handle.queue.put_nowait(ev)
-            elif ev.kind is EventKind.ABORTED:
+            elif ev.kind is EventKind.ABORTED or ev.kind is EventKind.FAILED:
                 del self._handles[ev.request_id]
                 handle.done = True
                 if metrics is not None:
                     metrics.observe_aborted()
+                handle.queue.put_nowait(ev)
+            elif ev.kind is EventKind.STARTED:
                 handle.queue.put_nowait(ev)
             # PREEMPTED: counted by the core's stats; nothing to tell the client.
         if tokens and self._on_tokens is not None:

@@ -10,6 +10,11 @@ seconds), because the core has no notion of request latency as a client sees it.
 
 Each server owns its `CollectorRegistry`, so several replicas can live in one process
 (tests, the demo, benches) without their series colliding.
+
+llama.cpp's `/metrics` is rendered by hand, as llama-server writes it (`llamacpp:` names,
+`# HELP`/`# TYPE` lines naming the full metric, values printed as C++ streams print a
+double): it has no histograms and no labels, and its two throughput gauges average over
+the window since the previous scrape, so each scrape starts a new window.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from enginesim.types import EngineStats, Flavor
+from enginesim.types import EngineStats, Flavor, LlamaCppStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -209,6 +214,69 @@ class _StatsCollector(Collector):
         )
 
 
+def render_llamacpp(s: LlamaCppStats, kv_cache_metrics: bool = False) -> str:
+    """llama-server's `/metrics` text for `s`.
+
+    Names and help strings are those of llama.cpp's `server_task_result_metrics`. With
+    `kv_cache_metrics` the two KV gauges that builds before llama.cpp PR #13660 (May
+    2025) exported are added; current builds do not export them.
+    """
+    counters = [
+        ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
+         s.prompt_tokens_processed),
+        ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
+         s.prompt_tokens_cached),
+        ("prompt_seconds_total", "Total time spent processing prompts", s.prompt_seconds),
+        ("tokens_predicted_total", "Number of generation tokens processed", s.tokens_predicted),
+        ("tokens_predicted_seconds_total", "Total time spent generating tokens",
+         s.tokens_predicted_seconds),
+        ("n_decode_total", "Total number of llama_decode() calls, excluding speculative "
+         "decoding and multimodal decoding", s.n_decode),
+        ("n_tokens_max", "Largest observed sequence length (prompt + generation)",
+         s.n_tokens_max),
+        ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated",
+         s.spec_num_draft_tokens),
+        ("spec_decode_num_accepted_tokens_total",
+         "Speculative: Total draft tokens accepted by the target model",
+         s.spec_num_accepted_tokens),
+        ("spec_decode_num_drafts_total",
+         "Speculative: Total speculative decoding verification steps", s.spec_num_drafts),
+    ]  # fmt: skip
+    prompt_rate = (
+        s.prompt_bucket_tokens / s.prompt_bucket_seconds if s.prompt_bucket_seconds else 0.0
+    )
+    predict_rate = (
+        s.predict_bucket_steps / s.predict_bucket_seconds if s.predict_bucket_seconds else 0.0
+    )
+    gauges = [
+        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt_rate),
+        ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
+         predict_rate),
+    ]  # fmt: skip
+    if kv_cache_metrics:
+        held = s.blocks_in_use + s.cached_free_blocks
+        gauges += [
+            ("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
+             held / s.num_gpu_blocks if s.num_gpu_blocks else 0.0),
+            ("kv_cache_tokens", "KV-cache tokens.", held),
+        ]  # fmt: skip
+    gauges += [
+        ("requests_processing", "Number of requests processing", s.num_running),
+        ("requests_deferred", "Number of requests deferred", s.num_waiting),
+        ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+         s.n_busy_slots / max(s.n_decode, 1)),
+    ]  # fmt: skip
+    lines = []
+    for kind, items in (("counter", counters), ("gauge", gauges)):
+        for name, doc, value in items:
+            lines += [
+                f"# HELP llamacpp:{name} {doc}",
+                f"# TYPE llamacpp:{name} {kind}",
+                f"llamacpp:{name} {float(value):g}",
+            ]
+    return "\n".join(lines) + "\n"
+
+
 class EngineMetrics:
     """The metric registry of one simulated replica.
 
@@ -224,10 +292,21 @@ class EngineMetrics:
         stats: Callable[[], EngineStats],
         speculative: bool,
         max_running_requests: int,
+        on_scrape: Callable[[], None] | None = None,
+        kv_cache_metrics: bool = False,
     ) -> None:
         self.flavor = flavor
         self.model_name = model_name
+        self._stats = stats
+        self._on_scrape = on_scrape
+        self._kv_cache_metrics = kv_cache_metrics
         self.registry = CollectorRegistry()
+        self._success: Counter | None = None
+        self._ttft: Histogram | None = None
+        self._itl: Histogram | None = None
+        self._e2e: Histogram | None = None
+        if flavor is Flavor.LLAMACPP:
+            return  # rendered by hand from the stats; llama-server has no histograms
         self.registry.register(
             _StatsCollector(
                 flavor=flavor,
@@ -261,7 +340,6 @@ class EngineMetrics:
             "Histogram of end to end request latency in seconds.",
             E2E_BUCKETS,
         )
-        self._success: Counter | None = None
         if flavor is Flavor.VLLM:
             self._success = Counter(
                 "vllm:request_success",
@@ -273,14 +351,17 @@ class EngineMetrics:
                 self._success.labels(model_name, "0", reason)
 
     def observe_first_token(self, seconds: float) -> None:
-        self._ttft.observe(max(0.0, seconds))
+        if self._ttft is not None:
+            self._ttft.observe(max(0.0, seconds))
 
     def observe_inter_token(self, seconds: float) -> None:
-        self._itl.observe(max(0.0, seconds))
+        if self._itl is not None:
+            self._itl.observe(max(0.0, seconds))
 
     def observe_finished(self, e2e_seconds: float, finish_reason: str) -> None:
         """A request ended inside the engine (stop or length), after `e2e_seconds`."""
-        self._e2e.observe(max(0.0, e2e_seconds))
+        if self._e2e is not None:
+            self._e2e.observe(max(0.0, e2e_seconds))
         if self._success is not None:
             self._success.labels(self.model_name, "0", finish_reason).inc()
 
@@ -290,4 +371,11 @@ class EngineMetrics:
             self._success.labels(self.model_name, "0", "abort").inc()
 
     def render(self) -> bytes:
+        if self.flavor is Flavor.LLAMACPP:
+            stats = self._stats()
+            assert isinstance(stats, LlamaCppStats)
+            text = render_llamacpp(stats, self._kv_cache_metrics)
+            if self._on_scrape is not None:
+                self._on_scrape()
+            return text.encode()
         return generate_latest(self.registry)

@@ -109,7 +109,7 @@ class ModelSpec(_Strict):
 
 
 class EngineSpec(_Strict):
-    """Engine launch settings (vLLM / SGLang command-line equivalents)."""
+    """Engine launch settings (vLLM / SGLang / llama.cpp command-line equivalents)."""
 
     flavor: Flavor = Flavor.VLLM
     block_size: int = Field(16, ge=1, le=1024)
@@ -122,6 +122,12 @@ class EngineSpec(_Strict):
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     enable_prefix_caching: bool = True
+    # llama.cpp shape: pool_tokens is n_ctx, max_num_seqs the slot count (n_parallel),
+    # max_num_batched_tokens n_batch, max_model_len the model's trained context. Without
+    # kv_unified each slot owns n_ctx / slots cells; with it all slots share the pool.
+    kv_unified: bool = False
+    # llama.cpp's host-RAM prompt cache (--cache-ram, MiB): 0 turns it off, -1 no limit.
+    cache_ram_mib: int = Field(8192, ge=-1)
     # SGLang shape: the reservation ratio for max_new_tokens of running requests.
     init_new_token_ratio: float = Field(0.7, gt=0, le=1)
     min_new_token_ratio: float = Field(0.1, gt=0, le=1)

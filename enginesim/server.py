@@ -12,9 +12,14 @@ clients see of a real engine:
   `GET /server_info` for the sglang flavor;
 * `GET|POST /admin/faults` for fault injection (see `enginesim.faults`).
 
+With the llamacpp flavor the server is llama.cpp's llama-server instead, over
+`enginesim.llamacpp.LlamaCppCore`: its routes, response shapes, error bodies and metrics
+are in `enginesim.llamacpp_api`.
+
 Errors are OpenAI error objects as vLLM sends them: `type` is the exception class name
 (`BadRequestError`, `NotFoundError`, ...) and `code` the HTTP status. Bad input is always
-a 4xx, never a 500.
+a 4xx, never a 500. (llama.cpp's are `{"error": {"code", "message", "type"}}` with its
+own type strings.)
 
 A client that goes away aborts its request in the core at once (its KV blocks are freed
 before the handler returns): stream writes that fail, and aiohttp's handler cancellation
@@ -28,6 +33,8 @@ import contextlib
 import json
 import logging
 import os
+import random
+import string
 import sys
 import time
 import uuid
@@ -42,6 +49,7 @@ from enginesim import tokenizer
 from enginesim.core import EngineCore
 from enginesim.driver import EngineDriver, RequestHandle
 from enginesim.faults import NO_FAULT, FaultConfig, FaultConfigError, FaultMode
+from enginesim.llamacpp import UNLIMITED, LlamaCppCore
 from enginesim.metrics import CONTENT_TYPE, EngineMetrics
 from enginesim.profiles import Profile, load_profile
 from enginesim.types import EngineEvent, EventKind, Flavor, SimRequest, Workload
@@ -52,6 +60,8 @@ log = logging.getLogger(__name__)
 ENGINESIM_VERSION = "0.1.0"
 MAX_BODY_BYTES = 64 * 1024 * 1024  # long-context prompts are large; aiohttp's 1 MiB is not
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_ALNUM = string.ascii_letters + string.digits
+_RNG = random.SystemRandom()
 
 
 # --------------------------------------------------------------------------------------
@@ -75,13 +85,19 @@ _ERROR_TYPES = {
 
 
 class ApiError(Exception):
-    """An error a handler answers with: HTTP status plus an OpenAI error object."""
+    """An error a handler answers with: HTTP status plus an OpenAI error object.
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    `type` overrides the error type string of the flavor's default for the status.
+    """
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.type = type
 
 
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:
@@ -230,17 +246,29 @@ class EngineServer:
         speculative: bool | None = None,
         fault: FaultConfig | None = None,
         exit_on_crash: bool = False,
+        kv_unified: bool | None = None,
+        kv_cache_metrics: bool = False,
+        cache_ram_mib: int | None = None,
     ) -> None:
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         self.host = host
         self._requested_port = port
-        self.core = EngineCore(
-            self.profile,
-            flavor=Flavor(flavor) if flavor is not None else None,
-            seed=seed,
-            speculative=speculative,
-        )
-        self.flavor = Flavor(self.core.flavor)
+        self.flavor = Flavor(flavor) if flavor is not None else self.profile.flavor
+        self.core: EngineCore | LlamaCppCore
+        on_scrape = None
+        if self.flavor is Flavor.LLAMACPP:
+            if speculative:
+                raise ValueError("the llamacpp flavor does not model speculative decoding")
+            self.core = LlamaCppCore(
+                self.profile, seed=seed, kv_unified=kv_unified, cache_ram_mib=cache_ram_mib
+            )
+            on_scrape = self.core.reset_metrics_bucket
+        else:
+            if kv_unified is not None or cache_ram_mib is not None:
+                raise ValueError("kv_unified and cache_ram_mib apply to the llamacpp flavor only")
+            self.core = EngineCore(
+                self.profile, flavor=self.flavor, seed=seed, speculative=speculative
+            )
         self.model_name = self.profile.served_model_name
         self.speculative = self._speculation_enabled()
         self.metrics = EngineMetrics(
@@ -249,6 +277,8 @@ class EngineServer:
             stats=self.core.stats,
             speculative=self.speculative,
             max_running_requests=self.profile.max_num_seqs,
+            on_scrape=on_scrape,
+            kv_cache_metrics=kv_cache_metrics,
         )
         self.driver = EngineDriver(
             self.core, speed=speed, metrics=self.metrics, on_tokens=self._on_tokens
@@ -303,6 +333,8 @@ class EngineServer:
 
     async def stop(self) -> None:
         self._closing = True
+        if self.flavor is Flavor.LLAMACPP:
+            await self.llamacpp.close()
         await self.driver.stop()
         self._not_hung.set()  # release hung handlers so shutdown does not wait for them
         if self._crash_task is not None:
@@ -389,6 +421,14 @@ class EngineServer:
             client_max_size=MAX_BODY_BYTES,
         )
         r = app.router
+        if self.flavor is Flavor.LLAMACPP:
+            from enginesim.llamacpp_api import LlamaCppApi
+
+            self.llamacpp = LlamaCppApi(self)
+            self.llamacpp.add_routes(r)
+            r.add_get("/admin/faults", self._get_faults)
+            r.add_post("/admin/faults", self._post_faults)
+            return app
         r.add_post("/v1/chat/completions", self._chat_completions)
         r.add_post("/v1/completions", self._completions)
         r.add_get("/v1/models", self._models)
@@ -411,16 +451,30 @@ class EngineServer:
         try:
             return await handler(request)
         except ApiError as exc:
-            return error_response(exc.status, exc.message, exc.param)
+            return self._error(exc.status, exc.message, exc.param, exc.type)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return error_response(exc.status, exc.reason or "error")
+            if self.flavor is Flavor.LLAMACPP and exc.status in (404, 405):
+                from enginesim.llamacpp_api import not_found_response
+
+                return not_found_response()
+            return self._error(exc.status, exc.reason or "error")
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception:  # a bug: still an error object, and logged loudly
             log.exception("enginesim: unhandled error on %s %s", request.method, request.path)
-            return error_response(500, "internal error in the engine simulator")
+            return self._error(500, "internal error in the engine simulator")
+
+    def _error(
+        self, status: int, message: str, param: str | None = None, type: str | None = None
+    ) -> web.Response:
+        """An error response in the shape the imitated engine sends."""
+        if self.flavor is Flavor.LLAMACPP:
+            from enginesim.llamacpp_api import llamacpp_error_response
+
+            return llamacpp_error_response(status, message, type)
+        return error_response(status, message, param)
 
     @web.middleware
     async def _fault_middleware(
@@ -439,10 +493,10 @@ class EngineServer:
             if self._crashed:
                 raise asyncio.CancelledError("engine crashed")
         if self._closing:
-            return error_response(503, "the engine is shutting down")
+            return self._error(503, "the engine is shutting down")
         fault = self._fault
         if fault.mode is FaultMode.ERROR and request.path != "/metrics":
-            return error_response(fault.status, f"injected fault: engine error ({fault.status})")
+            return self._error(fault.status, f"injected fault: engine error ({fault.status})")
         return await handler(request)
 
     # -- simple endpoints --------------------------------------------------------------
@@ -561,10 +615,12 @@ class EngineServer:
                 req = CompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise _validation_error(exc) from None
-        model = self._check_model(req.model)
+        llamacpp = self.flavor is Flavor.LLAMACPP
+        # llama-server serves one model whatever the request names.
+        model = self.model_name if llamacpp else self._check_model(req.model)
         if req.n != 1:
             raise ApiError(400, f"n must be 1 (the simulator samples one choice), got {req.n}", "n")
-        if req.stream_options is not None and not req.stream:
+        if req.stream_options is not None and not req.stream and not llamacpp:
             raise ApiError(
                 400, "Stream options can only be defined when `stream=True`.", "stream_options"
             )
@@ -580,7 +636,6 @@ class EngineServer:
             max_param = (
                 "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             )
-            public_id = f"chatcmpl-{uuid.uuid4().hex}"
         else:
             prompt = req.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -603,9 +658,21 @@ class EngineServer:
                     )
             max_tokens = req.max_tokens
             max_param = "max_tokens"
-            public_id = f"cmpl-{uuid.uuid4().hex}"
 
         n_prompt = len(prompt_ids)
+        if llamacpp:
+            # llama-server checks the prompt against the slot's context only when a slot
+            # starts the request, and has no up-front check of prompt + max_tokens.
+            if n_prompt == 0:
+                raise ApiError(400, "empty prompt", "prompt")
+            # n_predict: negative is unlimited, and 0 still generates one token.
+            if max_tokens is None or max_tokens < 0:
+                n_predict = UNLIMITED
+            else:
+                n_predict = max(1, max_tokens)
+            return self._prepared(
+                request, req, kind, model, prompt_text, prompt_ids, n_predict
+            )  # fmt: skip
         limit = self.profile.max_model_len
         if n_prompt == 0:
             raise ApiError(400, "The prompt is empty; at least one token is required.", "prompt")
@@ -636,6 +703,22 @@ class EngineServer:
                 "min_tokens",
             )
 
+        return self._prepared(request, req, kind, model, prompt_text, prompt_ids, max_tokens)
+
+    def _prepared(
+        self,
+        request: web.Request,
+        req: ChatCompletionRequest | CompletionRequest,
+        kind: Literal["chat", "completion"],
+        model: str,
+        prompt_text: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+    ) -> _Prepared:
+        if self.flavor is Flavor.LLAMACPP:  # llama.cpp: "chatcmpl-" and 32 alphanumerics
+            public_id = "chatcmpl-" + "".join(_RNG.choices(_ALNUM, k=32))
+        else:
+            public_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         workload: Workload = classify_workload(request.headers.get("x-workload"), prompt_text)
         sim = SimRequest(
             request_id=public_id,
@@ -669,20 +752,30 @@ class EngineServer:
     async def _serve(
         self, request: web.Request, kind: Literal["chat", "completion"]
     ) -> web.StreamResponse:
-        body = await _read_json(request)
+        return await self._serve_body(request, await _read_json(request), kind)
+
+    async def _serve_body(
+        self, request: web.Request, body: Any, kind: Literal["chat", "completion"]
+    ) -> web.StreamResponse:
         prep = self._prepare(request, body, kind)
         try:
             handle = self.driver.submit(prep.sim)
         except ValueError as exc:  # the core refused it (e.g. its own length check)
             raise ApiError(400, str(exc)) from None
         try:
+            if self.flavor is Flavor.LLAMACPP:
+                if prep.stream:
+                    return await self.llamacpp.stream(request, prep, handle)
+                return await self.llamacpp.complete(request, prep, handle)
             if prep.stream:
                 return await self._stream(request, prep, handle)
             return await self._complete(request, prep, handle)
         finally:
             # Every way out (finished, client gone, cancelled, fault, bug) ends the core
-            # request; after a normal finish this is a no-op.
-            self.driver.abort(prep.public_id)
+            # request; after a normal finish this is a no-op. (llama-server is slower to
+            # notice a non-stream client gone: see LlamaCppApi.complete.)
+            if not (self.flavor is Flavor.LLAMACPP and self.llamacpp.lingers(prep.public_id)):
+                self.driver.abort(prep.public_id)
 
     # -- non-stream --------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ class Flavor(enum.StrEnum):
 
     VLLM = "vllm"
     SGLANG = "sglang"
+    LLAMACPP = "llamacpp"
 
 
 @dataclass(slots=True)
@@ -50,6 +51,35 @@ class EventKind(enum.StrEnum):
     FINISHED = "finished"  # request completed (finish_reason "stop" or "length")
     PREEMPTED = "preempted"  # request lost its KV blocks and went back to waiting
     ABORTED = "aborted"  # request removed by abort()
+    STARTED = "started"  # llama.cpp: a slot took the request and began its prompt
+    FAILED = "failed"  # llama.cpp: the engine ended the request with an error (`error`)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineError:
+    """An error the engine answers a request with, in llama.cpp's terms.
+
+    `status` is the HTTP status and the body's numeric `code`; `type` the error type
+    string (`exceed_context_size_error`, `server_error`, ...). `n_prompt_tokens` and
+    `n_ctx` are set for `exceed_context_size_error` only, as llama.cpp adds them.
+    """
+
+    status: int
+    type: str
+    message: str
+    n_prompt_tokens: int | None = None
+    n_ctx: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class SlotTimings:
+    """A request's timings as llama.cpp reports them (`timings` in its responses)."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
 
 
 @dataclass(slots=True)
@@ -63,6 +93,9 @@ class EngineEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    error: EngineError | None = None  # on FAILED
+    slot: int | None = None  # llama.cpp: the slot that served the request
+    timings: SlotTimings | None = None  # llama.cpp: on FINISHED and FAILED
 
 
 @dataclass(slots=True)
@@ -105,3 +138,31 @@ class EngineStats:
     @property
     def kv_usage(self) -> float:
         return self.blocks_in_use / self.num_gpu_blocks if self.num_gpu_blocks else 0.0
+
+
+@dataclass(slots=True)
+class LlamaCppStats(EngineStats):
+    """llama.cpp's server metrics on top of the common stats (block size 1: KV cells).
+
+    `blocks_in_use` counts the cells of slots processing a request, `cached_free_blocks`
+    the cells idle slots keep as their prompt cache; `num_waiting` is the deferred tasks.
+    Counters follow llama.cpp's `server_metrics` (seconds, not microseconds); the two
+    buckets are what the throughput gauges average over, reset at every scrape.
+    """
+
+    num_slots: int = 0
+    slot_n_ctx: int = 0
+    kv_unified: bool = False
+    prompt_tokens_processed: int = 0  # prompt tokens computed, cached ones excluded
+    prompt_tokens_cached: int = 0  # prompt tokens reused from a slot's cache
+    prompt_seconds: float = 0.0
+    tokens_predicted: int = 0
+    tokens_predicted_seconds: float = 0.0
+    n_decode: int = 0
+    n_busy_slots: int = 0  # summed over decode calls
+    n_tokens_max: int = 0  # largest sequence a slot has held (prompt + generation)
+    prompt_bucket_tokens: int = 0
+    prompt_bucket_seconds: float = 0.0
+    predict_bucket_steps: int = 0
+    predict_bucket_seconds: float = 0.0
+    num_failed: int = 0

@@ -176,6 +176,58 @@ async def test_concurrent_streams_share_the_engine(server, session):
     assert stats.blocks_in_use == 0 and stats.num_running == 0
 
 
+# -- multi-turn prefix caching ---------------------------------------------------------------
+
+
+async def _answer(session, url: str, path: str, body: dict) -> tuple[str, dict]:
+    """The generated text and usage of one request, streamed or not."""
+    if not body.get("stream"):
+        async with session.post(url + path, json=body) as resp:
+            data = await resp.json()
+        choice = data["choices"][0]
+        return choice["message"]["content"] if path == CHAT else choice["text"], data["usage"]
+    body = {**body, "stream_options": {"include_usage": True}}
+    async with session.post(url + path, json=body) as resp:
+        *chunks, usage_chunk, _ = parse_sse(await resp.read())
+    key = (lambda c: c["delta"].get("content", "")) if path == CHAT else (lambda c: c["text"])
+    return "".join(key(c["choices"][0]) for c in chunks), usage_chunk["usage"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_second_turn_hits_the_first_answer(server, session, stream):
+    """A session that resends its history hits the blocks its first answer filled."""
+    bs = server.profile.block_size
+    turn1 = [{"role": "user", "content": "Tell me how a prefix cache works."}]
+    body = {"messages": turn1, "max_tokens": 60, "ignore_eos": True, "stream": stream}
+    answer, usage1 = await _answer(session, server.url, CHAT, body)
+    p1 = usage1["prompt_tokens"]
+    hits = server.core.stats().prefix_cache_hits
+    turn2 = [*turn1, {"role": "assistant", "content": answer},
+             {"role": "user", "content": "And when it is full?"}]  # fmt: skip
+    _, usage2 = await _answer(session, server.url, CHAT, {"messages": turn2, "max_tokens": 4})
+    expected = (p1 + 60 - 1) // bs * bs  # every full block but the one the last token fills
+    assert expected > p1  # the answer's blocks, not only the first prompt's
+    assert usage2["prompt_tokens_details"]["cached_tokens"] == expected
+    assert server.core.stats().prefix_cache_hits - hits == expected
+    # /tokenize agrees: turn 2 starts with turn 1's prompt ids.
+    async with session.post(server.url + "/tokenize", json={"messages": turn1}) as r:
+        ids1 = (await r.json())["tokens"]
+    async with session.post(server.url + "/tokenize", json={"messages": turn2}) as r:
+        ids2 = (await r.json())["tokens"]
+    assert ids2[: len(ids1)] == ids1 and len(ids2) == usage2["prompt_tokens"]
+
+
+async def test_completion_continuation_hits_the_generated_blocks(server, session):
+    bs = server.profile.block_size
+    prompt = "def add(a, b):"
+    body = {"prompt": prompt, "max_tokens": 50, "ignore_eos": True}
+    text, usage1 = await _answer(session, server.url, COMPLETIONS, body)
+    body2 = {"prompt": prompt + text + "\nprint(add(1, 2))", "max_tokens": 3}
+    _, usage2 = await _answer(session, server.url, COMPLETIONS, body2)
+    expected = (usage1["prompt_tokens"] + 50 - 1) // bs * bs
+    assert usage2["prompt_tokens_details"]["cached_tokens"] == expected
+
+
 # -- other endpoints -----------------------------------------------------------------------
 
 
