@@ -253,9 +253,9 @@ async def test_api_keys_map_to_tenants(replica, gateway):
 async def test_a_lone_surrogate_in_a_stream_request_is_relayed_not_a_500(replica, gateway):
     gw = await gateway(await replica())
     raw = (
-        '{"model": "tiny-llm", "stream": true, "max_tokens": 3, "ignore_eos": true, '
-        '"messages": [{"role": "user", "content": "odd \\ud800 text"}]}'
-    ).encode()
+        b'{"model": "tiny-llm", "stream": true, "max_tokens": 3, "ignore_eos": true, '
+        b'"messages": [{"role": "user", "content": "odd \\ud800 text"}]}'
+    )
     async with (
         aiohttp.ClientSession() as s,
         s.post(
