@@ -342,8 +342,11 @@ class AdmissionController:
         model = req.model
         model_depth = self._queue_per_model.get(model, 0)
         model_tokens = self._queue_tokens.get(model, 0)
-        # Shed requests that will come back before this one count ahead of it.
-        back_tokens, back_count = self._returning.ahead(model, req.arrival, now)
+        # Shed requests that will come back before this one count ahead of it (not ahead
+        # of a last retry, which queues before them).
+        back_tokens, back_count = (
+            (0, 0) if req.last_retry else self._returning.ahead(model, req.arrival, now)
+        )
         if model_depth >= self.config.queue_max_per_model:
             wait = self._wait_for(
                 self._wait_context(model, now),
