@@ -15,7 +15,8 @@
 # and writes the same lines to $KVGATE_CACHE/real-engine.env. Progress goes to stderr.
 #
 # Environment: KVGATE_CACHE (default ~/.cache/kvgate), KVGATE_BUILD_JOBS (default 2),
-# KVGATE_PYTHON (the python that has gguf, numpy, tokenizers; default .venv/bin/python).
+# KVGATE_PYTHON (a python with pip, gguf, numpy and tokenizers; default .venv/bin/python,
+# which scripts/setup.sh makes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -28,6 +29,11 @@ JOBS=${KVGATE_BUILD_JOBS:-2}
 PY=${KVGATE_PYTHON:-$repo/.venv/bin/python}
 
 log() { echo "real-engine: $*" >&2; }
+
+if [ ! -x "$PY" ]; then
+  log "no $PY: run scripts/setup.sh first (or set KVGATE_PYTHON)"
+  exit 1
+fi
 
 mkdir -p "$CACHE"
 exec 9>"$CACHE/real-engine.lock"
@@ -51,7 +57,7 @@ build_llama_server() {
     log "downloading the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist from PyPI"
     local dl
     dl=$(mktemp -d "$work/dl.XXXXXX")
-    python3 -m pip download -q --no-binary :all: --no-deps -d "$dl" \
+    "$PY" -m pip download -q --no-binary :all: --no-deps -d "$dl" \
       "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" >&2
     mv "$dl"/llama_cpp_python-*.tar.gz "$sdist"
     rm -rf "$dl"
@@ -100,10 +106,6 @@ if [ ! -x "$BIN" ]; then
 fi
 
 # The model is named after the script that makes it: editing the script makes a new one.
-if [ ! -x "$PY" ]; then
-  log "no $PY: run scripts/setup.sh first (or set KVGATE_PYTHON)"
-  exit 1
-fi
 model_key=$(sha256sum scripts/make_tiny_gguf.py | cut -c1-12)
 MODEL=$CACHE/models/tiny-llama-$model_key.gguf
 TOKENIZER=$CACHE/models/tiny-llama-$model_key.tokenizer.json
