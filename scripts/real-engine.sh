@@ -5,7 +5,8 @@
 # llama.cpp comes from the PyPI sdist of llama-cpp-python, which vendors the whole llama.cpp
 # tree (vendor/llama.cpp, with tools/server); Debian has no llama.cpp package and this
 # machine reaches no other source. Only the llama-server target is built: CPU, Release,
-# static, portable (GGML_NATIVE=OFF), no web UI, no OpenSSL. About 12 minutes on 2 cores.
+# static, portable (GGML_NATIVE=OFF), no web UI, no OpenSSL: 12 minutes on 2 idle cores
+# (measured 710 s of cmake + build; 986 s while other work shared the cores).
 # The model is a random-weight Llama GGUF written by scripts/make_tiny_gguf.py.
 #
 # Prints, on stdout and nothing else:
@@ -71,7 +72,7 @@ build_llama_server() {
   fi
   build=$work/build
   started=$(date +%s)
-  log "building llama-server with -j$JOBS (about 12 minutes on 2 cores; log: $work/build.log)"
+  log "building llama-server with -j$JOBS (about 12 minutes on 2 idle cores; log: $work/build.log)"
   if ! {
     cmake -S "$src" -B "$build" \
       -DCMAKE_BUILD_TYPE=Release \
