@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# The test command: set up, start a private Redis on a free port if none answers, run pytest.
+# The test command: set up, build (once per machine, cached outside the repository) a real
+# llama.cpp llama-server and its tiny model, start a private Redis on a free port if none
+# answers, run pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+
+# tests/realengine needs the engine: a failed build fails the run here (set -e), and
+# tests/realengine fails, never skips, when these variables point nowhere.
+engine_env=$(bash scripts/real-engine.sh)
+while IFS='=' read -r key value; do
+  export "$key=$value"
+done <<<"$engine_env"
 
 redis_pid=""
 cleanup() { if [ -n "$redis_pid" ]; then kill "$redis_pid" 2>/dev/null || true; fi; }
