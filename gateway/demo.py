@@ -144,6 +144,7 @@ def gateway_config(
     timeout_s: float,
     max_running: int | None = None,
     admission: dict | None = None,
+    engine: str = "vllm",
 ) -> dict:
     """kvgate in front of the replicas, with its timers in wall seconds.
 
@@ -157,7 +158,7 @@ def gateway_config(
             {
                 "name": f"replica-{i}",
                 "url": u,
-                "engine": "vllm",
+                "engine": engine,
                 **({"max_running": max_running} if max_running else {}),
             }
             for i, u in enumerate(replica_urls)
@@ -297,6 +298,7 @@ async def run_phase(
                     timeout_s=timeout_s,
                     max_running=max_running,
                     admission=admission,
+                    engine=str(load_profile(profile).flavor),
                 ),
                 workdir=workdir,
                 log=workdir / f"kvgate-{slug}.log",
