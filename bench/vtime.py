@@ -49,6 +49,7 @@ class VtReport:
     preemptions: int = 0
     limits: list[tuple[float, int, str]] = field(default_factory=list)  # (t, limit, reason)
     max_running: int = 0
+    underfed_s: float = 0.0  # time the replica ran below its limit with nothing queued
     # per timed-out attempt: (time, retries before it, queue wait before admission or None)
     timeouts: list[tuple[float, int, float | None]] = field(default_factory=list)
 
@@ -238,6 +239,10 @@ def run(
         if not candidates:
             break
         t = min(candidates)
+        if t > now and (live or pending):
+            usage = ctrl.replica_usage()[0]
+            if usage.limit is not None and usage.running < usage.limit and not ctrl.queue_depth():
+                report.underfed_s += t - now
         now = max(now, t)
         if step_end is not None and step_end <= now:
             step_end = None

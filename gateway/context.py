@@ -45,6 +45,7 @@ class RequestContext:
     deadline: float = float("inf")
     latency_budget: float | None = None  # the client's own timeout (x-stainless-read-timeout)
     last_retry: bool = False
+    retry_key: int | None = None  # digest of (tenant, model, body): the same request retried
     admission_id: str | None = None
     replica: str | None = None
     reserved: int = 0

@@ -298,7 +298,7 @@ class Pipeline:
         ctx.admission_id = ctx.request_id
         # A retry of a request kvgate shed keeps its first arrival, i.e. its place in line
         # (admission/retries.py). The key is a digest: the memory never holds bodies.
-        retry_key = hash((ctx.tenant, ctx.model, ctx.raw))
+        retry_key = ctx.retry_key = hash((ctx.tenant, ctx.model, ctx.raw))
         first = self._retries.first_arrival(retry_key, now)
         req = _admission_request(
             ctx,
@@ -552,6 +552,7 @@ def _admission_request(
         last_retry=ctx.last_retry,
         latency_budget=ctx.latency_budget,
         stream=ctx.stream,
+        retry_key=ctx.retry_key,
     )
 
 

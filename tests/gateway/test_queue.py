@@ -264,3 +264,21 @@ async def test_the_learned_limit_and_binding_ceiling_are_exported(replica, gatew
         if name == "kvgate_replica_binding_ceiling"
     }
     assert binding["none"] == 1 and sum(binding.values()) == 1
+
+
+async def test_a_shed_request_that_comes_back_is_not_counted_twice(replica, gateway):
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv, pool_tokens=512)
+    async with aiohttp.ClientSession() as s:
+        big = await s.post(gw.url + "/v1/chat/completions", json=body(440, stream=True))
+        assert len(await read_events(big, 1)) == 1
+        for attempt in range(3):  # the same request, shed, retried
+            async with s.post(
+                gw.url + "/v1/chat/completions",
+                json=body(100),
+                headers={"x-kvgate-queue-timeout": "0"},
+            ) as r:
+                assert r.status == 503
+            # Expected back once: its own earlier shed does not count ahead of it.
+            assert gw.controller.returning() == 1, attempt
+        big.close()
