@@ -15,27 +15,36 @@ are ignored, as a sweep step ignores its warm-up.
 
 Per window:
 
-* **Latency.** Each completion is scored by its worst ratio of measured to target: its
-  service time against ``latency_budget_fraction`` of the client's own timeout (the
-  openai SDKs send it), its time to first token, its inter-token latency and its
-  end-to-end time against the model's configured targets (`LatencyTargets`). A failed
-  request (upstream error or timeout) scores ``FAILURE_RATIO``. When the window's worst
-  ratio ``r`` is above 1 (the worst, not a percentile: a client times out on the tail), the limit goes to ``mean_running * 0.85 / r`` (bounded to
-  [0.5, 0.9] of the current limit): past the knee, service time grows in proportion to
-  concurrency, so this lands just inside the target. This is the latency ceiling, and
-  it is what follows a replica that slows down and comes back.
-* **Goodput.** Every window that kept the replica busy (mean running >= 80% of L)
-  contributes a point (mean running N, work tokens completed per second G) to a fit of
-  the replica's throughput curve ``G(N) = Gmax * N / (N + K)`` (the saturation curve of a
-  batched server: linear while the batch amortises the weights, flat once compute or
-  memory bandwidth binds). The knee is where one more running request buys less than
+* **Latency.** Each completion is scored twice. Against its client's own timeout (the
+  openai SDKs send it): its service time, for a stream its time to first token, over
+  ``latency_budget_fraction`` of that timeout; the window's *slowest* request counts,
+  since a client times out on the tail. Against the model's configured targets
+  (`LatencyTargets`: TTFT, inter-token latency, end-to-end): the window's
+  ``target_quantile`` (the median user by default, as seed 000's per-user decode rate
+  is) counts. A failed request (an upstream timeout, or a client that left at the
+  timeout it declared) scores ``FAILURE_RATIO``. Each score is aimed at from a little
+  inside (``_INSIDE_HARD``, ``_INSIDE_SOFT``). When the worse of the two is over its aim
+  by ``r`` > 1.05 (between the aim and that, the limit holds: no dithering), the limit
+  goes to ``mean_running / r``, within [0.5, 0.9] of the current limit: past the knee, latency grows in proportion to concurrency, so this lands at the
+  aim. This is the latency ceiling, and it is what follows a replica that slows down and
+  comes back.
+* **Goodput.** Every window that kept the replica busy (mean running >= 80% of the
+  allowed limit) adds its time, running-time and work (prompt + completion tokens) to
+  the point of its setting; a weighted fit of the replica's throughput curve
+  ``G(N) = Gmax * N / (N + K)`` over those points (the saturation curve of a batched
+  server: linear while the batch amortises the weights, flat once compute or memory
+  bandwidth binds) gives the knee, where one more running request buys less than
   ``knee_efficiency`` of an average request's throughput: ``N = K * (1 / e - 1)``. This
-  is seed 001's sweep done live, with every window of the run as a sweep point.
-* **Growth.** While the replica is kept busy and the latency ratio allows it, the limit
-  grows: doubling from a cold start until the first bound is met (slow start), then by
-  ``limit_probe_step`` per window. Growth never exceeds what the latency ratio predicts
-  the replica can take (``N * 0.85 / r``) nor the fitted knee. A replica kvgate does not
-  keep busy gives no evidence, and its limit holds.
+  is seed 001's sweep done live, every window a sweep point. The knee stops growth; it
+  never pulls the limit down (noisy points would), latency does that.
+* **Growth.** While the replica is kept busy and latency allows it, the limit grows:
+  doubling from a cold start (slow start, on windows of half the evidence) until the
+  first bound is met, then by ``limit_probe_step`` per window. Growth never exceeds what
+  the latency score predicts the replica can take (``mean_running / r``) nor the knee.
+  A replica kvgate does not keep busy gives no evidence, and its limit holds.
+
+Rates are measured between the window's first and last completions, so the service time
+of the first requests after a change does not dilute them.
 
 Between windows, the engine's own signals act at once (each discovery round):
 
@@ -58,6 +67,7 @@ from dataclasses import dataclass
 FAILURE_RATIO = 2.0
 _INSIDE_HARD = 0.85  # aim this far inside a client's timeout budget (its slowest request)
 _INSIDE_SOFT = 0.95  # and this far inside a configured target (its quantile)
+_BAND = 1.05  # cut only when a score is this far past its aim; between, the limit holds
 _POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortage
 
 
@@ -239,7 +249,7 @@ class RunningLimit:
             acc[2] += self._work
             self.knee = self._fit_knee()
         base = max(1.0, mean_running)
-        if ratio is not None and ratio > 1.0 / _INSIDE_SOFT:
+        if ratio is not None and ratio > _BAND:
             self._slow_start = False
             target = base / ratio
             lo, hi = 0.5 * self.value, 0.9 * self.value
