@@ -18,6 +18,14 @@ def body(max_tokens: int, **extra) -> dict:
     return {"model": MODEL, "messages": MSG, "max_tokens": max_tokens, "ignore_eos": True, **extra}
 
 
+async def hold_pool(s: aiohttp.ClientSession, gw, max_tokens: int) -> aiohttp.ClientResponse:
+    """Start a stream that holds most of a 512-token pool; returns once it is running
+    (close the response to end it)."""
+    big = await s.post(gw.url + "/v1/chat/completions", json=body(max_tokens, stream=True))
+    assert len(await read_events(big, 1)) == 1
+    return big
+
+
 async def test_requests_beyond_the_pool_wait_and_complete_in_order(replica, gateway):
     srv = await replica(speed=5.0)
     # 512-token pool (486 effective with 5% headroom): two 200-token requests fit, not three.
@@ -64,8 +72,7 @@ async def test_deadline_shed_503_with_retry_after(replica, gateway):
     srv = await replica(speed=1.0)
     gw = await gateway(srv, pool_tokens=512)
     async with aiohttp.ClientSession() as s:
-        big = await s.post(gw.url + "/v1/chat/completions", json=body(440, stream=True))
-        assert len(await read_events(big, 1)) == 1
+        big = await hold_pool(s, gw, 440)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         async with s.post(
@@ -90,8 +97,7 @@ async def test_queue_full_is_503_at_once(replica, gateway):
     srv = await replica(speed=1.0)
     gw = await gateway(srv, pool_tokens=512, admission={"queue_max_per_model": 1})
     async with aiohttp.ClientSession() as s:
-        big = await s.post(gw.url + "/v1/chat/completions", json=body(440, stream=True))
-        assert len(await read_events(big, 1)) == 1
+        big = await hold_pool(s, gw, 440)
         waiting = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json=body(50)))
         assert await wait_for(lambda: gw.controller.queue_depth() == 1)
         live = await scrape(gw)
@@ -192,8 +198,7 @@ async def test_the_clients_read_timeout_bounds_its_queue_wait(replica, gateway):
     # The configured queue timeout is long; the client's own (openai SDK) header is not.
     gw = await gateway(srv, pool_tokens=512, admission={"queue_timeout_s": 30.0})
     async with aiohttp.ClientSession() as s:
-        big = await s.post(gw.url + "/v1/chat/completions", json=body(440, stream=True))
-        assert len(await read_events(big, 1)) == 1
+        big = await hold_pool(s, gw, 440)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         async with s.post(
@@ -242,8 +247,7 @@ async def test_a_last_retry_is_admitted_before_earlier_first_attempts(replica, g
     async with aiohttp.ClientSession() as s:
         # 8 prompt tokens (counted exactly: near the pool) + 450 = 464 of 486 reserved:
         # a 20-token request (32 with its prompt, block-rounded) must wait.
-        big = await s.post(gw.url + "/v1/chat/completions", json=body(450, stream=True))
-        assert len(await read_events(big, 1)) == 1
+        big = await hold_pool(s, gw, 450)
         first = asyncio.create_task(one(s, "first-attempt", 0))
         assert await wait_for(lambda: gw.controller.queue_depth() == 1)
         last = asyncio.create_task(one(s, "last-retry", 2))
@@ -270,8 +274,7 @@ async def test_a_shed_request_that_comes_back_is_not_counted_twice(replica, gate
     srv = await replica(speed=1.0)
     gw = await gateway(srv, pool_tokens=512)
     async with aiohttp.ClientSession() as s:
-        big = await s.post(gw.url + "/v1/chat/completions", json=body(440, stream=True))
-        assert len(await read_events(big, 1)) == 1
+        big = await hold_pool(s, gw, 440)
         for attempt in range(3):  # the same request, shed, retried
             async with s.post(
                 gw.url + "/v1/chat/completions",
