@@ -579,10 +579,11 @@ class AdmissionController:
         """Feed one completion to the replica's latency history and learned limit."""
         prompt = c.prompt_tokens or 0
         work = prompt + (c.completion_tokens or 0)
+        load = rep.allowed or rep.running + 1
         if c.ok and c.service_s is not None and work > 0:
-            rep.service.add(work, c.service_s)
+            rep.service.add(work, c.service_s, load)
         if c.ok and c.ttft_s is not None and prompt > 0:
-            rep.ttft.add(prompt, c.ttft_s)
+            rep.ttft.add(prompt, c.ttft_s, load)
         if rep.limit is None:
             return
         targets = self._targets.get(res.model) or self._targets.get("*")
@@ -606,10 +607,11 @@ class AdmissionController:
         typical prediction would time out half the time."""
         best = 0.0
         for rep in serving:
+            load = rep.allowed or rep.running + 1
             if req.stream:
-                best = max(best, rep.ttft.predict(req.prompt_tokens))
+                best = max(best, rep.ttft.predict(req.prompt_tokens, load))
             else:
-                best = max(best, rep.service.predict(raw))
+                best = max(best, rep.service.predict(raw, load))
         return best
 
     def _candidate_names(self, entry: _Entry) -> Iterable[str]:

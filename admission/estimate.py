@@ -165,35 +165,42 @@ class ServiceModel:
     grows with its own work (``slope * tokens``) plus what it waits behind the others
     (``base``). Least squares over the last `size` completions; a prediction adds the
     ``quantile`` of the residuals, so it is an upper estimate rather than a typical one.
-    The fit is refreshed lazily, at most once per added sample.
+    Each sample carries the load it was served under (requests allowed to run at once);
+    a prediction for a higher load scales up in proportion (the share each request gets
+    shrinks as the batch grows), never down. The fit is refreshed lazily, at most once
+    per added sample.
     """
 
-    __slots__ = ("_xs", "_ys", "_quantile", "_fit")
+    __slots__ = ("_xs", "_ys", "_loads", "_quantile", "_fit")
 
     def __init__(self, size: int = 64, quantile: float = 1.0) -> None:
         self._xs: deque[float] = deque(maxlen=size)
         self._ys: deque[float] = deque(maxlen=size)
+        self._loads: deque[float] = deque(maxlen=size)
         self._quantile = quantile
-        self._fit: tuple[float, float, float] | None = None
+        self._fit: tuple[float, float, float, float] | None = None
 
     def __len__(self) -> int:
         return len(self._xs)
 
-    def add(self, tokens: float, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float, load: float = 1.0) -> None:
         self._xs.append(tokens)
         self._ys.append(seconds)
+        self._loads.append(max(1.0, load))
         self._fit = None
 
-    def predict(self, tokens: float) -> float:
-        """Upper estimate of the service of a request of `tokens`; 0 without samples."""
+    def predict(self, tokens: float, load: float = 1.0) -> float:
+        """Upper estimate of the service of a request of `tokens` at `load`; 0 without
+        samples."""
         if not self._xs:
             return 0.0
         if self._fit is None:
             self._fit = self._refit()
-        base, slope, margin = self._fit
-        return max(0.0, base + slope * tokens + margin)
+        base, slope, margin, fitted_load = self._fit
+        scale = max(1.0, load / fitted_load)
+        return max(0.0, base + slope * tokens + margin) * scale
 
-    def _refit(self) -> tuple[float, float, float]:
+    def _refit(self) -> tuple[float, float, float, float]:
         xs, ys = self._xs, self._ys
         n = len(xs)
         mx = sum(xs) / n
@@ -204,4 +211,4 @@ class ServiceModel:
         base = my - slope * mx
         residuals = sorted(y - (base + slope * x) for x, y in zip(xs, ys, strict=True))
         idx = min(n - 1, max(0, math.ceil(self._quantile * n) - 1))
-        return base, slope, max(0.0, residuals[idx])
+        return base, slope, max(0.0, residuals[idx]), sum(self._loads) / n
