@@ -23,7 +23,8 @@ latency budget share) were tuned on seed 1 of the workload in virtual time
 
     .venv/bin/python bench/seed2_replay.py [--speed 25] [--requests 738]
 
-Results: bench/results/seed2_replay.json and a Markdown table on stdout.
+Results: bench/results/seed2_replay.json (or --out) and a Markdown table on stdout; the
+committed runs are seed2_replay.run{1,2,3,4}.json, their output seed2_replay.txt.
 """
 
 from __future__ import annotations
@@ -110,6 +111,12 @@ async def main_async(args) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-seed2-"))
     rows = []
     sweep = [c for c in (1, 2, 4, 8, 16, 32) if c <= args.max_sweep]
+    if args.reuse_straight is not None:
+        # The straight rows do not depend on kvgate: repeat only kvgate's rows.
+        kept = json.loads(args.reuse_straight.read_text())["rows"]
+        rows = [r for r in kept if not r["through_kvgate"] and "sdk" not in r["label"]]
+        sweep = []
+        print(f"straight rows reused from {args.reuse_straight}", flush=True)
     for c in sweep:
         rows.append(
             await one_run(
@@ -122,7 +129,7 @@ async def main_async(args) -> int:
                 workdir=workdir,
             )
         )
-    if 128 not in sweep:
+    if args.reuse_straight is None and 128 not in sweep:
         rows.append(
             await one_run(
                 "straight c=128",
@@ -156,7 +163,7 @@ async def main_async(args) -> int:
             )
         )
     sdk_rows = []
-    for through in (False, True):
+    for through in (False, True) if args.reuse_straight is None else (True,):
         label = f"{'kvgate' if through else 'straight'} c=32 sdk"
         sdk_rows.append(
             await one_run(
@@ -244,6 +251,12 @@ def main() -> int:
     ap.add_argument("--max-sweep", type=int, default=32)
     ap.add_argument("--time-limit", type=float, default=1800.0, help="wall seconds per run")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "seed2_replay.json")
+    ap.add_argument(
+        "--reuse-straight",
+        type=Path,
+        default=None,
+        help="take the straight rows from this earlier result; run only kvgate's rows",
+    )
     args = ap.parse_args()
     try:
         import uvloop
