@@ -2,7 +2,9 @@
 
 ``GET /admin/replicas`` shows, per replica, what admission decides with: the discovered
 and effective capacity, what is reserved and running, the queue for the models it
-serves, and which ceiling (KV capacity or the running cap) currently binds. Without a
+serves, the learned running limit and what last moved it, and which ceiling (KV
+capacity, a configured or engine running cap, or the learned latency limit) currently
+binds. Without a
 configured admin token the admin API is closed (401), never open.
 """
 
