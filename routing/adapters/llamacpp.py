@@ -107,9 +107,7 @@ class LlamaCppAdapter:
         state.ready = models_ok and state.capacity_tokens is not None
 
     # ------------------------------------------------------------------ the pool
-    def _pool(
-        self, n: int, s: int, whole: int | None, n_ctx_train: int | None
-    ) -> tuple[int, bool]:
+    def _pool(self, n: int, s: int, whole: int | None, n_ctx_train: int | None) -> tuple[int, bool]:
         """(pool tokens, private slots) for `n` slots of `s` tokens."""
         if whole is not None and self.kv_layout == "auto":
             return whole, whole >= n * s  # slots capped at s cannot overrun n x s
