@@ -19,7 +19,9 @@ Ledger
       pool overruns: the reservation is what the request may use, ``prompt + max_tokens``
       within its slot's context (``max_model_len``), or that whole context when the client
       set no ``max_tokens``. A request larger than the effective pool takes all of it: it
-      runs alone, which such an engine survives.
+      runs alone, which such an engine survives. Such an engine serves a request whose
+      ``max_tokens`` runs past the context (it stops at the context's end), so only a
+      prompt that leaves no room to generate is refused there.
 
     The sum of reservations on a replica never exceeds its effective pool
     ``floor(capacity * (1 - headroom))`` because of an admission or a top-up (invariant
@@ -70,7 +72,8 @@ Expiry
 Refusals (never queued)
     404 ``model_not_found`` when no known replica serves the model; 400
     ``context_length_exceeded`` when, on every replica whose limits are known, prompt +
-    max_tokens exceeds ``max_model_len`` or the KV need exceeds the effective pool.
+    max_tokens exceeds ``max_model_len`` (an engine that does not preempt: the prompt
+    leaves no room to generate) or the KV need exceeds the effective pool.
 """
 
 from __future__ import annotations
@@ -172,11 +175,16 @@ class _Replica:
                 tokens = min(tokens, whole)  # alone in the pool it cannot overrun it
         return tokens
 
+    def context_needed(self, req: AdmissionRequest) -> int:
+        """What `req` needs of the replica's context: prompt + max_tokens, which vLLM and
+        SGLang refuse when over it; llama.cpp refuses only a prompt that leaves no room
+        to generate and stops the rest at the context's end (finish reason ``length``)."""
+        if self.preempts:
+            return req.prompt_tokens + req.max_tokens
+        return req.prompt_tokens + 1
+
     def can_ever_fit(self, req: AdmissionRequest) -> bool:
-        if (
-            self.max_model_len is not None
-            and req.prompt_tokens + req.max_tokens > self.max_model_len
-        ):
+        if self.max_model_len is not None and self.context_needed(req) > self.max_model_len:
             return False
         return self.capacity is None or self.tokens_for(req) <= self.effective
 
@@ -933,7 +941,8 @@ class AdmissionController:
         for rep in known:
             prompt = req.prompt_tokens
             if rep.max_model_len is not None:
-                prompt = min(prompt, rep.max_model_len - req.max_tokens)
+                output = req.max_tokens if rep.preempts else 1
+                prompt = min(prompt, rep.max_model_len - output)
             if rep.capacity is not None and rep.preempts:
                 room = rep.effective // rep.block_size * rep.block_size
                 prompt = min(prompt, room - req.expected_output)
@@ -950,14 +959,22 @@ class AdmissionController:
     def _refuse_too_long(self, req: AdmissionRequest, known: list[_Replica]) -> Refuse:
         raw = max(1, req.prompt_tokens) + max(0, req.expected_output)
         total = req.prompt_tokens + req.max_tokens
-        limits = [r.max_model_len for r in known if r.max_model_len is not None]
-        if limits and total > max(limits):
-            message = (
-                f"This model's maximum context length is {max(limits)} tokens. However, you "
-                f"requested {total} tokens ({req.prompt_tokens} in the messages, "
-                f"{req.max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion."
-            )
+        limited = [r for r in known if r.max_model_len is not None]
+        longest = max((r.max_model_len or 0 for r in limited), default=0)
+        if limited and all(r.context_needed(req) > (r.max_model_len or 0) for r in limited):
+            if all(not r.preempts for r in limited):
+                message = (
+                    f"This model's maximum context length is {longest} tokens. However, "
+                    f"your prompt has {req.prompt_tokens} tokens, which leaves no room for "
+                    "the completion. Please reduce the length of the prompt."
+                )
+            else:
+                message = (
+                    f"This model's maximum context length is {longest} tokens. However, "
+                    f"you requested {total} tokens ({req.prompt_tokens} in the messages, "
+                    f"{req.max_tokens} in the completion). Please reduce the length of "
+                    "the messages or completion."
+                )
         else:
             largest = max((r.effective for r in known if r.capacity is not None), default=0)
             message = (

@@ -125,10 +125,10 @@ class ReplicaLimit(NamedTuple):
     preempts: bool = True
 
     def fits(self, prompt: int, max_tokens: int, output: int) -> bool:
+        if not self.preempts:  # only a prompt that leaves no room to generate is refused
+            return self.max_model_len is None or prompt < self.max_model_len
         if self.max_model_len is not None and prompt + max_tokens > self.max_model_len:
             return False
-        if not self.preempts:
-            return True
         need = _round_up(max(1, prompt) + max(0, output), self.block_size)
         return self.pool is None or need <= self.pool
 

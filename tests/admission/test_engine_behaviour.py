@@ -59,13 +59,18 @@ def test_non_preempting_request_larger_than_the_pool_runs_alone() -> None:
     assert ctrl.release("a", 1.0) == [Admit("b", "r1", 11)]
 
 
-def test_non_preempting_refuses_only_over_the_slot_context() -> None:
+def test_non_preempting_refuses_only_a_prompt_that_fills_the_slot() -> None:
+    """llama.cpp serves max_tokens past the context (it stops at the slot's end with
+    "length"), so kvgate admits that with the whole slot reserved; it refuses only a
+    prompt of the slot's context or more, which the engine refuses too."""
     ctrl = controller()
     ctrl.upsert_replica(llama(capacity=4096, max_model_len=1024, private=True), 0.0)
-    verdict = ctrl.submit(request("a", 1000, 8, max_tokens=100), 0.0)
+    assert ctrl.submit(request("a", 1000, 8, max_tokens=100), 0.0) == Admit("a", "r1", 1024)
+    assert ctrl.submit(request("b", 1023, 8, max_tokens=100), 0.0) == Admit("b", "r1", 1024)
+    verdict = ctrl.submit(request("c", 1024, 8, max_tokens=1), 0.0)
     assert isinstance(verdict, Refuse) and verdict.code == "context_length_exceeded"
-    assert "maximum context length is 1024" in verdict.message
-    assert isinstance(ctrl.submit(request("b", 900, 8, max_tokens=100), 0.0), Admit)
+    assert verdict.message.startswith("This model's maximum context length is 1024 tokens.")
+    assert "your prompt has 1024 tokens" in verdict.message
 
 
 def test_private_slots_keep_no_headroom() -> None:
