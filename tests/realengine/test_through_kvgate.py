@@ -182,10 +182,10 @@ async def test_openai_client_through_kvgate(engine: LlamaServer, kvgate: Any) ->
 
 # ---------------------------------------------------------------------------- KV pressure
 def pressure(n: int, first: int) -> list[dict[str, Any]]:
-    """`n` streams of ~200 prompt tokens generating 850 each: four at once (the slots)
+    """`n` streams of ~800 prompt tokens generating 250 each: four at once (the slots)
     need 4,200 cells, more than a unified pool of 4,096; a per-slot one stops each at its
     slot's 1,024 with finish reason "length"."""
-    return [chat(the(200, first + i), 850, stream=True) for i in range(n)]
+    return [chat(the(800, first + i), 250, stream=True) for i in range(n)]
 
 
 def mid_stream_failures(results: list[tuple[int, list[Any], dict[str, str]]]) -> int:
