@@ -7,7 +7,8 @@ and pipeline, and discovery (whose first round completes before the app serves, 
 
 `Gateway` runs that app on a TCP socket with ``handler_cancellation=True``: when a
 client disconnects, aiohttp cancels its handler, which is how a non-streamed request's
-upstream call is aborted and its reservation released at once.
+upstream call is aborted; its reservation is held until the engine shows it stopped
+(an engine may notice the closed connection late: see `Pipeline.release`).
 """
 
 from __future__ import annotations
