@@ -59,12 +59,23 @@ class ClientGone(Exception):
     """The client closed its connection while we were writing to it."""
 
 
-def _error_answer(status: int, body: bytes, ctx: RequestContext) -> ApiError:
+def _error_answer(up: aiohttp.ClientResponse, body: bytes, ctx: RequestContext) -> ApiError:
+    """The engine's error answer as an OpenAI error object, with its Retry-After if any."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         doc = None
-    return upstream_error(status, doc, fallback=f"replica {ctx.replica} answered HTTP {status}")
+    status = up.status
+    err = upstream_error(status, doc, fallback=f"replica {ctx.replica} answered HTTP {status}")
+    for name, scale in (("retry-after-ms", 1e-3), ("Retry-After", 1.0)):
+        raw = up.headers.get(name)
+        if raw is not None:
+            try:
+                err.retry_after = max(0.0, float(raw) * scale)
+                break
+            except ValueError:
+                continue
+    return err
 
 
 def _record_usage(ctx: RequestContext, usage: object) -> None:
@@ -165,11 +176,11 @@ class Relay:
                     f"replica answered HTTP {status}",
                     retryable=True,
                     status=status,
-                    answer=_error_answer(status, body, ctx),
+                    answer=_error_answer(up, body, ctx),
                 )
             ctx.status = status
             if status != 200:
-                err = _error_answer(status, body, ctx)
+                err = _error_answer(up, body, ctx)
                 ctx.outcome = err.outcome
                 return err.response({"x-request-id": ctx.request_id})
             try:
@@ -302,7 +313,7 @@ class Relay:
     ) -> web.Response:
         """A streamed request the engine answered with an error status before streaming."""
         body = await up.read()
-        err = _error_answer(up.status, body, ctx)
+        err = _error_answer(up, body, ctx)
         if up.status >= 500:
             raise UpstreamFailure(
                 "status_5xx",
