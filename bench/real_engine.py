@@ -13,6 +13,10 @@ big-prompts
     4 concurrent requests of ~1,500 prompt tokens and 300 output tokens, two streamed
     and two not: three at once need 5,400 cells. On the per-slot server a 1,500-token
     prompt does not fit a 1,024-token slot at all; both answer 400.
+impatient
+    long-streams from clients with an 8 s timeout per attempt (sent as the openai SDKs
+    send it): kvgate sheds what cannot start in time, with Retry-After, and the clients
+    come back.
 
 Prompts run at 1.6 characters a token, as in the issue (1.6-1.9): a fresh kvgate's
 character estimate (3.0 a token) would put them at about half their size.
@@ -21,8 +25,8 @@ Each run gets a fresh llama-server and, through kvgate, a fresh ``kvgate serve``
 process with nothing configured but the replica's URL and engine (``kv_layout`` auto,
 no pinned pool, no running cap: what a new user starts with). The client is the same
 for both: every request sent at once, the openai SDK's headers
-(``x-stainless-read-timeout``, ``x-stainless-retry-count``), a 120 s timeout per
-attempt, a 429/503 retried after its ``retry-after-ms`` / ``Retry-After`` (no cap: the
+(``x-stainless-read-timeout``, ``x-stainless-retry-count``), a timeout per attempt
+(120 s, or the case's), a 429/503 retried after its ``retry-after-ms`` / ``Retry-After`` (no cap: the
 run's limit bounds it), any other 5xx answer or timeout retried twice after the SDK's
 backoff (0.5 s, 1 s), and a stream that ends in an error event or without ``[DONE]``
 not retried (the SDK cannot: it has handed out tokens) and counted as a mid-stream
@@ -59,7 +63,6 @@ from gateway.demo import Process, free_port, start_gateway, stopping, wait_http 
 
 MODEL = "tiny-llama"
 SLOTS, N_CTX = 4, 4096
-ATTEMPT_TIMEOUT_S = 120.0
 RUN_LIMIT_S = 600.0
 SDK_BACKOFF_S = (0.5, 1.0)
 
@@ -71,11 +74,13 @@ class Case:
     prompt_tokens: int
     max_tokens: int
     streams: int  # the first `streams` requests stream, the rest do not
+    timeout_s: float = 120.0  # per attempt, sent as x-stainless-read-timeout
 
 
 CASES = {
     "long-streams": Case("long-streams", 16, 300, 1000, 16),
     "big-prompts": Case("big-prompts", 4, 1500, 300, 2),
+    "impatient": Case("impatient", 16, 300, 1000, 16, timeout_s=8.0),
 }
 
 
@@ -169,16 +174,16 @@ def retry_after(headers: Any) -> float | None:
 
 
 async def attempt(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], retry: int
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], retry: int, timeout_s: float
 ) -> tuple[str, Any]:
     """One attempt: ("done", tokens) | ("mid_stream", why) | ("shed", seconds) |
     ("5xx", status) | ("4xx", status) | ("timeout", None)."""
     headers = {
-        "x-stainless-read-timeout": str(ATTEMPT_TIMEOUT_S),
+        "x-stainless-read-timeout": str(timeout_s),
         "x-stainless-retry-count": str(retry),
     }
     try:
-        async with asyncio.timeout(ATTEMPT_TIMEOUT_S):
+        async with asyncio.timeout(timeout_s):
             async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
                 if r.status in (429, 503) and (wait := retry_after(r.headers)) is not None:
                     await r.read()
@@ -214,14 +219,14 @@ async def attempt(
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], out: Outcome
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], out: Outcome, timeout_s: float
 ) -> None:
     loop = asyncio.get_running_loop()
     start = loop.time()
     retry = 0
     other_failures = 0
     while True:
-        kind, info = await attempt(session, url, body, retry)
+        kind, info = await attempt(session, url, body, retry, timeout_s)
         if kind == "done":
             out.completed += 1
             out.completion_tokens += info[0]
@@ -284,7 +289,10 @@ async def run(case: Case, layout: str, through: bool, workdir: Path) -> dict[str
             async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
                 t0 = time.monotonic()
                 await asyncio.gather(
-                    *(one_request(session, url, b, out) for b in bodies(case, label))
+                    *(
+                        one_request(session, url, b, out, case.timeout_s)
+                        for b in bodies(case, label)
+                    )
                 )
                 out.wall_s = time.monotonic() - t0
                 replica = None
@@ -310,7 +318,7 @@ async def run(case: Case, layout: str, through: bool, workdir: Path) -> dict[str
     print(
         f"  {label}: completed {out.completed}/{out.requests}, mid-stream "
         f"{out.mid_stream_failures}, 5xx {out.answers_5xx}, 4xx {out.refused_4xx}, shed "
-        f"{out.shed_with_retry_after}, wall {out.wall_s:.1f} s",
+        f"{out.shed_with_retry_after}, timed out {out.timeouts}, wall {out.wall_s:.1f} s",
         file=sys.stderr,
     )
     return row
@@ -318,17 +326,19 @@ async def run(case: Case, layout: str, through: bool, workdir: Path) -> dict[str
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| case | layout | target | completed | mid-stream failures | 5xx answers | 4xx | "
-        "shed (Retry-After) | failed | wall (s) | p50 (s) | max (s) | output tok/s |\n"
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| case | layout | target | completed | mid-stream failures | 5xx answers | 4xx "
+        "| shed (Retry-After) | timed out | retries | failed | wall (s) | p50 (s) | max (s) "
+        "| output tok/s |\n"
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: | ---: |"
     )
     lines = [head]
     for r in rows:
         lines.append(
             f"| {r['case']} | {r['layout']} | {r['target']} | {r['completed']}/{r['requests']} "
             f"| {r['mid_stream_failures']} | {r['answers_5xx']} | {r['refused_4xx']} "
-            f"| {r['shed_with_retry_after']} | {r['failed']} | {r['wall_s']:.1f} "
-            f"| {r['p50_s'] if r['p50_s'] is not None else '-'} "
+            f"| {r['shed_with_retry_after']} | {r['timeouts']} | {r['retries']} | {r['failed']} "
+            f"| {r['wall_s']:.1f} | {r['p50_s'] if r['p50_s'] is not None else '-'} "
             f"| {r['max_s'] if r['max_s'] is not None else '-'} | {r['output_tok_s']} |"
         )
     return "\n".join(lines)
@@ -354,7 +364,7 @@ async def main() -> None:
         "engine": "llama.cpp llama-server (llama-cpp-python 0.3.36's vendored tree), tiny "
         "model of scripts/make_tiny_gguf.py, -np 4 -c 4096 --threads 1",
         "client": {
-            "attempt_timeout_s": ATTEMPT_TIMEOUT_S,
+            "attempt_timeout_s": {c.name: c.timeout_s for c in cases},
             "shed": "retried after Retry-After, no cap",
             "other_5xx_and_timeouts": "retried twice (0.5 s, 1 s)",
             "mid_stream_failures": "not retried",
