@@ -663,11 +663,14 @@ class AdmissionController:
     def _release_stopped(self, rep: _Replica, state: ReplicaState, now: float) -> None:
         """Release the held reservations of `rep` that its engine has stopped working on.
 
-        The engine ran ``engine_running`` requests when the round began; kvgate's live
-        (not held) ones admitted before then account for some of them, so at most the
-        rest are held requests still generating. The others have stopped: the oldest held
-        reservations that the view can judge (abandoned before the round began) are
-        released. Each view is used once.
+        The engine had ``engine_running + engine_waiting`` requests when the round began;
+        kvgate's live (not held) ones admitted before then account for some of them, so
+        at most the rest are held requests still generating. The others have stopped: the
+        oldest held reservations that the view can judge (abandoned before the round
+        began) are released. Each view is used once. As kvgate never admits more than the
+        running cap (llama.cpp: the slot count), held ones included, its live requests
+        are not left waiting inside the engine; other clients of the engine only make
+        the hold longer (up to ``abandoned_hold_s``).
         """
         seen = state.running_seen_at
         if seen is None or seen == rep.judged_at:
@@ -680,7 +683,8 @@ class AdmissionController:
             for r in self._reservations.values()
             if r.replica == rep.name and r.held_since is None and r.admitted_at < seen
         )
-        stopped = rep.held - max(0, state.engine_running - live)
+        has = state.engine_running + state.engine_waiting  # the engine's requests, all
+        stopped = rep.held - max(0, has - live)
         if stopped <= 0:
             return
         judged = [

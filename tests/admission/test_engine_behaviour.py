@@ -183,3 +183,16 @@ def test_no_hold_when_disabled() -> None:
     assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=100), 0.0), Admit)
     ctrl.abandon("a", 1.0)
     assert (ctrl.held(), ctrl.reserved_tokens()) == (0, 0)
+
+
+def test_a_held_request_waiting_inside_the_engine_is_still_held() -> None:
+    """vLLM and SGLang report a waiting queue too: a request there is still the engine's."""
+    ctrl = controller()
+    state = replica(capacity=4096, max_model_len=4096)
+    ctrl.upsert_replica(state, 0.0)
+    assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=100), 0.0), Admit)
+    ctrl.abandon("a", 1.0)
+    ctrl.upsert_replica(replace(engine_view(state, 0, 2.0), engine_waiting=1), 2.0)
+    assert ctrl.held() == 1
+    ctrl.upsert_replica(engine_view(state, 0, 3.0), 3.0)
+    assert ctrl.held() == 0 and ctrl.reserved_tokens() == 0
