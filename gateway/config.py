@@ -65,10 +65,11 @@ class ReplicaConfig(_Strict):
     # Bearer token kvgate sends to this replica (hosted OpenAI-compatible servers).
     api_key: str | None = None
     # llama.cpp only: the KV layout llama-server was started with, which it does not
-    # report. auto: one pool of the reported per-slot context until the server's /slots
-    # prove more (never over-states a pool); per_slot: `-np N` without `--kv-unified`
-    # (pool = slots x per-slot context); unified: `--kv-unified` (one pool). See
-    # routing/adapters/llamacpp.py. A pinned pool_tokens wins over any of them.
+    # report. auto: one pool of the reported per-slot context (the safe reading) until
+    # the server's /slots prove its slots hold more; per_slot: `-np N` without
+    # `--kv-unified` (pool = slots x per-slot context); unified: `--kv-unified` (one pool;
+    # also for `-c` with a `--kv-unified-per-slot` below `-c / -np`, which auto misreads).
+    # See routing/adapters/llamacpp.py. A pinned pool_tokens wins over any of them.
     kv_layout: Literal["auto", "per_slot", "unified"] = "auto"
 
     @field_validator("url")
