@@ -159,6 +159,15 @@ class AdmissionConfig(BaseModel):
         description="Retry-After is multiplied by a uniform factor in [1 - j, 1 + j] (before "
         "the clamp) so that a shed crowd does not come back in lockstep.",
     )
+    abandoned_hold_s: float = Field(
+        5.0,
+        ge=0.0,
+        description="Longest time a non-stream request kvgate stopped waiting for (client "
+        "disconnect, upstream timeout) keeps its reservation while the engine may still be "
+        "generating it (llama.cpp notices a gone client only after a quiet second, and on a "
+        "busy server not at all). Released earlier once the engine's running gauge shows it "
+        "stopped. 0 releases at once.",
+    )
     cold_retry_after_s: float = Field(
         5.0,
         gt=0.0,

@@ -7,12 +7,36 @@ engine adapters and passes it to `upsert_replica`; it calls `submit` per request
 `release` (always, in a ``finally``) when the request ends, whatever the outcome.
 
 Ledger
-    Each admitted request holds a reservation of ``ceil((prompt + expected_output) / bs) * bs``
-    tokens on one replica (``bs`` is that replica's block size). The sum of reservations on
-    a replica never exceeds its effective pool ``floor(capacity * (1 - headroom))`` because of
-    an admission or a top-up (invariant 3); it can exceed it only when the pool itself
-    shrinks, and then nothing more is admitted there until enough is released. The number
+    Each admitted request holds a reservation on one replica, rounded up to that replica's
+    block size ``bs``, sized by what the engine does when its pool is over-admitted
+    (``ReplicaState.preempts``, set by its adapter):
+
+    - an engine that preempts (vLLM recomputes, SGLang retracts) turns an under-estimate
+      into a slowdown, not a failure: the reservation is ``prompt + expected_output``
+      (a learned quantile of the model's outputs within ``max_tokens``), topped up as a
+      stream outgrows it, and the learned running limit watches the preemptions;
+    - an engine that does not preempt (llama.cpp) fails every running request when its
+      pool overruns: the reservation is what the request may use, ``prompt + max_tokens``
+      within its slot's context (``max_model_len``), or that whole context when the client
+      set no ``max_tokens``. A request larger than the effective pool takes all of it: it
+      runs alone, which such an engine survives. Such an engine serves a request whose
+      ``max_tokens`` runs past the context (it stops at the context's end), so only a
+      prompt that leaves no room to generate is refused there.
+
+    The sum of reservations on a replica never exceeds its effective pool
+    ``floor(capacity * (1 - headroom))`` because of an admission or a top-up (invariant
+    3); it can exceed it only when the pool itself shrinks, and then nothing more is
+    admitted there until enough is released. A pool of private slots (llama.cpp per-slot
+    KV, ``ReplicaState.private_slots``) cannot be overrun and keeps no headroom. The number
     of reservations never exceeds the replica's running cap.
+
+Abandoned requests
+    A non-stream request kvgate stops waiting for (its client left, or the upstream timed
+    out) may still be generating: llama-server notices a gone client only after a quiet
+    second, and on a busy server not at all. `abandon` keeps its reservation *held* until
+    a discovery round that began after the abandonment shows the engine running no more
+    requests than kvgate's live ones (``ReplicaState.engine_running``), or until
+    ``abandoned_hold_s`` has passed (`expire`); then it is released as by `release`.
 
 Queue order and head-of-line policy
     Entries are served by priority (higher first), then arrival (`AdmissionRequest.arrival`,
@@ -48,7 +72,8 @@ Expiry
 Refusals (never queued)
     404 ``model_not_found`` when no known replica serves the model; 400
     ``context_length_exceeded`` when, on every replica whose limits are known, prompt +
-    max_tokens exceeds ``max_model_len`` or the KV need exceeds the effective pool.
+    max_tokens exceeds ``max_model_len`` (an engine that does not preempt: the prompt
+    leaves no room to generate) or the KV need exceeds the effective pool.
 """
 
 from __future__ import annotations
@@ -99,8 +124,12 @@ class _Replica:
     cap: int | None = None  # running-request cap from config or engine (an upper bound)
     limit: RunningLimit | None = None  # the learned running limit (None: not learning)
     labels: dict[str, str] = field(default_factory=dict)
+    preempts: bool = True  # see the module docstring, Ledger
+    private_slots: bool = False
     reserved: int = 0
-    running: int = 0
+    running: int = 0  # reservations, held ones included
+    held: int = 0  # abandoned reservations waiting for the engine to stop
+    judged_at: float | None = None  # `running_seen_at` of the view held ones were judged by
     effective: int = 0
     signals_at: float = -1.0  # `updated_at` of the engine view last fed to the limit
     # The pool as the engine's KV usage shows it, when smaller than the configured one:
@@ -129,19 +158,41 @@ class _Replica:
     def need(self, raw_tokens: int) -> int:
         return round_up(raw_tokens, self.block_size)
 
-    def can_ever_fit(self, req: AdmissionRequest, raw_tokens: int) -> bool:
-        if (
-            self.max_model_len is not None
-            and req.prompt_tokens + req.max_tokens > self.max_model_len
-        ):
-            return False
-        return self.capacity is None or self.need(raw_tokens) <= self.effective
+    def tokens_for(self, req: AdmissionRequest) -> int:
+        """The reservation `req` would hold here (module docstring, Ledger)."""
+        prompt = max(1, req.prompt_tokens)
+        if self.preempts:
+            return self.need(prompt + max(0, req.expected_output))
+        most = prompt + max(1, req.max_tokens) if req.max_tokens_given else None
+        if self.max_model_len is not None:
+            most = self.max_model_len if most is None else min(most, self.max_model_len)
+        if most is None:  # nothing bounds the output here: the best estimate there is
+            most = prompt + max(0, req.expected_output)
+        tokens = self.need(most)
+        if self.capacity is not None and not self.private_slots:
+            whole = self.effective // self.block_size * self.block_size
+            if whole >= self.block_size:
+                tokens = min(tokens, whole)  # alone in the pool it cannot overrun it
+        return tokens
 
-    def fits_now(self, raw_tokens: int) -> bool:
+    def context_needed(self, req: AdmissionRequest) -> int:
+        """What `req` needs of the replica's context: prompt + max_tokens, which vLLM and
+        SGLang refuse when over it; llama.cpp refuses only a prompt that leaves no room
+        to generate and stops the rest at the context's end (finish reason ``length``)."""
+        if self.preempts:
+            return req.prompt_tokens + req.max_tokens
+        return req.prompt_tokens + 1
+
+    def can_ever_fit(self, req: AdmissionRequest) -> bool:
+        if self.max_model_len is not None and self.context_needed(req) > self.max_model_len:
+            return False
+        return self.capacity is None or self.tokens_for(req) <= self.effective
+
+    def fits_now(self, req: AdmissionRequest) -> bool:
         allowed = self.allowed
         if allowed is not None and self.running >= allowed:
             return False
-        return self.need(raw_tokens) <= self.free
+        return self.tokens_for(req) <= self.free
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,13 +214,17 @@ class _Reservation:
     model: str
     tokens: int
     admitted_at: float
+    # Set by `abandon`: since when, until when at most, and what to learn on release.
+    held_since: float | None = None
+    held_until: float = math.inf
+    completion: Completion | None = None
 
 
 @dataclass(slots=True)
 class _Entry:
     key: tuple[int, int, float, int]  # (-priority, 0 if last retry else 1, arrival, sequence)
     req: AdmissionRequest
-    raw: int  # prompt + expected output, before block rounding
+    raw: int  # the largest reservation it would hold on a replica it can use
     deadline: float
 
 
@@ -183,6 +238,7 @@ class AdmissionController:
         self._picker: Picker = picker if picker is not None else MostHeadroomPicker(seed=seed)
         self._replicas: dict[str, _Replica] = {}
         self._reservations: dict[str, _Reservation] = {}
+        self._held: dict[str, _Reservation] = {}  # abandoned, in order of abandonment
         self._queue: list[_Entry] = []  # sorted by key
         self._queued: dict[str, _Entry] = {}
         self._queue_per_model: dict[str, int] = {}
@@ -244,13 +300,22 @@ class AdmissionController:
         else:
             rep.cap = self.config.default_max_running
         rep.labels = dict(state.labels)
+        rep.preempts = state.preempts
+        rep.private_slots = state.private_slots
         fresh = state.updated_at != rep.signals_at
         if fresh and rep.capacity is not None:
             self._check_pool(rep, state.kv_usage, now)
         pool = rep.capacity
         if pool is not None and rep.measured_pool is not None:
             pool = min(pool, rep.measured_pool)
-        rep.effective = math.floor(pool * (1.0 - self.config.headroom)) if pool else 0
+        if not pool:
+            rep.effective = 0
+        elif rep.private_slots:
+            rep.effective = pool
+        else:
+            rep.effective = math.floor(pool * (1.0 - self.config.headroom))
+        if rep.held:
+            self._release_stopped(rep, state, now)
         if rep.limit is not None and fresh:
             rep.signals_at = state.updated_at
             rep.limit.engine_signals(
@@ -296,15 +361,16 @@ class AdmissionController:
         serving = [r for r in self._replicas.values() if r.present and req.model in r.models]
         if not serving:
             return Refuse(rid, 404, "model_not_found", f"The model `{req.model}` does not exist.")
-        raw = max(1, req.prompt_tokens) + max(0, req.expected_output)
         known = [r for r in serving if r.capacity is not None or r.max_model_len is not None]
-        if known and not any(r.can_ever_fit(req, raw) for r in known):
+        if known and not any(r.can_ever_fit(req) for r in known):
             clamped = None if req.prompt_exact else self._clamp_estimate(req, known)
             if clamped is None:
-                return self._refuse_too_long(req, raw, known)
-            req, raw = clamped
-        if not any(r.usable and r.can_ever_fit(req, raw) for r in serving):
+                return self._refuse_too_long(req, known)
+            req = clamped
+        able = [r for r in serving if r.usable and r.can_ever_fit(req)]
+        if not able:
             return Shed(rid, "no_replica", self._clamp(None))
+        raw = max(r.tokens_for(req) for r in able)
 
         if req.latency_budget is not None:
             # The client said how long it waits (its read timeout): queue only while the
@@ -317,7 +383,7 @@ class AdmissionController:
             # forever helps nobody.
             budget = req.latency_budget
             share = (1.0 - self.config.latency_budget_fraction) * budget
-            slack = max(min(share, budget - self._predict(req, raw, serving)), 0.1 * budget)
+            slack = max(min(share, budget - self._predict(req, serving)), 0.1 * budget)
             deadline = min(req.deadline, now + slack)
         else:
             deadline = min(req.deadline, now + self.config.queue_timeout_s)
@@ -389,24 +455,41 @@ class AdmissionController:
         earlier `expire` that were not handed out yet).
         """
         self._now = max(self._now, now)
-        res = self._reservations.pop(request_id, None)
+        res = self._reservations.get(request_id)
         if res is not None:
-            rep = self._replicas[res.replica]
-            rep.reserved -= res.tokens
-            rep.running -= 1
-            rep.drain.record(res.tokens, now)
-            rep.drain.set_busy(rep.running > 0, now)
-            if completion is not None:
-                self._learn(rep, res, completion, now)
-            if rep.limit is not None:
-                rep.limit.running_changed(rep.running, now)
-            if not rep.present and rep.running == 0:
-                del self._replicas[rep.name]
+            self._free(res, now, completion)
         else:
             entry = self._queued.get(request_id)
             if entry is not None:
                 self._dequeue(entry)
         return self._flush(self._settle(now))
+
+    def abandon(
+        self, request_id: str, now: float, completion: Completion | None = None
+    ) -> list[Admit]:
+        """Hold the reservation of a request kvgate stopped waiting for while the engine
+        may still be generating it (module docstring, Abandoned requests); `completion`
+        is learned when it is released. Without a reservation (or with
+        ``abandoned_hold_s`` 0) this is `release`. Idempotent."""
+        self._now = max(self._now, now)
+        res = self._reservations.get(request_id)
+        hold = self.config.abandoned_hold_s
+        if res is None or hold <= 0:
+            return self.release(request_id, now, completion)
+        if res.held_since is None:
+            res.held_since = now
+            res.held_until = now + hold
+            res.completion = completion
+            self._replicas[res.replica].held += 1
+            self._held[request_id] = res
+        return self._flush([])
+
+    def held(self, replica: str | None = None) -> int:
+        """Abandoned reservations still held (addition to the API)."""
+        if replica is None:
+            return len(self._held)
+        rep = self._replicas.get(replica)
+        return rep.held if rep is not None else 0
 
     def top_up(self, request_id: str, total_tokens: int, now: float) -> bool:
         """Grow a reservation to cover `total_tokens` (prompt + generated so far).
@@ -457,7 +540,10 @@ class AdmissionController:
                 reason = "deadline"
             self._dequeue(entry)
             shed.append(self._shed(entry.req, entry.raw, reason, wait, entry.deadline, now))
-        if shed:
+        overdue = [r for r in self._held.values() if r.held_until <= now]
+        for res in overdue:
+            self._free(res, now, res.completion)
+        if shed or overdue:
             self._pending.extend(self._settle(now))
         return shed
 
@@ -467,8 +553,12 @@ class AdmissionController:
         return self._flush(self._settle(now))
 
     def next_deadline(self) -> float | None:
-        """The earliest deadline among queued requests (when `expire` should next run)."""
-        return min((e.deadline for e in self._queue), default=None)
+        """The earliest deadline among queued requests and held reservations (when
+        `expire` should next run)."""
+        first = min((e.deadline for e in self._queue), default=None)
+        for res in self._held.values():  # in order of abandonment: the first ends first
+            return res.held_until if first is None else min(first, res.held_until)
+        return first
 
     # --------------------------------------------------------------- observation
     def replica_usage(self) -> list[ReplicaUsage]:
@@ -488,6 +578,7 @@ class AdmissionController:
                     models=sorted(rep.models),
                     limit=rep.allowed if rep.limit is not None else None,
                     limit_reason=rep.limit.reason if rep.limit is not None else "",
+                    held=rep.held,
                 )
             )
         return out
@@ -551,6 +642,59 @@ class AdmissionController:
         return rep.limit if rep is not None else None
 
     # ------------------------------------------------------------------ internals
+    def _free(self, res: _Reservation, now: float, completion: Completion | None) -> None:
+        """Return one reservation to its replica's pool (no queue settling)."""
+        del self._reservations[res.request_id]
+        rep = self._replicas[res.replica]
+        if res.held_since is not None:
+            del self._held[res.request_id]
+            rep.held -= 1
+        rep.reserved -= res.tokens
+        rep.running -= 1
+        rep.drain.record(res.tokens, now)
+        rep.drain.set_busy(rep.running > 0, now)
+        if completion is not None:
+            self._learn(rep, res, completion, now)
+        if rep.limit is not None:
+            rep.limit.running_changed(rep.running, now)
+        if not rep.present and rep.running == 0:
+            del self._replicas[rep.name]
+
+    def _release_stopped(self, rep: _Replica, state: ReplicaState, now: float) -> None:
+        """Release the held reservations of `rep` that its engine has stopped working on.
+
+        The engine had ``engine_running + engine_waiting`` requests when the round began;
+        kvgate's live (not held) ones admitted before then account for some of them, so
+        at most the rest are held requests still generating. The others have stopped: the
+        oldest held reservations that the view can judge (abandoned before the round
+        began) are released. Each view is used once. As kvgate never admits more than the
+        running cap (llama.cpp: the slot count), held ones included, its live requests
+        are not left waiting inside the engine; other clients of the engine only make
+        the hold longer (up to ``abandoned_hold_s``).
+        """
+        seen = state.running_seen_at
+        if seen is None or seen == rep.judged_at:
+            return  # no gauge, or one already judged by
+        rep.judged_at = seen
+        # Only live requests admitted before the round began can be in its count (one
+        # still on its way to the engine makes this hold a little less long).
+        live = sum(
+            1
+            for r in self._reservations.values()
+            if r.replica == rep.name and r.held_since is None and r.admitted_at < seen
+        )
+        has = state.engine_running + state.engine_waiting  # the engine's requests, all
+        stopped = rep.held - max(0, has - live)
+        if stopped <= 0:
+            return
+        judged = [
+            r
+            for r in self._held.values()
+            if r.replica == rep.name and r.held_since is not None and r.held_since < seen
+        ]
+        for res in judged[:stopped]:
+            self._free(res, now, res.completion)
+
     @staticmethod
     def _check_pool(rep: _Replica, kv_usage: float, now: float) -> None:
         """Hold the configured pool against the engine's own KV usage.
@@ -600,11 +744,12 @@ class AdmissionController:
             now, res.admitted_at, ok=c.ok, work_tokens=work or res.tokens, ratio=ratio, cap=rep.cap
         )
 
-    def _predict(self, req: AdmissionRequest, raw: int, serving: list[_Replica]) -> float:
+    def _predict(self, req: AdmissionRequest, serving: list[_Replica]) -> float:
         """Predicted service of `req` once admitted (a stream: time to first token), the
         largest of its replicas' upper estimates (`ServiceModel`); 0 before any sample.
         An upper estimate, not a typical one: a request admitted at its deadline with a
         typical prediction would time out half the time."""
+        raw = max(1, req.prompt_tokens) + max(0, req.expected_output)  # the typical work
         best = 0.0
         for rep in serving:
             load = rep.allowed or rep.running + 1
@@ -616,11 +761,7 @@ class AdmissionController:
 
     def _candidate_names(self, entry: _Entry) -> Iterable[str]:
         for rep in self._replicas.values():
-            if (
-                rep.usable
-                and entry.req.model in rep.models
-                and rep.can_ever_fit(entry.req, entry.raw)
-            ):
+            if rep.usable and entry.req.model in rep.models and rep.can_ever_fit(entry.req):
                 yield rep.name
 
     def _try_admit(self, entry: _Entry, blocked: set[str], now: float) -> Admit | None:
@@ -631,8 +772,8 @@ class AdmissionController:
                 rep.name not in blocked
                 and rep.usable
                 and entry.req.model in rep.models
-                and rep.can_ever_fit(entry.req, entry.raw)
-                and rep.fits_now(entry.raw)
+                and rep.can_ever_fit(entry.req)
+                and rep.fits_now(entry.req)
             ):
                 fitting.append(rep)
         if not fitting:
@@ -651,7 +792,7 @@ class AdmissionController:
         route = RouteRequest(
             request_id=entry.req.request_id,
             model=entry.req.model,
-            need_tokens=max(r.need(entry.raw) for r in fitting),
+            need_tokens=max(r.tokens_for(entry.req) for r in fitting),
             workload=entry.req.workload,
         )
         choice = self._picker.pick(route, candidates)
@@ -660,7 +801,7 @@ class AdmissionController:
         rep = next((r for r in fitting if r.name == choice.name), None)
         if rep is None:
             raise ValueError(f"picker returned {choice.name!r}, which was not a candidate")
-        tokens = rep.need(entry.raw)
+        tokens = rep.tokens_for(entry.req)
         rep.reserved += tokens
         rep.running += 1
         rep.drain.set_busy(True, now)
@@ -796,9 +937,7 @@ class AdmissionController:
         return min(self.config.max_retry_after_s, max(self.config.min_retry_after_s, value))
 
     @staticmethod
-    def _clamp_estimate(
-        req: AdmissionRequest, known: list[_Replica]
-    ) -> tuple[AdmissionRequest, int] | None:
+    def _clamp_estimate(req: AdmissionRequest, known: list[_Replica]) -> AdmissionRequest | None:
         """An estimated prompt that looks too long for every replica, cut down to the
         largest request some replica can hold, so that it is forwarded and the engine,
         which counts exactly, decides (invariant 4: no 400 on a guess). None when even a
@@ -806,31 +945,42 @@ class AdmissionController:
         limit, which is exact."""
         best: tuple[AdmissionRequest, int] | None = None
         for rep in known:
-            room = rep.effective if rep.capacity is not None else None
             prompt = req.prompt_tokens
             if rep.max_model_len is not None:
-                prompt = min(prompt, rep.max_model_len - req.max_tokens)
-            output = req.expected_output
-            if room is not None:
-                room = room // rep.block_size * rep.block_size
-                prompt = min(prompt, room - output)
+                output = req.max_tokens if rep.preempts else 1
+                prompt = min(prompt, rep.max_model_len - output)
+            if rep.capacity is not None and rep.preempts:
+                room = rep.effective // rep.block_size * rep.block_size
+                prompt = min(prompt, room - req.expected_output)
             if prompt < 1:
                 continue
-            raw = prompt + output
-            if best is None or raw > best[1]:
-                best = (replace(req, prompt_tokens=prompt), raw)
-        return best
+            clamped = replace(req, prompt_tokens=prompt)
+            if not rep.can_ever_fit(clamped):
+                continue
+            size = prompt + req.expected_output
+            if best is None or size > best[1]:
+                best = (clamped, size)
+        return best[0] if best is not None else None
 
-    def _refuse_too_long(self, req: AdmissionRequest, raw: int, known: list[_Replica]) -> Refuse:
+    def _refuse_too_long(self, req: AdmissionRequest, known: list[_Replica]) -> Refuse:
+        raw = max(1, req.prompt_tokens) + max(0, req.expected_output)
         total = req.prompt_tokens + req.max_tokens
-        limits = [r.max_model_len for r in known if r.max_model_len is not None]
-        if limits and total > max(limits):
-            message = (
-                f"This model's maximum context length is {max(limits)} tokens. However, you "
-                f"requested {total} tokens ({req.prompt_tokens} in the messages, "
-                f"{req.max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion."
-            )
+        limited = [r for r in known if r.max_model_len is not None]
+        longest = max((r.max_model_len or 0 for r in limited), default=0)
+        if limited and all(r.context_needed(req) > (r.max_model_len or 0) for r in limited):
+            if all(not r.preempts for r in limited):
+                message = (
+                    f"This model's maximum context length is {longest} tokens. However, "
+                    f"your prompt has {req.prompt_tokens} tokens, which leaves no room for "
+                    "the completion. Please reduce the length of the prompt."
+                )
+            else:
+                message = (
+                    f"This model's maximum context length is {longest} tokens. However, "
+                    f"you requested {total} tokens ({req.prompt_tokens} in the messages, "
+                    f"{req.max_tokens} in the completion). Please reduce the length of "
+                    "the messages or completion."
+                )
         else:
             largest = max((r.effective for r in known if r.capacity is not None), default=0)
             message = (
@@ -853,7 +1003,7 @@ class AdmissionController:
             elif (allowed := rep.allowed) is not None and rep.running >= allowed:
                 learned = rep.cap is None or allowed < rep.cap
                 out[rep.name] = "latency" if learned else "running_cap"
-            elif rep.name in head_for and rep.need(head_for[rep.name].raw) > rep.free:
+            elif rep.name in head_for and rep.tokens_for(head_for[rep.name].req) > rep.free:
                 out[rep.name] = "kv_capacity"
             elif rep.free < rep.block_size:
                 out[rep.name] = "kv_capacity"

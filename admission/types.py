@@ -39,6 +39,9 @@ class AdmissionRequest:
     # Identifies a request across its retries (the gateway's digest of tenant, model and
     # body): a shed request's key is expected back, and its tokens count as backlog.
     retry_key: int | None = None
+    # False when the client set no output bound (`max_tokens` is then kvgate's own guess):
+    # an engine that does not preempt may generate until the slot's context is full.
+    max_tokens_given: bool = True
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,3 +117,4 @@ class ReplicaUsage:
     limit: int | None = None  # the learned running limit in force (None: not learning)
     limit_reason: str = ""  # what last moved the learned limit
     engine_kv_tokens: int | None = None  # the engine's own KV usage, in tokens
+    held: int = 0  # abandoned requests whose reservation waits for the engine to stop

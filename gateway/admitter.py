@@ -6,8 +6,9 @@ Admit / Queued / Shed / Refuse, and any call that frees or adds capacity (`relea
 bridge owns the futures the queued handlers await and routes every such verdict to its
 waiter, in one place, so no call site can forget to hand an admission out.
 
-Deadlines are enforced by one background task that sleeps until the controller's
-`next_deadline()` and then calls `expire`. It is woken when a new entry may have moved
+Deadlines (of queued requests, and of abandoned reservations held while their engine
+may still be generating) are enforced by one background task that sleeps until the
+controller's `next_deadline()` and then calls `expire`. It is woken when a new entry may have moved
 the earliest deadline forward. Time is always the event loop's monotonic clock.
 """
 
@@ -81,6 +82,14 @@ class AdmissionBridge:
     def release(self, request_id: str, completion: Completion | None = None) -> None:
         """Free a reservation or queue entry (idempotent) and hand out what that admits."""
         self.resolve(self.controller.release(request_id, self._loop.time(), completion))
+
+    def abandon(self, request_id: str, completion: Completion | None = None) -> None:
+        """Hold the reservation of a request whose engine may still be generating it
+        (`AdmissionController.abandon`); the expiry task ends the hold at its deadline."""
+        self.resolve(self.controller.abandon(request_id, self._loop.time(), completion))
+        first = self.controller.next_deadline()
+        if first is not None and first < self._armed:
+            self._wake.set()
 
     def resolve(self, verdicts: Iterable[Admit | Shed]) -> None:
         """Deliver verdicts the controller produced for queued requests."""

@@ -64,11 +64,27 @@ class ReplicaConfig(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     # Bearer token kvgate sends to this replica (hosted OpenAI-compatible servers).
     api_key: str | None = None
+    # llama.cpp only: the KV layout llama-server was started with, which it does not
+    # report. auto: one pool of the reported per-slot context (the safe reading) until
+    # the server's /slots prove its slots hold more; per_slot: `-np N` without
+    # `--kv-unified` (pool = slots x per-slot context); unified: `--kv-unified` (one pool;
+    # also for `-c` with a `--kv-unified-per-slot` below `-c / -np`, which auto misreads).
+    # See routing/adapters/llamacpp.py. A pinned pool_tokens wins over any of them.
+    kv_layout: Literal["auto", "per_slot", "unified"] = "auto"
 
     @field_validator("url")
     @classmethod
     def _strip_slash(cls, v: str) -> str:
         return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _layout_is_llamacpp(self) -> ReplicaConfig:
+        if self.kv_layout != "auto" and self.engine != "llamacpp":
+            raise ValueError(
+                f"kv_layout: {self.kv_layout!r} applies to engine llamacpp only, "
+                f"not {self.engine!r}"
+            )
+        return self
 
     @field_validator("labels", mode="before")
     @classmethod

@@ -38,6 +38,7 @@ class RequestContext:
     prompt_countable: bool = True
     prompt_tokens: int = 0
     max_tokens: int = 0
+    max_tokens_given: bool = True  # False: the client set no output bound
     expected_output: int = 0
     # classify
     workload: str = "chat"
@@ -60,6 +61,9 @@ class RequestContext:
     usage_prompt: int | None = None
     usage_completion: int | None = None
     upstream_error: str | None = None  # failure kind once the stream had started
+    # A non-stream request kvgate stopped waiting for (client gone, timeout) while the
+    # engine had it: the engine may still be generating it (its reservation is held).
+    upstream_abandoned: bool = False
     # outcome
     status: int = 0
     outcome: str = "unknown"

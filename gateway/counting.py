@@ -25,6 +25,11 @@ prompt token count. The count comes from the cheapest source that is good enough
      for completions; for chat it counts the rendered text, a lower bound (see 5).
    - ``openai`` engines have no tokenize endpoint: nothing is asked.
 
+   For a model served by an engine that does not preempt (llama.cpp), every request
+   counts as near a limit: admission reserves the worst case there and an overrun fails
+   every running request, so the estimate (which may be low: the starting 3.0 characters
+   per token is not conservative for every tokenizer) is never trusted.
+
    Requests with media parts are not sent: the engine would fetch and process the
    media just to count. Answers are remembered per (engine, model, digest of the
    request), so a client's retry of a request kvgate shed is not counted twice. A
@@ -114,8 +119,14 @@ class ReplicaLimit(NamedTuple):
     max_model_len: int | None
     pool: int | None  # effective KV pool in tokens
     block_size: int = 16
+    # False for an engine that does not preempt (llama.cpp): admission reserves the worst
+    # case there, so an estimate that is low is an error waiting to happen, near a limit
+    # or not; and such a request runs alone rather than never (only the context limits).
+    preempts: bool = True
 
     def fits(self, prompt: int, max_tokens: int, output: int) -> bool:
+        if not self.preempts:  # only a prompt that leaves no room to generate is refused
+            return self.max_model_len is None or prompt < self.max_model_len
         if self.max_model_len is not None and prompt + max_tokens > self.max_model_len:
             return False
         need = _round_up(max(1, prompt) + max(0, output), self.block_size)
@@ -128,19 +139,24 @@ class Limits(NamedTuple):
     replicas: tuple[ReplicaLimit, ...] = ()
     shortest: int | None = None  # the smallest max_model_len
     largest: int | None = None  # the largest effective pool
+    always: bool = False  # some replica does not preempt: count every prompt exactly
 
     @classmethod
     def of(cls, replicas: tuple[ReplicaLimit, ...]) -> Limits:
         lens = [r.max_model_len for r in replicas if r.max_model_len is not None]
         pools = [r.pool for r in replicas if r.pool is not None]
-        return cls(replicas, min(lens, default=None), max(pools, default=None))
+        always = any(not r.preempts for r in replicas)
+        return cls(replicas, min(lens, default=None), max(pools, default=None), always)
 
     def fits(self, prompt: int, max_tokens: int, output: int) -> bool:
         """Some replica can ever hold it (True when no limit is known)."""
         return not self.replicas or any(r.fits(prompt, max_tokens, output) for r in self.replicas)
 
     def near(self, prompt: int, max_tokens: int, output: int, margin: float) -> bool:
-        """Within `margin` of (or over) the smallest context or the largest pool."""
+        """Within `margin` of (or over) the smallest context or the largest pool; always
+        when a replica serving the model does not preempt."""
+        if self.always:
+            return True
         keep = 1.0 - margin
         if self.shortest is not None and prompt + max_tokens >= keep * self.shortest:
             return True
@@ -162,7 +178,7 @@ def limits_for(discovery: Discovery, model: str, headroom: float) -> Limits:
         pool = math.floor(cap * keep) if cap else None
         if s.max_model_len is None and pool is None:
             continue
-        out.append(ReplicaLimit(s.max_model_len, pool, s.block_size or 1))
+        out.append(ReplicaLimit(s.max_model_len, pool, s.block_size or 1, s.preempts))
     return Limits.of(tuple(out))
 
 

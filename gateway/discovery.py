@@ -43,7 +43,7 @@ class ReplicaWatcher:
         self._session = session
         self._bridge = bridge
         self._cfg = cfg
-        self._adapter = adapter_for(rc.engine)
+        self._adapter = adapter_for(rc.engine, kv_layout=rc.kv_layout)
         self.state = ReplicaState(
             name=rc.name,
             base_url=rc.url,
@@ -67,9 +67,11 @@ class ReplicaWatcher:
     async def refresh(self) -> None:
         """One discovery round: probe, apply, upsert."""
         paths = tuple(self._adapter.probe_paths)
-        answers = await asyncio.gather(*(self._probe(p) for p in paths))
         loop = asyncio.get_running_loop()
+        # The round is stamped with its start: the answers describe the engine at some
+        # moment after it (admission compares it with when a request was abandoned).
         now = loop.time()
+        answers = await asyncio.gather(*(self._probe(p) for p in paths))
         # Adapters read a missing path as "unreachable".
         results = {p: a for p, a in zip(paths, answers, strict=True) if a is not None}
         state = self.state

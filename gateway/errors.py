@@ -96,6 +96,61 @@ class ApiError(Exception):
         return b"data: " + self.to_bytes() + b"\n\n"
 
 
+# Engines' own error types that mean what an OpenAI client knows by another code.
+_CODE_FOR_TYPE = {
+    "exceed_context_size_error": "context_length_exceeded",  # llama.cpp, prompt over its slot
+}
+# Messages that say the request is longer than the model's context (vLLM, SGLang).
+_CONTEXT_MESSAGES = ("maximum context length", "longer than the model's context length")
+
+
+def upstream_error(status: int, body: object, *, fallback: str) -> ApiError:
+    """An engine's error answer as an OpenAI error object, keeping its status and message.
+
+    `body` is the engine's parsed JSON (or anything else). Engines answer
+    ``{"error": {...}}`` (llama.cpp, recent vLLM) or the fields at the top level
+    (``{"object": "error", "message", "type", "code"}``: SGLang, older vLLM), often with
+    a numeric ``code``. The ``code`` becomes a string a client can act on: the engine's
+    own when it is a word, ``context_length_exceeded`` for a request longer than the
+    context, else the number as a string. The ``type`` is OpenAI's for the status; the
+    `fallback` message stands in when the engine gave none.
+    """
+    err: dict[str, object] = {}
+    if isinstance(body, dict):
+        inner = body.get("error")
+        if isinstance(inner, dict):
+            err = inner
+        elif isinstance(inner, str):
+            err = {"message": inner}
+        elif "message" in body:
+            err = body
+    message = err.get("message")
+    if not isinstance(message, str) or not message:
+        message = fallback
+    raw_code = err.get("code")
+    etype = err.get("type")
+    code: str | None = None
+    if isinstance(raw_code, str) and raw_code and not raw_code.isdigit():
+        code = raw_code
+    elif isinstance(etype, str) and etype in _CODE_FOR_TYPE:
+        code = _CODE_FOR_TYPE[etype]
+    elif status == 400 and any(m in message for m in _CONTEXT_MESSAGES):
+        code = "context_length_exceeded"
+    elif isinstance(raw_code, int | str) and not isinstance(raw_code, bool):
+        code = str(raw_code)
+    else:
+        code = str(status)
+    param = err.get("param")
+    return ApiError(
+        status,
+        message,
+        code=code,
+        param=param if isinstance(param, str) else None,
+        type=_TYPE_FOR_STATUS.get(status, "server_error" if status >= 500 else None),
+        outcome=f"upstream_{status}",
+    )
+
+
 def invalid_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(
         400, message, param=param, code=code or "invalid_request", outcome="bad_request"

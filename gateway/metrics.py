@@ -113,7 +113,8 @@ class GatewayMetrics:
         self.shed = Counter("kvgate_shed", "Requests shed by reason", ["reason"], registry=r)
         self.upstream_errors = Counter(
             "kvgate_upstream_errors",
-            "Upstream failures by replica and kind (connect, timeout, status_5xx, dropped)",
+            "Upstream failures by replica and kind (connect, timeout, status_5xx, dropped, "
+            "stream_error)",
             ["replica", "kind"],
             registry=r,
         )

@@ -12,7 +12,8 @@ cancellation when the client disconnects, so a reservation can never leak.
 
 Retry: when the chosen replica refuses the connection (it crashed) or answers 5xx
 before any byte reached the client, the request is re-admitted once, without queueing,
-to another replica; if none can take it at once the original error is answered (502).
+to another replica; if none can take it at once the original error is answered: the
+engine's own (its status and message, as an OpenAI error object), else 502.
 A connection refusal also marks the replica unready until discovery sees it healthy.
 Timeouts are not retried: a replica that is merely slow would get the load twice.
 """
@@ -63,6 +64,9 @@ H_WORKLOAD = "x-workload"  # coding | agentic | chat, overrides the classifier
 H_READ_TIMEOUT = "x-stainless-read-timeout"
 H_RETRY_COUNT = "x-stainless-retry-count"
 SDK_DEFAULT_MAX_RETRIES = 2
+# Upstream failures that say the replica could not serve its load: the learned limit
+# hears of them (a refused connection or a dropped one says the replica is down, not full).
+_LOAD_FAILURES = frozenset({"timeout", "stream_error", "status_5xx"})
 
 
 def _validation_message(err: ValidationError) -> tuple[str, str | None]:
@@ -242,8 +246,10 @@ class Pipeline:
         limit = max(1, (max_len - ctx.prompt_tokens) if max_len else MAX_TOKENS_CEILING)
         ctx.expected_output = self.estimator.expected_output(ctx.model, bound, limit)
         # Without a client bound the engine may generate up to the context; admission's
-        # never-fits check then uses what we reserve.
+        # never-fits check then uses what we reserve, and an engine that does not preempt
+        # is reserved its whole context.
         ctx.max_tokens = bound if bound is not None else ctx.expected_output
+        ctx.max_tokens_given = ctx.parsed.bounds_output
 
     def classify(self, request: web.Request, ctx: RequestContext, text: str) -> None:
         parsed = ctx.parsed
@@ -364,6 +370,19 @@ class Pipeline:
                 resp = await self.relay.forward(request, ctx, self._urls[replica], headers, data)
                 if ctx.upstream_error is not None:  # failed after the stream had started
                     self.metrics.upstream_errors.labels(replica, ctx.upstream_error).inc()
+                    log.warning(
+                        "upstream %s failed %s mid-stream (%s)",
+                        replica,
+                        ctx.request_id,
+                        ctx.upstream_error,
+                        extra={
+                            "fields": {
+                                "replica": replica,
+                                "kind": ctx.upstream_error,
+                                "request_id": ctx.request_id,
+                            }
+                        },
+                    )
                 return resp
             except UpstreamFailure as f:
                 self.metrics.upstream_errors.labels(replica, f.kind).inc()
@@ -386,6 +405,16 @@ class Pipeline:
                 ):
                     continue
                 ctx.upstream_error = f.kind
+                if f.answer is not None:
+                    # The engine's own error, with its status and message; an overloaded
+                    # engine's 503 (or 429) says when to come back, as kvgate's own do.
+                    answer = f.answer
+                    answer.outcome = f"upstream_{f.kind}"
+                    if answer.status in (429, 503) and answer.retry_after is None:
+                        answer.retry_after = self.controller.retry_after(
+                            ctx.model, ctx.reserved or ctx.prompt_tokens, self._loop.time()
+                        )
+                    raise answer from None
                 if f.kind == "timeout":
                     raise ApiError(
                         504,
@@ -493,8 +522,19 @@ class Pipeline:
 
     def release(self, ctx: RequestContext) -> None:
         """Free the reservation or queue entry (idempotent; always runs), telling
-        admission what the request measured about its replica."""
-        if ctx.admission_id is not None:
+        admission what the request measured about its replica.
+
+        A non-stream request kvgate stopped waiting for while the engine had it (client
+        gone, upstream timeout) may still be generating: its reservation is held until
+        the engine's running gauge says it stopped, or ``abandoned_hold_s`` passes. A
+        stream needs no hold: closing its connection stops the engine at its next write.
+        """
+        if ctx.admission_id is None:
+            return
+        if ctx.upstream_abandoned and ctx.replica is not None:
+            ctx.upstream_abandoned = False
+            self.bridge.abandon(ctx.admission_id, self._completion(ctx))
+        else:
             self.bridge.release(ctx.admission_id, self._completion(ctx))
 
     def _completion(self, ctx: RequestContext) -> Completion | None:
@@ -503,7 +543,8 @@ class Pipeline:
         if ctx.admitted_at is None:
             return None
         if ctx.outcome != "ok":
-            if ctx.upstream_error == "timeout" or ctx.outcome == "upstream_timeout":
+            if ctx.upstream_error in _LOAD_FAILURES or ctx.outcome == "upstream_timeout":
+                # The replica failed it: slow, or (llama.cpp) out of KV mid-stream.
                 return Completion(ok=False, latency_budget=ctx.latency_budget)
             budget = ctx.latency_budget
             if (
@@ -553,6 +594,7 @@ def _admission_request(
         latency_budget=ctx.latency_budget,
         stream=ctx.stream,
         retry_key=ctx.retry_key,
+        max_tokens_given=ctx.max_tokens_given,
     )
 
 

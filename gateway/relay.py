@@ -5,13 +5,24 @@ sent: kvgate splits the upstream bytes at SSE event boundaries (a blank line) on
 look at them, and writes the original bytes. Two things are looked at:
 
 - the usage chunk. kvgate asks the engine for ``stream_options.include_usage`` so it
-  learns the true token counts of every stream; when the client did not ask for usage
-  the usage-only chunk (``"choices": []``) is dropped again, so the client sees exactly
-  the stream it would have seen from the engine directly.
+  learns the true token counts of every stream; when the client did not ask for usage,
+  the ``usage`` field is taken off the usage chunk (``"choices": []``) again, and the
+  chunk is dropped when nothing else is left on it (vLLM, SGLang), so the client sees
+  exactly the stream it would have seen from the engine directly. Other fields the
+  engine put there stay (llama.cpp moves its ``timings`` onto that chunk).
+- error events. An engine that fails after its stream started (llama.cpp's unified pool
+  overrun) sends ``data: {"error": ...}`` and ends the stream. The event is forwarded as
+  an OpenAI error object (the engine's message, a string code) and the request counts as
+  an upstream error (``ctx.upstream_error = "stream_error"``), not as a completion.
 - the number of content events, a lower bound of the generated tokens (one event per
   engine step; speculative decoding can put several tokens in one). When a stream
   outgrows its reservation the relay asks admission to top it up. It never cuts a
   stream off: the engine's own scheduler is the last line of defence, not the gateway.
+
+Error answers before any byte reached the client (non-stream bodies, a stream refused
+with an error status) are OpenAI error objects with the engine's status and message
+(`gateway.errors.upstream_error`); a 5xx is reported as an `UpstreamFailure` carrying
+that answer, so the pipeline may retry it elsewhere first.
 
 Backpressure: each write is awaited, so a slow client slows the read from the engine
 instead of buffering the whole answer in the gateway.
@@ -33,14 +44,38 @@ from aiohttp import web
 
 from gateway.config import UpstreamConfig
 from gateway.context import RequestContext
-from gateway.errors import ApiError
+from gateway.errors import ApiError, upstream_error
 from gateway.upstream import UpstreamFailure, classify_client_error
 
 _SSE_HEADERS_BASE = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Fields of a chunk that say nothing by themselves: a usage chunk left with only these
+# once its usage is taken off is dropped.
+_ENVELOPE = frozenset(
+    {"id", "object", "created", "model", "system_fingerprint", "choices", "service_tier"}
+)
 
 
 class ClientGone(Exception):
     """The client closed its connection while we were writing to it."""
+
+
+def _error_answer(up: aiohttp.ClientResponse, body: bytes, ctx: RequestContext) -> ApiError:
+    """The engine's error answer as an OpenAI error object, with its Retry-After if any."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    status = up.status
+    err = upstream_error(status, doc, fallback=f"replica {ctx.replica} answered HTTP {status}")
+    for name, scale in (("retry-after-ms", 1e-3), ("Retry-After", 1.0)):
+        raw = up.headers.get(name)
+        if raw is not None:
+            try:
+                err.retry_after = max(0.0, float(raw) * scale)
+                break
+            except ValueError:
+                continue
+    return err
 
 
 def _record_usage(ctx: RequestContext, usage: object) -> None:
@@ -117,6 +152,9 @@ class Relay:
         loop = asyncio.get_running_loop()
         up: aiohttp.ClientResponse | None = None
         done = False
+        # Set while the engine has the request and kvgate has not had its answer: if
+        # kvgate stops waiting then (client gone, timeout), the engine may go on.
+        ctx.upstream_abandoned = True
         try:
             try:
                 async with asyncio.timeout_at(loop.time() + self._cfg.total_s):
@@ -125,22 +163,31 @@ class Relay:
             except (
                 aiohttp.ClientError
             ) as e:  # first: aiohttp's connect timeout is also a TimeoutError
+                ctx.upstream_abandoned = False  # refused or dropped: the engine has none
                 raise classify_client_error(e, started=False) from e
             except TimeoutError:
                 raise UpstreamFailure("timeout", "upstream timed out", retryable=False) from None
+            ctx.upstream_abandoned = False
             done = True
             status = up.status
             if status >= 500:
                 raise UpstreamFailure(
-                    "status_5xx", f"replica answered HTTP {status}", retryable=True, status=status
+                    "status_5xx",
+                    f"replica answered HTTP {status}",
+                    retryable=True,
+                    status=status,
+                    answer=_error_answer(up, body, ctx),
                 )
-            if status == 200:
-                try:
-                    _record_usage(ctx, json.loads(body).get("usage"))
-                except (ValueError, AttributeError):
-                    pass
             ctx.status = status
-            ctx.outcome = "ok" if status == 200 else f"upstream_{status}"
+            if status != 200:
+                err = _error_answer(up, body, ctx)
+                ctx.outcome = err.outcome
+                return err.response({"x-request-id": ctx.request_id})
+            try:
+                _record_usage(ctx, json.loads(body).get("usage"))
+            except (ValueError, AttributeError):
+                pass
+            ctx.outcome = "ok"
             return web.Response(
                 status=status,
                 body=body,
@@ -249,7 +296,8 @@ class Relay:
                 ctx.outcome = "client_disconnect"
                 ctx.status = 499
                 return resp
-            ctx.outcome = "ok"
+            # An error event from the engine ended it: an upstream error, not a completion.
+            ctx.outcome = "ok" if ctx.upstream_error is None else f"upstream_{ctx.upstream_error}"
             return resp
         finally:
             if up is not None:
@@ -265,20 +313,18 @@ class Relay:
     ) -> web.Response:
         """A streamed request the engine answered with an error status before streaming."""
         body = await up.read()
+        err = _error_answer(up, body, ctx)
         if up.status >= 500:
             raise UpstreamFailure(
-                "status_5xx", f"replica answered HTTP {up.status}", retryable=True, status=up.status
+                "status_5xx",
+                f"replica answered HTTP {up.status}",
+                retryable=True,
+                status=up.status,
+                answer=err,
             )
         ctx.status = up.status
-        ctx.outcome = f"upstream_{up.status}"
-        return web.Response(
-            status=up.status,
-            body=body,
-            headers={
-                "Content-Type": up.headers.get("Content-Type", "application/json"),
-                "x-request-id": ctx.request_id,
-            },
-        )
+        ctx.outcome = err.outcome
+        return err.response({"x-request-id": ctx.request_id})
 
     async def _start_client_stream(
         self, request: web.Request, ctx: RequestContext, up: aiohttp.ClientResponse
@@ -302,21 +348,25 @@ class Relay:
     def _take_events(self, ctx: RequestContext, buf: bytes) -> tuple[bytes, bytes]:
         """Split complete events off `buf`; return (bytes to forward, remainder).
 
-        Forwarded bytes are slices of what the engine sent. Only an unrequested usage-only
-        chunk is ever left out.
+        Forwarded bytes are slices of what the engine sent, except an unrequested usage
+        chunk (left out, or without its usage) and an error event (in OpenAI's shape).
         """
         start = 0
-        kept: list[bytes] | None = None  # only materialised once something is dropped
+        kept: list[bytes] | None = None  # only materialised once something changes
         while True:
             i = buf.find(b"\n\n", start)
             if i < 0:
                 break
             end = i + 2
-            if self._inspect(ctx, buf, start, end):
+            other = self._inspect(ctx, buf, start, end)
+            if other is None:
                 if kept is not None:
                     kept.append(buf[start:end])
-            elif kept is None:
-                kept = [buf[:start]]
+            else:
+                if kept is None:
+                    kept = [buf[:start]]
+                if other:
+                    kept.append(other)
             start = end
         if start == 0:
             return b"", buf
@@ -324,22 +374,42 @@ class Relay:
         return out, buf[start:]
 
     @staticmethod
-    def _inspect(ctx: RequestContext, buf: bytes, start: int, end: int) -> bool:
-        """Account one event; False if it must not be forwarded."""
+    def _inspect(ctx: RequestContext, buf: bytes, start: int, end: int) -> bytes | None:
+        """Account one event; None to forward it as is, else the bytes to forward
+        instead (empty: leave it out)."""
         if not buf.startswith(b"data:", start):
-            return True  # comments, keep-alives, other fields: pass through
-        if buf.startswith(b"[DONE]", start + 5) or buf.startswith(b" [DONE]", start + 5):
-            return True
+            return None  # comments, keep-alives, other fields: pass through
+        at = start + 6 if buf.startswith(b" ", start + 5) else start + 5
+        if buf.startswith(b"[DONE]", at):
+            return None
+        if buf.startswith(b'{"error"', at):
+            try:
+                obj = json.loads(buf[at:end])
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
+                ctx.upstream_error = "stream_error"
+                inner = obj["error"]
+                status = inner.get("code") if isinstance(inner, dict) else None
+                if not isinstance(status, int) or not 400 <= status <= 599:
+                    status = 500
+                fallback = "the replica ended the stream with an error"
+                return upstream_error(status, obj, fallback=fallback).sse_event()
         usage_at = buf.find(b'"usage"', start, end)
         if usage_at >= 0 and buf.find(b"null", usage_at + 7, usage_at + 14) < 0:
             try:
-                obj = json.loads(buf[start + 5 : end])
+                obj = json.loads(buf[at:end])
             except ValueError:
                 obj = None
             if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
                 _record_usage(ctx, obj["usage"])
                 if not obj.get("choices"):
-                    return ctx.client_wants_usage
+                    if ctx.client_wants_usage:
+                        return None
+                    del obj["usage"]  # kvgate asked for it, the client did not
+                    if obj.keys() <= _ENVELOPE:
+                        return b""
+                    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
         ctx.events += 1
         ctx.generated += 1
-        return True
+        return None

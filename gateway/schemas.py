@@ -52,11 +52,21 @@ class _Common(BaseModel):
     def wants_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def bounds_output(self) -> bool:
+        """The client set an output bound (otherwise an engine such as llama.cpp may
+        generate until the context is full, whatever the API's documented default)."""
+        return self.max_tokens is not None
+
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     tools: list[dict[str, Any]] | None = None
+
+    @property
+    def bounds_output(self) -> bool:
+        return self.max_tokens is not None or self.max_completion_tokens is not None
 
     @property
     def output_bound(self) -> int | None:

@@ -11,15 +11,19 @@ from __future__ import annotations
 import aiohttp
 
 from gateway.config import UpstreamConfig
+from gateway.errors import ApiError
 
 
 class UpstreamFailure(Exception):
     """The engine could not give a usable answer.
 
     ``kind`` is a metric label: ``connect`` (refused, unreachable: the replica is down),
-    ``timeout``, ``status_5xx``, ``dropped`` (connection lost mid-response).
-    ``retryable`` is True only while nothing has been sent to the client, so another
-    replica can still answer the request cleanly.
+    ``timeout``, ``status_5xx``, ``dropped`` (connection lost mid-response), and, set on
+    the request once its stream has started, ``stream_error`` (the engine ended the
+    stream with an error event). ``retryable`` is True only while nothing has been sent
+    to the client, so another replica can still answer the request cleanly. ``answer``
+    is the engine's own error (status and message) when it gave one: what the client
+    gets when the request is not retried.
     """
 
     def __init__(
@@ -29,12 +33,14 @@ class UpstreamFailure(Exception):
         *,
         retryable: bool,
         status: int | None = None,
+        answer: ApiError | None = None,
     ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.retryable = retryable
         self.status = status
+        self.answer = answer
 
 
 def make_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:

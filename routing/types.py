@@ -24,12 +24,25 @@ class ReplicaState:
     block_size: int = 16
     max_model_len: int | None = None
     max_running: int | None = None
+    # What the engine does when more is admitted than its pool holds (set by the adapter).
+    # True: it preempts (vLLM recomputes, SGLang retracts), so a request may be reserved
+    # at a learned estimate of its output and topped up as it grows. False: an
+    # over-admitted pool is an error (llama.cpp), so a request is reserved at the most it
+    # may use: prompt + max_tokens, within its slot's context (`max_model_len`).
+    preempts: bool = True
+    # Each running request owns a private slot of `max_model_len` tokens (llama.cpp's
+    # per-slot KV): the pool cannot be overrun, so admission keeps no headroom in it.
+    private_slots: bool = False
     # Live load as the engine reports it.
     engine_running: int = 0
     engine_waiting: int = 0
     kv_usage: float = 0.0
     preemptions_total: float = 0.0
+    # When the discovery round began (the engine's answers describe it after that).
     updated_at: float = 0.0
+    # `updated_at` of the last round whose answers included the engine's running gauge
+    # (`engine_running`); None for an engine that reports none.
+    running_seen_at: float | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -122,6 +122,7 @@ def apply_load(
     (summed across label sets; KV usage averaged). Absent metrics leave the field as is."""
     if (value := total(samples, *running)) is not None:
         state.engine_running = int(value)
+        state.running_seen_at = state.updated_at
     if (value := total(samples, *waiting)) is not None:
         state.engine_waiting = int(value)
     if (value := mean(samples, *usage)) is not None:

@@ -5,6 +5,11 @@
 figures (``max_total_num_tokens``, the token pool). Recent releases also nest scheduler
 state under ``internal_states``; both places are read. ``sglang:max_total_num_tokens``
 in ``/metrics`` is a fallback for the pool size.
+
+Reservations: SGLang preempts (``preempts`` True): its scheduler reserves by
+``new_token_ratio`` and retracts running requests when decode runs out of room, so, as
+with vLLM, admission may reserve a learned quantile of the output with top-ups, and the
+learned running limit watches the retractions (``sglang:num_retracted_reqs_total``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class SGLangAdapter:
 
     def apply(self, state: ReplicaState, responses: Responses, now: float) -> None:
         state.updated_at = now
+        state.preempts = True
         models_ok = apply_models(state, ok_body(responses, "/v1/models"))
         info = parse_json(ok_body(responses, "/server_info"))
         info_ok = isinstance(info, dict)

@@ -4,6 +4,11 @@ Pool size: ``vllm:cache_config_info`` is an info gauge whose labels carry the ca
 config; the pool is ``num_gpu_blocks * block_size`` tokens, or ``kv_cache_size_tokens``
 when a build reports it directly. With data parallelism there is one label set per
 ``engine``; their pools are summed (the front-end balances over them).
+
+Reservations: vLLM preempts (``preempts`` True). A request it cannot grow is preempted
+and recomputed later, which costs time, not the request; so admission may reserve a
+learned quantile of the output and top it up as the stream grows, and the learned
+running limit watches the preemptions (``vllm:num_preemptions_total``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class VLLMAdapter:
 
     def apply(self, state: ReplicaState, responses: Responses, now: float) -> None:
         state.updated_at = now
+        state.preempts = True
         models_ok = apply_models(state, ok_body(responses, "/v1/models"))
         samples = parse_prometheus(ok_body(responses, "/metrics"))
         metrics_ok = samples is not None

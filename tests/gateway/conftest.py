@@ -50,7 +50,7 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
 
     Replica-level keyword arguments (``pool_tokens``, ``max_running``, ``engine``...) apply
     to every replica; ``replicas=[...]`` gives the list explicitly. Other sections
-    (``admission``, ``upstream``, ``auth``, ``limits``, ``discovery``) are merged over
+    (``admission``, ``upstream``, ``auth``, ``limits``, ``discovery``, ``counting``) are merged over
     test defaults: short upstream timeouts and fast discovery.
     """
     made: list[tuple[Gateway, list[Any]]] = []
@@ -63,6 +63,7 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
         auth: dict[str, Any] | None = None,
         limits: dict[str, Any] | None = None,
         discovery: dict[str, Any] | None = None,
+        counting: dict[str, Any] | None = None,
         tokenizers: dict[str, str] | None = None,
         **replica_fields: Any,
     ) -> Gateway:
@@ -83,6 +84,7 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
             "auth": auth or {},
             "limits": limits or {},
             "discovery": {"refresh_interval_s": 0.2, "probe_timeout_s": 0.5, **(discovery or {})},
+            "counting": counting or {},
             "logging": {"access_log": False},
             "tokenizers": tokenizers or {},
         }

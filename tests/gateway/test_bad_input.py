@@ -267,5 +267,6 @@ async def test_a_lone_surrogate_in_a_stream_request_is_relayed_not_a_500(replica
         err = (await r.json())["error"]
     # kvgate forwarded it (before the fix: a 500 internal_error of kvgate's own). The
     # simulated engine then fails on the surrogate itself, which kvgate reports as the
-    # upstream's error.
-    assert r.status == 502 and err["code"] == "upstream_status_5xx"
+    # upstream's error, with the engine's status.
+    assert r.status == 500 and err["code"] == "500"
+    assert err["message"] == "internal error in the engine simulator"

@@ -146,3 +146,41 @@ def test_console_script_entry_point_runs(tmp_path):
     )
     assert proc.returncode == 2
     assert "upstream.total_s" in proc.stderr
+
+
+def test_kv_layout_is_a_llamacpp_setting() -> None:
+    ok = config_from_mapping(
+        {
+            "replicas": [
+                {"name": "l", "url": "http://x", "engine": "llamacpp", "kv_layout": "unified"}
+            ]
+        },
+        env={},
+    )
+    assert ok.replicas[0].kv_layout == "unified"
+    assert (
+        config_from_mapping({"replicas": [{"name": "v", "url": "http://x"}]}, env={})
+        .replicas[0]
+        .kv_layout
+        == "auto"
+    )
+    with pytest.raises(
+        ConfigError, match=r"replicas\.0: .*kv_layout: 'per_slot' applies to engine llamacpp only"
+    ):
+        config_from_mapping(
+            {
+                "replicas": [
+                    {"name": "v", "url": "http://x", "engine": "vllm", "kv_layout": "per_slot"}
+                ]
+            },
+            env={},
+        )
+    with pytest.raises(ConfigError, match=r"replicas\.0\.kv_layout"):
+        config_from_mapping(
+            {
+                "replicas": [
+                    {"name": "l", "url": "http://x", "engine": "llamacpp", "kv_layout": "split"}
+                ]
+            },
+            env={},
+        )

@@ -1,5 +1,7 @@
-"""The SSE relay forwards the engine's bytes unchanged, whatever the chunking, and only
-drops the usage chunk the client did not ask for."""
+"""The SSE relay forwards the engine's bytes unchanged, whatever the chunking, except the
+usage the client did not ask for (taken off, its chunk dropped when nothing else is on it)
+and an engine's error event (put in OpenAI's shape); and engines' error answers become
+OpenAI error objects."""
 
 from __future__ import annotations
 
@@ -105,3 +107,117 @@ def test_failure_classification():
     assert (f.kind, f.retryable) == ("dropped", False)
     f = classify_client_error(aiohttp.ClientPayloadError("truncated"), started=False)
     assert (f.kind, f.retryable) == ("dropped", True)
+
+
+# llama.cpp's usage chunk carries its `timings` too; so may an engine's own extra field.
+LLAMA_USAGE = (
+    b'data: {"choices":[],"created":1,"id":"c","model":"m","system_fingerprint":"b0",'
+    b'"object":"chat.completion.chunk","usage":{"completion_tokens":5,"prompt_tokens":11,'
+    b'"total_tokens":16},"timings":{"prompt_n":11,"predicted_n":5}}\n\n'
+)
+LLAMA_STREAM = chunk(0, "a") + chunk(1, "b") + LLAMA_USAGE + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_unrequested_usage_is_taken_off_and_the_engines_other_fields_stay(seed):
+    pieces = random_split(LLAMA_STREAM, random.Random(seed))
+    c = ctx(wants_usage=False)
+    out = run(relay(), c, pieces)
+    events = [e for e in out.split(b"\n\n") if e]
+    assert events[:2] == [chunk(0, "a")[:-2], chunk(1, "b")[:-2]]
+    assert events[-1] == b"data: [DONE]"
+    kept = json.loads(events[2][len(b"data: ") :])
+    assert "usage" not in kept
+    assert kept["timings"] == {"prompt_n": 11, "predicted_n": 5}
+    assert kept["choices"] == [] and kept["id"] == "c"
+    assert (c.usage_prompt, c.usage_completion) == (11, 5)
+    c = ctx(wants_usage=True)
+    assert run(relay(), c, pieces) == LLAMA_STREAM  # asked for: untouched
+
+
+def test_error_event_is_an_upstream_error_in_openai_shape():
+    """llama.cpp's unified pool overrun ends a running stream with one error event."""
+    overrun = (
+        b'data: {"error":{"code":500,"message":"Context size has been exceeded.",'
+        b'"type":"server_error"}}\n\n'
+    )
+    c = ctx(wants_usage=False)
+    out = run(relay(), c, [chunk(0, "a") + chunk(1, "b"), overrun])
+    events = [e for e in out.split(b"\n\n") if e]
+    assert len(events) == 3
+    assert json.loads(events[2][len(b"data: ") :]) == {
+        "error": {
+            "message": "Context size has been exceeded.",
+            "type": "server_error",
+            "param": None,
+            "code": "500",
+        }
+    }
+    assert c.upstream_error == "stream_error"
+    assert c.generated == 2  # the error is not a token
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected"),
+    [
+        (  # llama.cpp: a prompt over its slot's context
+            400,
+            {
+                "error": {
+                    "code": 400,
+                    "message": "request (1039 tokens) exceeds the available context size "
+                    "(1024 tokens), try increasing it",
+                    "type": "exceed_context_size_error",
+                    "n_prompt_tokens": 1039,
+                    "n_ctx": 1024,
+                }
+            },
+            {
+                "message": "request (1039 tokens) exceeds the available context size "
+                "(1024 tokens), try increasing it",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "context_length_exceeded",
+            },
+        ),
+        (  # SGLang and older vLLM: the fields at the top level
+            400,
+            {
+                "object": "error",
+                "message": "The input (5000 tokens) is longer than the model's context "
+                "length (4096 tokens).",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            },
+            {
+                "message": "The input (5000 tokens) is longer than the model's context "
+                "length (4096 tokens).",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "context_length_exceeded",
+            },
+        ),
+        (  # an engine's own string code and param are kept
+            404,
+            {"error": {"message": "no such model", "code": "model_not_found", "param": "model"}},
+            {
+                "message": "no such model",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            },
+        ),
+        (  # not JSON at all
+            500,
+            None,
+            {"message": "fallback", "type": "server_error", "param": None, "code": "500"},
+        ),
+    ],
+)
+def test_upstream_errors_become_openai_error_objects(status, body, expected):
+    from gateway.errors import upstream_error
+
+    err = upstream_error(status, body, fallback="fallback")
+    assert err.status == status
+    assert err.body() == {"error": expected}

@@ -6,16 +6,23 @@ ports, stopped by PID when the session ends:
 - `unified`: `--kv-unified`: the four slots share one 4,096-token pool and each may use all
   of it.
 
-`engine` runs a test once against each.
+`engine` runs a test once against each; `fresh_per_slot` is a per-slot server of the
+test's own (nothing in its slots yet). `kvgate` starts embedded gateways in front of them
+and checks, after the test, that every reservation came back (invariant 2).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
 
+from gateway.app import Gateway
+from gateway.config import config_from_mapping
 from tests.realengine.llama import N_CTX, N_SLOTS, LlamaServer, engine_file
+
+ADMIN_TOKEN = "t"
 
 _running: list[LlamaServer] = []
 
@@ -47,6 +54,56 @@ def unified(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
 @pytest.fixture(params=["per_slot", "unified"])
 def engine(request: pytest.FixtureRequest) -> LlamaServer:
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def fresh_per_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    """A per-slot server started for one test (~0.1 s): its slots have held nothing."""
+    yield from _serve("fresh_per_slot", ["-np", str(N_SLOTS), "-c", str(N_CTX)], tmp_path_factory)
+
+
+@pytest.fixture
+async def kvgate() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
+    """``gw = await kvgate(server, kv_layout="per_slot", admission={...})``: a fresh kvgate
+    on a free port in front of `server` (engine llamacpp). Replica-level keyword arguments
+    go to the replica entry; ``admission``, ``upstream``, ``discovery``, ``counting`` are
+    merged over these defaults. Discovery polls every 1.5 s: llama-server notices that a
+    non-stream client left only after a quiet second, and each /slots poll restarts that
+    wait. After the test every gateway must drain with nothing reserved or queued."""
+    made: list[Gateway] = []
+
+    async def factory(
+        server: LlamaServer,
+        *,
+        admission: dict[str, Any] | None = None,
+        upstream: dict[str, Any] | None = None,
+        discovery: dict[str, Any] | None = None,
+        counting: dict[str, Any] | None = None,
+        **replica: Any,
+    ) -> Gateway:
+        data = {
+            "replicas": [{"name": "r0", "url": server.url, "engine": "llamacpp", **replica}],
+            "admission": admission or {},
+            "upstream": {"first_byte_s": 30.0, "idle_s": 30.0, "total_s": 60.0, **(upstream or {})},
+            "discovery": {"refresh_interval_s": 1.5, "probe_timeout_s": 1.0, **(discovery or {})},
+            "counting": counting or {},
+            "auth": {"admin_token": ADMIN_TOKEN},
+            "logging": {"access_log": False},
+        }
+        gw = Gateway(config_from_mapping(data, env={}), host="127.0.0.1", port=0)
+        await gw.start()
+        made.append(gw)
+        return gw
+
+    yield factory
+    problems = []
+    for gw in made:
+        drained = await gw.drain(15.0)
+        reserved, queued = gw.controller.reserved_tokens(), gw.controller.queue_depth()
+        await gw.stop()
+        if not drained or reserved or queued:
+            problems.append(f"{gw.url}: drained={drained} reserved={reserved} queued={queued}")
+    assert not problems, "; ".join(problems)
 
 
 @pytest.fixture(autouse=True)

@@ -101,3 +101,23 @@ def test_tokenizer_json_counts_as_the_engine_does(per_slot: LlamaServer, text: s
     local = Tokenizer.from_file(str(engine_file("KVGATE_LLAMA_TOKENIZER")))
     remote = per_slot.post("/tokenize", {"content": text}).json()["tokens"]
     assert local.encode(text).ids == remote
+
+
+def test_slots_show_what_their_caches_hold_which_only_per_slot_can_exceed_a_slot(
+    engine: LlamaServer,
+) -> None:
+    """The one tell between the layouts (routing/adapters/llamacpp.py): each slot lists the
+    tokens its cache holds. Per slot, an idle slot keeps its last request's tokens, so three
+    requests of ~600 tokens on three slots hold more than one slot's 1,024 together. A
+    unified server clears the idle slots whenever it starts a task: one slot holds tokens."""
+    for i in range(3):
+        reply = engine.post(
+            "/v1/chat/completions", {"messages": user(f"{i} " + "the " * 600), "max_tokens": 4}
+        )
+        assert reply.status == 200
+    held = [s.get("n_prompt_tokens", 0) for s in engine.slots()]
+    if engine.name == "per_slot":
+        assert sum(held) > SLOT_CTX["per_slot"]
+        assert sorted(held)[-3:] == [609, 609, 609]
+    else:
+        assert [n for n in held if n] == [609]

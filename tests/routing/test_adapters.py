@@ -266,28 +266,136 @@ def test_sglang_explicit_server_args_and_metric_fallback() -> None:
     assert st.ready is True
 
 
+def _slots(*held: int, busy: int = 0, prompts: list[str] | None = None) -> str:
+    """A /slots answer: one slot per entry of `held` (tokens its cache holds); the first
+    `busy` slots are processing; slot i ran task i unless it holds nothing."""
+    out: list[dict[str, object]] = []
+    for i, tokens in enumerate(held):
+        slot: dict[str, object] = {"id": i, "n_ctx": 1024, "is_processing": i < busy}
+        if tokens:
+            prompt = prompts[i] if prompts and i < len(prompts) else f"prompt {i}"
+            slot.update(id_task=i, n_prompt_tokens=tokens, prompt=prompt)
+        out.append(slot)
+    return json.dumps(out)
+
+
+def _props(n_ctx: int, slots: int = 4, whole: int | None = None) -> str:
+    props = json.loads(LLAMACPP_PROPS)
+    props["default_generation_settings"]["n_ctx"] = n_ctx
+    props["total_slots"] = slots
+    if whole is not None:
+        props["n_ctx"] = whole
+    return json.dumps(props)
+
+
+def _llama(
+    adapter: EngineAdapter, st: ReplicaState, props: str, slots: str | None = None, now: float = 0.0
+) -> ReplicaState:
+    answers = {"/props": (200, props), "/v1/models": (200, LLAMACPP_MODELS)}
+    if slots is not None:
+        answers["/slots"] = (200, slots)
+    adapter.apply(st, answers, now)
+    return st
+
+
 def test_llamacpp_props() -> None:
     adapter = adapter_for("llamacpp")
-    assert set(adapter.probe_paths) == {"/props", "/v1/models"}
-    st = state("llamacpp")
-    adapter.apply(st, {"/props": (200, LLAMACPP_PROPS), "/v1/models": (200, LLAMACPP_MODELS)}, 0.0)
+    assert set(adapter.probe_paths) == {"/props", "/v1/models", "/slots"}
+    st = _llama(adapter, state("llamacpp"), LLAMACPP_PROPS)
     assert st.ready is True
-    assert st.capacity_tokens == 16384
-    assert st.max_model_len == 16384
-    assert st.max_running == 4
-    assert st.block_size == 1
+    # auto, nothing proven: the safe (unified) reading, one pool of the slot's context.
+    assert (st.capacity_tokens, st.max_model_len, st.max_running) == (16384, 16384, 4)
+    assert (st.preempts, st.private_slots, st.block_size) == (False, False, 1)
     assert st.models == ["qwen2.5-coder-7b-instruct-q4_k_m.gguf"]
+    assert st.running_seen_at is None  # no /slots answer: no running gauge
     # A build that also reports the whole cache at the top level: that is the pool.
-    props = json.loads(LLAMACPP_PROPS)
-    props["n_ctx"] = 65536
-    st2 = state("llamacpp")
-    adapter.apply(
-        st2, {"/props": (200, json.dumps(props)), "/v1/models": (200, LLAMACPP_MODELS)}, 0
-    )
+    st2 = _llama(adapter_for("llamacpp"), state("llamacpp"), _props(16384, whole=65536))
     assert (st2.capacity_tokens, st2.max_model_len, st2.max_running) == (65536, 16384, 4)
+    assert st2.private_slots is True  # 4 slots capped at 16,384 cannot overrun 65,536
     st3 = state("llamacpp")
     adapter.apply(st3, {"/props": (500, "{}"), "/v1/models": (200, LLAMACPP_MODELS)}, 0.0)
     assert st3.ready is False
+
+
+def test_llamacpp_configured_layouts() -> None:
+    per_slot = _llama(
+        adapter_for("llamacpp", kv_layout="per_slot"), state("llamacpp"), _props(1024)
+    )
+    assert (per_slot.capacity_tokens, per_slot.max_model_len, per_slot.max_running) == (
+        4096,
+        1024,
+        4,
+    )
+    assert per_slot.private_slots is True
+    unified = _llama(
+        adapter_for("llamacpp", kv_layout="unified"),
+        state("llamacpp"),
+        _props(4096),
+        _slots(3000, 3000, busy=0),
+    )
+    # Configured unified: no /slots evidence moves it.
+    assert (unified.capacity_tokens, unified.max_model_len, unified.private_slots) == (
+        4096,
+        4096,
+        False,
+    )
+    with pytest.raises(ValueError, match="llama.cpp replicas only"):
+        adapter_for("vllm", kv_layout="unified")
+
+
+def test_llamacpp_slots_give_the_running_gauge() -> None:
+    st = _llama(
+        adapter_for("llamacpp"),
+        state("llamacpp"),
+        _props(1024),
+        _slots(100, 200, 0, 0, busy=2),
+        now=7.0,
+    )
+    assert (st.engine_running, st.running_seen_at) == (2, 7.0)
+    # A round whose /slots failed leaves the gauge as it was, unconfirmed.
+    _llama(adapter_for("llamacpp"), st, _props(1024), None, now=9.0)
+    assert st.running_seen_at == 7.0
+
+
+def test_llamacpp_auto_reads_per_slot_once_the_slots_hold_more_than_one_slot() -> None:
+    """Slots holding more tokens together than the per-slot context prove the pool is not
+    a unified one of that size; with the context below the trained one (32,768 here), the
+    layout is per slot."""
+    adapter = adapter_for("llamacpp")
+    st = _llama(adapter, state("llamacpp"), _props(1024), _slots(609, 300, 0, 0))
+    assert (st.capacity_tokens, st.private_slots) == (1024, False)  # 909 fits one pool
+    _llama(adapter, st, _props(1024), _slots(609, 609, 609, 6))
+    assert (st.capacity_tokens, st.max_model_len, st.private_slots) == (4096, 1024, True)
+    # Idle slots emptying again does not unprove it.
+    _llama(adapter, st, _props(1024), _slots(609, 609, 609, 6))
+    assert st.capacity_tokens == 4096
+    # A restart (task ids start again) does.
+    _llama(adapter, st, _props(1024), _slots(0, 0, 0, 0))
+    assert (st.capacity_tokens, st.private_slots) == (1024, False)
+
+
+def test_llamacpp_auto_counts_slots_sharing_a_prompt_once() -> None:
+    """Parallel sampling (n > 1) puts one prompt in several slots over shared cells."""
+    adapter = adapter_for("llamacpp")
+    st = _llama(
+        adapter, state("llamacpp"), _props(1024), _slots(700, 700, 0, 0, prompts=["same", "same"])
+    )
+    assert st.capacity_tokens == 1024
+
+
+def test_llamacpp_auto_takes_a_lower_bound_when_the_trained_context_capped_the_slot() -> None:
+    """A slot context equal to the trained context may sit in a larger unified pool
+    (`-c 65536 --kv-unified` on a 32k model): only what the slots held is proven."""
+    adapter = adapter_for("llamacpp")
+    st = _llama(adapter, state("llamacpp"), _props(32768), _slots(20000, 15000, 0, 0))
+    assert (st.capacity_tokens, st.max_model_len, st.private_slots) == (35000, 32768, False)
+    _llama(adapter, st, _props(32768), _slots(32000, 32000, 32000, 32000))
+    assert st.capacity_tokens == 4 * 32768 - 3072  # 128,000 held, never past 4 x 32,768
+    _llama(adapter, st, _props(32768), _slots(32760, 32760, 32760, 32760))
+    assert st.capacity_tokens == 131040
+    # A different server shape forgets the proof.
+    _llama(adapter, st, _props(16384), _slots(16000, 0, 0, 0))
+    assert st.capacity_tokens == 16384
 
 
 def test_openai_generic_reads_only_models() -> None:
