@@ -55,6 +55,17 @@ _ENVELOPE = frozenset(
 )
 
 
+def _event_end(buf: bytes, start: int) -> tuple[int, int]:
+    """The first event boundary at or after `start` in any of SSE's three line endings:
+    (index, length of the separator), or (-1, 0)."""
+    best, size = -1, 0
+    for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+        i = buf.find(sep, start)
+        if i >= 0 and (best < 0 or i < best):
+            best, size = i, len(sep)
+    return best, size
+
+
 class ClientGone(Exception):
     """The client closed its connection while we were writing to it."""
 
@@ -353,11 +364,17 @@ class Relay:
         """
         start = 0
         kept: list[bytes] | None = None  # only materialised once something changes
+        # SSE lines end in LF, CRLF or CR; an event ends at an empty line. LF framing is
+        # the common case and costs one scan; a buffer with a CR takes the general path.
+        crlf = b"\r" in buf
         while True:
-            i = buf.find(b"\n\n", start)
+            if crlf:
+                i, sep = _event_end(buf, start)
+            else:
+                i, sep = buf.find(b"\n\n", start), 2
             if i < 0:
                 break
-            end = i + 2
+            end = i + sep
             other = self._inspect(ctx, buf, start, end)
             if other is None:
                 if kept is not None:

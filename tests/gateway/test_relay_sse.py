@@ -221,3 +221,26 @@ def test_upstream_errors_become_openai_error_objects(status, body, expected):
     err = upstream_error(status, body, fallback="fallback")
     assert err.status == status
     assert err.body() == {"error": expected}
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("eol", [b"\r\n", b"\r"])
+def test_crlf_and_cr_framed_streams_are_split_per_event(seed, eol):
+    framed = STREAM.replace(b"\n", eol)
+    rng = random.Random(seed)
+    pieces = random_split(framed, rng)
+    c = ctx(wants_usage=True)
+    r = relay()
+    # Event by event, not all at the end: the first content chunk is forwarded as soon
+    # as its blank line has arrived.
+    first_end = framed.index(eol + eol) + 2 * len(eol)
+    buf, out = b"", b""
+    for p in pieces:
+        buf = buf + p if buf else p
+        fwd, buf = r._take_events(c, buf)
+        out += fwd
+        if len(out) + len(buf) >= first_end:
+            assert len(out) >= first_end
+    assert out + buf == framed
+    assert (c.usage_prompt, c.usage_completion) == (11, 5)
+    assert c.generated == 5
