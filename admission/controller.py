@@ -151,6 +151,10 @@ class _Replica:
     # ledger fields at each decision) instead of rebuilt per call.
     cand: Candidate = field(default_factory=lambda: Candidate("", 0, 0, 0, None))
     view_at: float = 0.0  # `updated_at` of the engine view in `cand`
+    # The last `tokens_for` answer, by the request fields it reads (cleared by upsert,
+    # which sets everything else it reads): one decision asks it several times.
+    memo_key: tuple[int, int, int, bool] | None = None
+    memo_tokens: int = 0
 
     @property
     def allowed(self) -> int | None:
@@ -171,6 +175,15 @@ class _Replica:
 
     def tokens_for(self, req: AdmissionRequest) -> int:
         """The reservation `req` would hold here (module docstring, Ledger)."""
+        key = (req.prompt_tokens, req.expected_output, req.max_tokens, req.max_tokens_given)
+        if key == self.memo_key:
+            return self.memo_tokens
+        tokens = self._tokens_for(req)
+        self.memo_key = key
+        self.memo_tokens = tokens
+        return tokens
+
+    def _tokens_for(self, req: AdmissionRequest) -> int:
         prompt = max(1, req.prompt_tokens)
         if self.preempts:
             return self.need(prompt + max(0, req.expected_output))
@@ -318,6 +331,7 @@ class AdmissionController:
         if not rep.present or rep.models != frozenset(state.models):
             self._by_model = None
         rep.present = True
+        rep.memo_key = None
         rep.models = frozenset(state.models)
         rep.capacity = pinned_capacity if pinned_capacity is not None else state.capacity_tokens
         rep.ready = bool(state.ready) and rep.capacity is not None
@@ -438,15 +452,18 @@ class AdmissionController:
         pos = bisect.bisect_left(self._queue, entry.key, key=lambda e: e.key)
         # Strict order: replicas an earlier entry waits for are closed to this one. Stop
         # scanning once every replica this request could use is closed.
-        mine = set(self._candidate_names(entry))
         blocked: set[str] = set()
-        for ahead in self._queue[:pos]:
-            if ahead.rejected:
-                continue
-            blocked.update(self._candidate_names(ahead))
-            if mine <= blocked:
-                break
-        if not mine <= blocked:
+        closed = False
+        if pos:  # nothing ahead (the common case): nothing is closed to it
+            mine = set(self._candidate_names(entry))
+            for ahead in self._queue[:pos]:
+                if ahead.rejected:
+                    continue
+                blocked.update(self._candidate_names(ahead))
+                if mine <= blocked:
+                    break
+            closed = mine <= blocked
+        if not closed:
             admit = self._try_admit(entry, blocked, now)
             if isinstance(admit, Admit):
                 return admit
