@@ -51,6 +51,13 @@ Queue order and head-of-line policy
     whatever its priority (no displacement of entries already promised a place).
     `Queued.position` counts the entries of the same model ahead (0 = head).
 
+    Where an admitted request goes is routing's decision (the `Router` handed in: the
+    gateway builds it from the config's profiles, `routing.scheduler`); admission tells it
+    when it places a request and when it frees it (the ``placed`` / ``released`` hooks).
+    An entry routing rejects on every replica that fits it (a filter keeps none) waits
+    without blocking those replicas for the entries behind it: it waits for routing's
+    say, not for capacity, and it is retried on every settle until its deadline.
+
 Shedding and Retry-After
     The wait for a request is estimated as its deficit (tokens, and running slots, that
     must free before it fits, counting the queue ahead of it for the same model) divided
@@ -99,8 +106,8 @@ from admission.types import (
     Shed,
     Verdict,
 )
-from routing.picker import MostHeadroomPicker, Picker
-from routing.types import Candidate, ReplicaState, RouteRequest
+from routing.picker import MostHeadroomPicker
+from routing.types import Candidate, ReplicaState, Router, RouteRequest
 
 _POOL_MEMORY_S = 300.0  # how long a pool measured smaller than configured is kept
 
@@ -140,6 +147,14 @@ class _Replica:
     # Service (and time to first token) against tokens, for the deadline of a queued request.
     service: ServiceModel = field(default_factory=ServiceModel)
     ttft: ServiceModel = field(default_factory=ServiceModel)
+    # The routing view of this replica, refreshed in place (engine gauges at upsert,
+    # ledger fields at each decision) instead of rebuilt per call.
+    cand: Candidate = field(default_factory=lambda: Candidate("", 0, 0, 0, None))
+    view_at: float = 0.0  # `updated_at` of the engine view in `cand`
+    # The last `tokens_for` answer, by the request fields it reads (cleared by upsert,
+    # which sets everything else it reads): one decision asks it several times.
+    memo_key: tuple[int, int, int, bool] | None = None
+    memo_tokens: int = 0
 
     @property
     def allowed(self) -> int | None:
@@ -160,6 +175,15 @@ class _Replica:
 
     def tokens_for(self, req: AdmissionRequest) -> int:
         """The reservation `req` would hold here (module docstring, Ledger)."""
+        key = (req.prompt_tokens, req.expected_output, req.max_tokens, req.max_tokens_given)
+        if key == self.memo_key:
+            return self.memo_tokens
+        tokens = self._tokens_for(req)
+        self.memo_key = key
+        self.memo_tokens = tokens
+        return tokens
+
+    def _tokens_for(self, req: AdmissionRequest) -> int:
         prompt = max(1, req.prompt_tokens)
         if self.preempts:
             return self.need(prompt + max(0, req.expected_output))
@@ -226,17 +250,29 @@ class _Entry:
     req: AdmissionRequest
     raw: int  # the largest reservation it would hold on a replica it can use
     deadline: float
+    # True while routing rejects every replica that could take it now: it then waits
+    # without blocking anyone (module docstring, Queue order).
+    rejected: bool = False
+
+
+# `_try_admit`'s answer when replicas fit but routing's filters rejected them all.
+_REJECTED = object()
 
 
 class AdmissionController:
     """Admits requests to replicas whose KV pool fits them; queues or sheds the rest."""
 
     def __init__(
-        self, config: AdmissionConfig, picker: Picker | None = None, *, seed: int | None = None
+        self, config: AdmissionConfig, picker: Router | None = None, *, seed: int | None = None
     ) -> None:
         self.config = config
-        self._picker: Picker = picker if picker is not None else MostHeadroomPicker(seed=seed)
+        # Where a request goes is routing's decision (routing.scheduler builds it from the
+        # config's profiles); admission only calls it and its hooks.
+        self._picker: Router = picker if picker is not None else MostHeadroomPicker(seed=seed)
+        self._placed_hook = getattr(self._picker, "placed", None)
+        self._released_hook = getattr(self._picker, "released", None)
         self._replicas: dict[str, _Replica] = {}
+        self._by_model: dict[str, list[_Replica]] | None = None  # None: rebuild on use
         self._reservations: dict[str, _Reservation] = {}
         self._held: dict[str, _Reservation] = {}  # abandoned, in order of abandonment
         self._queue: list[_Entry] = []  # sorted by key
@@ -263,6 +299,11 @@ class AdmissionController:
         # Reservations a stream outgrew while its replica had no room (exported by the shell).
         self.top_up_failures = 0
 
+    @property
+    def router(self) -> Router:
+        """The routing policy admission asks where an admitted request goes."""
+        return self._picker
+
     # ------------------------------------------------------------------ replicas
     def upsert_replica(
         self,
@@ -287,7 +328,10 @@ class AdmissionController:
             )
             if self.config.learn_limit:
                 rep.limit = RunningLimit(self._limit_settings, now)
+        if not rep.present or rep.models != frozenset(state.models):
+            self._by_model = None
         rep.present = True
+        rep.memo_key = None
         rep.models = frozenset(state.models)
         rep.capacity = pinned_capacity if pinned_capacity is not None else state.capacity_tokens
         rep.ready = bool(state.ready) and rep.capacity is not None
@@ -300,6 +344,19 @@ class AdmissionController:
         else:
             rep.cap = self.config.default_max_running
         rep.labels = dict(state.labels)
+        c = rep.cand
+        c.name = rep.name
+        c.labels = rep.labels
+        c.block_size = rep.block_size
+        c.engine_running = state.engine_running
+        c.engine_waiting = state.engine_waiting
+        c.kv_usage = state.kv_usage
+        c.preemptions_total = state.preemptions_total
+        c.prefix_cache_queries_total = state.prefix_cache_queries_total
+        c.prefix_cache_hits_total = state.prefix_cache_hits_total
+        c.spec_draft_tokens_total = state.spec_draft_tokens_total
+        c.spec_accepted_tokens_total = state.spec_accepted_tokens_total
+        rep.view_at = state.updated_at
         rep.preempts = state.preempts
         rep.private_slots = state.private_slots
         fresh = state.updated_at != rep.signals_at
@@ -337,6 +394,7 @@ class AdmissionController:
         if rep is not None:
             rep.present = False
             rep.ready = False
+            self._by_model = None
             if rep.running == 0:
                 del self._replicas[name]
         return self._flush(self._settle(now))
@@ -358,7 +416,7 @@ class AdmissionController:
             raise ValueError(f"request id {rid!r} is already admitted or queued")
         if req.retry_key is not None:
             self._returning.discard(req.model, req.retry_key)  # it is back
-        serving = [r for r in self._replicas.values() if r.present and req.model in r.models]
+        serving = [r for r in self._serving(req.model) if r.present]
         if not serving:
             return Refuse(rid, 404, "model_not_found", f"The model `{req.model}` does not exist.")
         known = [r for r in serving if r.capacity is not None or r.max_model_len is not None]
@@ -394,16 +452,22 @@ class AdmissionController:
         pos = bisect.bisect_left(self._queue, entry.key, key=lambda e: e.key)
         # Strict order: replicas an earlier entry waits for are closed to this one. Stop
         # scanning once every replica this request could use is closed.
-        mine = set(self._candidate_names(entry))
         blocked: set[str] = set()
-        for ahead in self._queue[:pos]:
-            blocked.update(self._candidate_names(ahead))
-            if mine <= blocked:
-                break
-        if not mine <= blocked:
+        closed = False
+        if pos:  # nothing ahead (the common case): nothing is closed to it
+            mine = set(self._candidate_names(entry))
+            for ahead in self._queue[:pos]:
+                if ahead.rejected:
+                    continue
+                blocked.update(self._candidate_names(ahead))
+                if mine <= blocked:
+                    break
+            closed = mine <= blocked
+        if not closed:
             admit = self._try_admit(entry, blocked, now)
-            if admit is not None:
+            if isinstance(admit, Admit):
                 return admit
+            entry.rejected = admit is _REJECTED
 
         model = req.model
         model_depth = self._queue_per_model.get(model, 0)
@@ -621,7 +685,7 @@ class AdmissionController:
     def drain_rate(self, model: str, now: float) -> tuple[float, float] | None:
         """(tokens/s, requests/s) released by `model`'s ready replicas, or None while
         fewer than ``min_drain_samples`` releases were seen (addition to the API)."""
-        reps = [r for r in self._replicas.values() if r.usable and model in r.models]
+        reps = [r for r in self._serving(model) if r.usable]
         if sum(r.drain.samples for r in reps) < self.config.min_drain_samples:
             return None
         tok = req = 0.0
@@ -657,8 +721,11 @@ class AdmissionController:
             self._learn(rep, res, completion, now)
         if rep.limit is not None:
             rep.limit.running_changed(rep.running, now)
+        if self._released_hook is not None:
+            self._released_hook(res.request_id, res.replica, now)
         if not rep.present and rep.running == 0:
             del self._replicas[rep.name]
+            self._by_model = None
 
     def _release_stopped(self, rep: _Replica, state: ReplicaState, now: float) -> None:
         """Release the held reservations of `rep` that its engine has stopped working on.
@@ -759,61 +826,83 @@ class AdmissionController:
                 best = max(best, rep.service.predict(raw, load))
         return best
 
+    def _serving(self, model: str) -> list[_Replica]:
+        """Replicas that list `model` (present or not), from a per-model index rebuilt
+        only when a replica's models or presence change."""
+        index = self._by_model
+        if index is None:
+            index = {}
+            for rep in self._replicas.values():
+                for m in rep.models:
+                    index.setdefault(m, []).append(rep)
+            self._by_model = index
+        return index.get(model, [])
+
     def _candidate_names(self, entry: _Entry) -> Iterable[str]:
-        for rep in self._replicas.values():
-            if rep.usable and entry.req.model in rep.models and rep.can_ever_fit(entry.req):
+        for rep in self._serving(entry.req.model):
+            if rep.usable and rep.can_ever_fit(entry.req):
                 yield rep.name
 
-    def _try_admit(self, entry: _Entry, blocked: set[str], now: float) -> Admit | None:
-        """Admit `entry` to a non-blocked replica that fits it now, chosen by the picker."""
+    def _try_admit(self, entry: _Entry, blocked: set[str], now: float) -> Admit | object | None:
+        """Admit `entry` to a non-blocked replica that fits it now, chosen by routing.
+
+        None when nothing fits now; `_REJECTED` when replicas fit but routing rejected
+        every one of them."""
+        req = entry.req
         fitting: list[_Replica] = []
-        for rep in self._replicas.values():
-            if (
-                rep.name not in blocked
-                and rep.usable
-                and entry.req.model in rep.models
-                and rep.can_ever_fit(entry.req)
-                and rep.fits_now(entry.req)
-            ):
-                fitting.append(rep)
+        need = 0
+        for rep in self._serving(req.model):
+            if rep.name in blocked or not rep.usable or not rep.can_ever_fit(req):
+                continue
+            allowed = rep.allowed
+            if allowed is not None and rep.running >= allowed:
+                continue
+            tokens = rep.tokens_for(req)
+            if tokens > rep.free:
+                continue
+            fitting.append(rep)
+            need = max(need, tokens)
+            c = rep.cand  # refreshed in place: the ledger now, the engine's age
+            c.free_tokens = rep.free
+            c.effective_capacity = rep.effective
+            c.running = rep.running
+            c.max_running = allowed
+            c.view_age_s = max(0.0, now - rep.view_at) if rep.view_at else 0.0
         if not fitting:
             return None
-        candidates = [
-            Candidate(
-                name=r.name,
-                free_tokens=r.free,
-                effective_capacity=r.effective,
-                running=r.running,
-                max_running=r.allowed,
-                labels=r.labels,
-            )
-            for r in fitting
-        ]
         route = RouteRequest(
-            request_id=entry.req.request_id,
-            model=entry.req.model,
-            need_tokens=max(r.tokens_for(entry.req) for r in fitting),
-            workload=entry.req.workload,
+            request_id=req.request_id,
+            model=req.model,
+            need_tokens=need,
+            workload=req.workload,
+            prefix_hashes=req.prefix_hashes,
+            session=req.session,
+            now=now,
         )
-        choice = self._picker.pick(route, candidates)
+        choice = self._picker.pick(route, [r.cand for r in fitting])
         if choice is None:
-            return None
+            return _REJECTED
         rep = next((r for r in fitting if r.name == choice.name), None)
         if rep is None:
             raise ValueError(f"picker returned {choice.name!r}, which was not a candidate")
-        tokens = rep.tokens_for(entry.req)
+        tokens = rep.tokens_for(req)
         rep.reserved += tokens
         rep.running += 1
         rep.drain.set_busy(True, now)
         if rep.limit is not None:
             rep.limit.running_changed(rep.running, now)
-        self._reservations[entry.req.request_id] = _Reservation(
-            entry.req.request_id, rep.name, entry.req.model, tokens, now
+        self._reservations[req.request_id] = _Reservation(
+            req.request_id, rep.name, req.model, tokens, now
         )
-        return Admit(entry.req.request_id, rep.name, tokens)
+        if self._placed_hook is not None:
+            self._placed_hook(route, rep.cand, now)
+        return Admit(req.request_id, rep.name, tokens)
 
     def _settle(self, now: float) -> list[Admit]:
-        """Admit queued entries in order until every usable replica is blocked."""
+        """Admit queued entries in order until every usable replica is blocked.
+
+        An entry routing rejected on every replica that fits it waits without blocking
+        them: it waits for routing's say, not for their capacity."""
         if not self._queue:
             return []
         usable = {r.name for r in self._replicas.values() if r.usable}
@@ -823,10 +912,13 @@ class AdmissionController:
             if usable <= blocked:
                 break
             admit = self._try_admit(entry, blocked, now)
-            if admit is not None:
+            if isinstance(admit, Admit):
                 self._dequeue(entry)
                 admitted.append(admit)
+            elif admit is _REJECTED:
+                entry.rejected = True
             else:
+                entry.rejected = False
                 blocked.update(self._candidate_names(entry))
         return admitted
 
@@ -854,7 +946,7 @@ class AdmissionController:
         rates = self.drain_rate(model, now)
         if rates is None:
             return None
-        reps = [r for r in self._replicas.values() if r.usable and model in r.models]
+        reps = [r for r in self._serving(model) if r.usable]
         if not reps:
             return None
         frees = [max(0, r.free) for r in reps]

@@ -42,6 +42,10 @@ class AdmissionRequest:
     # False when the client set no output bound (`max_tokens` is then kvgate's own guess):
     # an engine that does not preempt may generate until the slot's context is full.
     max_tokens_given: bool = True
+    # For routing (routing.types.RouteRequest): the prompt's block hash chain, computed
+    # once by the gateway when a profile reads it, and the client's session key.
+    prefix_hashes: tuple[int, ...] = ()
+    session: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -36,7 +36,8 @@ from gateway.pipeline import UPSTREAM_PATHS, Pipeline
 from gateway.relay import Relay
 from gateway.tokenizers import load_token_counters
 from gateway.upstream import make_session
-from routing.picker import Picker
+from routing.scheduler import build_router
+from routing.types import Router
 
 log = logging.getLogger("kvgate")
 
@@ -44,8 +45,12 @@ log = logging.getLogger("kvgate")
 class GatewayState:
     """Everything the app owns at run time; filled by the start-up context."""
 
-    def __init__(self, config: GatewayConfig, picker: Picker | None = None) -> None:
+    def __init__(self, config: GatewayConfig, picker: Router | None = None) -> None:
         self.config = config
+        if picker is None:
+            picker = build_router(
+                config.routing, discovery_interval_s=config.discovery.refresh_interval_s
+            )
         self.controller = AdmissionController(config.admission, picker)
         counters = load_token_counters(config.tokenizers)
         self.estimator = TokenEstimator(config.admission, tokenizer_for=counters.get)
@@ -67,11 +72,11 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=json.dumps(data).encode(), content_type=_JSON)
 
 
-def build_app(config: GatewayConfig, *, picker: Picker | None = None) -> web.Application:
+def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.Application:
     """The kvgate aiohttp application for `config` (not yet started).
 
-    `picker` chooses among the replicas a request fits on (default: most KV headroom,
-    random tie-break); workload-aware pickers plug in here.
+    `picker` chooses among the replicas a request fits on (default: the router the
+    config's ``routing`` profiles describe, `routing.scheduler.build_router`).
     """
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     st = GatewayState(config, picker)
@@ -186,7 +191,7 @@ class Gateway:
         *,
         host: str | None = None,
         port: int | None = None,
-        picker: Picker | None = None,
+        picker: Router | None = None,
     ) -> None:
         self.config = config
         self.host = host if host is not None else config.listen.host

@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from admission.config import AdmissionConfig
+from routing.config import RoutingConfig
 
 Engine = Literal["vllm", "sglang", "llamacpp", "openai"]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -169,6 +170,7 @@ class GatewayConfig(_Strict):
     listen: ListenConfig = Field(default_factory=ListenConfig)
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     counting: CountingConfig = Field(default_factory=CountingConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

@@ -42,6 +42,9 @@ class RequestContext:
     expected_output: int = 0
     # classify
     workload: str = "chat"
+    # route (routing.types.RouteRequest): prompt block hash chain, session key
+    prefix_hashes: tuple[int, ...] = ()
+    session: str | None = None
     # admit
     deadline: float = float("inf")
     latency_budget: float | None = None  # the client's own timeout (x-stainless-read-timeout)

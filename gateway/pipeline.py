@@ -46,6 +46,7 @@ from gateway.relay import Relay
 from gateway.schemas import MAX_TOKENS_CEILING, ChatCompletionRequest, CompletionRequest
 from gateway.upstream import UpstreamFailure
 from routing.classify import classify_workload
+from routing.prefix import block_hashes
 
 log = logging.getLogger("kvgate.pipeline")
 
@@ -58,6 +59,7 @@ _SCHEMAS: dict[Kind, type[ChatCompletionRequest] | type[CompletionRequest]] = {
 # Client headers kvgate reads (documented in the README).
 H_QUEUE_TIMEOUT = "x-kvgate-queue-timeout"  # seconds the client is willing to wait in queue
 H_PRIORITY = "x-kvgate-priority"  # integer, higher is admitted first
+H_SESSION = "x-session-id"  # session affinity key (else the body's `user`)
 H_WORKLOAD = "x-workload"  # coding | agentic | chat, overrides the classifier
 # Sent by the official openai SDKs on every request: their read timeout in seconds, and
 # which retry this is (0 for the first attempt; the SDKs retry twice by default).
@@ -115,6 +117,14 @@ class Pipeline:
             if rc.api_key:
                 h["Authorization"] = f"Bearer {rc.api_key}"
             self._headers[rc.name] = h
+        # Prefix block hashes are computed once per request, only when a routing profile
+        # reads them.
+        routing = config.routing
+        self._prefix = (
+            (routing.block_chars, routing.max_prefix_blocks)
+            if getattr(controller.router, "needs_prefix", False)
+            else None
+        )
         self._ids = itertools.count(1)
         self._id_prefix = "kvg-" + os.urandom(4).hex()
         self._loop = asyncio.get_running_loop()
@@ -252,6 +262,15 @@ class Pipeline:
         ctx.max_tokens_given = ctx.parsed.bounds_output
 
     def classify(self, request: web.Request, ctx: RequestContext, text: str) -> None:
+        """Workload class, and what routing reads of the prompt: its block hash chain
+        (when a profile needs it) and the session key (``x-session-id``, else ``user``)."""
+        if self._prefix is not None:
+            ctx.prefix_hashes = block_hashes(text, *self._prefix)
+        session = request.headers.get(H_SESSION)
+        if not session and ctx.body is not None:
+            user = ctx.body.get("user")
+            session = user if isinstance(user, str) and user else None
+        ctx.session = session
         parsed = ctx.parsed
         has_tools = False
         if isinstance(parsed, ChatCompletionRequest):
@@ -595,6 +614,8 @@ def _admission_request(
         stream=ctx.stream,
         retry_key=ctx.retry_key,
         max_tokens_given=ctx.max_tokens_given,
+        prefix_hashes=ctx.prefix_hashes,
+        session=ctx.session,
     )
 
 

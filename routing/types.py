@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -38,6 +40,12 @@ class ReplicaState:
     engine_waiting: int = 0
     kv_usage: float = 0.0
     preemptions_total: float = 0.0
+    # Prefix cache and speculation counters (cumulative, in tokens), None where the engine
+    # exports none.
+    prefix_cache_queries_total: float | None = None
+    prefix_cache_hits_total: float | None = None
+    spec_draft_tokens_total: float | None = None
+    spec_accepted_tokens_total: float | None = None
     # When the discovery round began (the engine's answers describe it after that).
     updated_at: float = 0.0
     # `updated_at` of the last round whose answers included the engine's running gauge
@@ -45,23 +53,63 @@ class ReplicaState:
     running_seen_at: float | None = None
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Candidate:
-    """A replica that passed the filters for one request, with its current headroom."""
+    """A replica that can take the request now, with the live view of it.
+
+    The ledger fields (free_tokens, running, max_running: the learned limit within the
+    cap) are admission's own and always current. The engine gauges come from the last
+    discovery round, ``view_age_s`` seconds old at decision time; routing penalises a
+    stale view but never reads it as free room (the ledger decides whether it fits).
+    Admission keeps one Candidate per replica and refreshes it in place, so a plugin must
+    not keep a reference across calls (keep the name).
+    """
 
     name: str
     free_tokens: int  # effective capacity minus reserved, in tokens
     effective_capacity: int
     running: int
-    max_running: int | None
+    max_running: int | None  # the learned limit within the cap (None: unbounded)
     labels: dict[str, str] = field(default_factory=dict)
+    block_size: int = 16
+    # The engine's own view (routing.types.ReplicaState), as of `view_age_s` ago.
+    engine_running: int = 0
+    engine_waiting: int = 0
+    kv_usage: float = 0.0
+    preemptions_total: float = 0.0
+    prefix_cache_queries_total: float | None = None
+    prefix_cache_hits_total: float | None = None
+    spec_draft_tokens_total: float | None = None
+    spec_accepted_tokens_total: float | None = None
+    view_age_s: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
 class RouteRequest:
-    """What the picker may know about a request."""
+    """What the routing pipeline may know about a request.
+
+    `prefix_hashes` is the prompt's block hash chain (routing.prefix.block_hashes),
+    computed once per request by the gateway; `session` the client's session key
+    (``x-session-id`` header, else the body's ``user``); `now` the decision time.
+    """
 
     request_id: str
     model: str
     need_tokens: int
     workload: str = "chat"
+    prefix_hashes: tuple[int, ...] = ()
+    session: str | None = None
+    now: float = 0.0
+
+
+class Router(Protocol):
+    """Where a request goes, among replicas admission found able to take it now.
+
+    `pick` returns one of `candidates` or None (every candidate rejected: the request
+    stays queued without holding anything up). The optional hooks ``placed(req,
+    replica, now)`` and ``released(request_id, replica, now)`` are called by admission
+    when it reserves a replica for a request and when it frees that reservation, so a
+    policy can keep state (prefix index, session table).
+    """
+
+    def pick(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None: ...

@@ -117,6 +117,10 @@ def apply_load(
     waiting: tuple[str, ...],
     usage: tuple[str, ...],
     preemptions: tuple[str, ...],
+    prefix_queries: tuple[str, ...] = (),
+    prefix_hits: tuple[str, ...] = (),
+    spec_draft: tuple[str, ...] = (),
+    spec_accepted: tuple[str, ...] = (),
 ) -> None:
     """Copy an engine's load gauges onto `state`, each from the first metric name present
     (summed across label sets; KV usage averaged). Absent metrics leave the field as is."""
@@ -129,3 +133,11 @@ def apply_load(
         state.kv_usage = value
     if (value := total(samples, *preemptions)) is not None:
         state.preemptions_total = value
+    if prefix_queries and (value := total(samples, *prefix_queries)) is not None:
+        state.prefix_cache_queries_total = value
+    if prefix_hits and (value := total(samples, *prefix_hits)) is not None:
+        state.prefix_cache_hits_total = value
+    if spec_draft and (value := total(samples, *spec_draft)) is not None:
+        state.spec_draft_tokens_total = value
+    if spec_accepted and (value := total(samples, *spec_accepted)) is not None:
+        state.spec_accepted_tokens_total = value

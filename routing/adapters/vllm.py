@@ -9,6 +9,12 @@ Reservations: vLLM preempts (``preempts`` True). A request it cannot grow is pre
 and recomputed later, which costs time, not the request; so admission may reserve a
 learned quantile of the output and top it up as the stream grows, and the learned
 running limit watches the preemptions (``vllm:num_preemptions_total``).
+
+Routing reads the prefix cache counters (``vllm:prefix_cache_queries_total`` /
+``vllm:prefix_cache_hits_total``, in tokens) and speculation's draft / accepted token
+counters (``vllm:spec_decode_num_draft_tokens_total`` /
+``vllm:spec_decode_num_accepted_tokens_total``). SGLang exports only ratios of these
+(``sglang:cache_hit_rate``, ``sglang:spec_accept_length``), so its counters stay None.
 """
 
 from __future__ import annotations
@@ -44,6 +50,10 @@ class VLLMAdapter:
                 waiting=("vllm:num_requests_waiting",),
                 usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
                 preemptions=("vllm:num_preemptions_total",),
+                prefix_queries=("vllm:prefix_cache_queries_total",),
+                prefix_hits=("vllm:prefix_cache_hits_total",),
+                spec_draft=("vllm:spec_decode_num_draft_tokens_total",),
+                spec_accepted=("vllm:spec_decode_num_accepted_tokens_total",),
             )
         state.ready = models_ok and metrics_ok and state.capacity_tokens is not None
 

@@ -50,7 +50,8 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
 
     Replica-level keyword arguments (``pool_tokens``, ``max_running``, ``engine``...) apply
     to every replica; ``replicas=[...]`` gives the list explicitly. Other sections
-    (``admission``, ``upstream``, ``auth``, ``limits``, ``discovery``, ``counting``) are merged over
+    (``admission``, ``upstream``, ``auth``, ``limits``, ``discovery``, ``counting``,
+    ``routing``) are merged over
     test defaults: short upstream timeouts and fast discovery.
     """
     made: list[tuple[Gateway, list[Any]]] = []
@@ -65,6 +66,7 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
         discovery: dict[str, Any] | None = None,
         counting: dict[str, Any] | None = None,
         tokenizers: dict[str, str] | None = None,
+        routing: dict[str, Any] | None = None,
         **replica_fields: Any,
     ) -> Gateway:
         if replicas is None:
@@ -87,6 +89,7 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
             "counting": counting or {},
             "logging": {"access_log": False},
             "tokenizers": tokenizers or {},
+            "routing": routing or {},
         }
         gw = Gateway(config_from_mapping(data, env={}), host="127.0.0.1", port=0)
         await gw.start()

@@ -17,6 +17,7 @@ def test_example_config_loads_and_matches_defaults() -> None:
     for section in (
         "listen",
         "admission",
+        "routing",
         "upstream",
         "counting",
         "limits",

@@ -1,0 +1,165 @@
+"""Decision cost: admit + route for one request, p50 / p99, at 4, 64 and 256 replicas.
+
+Sans-IO, in process: an `AdmissionController` with N ready replicas of one model (large
+pools, so every request is admitted) and a router built from config, either the default
+profile (most KV headroom) or a prefix profile (``prefix_cache`` + ``session_affinity`` +
+``running_headroom``) whose indexes hold 100k block hashes in all before timing starts.
+Each decision is one `submit` (the ledger checks, the candidates' live view, the routing
+pipeline, the reservation and the ``placed`` hook), timed with `time.perf_counter_ns`;
+the request is then released (not timed). Requests carry a 32-block chain drawn from 512
+sessions whose first 16 blocks are shared per tenant (16 tenants), so lookups walk real
+partial matches.
+
+Each configuration runs ``--runs`` times (``--decisions`` each); the medians of the
+per-run p50 and p99 are reported, with ratios to 4 replicas side by side. Results go to
+``bench/results/decision_cost.json`` and a Markdown table on stdout.
+
+    .venv/bin/python bench/decision_cost.py [--runs 5] [--decisions 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from admission.config import AdmissionConfig
+from admission.controller import AdmissionController
+from admission.types import AdmissionRequest, Admit
+from routing.config import RoutingConfig
+from routing.prefix import block_hashes
+from routing.scheduler import build_router
+from routing.types import Candidate, ReplicaState, RouteRequest
+
+PROFILES = {
+    "default": RoutingConfig(),
+    "prefix": RoutingConfig.model_validate(
+        {
+            "default_profile": {
+                "scorers": [
+                    {"name": "prefix_cache", "weight": 2.0},
+                    {"name": "session_affinity", "weight": 1.0},
+                    {"name": "running_headroom", "weight": 1.0},
+                ]
+            }
+        }
+    ),
+}
+INDEXED_BLOCKS = 100_000
+
+
+def chains(seed: int) -> list[tuple[int, ...]]:
+    rng = random.Random(seed)
+    out = []
+    for s in range(512):
+        tenant = f"tenant {s % 16} system prompt and tools " * 40
+        session = f"session {s} history {rng.random()} " * 40
+        out.append(block_hashes(tenant[:1024] + session, 64, 32))
+    return out
+
+
+def one_run(n: int, profile: str, decisions: int, seed: int) -> tuple[float, float, int]:
+    router = build_router(PROFILES[profile], seed=seed)
+    ctl = AdmissionController(AdmissionConfig(learn_limit=False), router, seed=seed)
+    for i in range(n):
+        state = ReplicaState(
+            name=f"r{i}",
+            base_url="http://127.0.0.1",
+            ready=True,
+            models=["m"],
+            capacity_tokens=1_000_000,
+            max_running=256,
+            updated_at=0.0,
+        )
+        ctl.upsert_replica(state, 0.0)
+    sessions = chains(seed)
+    rng = random.Random(seed)
+    indexed = 0
+    if profile == "prefix":
+        # Fill the indexes with 100k blocks of synthetic history spread over the replicas.
+        prefix = router.default.scorers[0][0]
+        k = 0
+        while prefix.indexed_blocks() < INDEXED_BLOCKS:
+            chain = block_hashes(f"old {k} " * 700, 64, 64)
+            name = f"r{k % n}"
+            prefix.placed(
+                RouteRequest(f"w{k}", "m", 1, prefix_hashes=chain),
+                Candidate(name, 1_000_000, 1_000_000, 0, 256),
+                0.0,
+            )
+            k += 1
+        indexed = prefix.indexed_blocks()
+    times: list[int] = []
+    gc.collect()
+    gc.disable()
+    try:
+        for d in range(decisions):
+            s = rng.randrange(len(sessions))
+            req = AdmissionRequest(
+                request_id=f"q{d}",
+                model="m",
+                prompt_tokens=600,
+                expected_output=200,
+                max_tokens=400,
+                prefix_hashes=sessions[s],
+                session=f"s{s}",
+            )
+            now = 1.0 + d * 1e-3
+            t0 = time.perf_counter_ns()
+            verdict = ctl.submit(req, now)
+            t1 = time.perf_counter_ns()
+            assert isinstance(verdict, Admit), verdict
+            times.append(t1 - t0)
+            ctl.release(req.request_id, now)
+    finally:
+        gc.enable()
+    times.sort()
+    p50 = times[len(times) // 2] / 1000
+    p99 = times[int(len(times) * 0.99)] / 1000
+    return p50, p99, indexed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--decisions", type=int, default=3000)
+    ap.add_argument("--replicas", type=int, nargs="+", default=[4, 64, 256])
+    args = ap.parse_args()
+    rows = []
+    for profile in PROFILES:
+        for n in args.replicas:
+            runs = [one_run(n, profile, args.decisions, seed) for seed in range(args.runs)]
+            rows.append(
+                {
+                    "profile": profile,
+                    "replicas": n,
+                    "indexed_blocks": runs[0][2],
+                    "p50_us": statistics.median(r[0] for r in runs),
+                    "p99_us": statistics.median(r[1] for r in runs),
+                    "runs": args.runs,
+                    "decisions_per_run": args.decisions,
+                }
+            )
+    base = {r["profile"]: r for r in rows if r["replicas"] == args.replicas[0]}
+    print(
+        f"| profile | replicas | indexed blocks | p50 us | p99 us | p50 / {args.replicas[0]} | p99 / {args.replicas[0]} |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        b = base[r["profile"]]
+        r["p50_ratio"] = r["p50_us"] / b["p50_us"]
+        r["p99_ratio"] = r["p99_us"] / b["p99_us"]
+        print(
+            f"| {r['profile']} | {r['replicas']} | {r['indexed_blocks']} | {r['p50_us']:.1f} | "
+            f"{r['p99_us']:.1f} | {r['p50_ratio']:.1f}x | {r['p99_ratio']:.1f}x |"
+        )
+    out = Path(__file__).resolve().parent / "results" / "decision_cost.json"
+    out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Validated routing settings: profiles of named plugins, per model and a default.
+
+Plugin names are checked against `routing.registry` and each entry is built once at
+validation, so an unknown name or a bad param is a config error that names the field
+(e.g. ``routing.default_profile.scorers.1.name``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from routing import registry
+
+
+class _PluginRef(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: ClassVar[str] = "filter"
+
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        kind = cls.kind
+        if v not in registry.names(kind):
+            known = ", ".join(registry.names(kind))
+            raise ValueError(f"unknown {kind} {v!r}; known: {known}")
+        return v
+
+    @model_validator(mode="after")
+    def _buildable(self) -> _PluginRef:
+        kind = self.kind
+        try:
+            registry.build(kind, self.name, self.params, registry.PluginEnv())
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{kind} {self.name!r} params: {e}") from None
+        return self
+
+
+class FilterRef(_PluginRef):
+    kind: ClassVar[str] = "filter"
+
+
+class ScorerRef(_PluginRef):
+    kind: ClassVar[str] = "scorer"
+
+    weight: float = Field(1.0, ge=0.0, description="Weight of this scorer in the sum.")
+
+
+class PickerRef(_PluginRef):
+    kind: ClassVar[str] = "picker"
+
+
+class ProfileConfig(BaseModel):
+    """filter -> score -> pick for one model (or the default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    filters: list[FilterRef] = Field(default_factory=list)
+    scorers: list[ScorerRef] = Field(default_factory=lambda: [ScorerRef(name="kv_headroom")])
+    picker: PickerRef = Field(default_factory=lambda: PickerRef(name="max_score"))
+
+
+class RoutingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    default_profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    profiles: dict[str, ProfileConfig] = Field(
+        default_factory=dict, description="Model name -> its profile (others: the default)."
+    )
+    block_chars: int = Field(
+        64, gt=0, description="Characters per prefix block hashed by the gateway."
+    )
+    max_prefix_blocks: int = Field(
+        512, gt=0, description="Most prefix blocks hashed per request (the prompt's head)."
+    )
+    stale_after_intervals: float = Field(
+        3.0,
+        gt=0.0,
+        description="An engine view older than this many discovery intervals is stale.",
+    )
+    stale_score_factor: float = Field(
+        0.5, ge=0.0, le=1.0, description="A stale replica's score is multiplied by this."
+    )

@@ -1,0 +1,196 @@
+"""Prefix-aware placement: block hash chains, a per-replica LRU index, and the
+``prefix_cache`` and ``session_affinity`` scorers.
+
+Blocks
+    A prompt is cut into fixed blocks of ``block_chars`` characters (no exact tokenizer
+    is assumed; only full blocks count, as an engine caches only full blocks). Each
+    block's hash is xxh3-64 of its bytes seeded with its parent's hash, so a hash names
+    the whole prefix up to its block, and two prompts share a hash only where they share
+    everything before it. The gateway computes the chain once per request
+    (`block_hashes`), at most ``max_blocks`` long, and passes it on `RouteRequest`.
+
+Index
+    Per replica, an LRU set of block hashes approximates what its prefix cache holds:
+    a request placed there is assumed cached there. It is sized from the replica's pool
+    (effective tokens x ``chars_per_token`` / ``block_chars``, at most
+    ``max_blocks_per_replica``), so memory is bounded by replicas x that bound (about
+    100 bytes per block). A chain is touched leaf first, root last, so eviction takes the
+    leaves of the oldest chains first, as engines free a sequence's blocks in reverse.
+    A lookup walks the chain from the start and stops at the first miss.
+
+Score
+    ``prefix_cache``: the expected cached fraction of the prompt, matched blocks / blocks
+    (0 for a prompt shorter than a block). Chasing hits alone drives the warm replica to
+    its limit; combine it with a load scorer (``running_headroom``, ``kv_headroom``).
+
+Session affinity
+    ``session_affinity``: 1 for the replica that last served the request's session
+    (``x-session-id`` header, else the body's ``user``) within ``ttl_s``, else 0.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+from routing.registry import PluginEnv, params_of, register
+from routing.types import Candidate, RouteRequest
+
+_xxh = xxhash.xxh3_64_intdigest
+
+
+def block_hashes(text: str, block_chars: int = 64, max_blocks: int = 512) -> tuple[int, ...]:
+    """The hash chain of `text`'s full blocks of `block_chars` characters (at most
+    `max_blocks`): each hash covers its block and, through its seed, every block before."""
+    if block_chars <= 0:
+        raise ValueError("block_chars must be positive")
+    n = min(len(text) // block_chars, max_blocks)
+    out = []
+    parent = 0
+    for i in range(n):
+        parent = _xxh(
+            text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "replace"), parent
+        )
+        out.append(parent)
+    return tuple(out)
+
+
+class PrefixIndex:
+    """An LRU set of block hashes holding at most `capacity` blocks."""
+
+    __slots__ = ("_lru", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(0, capacity)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """Leading blocks of `hashes` present; the walk stops at the first miss."""
+        lru = self._lru
+        for i, h in enumerate(hashes):
+            if h not in lru:
+                return i
+        return len(hashes)
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        """Touch the chain, leaf first (the root ends most recent), evicting the least
+        recently used blocks beyond capacity."""
+        lru = self._lru
+        for h in reversed(hashes):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = max(0, capacity)
+        while len(self._lru) > self.capacity:
+            self._lru.popitem(last=False)
+
+
+class PrefixCacheScorer:
+    """Expected cached-prefix fraction of the prompt on each replica (module docstring)."""
+
+    name = "prefix_cache"
+    needs_prefix = True
+
+    def __init__(self, block_chars: int, chars_per_token: float, max_blocks_per_replica: int):
+        self.block_chars = block_chars
+        self.chars_per_token = chars_per_token
+        self.max_blocks_per_replica = max_blocks_per_replica
+        self._indexes: dict[str, PrefixIndex] = {}
+
+    def index(self, replica: str) -> PrefixIndex | None:
+        return self._indexes.get(replica)
+
+    def indexed_blocks(self) -> int:
+        """Blocks held over all replicas (memory is about 100 bytes each)."""
+        return sum(len(i) for i in self._indexes.values())
+
+    def score(self, req: RouteRequest, candidate: Candidate) -> float:
+        hashes = req.prefix_hashes
+        if not hashes:
+            return 0.0
+        idx = self._indexes.get(candidate.name)
+        if idx is None:
+            return 0.0
+        return idx.match(hashes) / len(hashes)
+
+    def capacity_for(self, candidate: Candidate) -> int:
+        blocks = int(candidate.effective_capacity * self.chars_per_token / self.block_chars)
+        return max(1, min(self.max_blocks_per_replica, blocks))
+
+    def placed(self, req: RouteRequest, candidate: Candidate, now: float) -> None:
+        if not req.prefix_hashes:
+            return
+        capacity = self.capacity_for(candidate)
+        idx = self._indexes.get(candidate.name)
+        if idx is None:
+            idx = self._indexes[candidate.name] = PrefixIndex(capacity)
+        elif idx.capacity != capacity:
+            idx.resize(capacity)
+        idx.insert(req.prefix_hashes)
+
+
+@register("scorer", "prefix_cache")
+def _prefix_cache(params: Mapping[str, Any], env: PluginEnv) -> PrefixCacheScorer:
+    params_of(params, {"chars_per_token": (int, float), "max_blocks_per_replica": int})
+    cpt = float(params.get("chars_per_token", 4.0))
+    most = int(params.get("max_blocks_per_replica", 1_000_000))
+    if cpt <= 0 or most <= 0:
+        raise ValueError("chars_per_token and max_blocks_per_replica must be positive")
+    return PrefixCacheScorer(env.block_chars, cpt, most)
+
+
+class SessionAffinityScorer:
+    """1 for the replica that last served the request's session within `ttl_s`."""
+
+    name = "session_affinity"
+
+    def __init__(self, ttl_s: float, max_sessions: int) -> None:
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        # session -> (replica, expires at); in order of expiry (ttl is constant).
+        self._table: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def replica_of(self, session: str, now: float) -> str | None:
+        got = self._table.get(session)
+        if got is None or got[1] <= now:
+            return None
+        return got[0]
+
+    def score(self, req: RouteRequest, candidate: Candidate) -> float:
+        if req.session is None:
+            return 0.0
+        got = self._table.get(req.session)
+        return 1.0 if got is not None and got[0] == candidate.name and got[1] > req.now else 0.0
+
+    def placed(self, req: RouteRequest, candidate: Candidate, now: float) -> None:
+        if req.session is None:
+            return
+        table = self._table
+        table[req.session] = (candidate.name, now + self.ttl_s)
+        table.move_to_end(req.session)
+        while table and (len(table) > self.max_sessions or next(iter(table.values()))[1] <= now):
+            table.popitem(last=False)
+
+
+@register("scorer", "session_affinity")
+def _session(params: Mapping[str, Any], env: PluginEnv) -> SessionAffinityScorer:
+    params_of(params, {"ttl_s": (int, float), "max_sessions": int})
+    ttl = float(params.get("ttl_s", 600.0))
+    most = int(params.get("max_sessions", 100_000))
+    if ttl <= 0 or most <= 0:
+        raise ValueError("ttl_s and max_sessions must be positive")
+    return SessionAffinityScorer(ttl, most)

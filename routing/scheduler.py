@@ -1,0 +1,129 @@
+"""The routing pipeline: per-model profiles of filter -> score -> pick, built from config.
+
+A `Profile` runs its filters in order over the candidates admission found able to take
+the request now, scores the survivors as the weighted sum of its scorers (each clamped
+to [0, 1]), multiplies the score of a replica whose engine view is older than
+``stale_after_s`` by ``stale_factor`` (a stale view lowers a score; it never makes a
+replica look free: room is the ledger's call), and lets its picker choose. Filters that
+leave nothing return None: admission keeps the request queued without holding anything up.
+
+`SchedulingRouter` picks the profile of the request's model (else the default) and
+forwards admission's ``placed`` / ``released`` hooks to the plugins that define them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from routing.config import ProfileConfig, RoutingConfig
+from routing.registry import PluginEnv, build
+from routing.types import Candidate, RouteRequest
+
+
+class Profile:
+    def __init__(
+        self,
+        name: str,
+        filters: Sequence[Any],
+        scorers: Sequence[tuple[Any, float]],
+        picker: Any,
+        *,
+        stale_after_s: float = float("inf"),
+        stale_factor: float = 0.5,
+    ) -> None:
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple(scorers)
+        self.picker = picker
+        self.stale_after_s = stale_after_s
+        self.stale_factor = stale_factor
+        plugins = [*self.filters, *(s for s, _ in self.scorers), picker]
+        self.placed_hooks = tuple(p.placed for p in plugins if hasattr(p, "placed"))
+        self.released_hooks = tuple(p.released for p in plugins if hasattr(p, "released"))
+        self.needs_prefix = any(getattr(p, "needs_prefix", False) for p in plugins)
+
+    def score(self, req: RouteRequest, candidate: Candidate) -> float:
+        total = 0.0
+        for scorer, weight in self.scorers:
+            s = scorer.score(req, candidate)
+            total += weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+        if candidate.view_age_s > self.stale_after_s:
+            total *= self.stale_factor
+        return total
+
+    def pick(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
+        kept: Sequence[Candidate] = candidates
+        for f in self.filters:
+            kept = f.filter(req, kept)
+            if not kept:
+                return None
+        if not kept:
+            return None
+        if len(kept) == 1 and not self.scorers:
+            return kept[0]
+        return self.picker.choose(req, [(self.score(req, c), c) for c in kept])
+
+
+class SchedulingRouter:
+    """Profiles by model, a default profile, and the placement / release hooks."""
+
+    def __init__(self, default: Profile, per_model: dict[str, Profile] | None = None) -> None:
+        self.default = default
+        self.per_model = dict(per_model or {})
+        self._owner: dict[str, Profile] = {}  # request id -> profile with release hooks
+        self.needs_prefix = default.needs_prefix or any(
+            p.needs_prefix for p in self.per_model.values()
+        )
+
+    def profile_for(self, model: str) -> Profile:
+        return self.per_model.get(model, self.default)
+
+    def profiles(self) -> list[Profile]:
+        return [self.default, *self.per_model.values()]
+
+    def pick(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
+        return self.profile_for(req.model).pick(req, candidates)
+
+    def placed(self, req: RouteRequest, candidate: Candidate, now: float) -> None:
+        profile = self.profile_for(req.model)
+        for hook in profile.placed_hooks:
+            hook(req, candidate, now)
+        if profile.released_hooks:
+            self._owner[req.request_id] = profile
+
+    def released(self, request_id: str, replica: str, now: float) -> None:
+        profile = self._owner.pop(request_id, None)
+        if profile is not None:
+            for hook in profile.released_hooks:
+                hook(request_id, replica, now)
+
+
+def build_profile(
+    name: str, cfg: ProfileConfig, env: PluginEnv, *, stale_after_s: float, stale_factor: float
+) -> Profile:
+    return Profile(
+        name,
+        [build("filter", f.name, f.params, env) for f in cfg.filters],
+        [(build("scorer", s.name, s.params, env), s.weight) for s in cfg.scorers],
+        build("picker", cfg.picker.name, cfg.picker.params, env),
+        stale_after_s=stale_after_s,
+        stale_factor=stale_factor,
+    )
+
+
+def build_router(
+    cfg: RoutingConfig | None = None,
+    *,
+    discovery_interval_s: float = 2.0,
+    seed: int | None = None,
+) -> SchedulingRouter:
+    """The router a config describes (None: the default profile, most KV headroom)."""
+    cfg = cfg if cfg is not None else RoutingConfig()
+    env = PluginEnv(seed=seed, block_chars=cfg.block_chars)
+    stale = cfg.stale_after_intervals * discovery_interval_s
+    kw = {"stale_after_s": stale, "stale_factor": cfg.stale_score_factor}
+    return SchedulingRouter(
+        build_profile("default", cfg.default_profile, env, **kw),
+        {m: build_profile(m, p, env, **kw) for m, p in cfg.profiles.items()},
+    )

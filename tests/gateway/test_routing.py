@@ -1,0 +1,119 @@
+"""Routing profiles through kvgate against enginesim replicas: a prefix-aware profile
+keeps an agentic session on the replica whose cache holds its history, and a request
+every filter rejects does not hold up the others."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+from routing.registry import PluginEnv, register
+from routing.types import Candidate, RouteRequest
+from tests.gateway.conftest import MODEL, wait_for
+
+PREFIX_PROFILE = {
+    "block_chars": 32,
+    "default_profile": {
+        "scorers": [
+            {"name": "prefix_cache", "weight": 2.0},
+            {"name": "session_affinity", "weight": 1.0},
+            {"name": "running_headroom", "weight": 1.0},
+        ]
+    },
+}
+
+SYSTEM = (
+    "You are a coding agent. Tools: read_file(path), write_file(path, text), "
+    "run_tests(), search(query). Think step by step and call one tool per turn. "
+) * 6
+
+
+def hits(servers: Sequence[Any]) -> list[tuple[int, int]]:
+    """(prefix-cache hit tokens, queried tokens) of each replica, from the engine's stats
+    (what its /metrics exports as vllm:prefix_cache_hits / _queries)."""
+    out = []
+    for srv in servers:
+        st = srv.core.stats()
+        out.append((st.prefix_cache_hits, st.prefix_cache_queries))
+    return out
+
+
+async def test_prefix_hits_rise_for_an_agentic_session(replica, gateway):
+    servers = [await replica(speed=50.0), await replica(speed=50.0)]
+    gw = await gateway(*servers, routing=PREFIX_PROFILE)
+    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    turn_hits: list[tuple[int, int]] = []
+    served_by: list[int] = []
+    async with aiohttp.ClientSession() as s:
+        for turn in range(5):
+            messages.append({"role": "user", "content": f"Step {turn}: fix the next failing test."})
+            before = hits(servers)
+            async with s.post(
+                gw.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": messages, "max_tokens": 24},
+            ) as r:
+                assert r.status == 200, await r.text()
+                reply = (await r.json())["choices"][0]["message"]["content"]
+            after = hits(servers)
+            delta = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+            served_by.append(max(range(2), key=lambda i: delta[i][1]))
+            turn_hits.append(delta[served_by[-1]])
+            messages.append({"role": "assistant", "content": reply})
+    # One replica served the whole session, and from the second turn on most of each
+    # prompt (system prompt and history, generated blocks included) came from its cache.
+    assert len(set(served_by)) == 1, served_by
+    assert turn_hits[0][0] == 0
+    for got, queried in turn_hits[1:]:
+        assert got >= 0.7 * queried, turn_hits
+    assert [h for h, _ in turn_hits] == sorted(h for h, _ in turn_hits)  # hits rise
+    scorer = gw.controller.router.default.scorers[0][0]  # type: ignore[attr-defined]
+    assert 0 < scorer.indexed_blocks() <= 2 * scorer.max_blocks_per_replica
+
+
+class _RejectSession:
+    """Test filter: keeps no replica for requests of one session."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+
+    def filter(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[Candidate]:
+        return [] if req.session == self.session else list(candidates)
+
+
+@register("filter", "test_reject_session")
+def _reject(params: Mapping[str, Any], env: PluginEnv) -> _RejectSession:
+    return _RejectSession(str(params.get("session", "")))
+
+
+async def test_a_request_every_filter_rejects_does_not_block_others(replica, gateway):
+    srv = await replica(speed=50.0)
+    gw = await gateway(
+        srv,
+        routing={
+            "default_profile": {
+                "filters": [{"name": "test_reject_session", "params": {"session": "banned"}}]
+            }
+        },
+    )
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    async with aiohttp.ClientSession() as s:
+        banned = asyncio.create_task(
+            s.post(
+                gw.url + "/v1/chat/completions",
+                json=body,
+                headers={"x-session-id": "banned", "x-kvgate-queue-timeout": "3"},
+            )
+        )
+        # The banned request waits at the head of the queue.
+        assert await wait_for(lambda: gw.controller.queue_depth() == 1)
+        for i in range(3):
+            async with s.post(gw.url + "/v1/chat/completions", json={**body, "user": f"u{i}"}) as r:
+                assert r.status == 200, await r.text()
+        assert gw.controller.queue_depth() == 1
+        resp = await banned
+        assert resp.status == 503
+        assert (await resp.json())["error"]["code"]
+        resp.release()
