@@ -114,7 +114,6 @@ class RunningLimit:
         "_preemptions",
         "_waiting_rounds",
         "windows",
-        "last_ratio",
     )
 
     def __init__(self, settings: LimitSettings, now: float = 0.0) -> None:
@@ -137,7 +136,6 @@ class RunningLimit:
         self._preemptions: float | None = None
         self._waiting_rounds = 0
         self.windows = 0
-        self.last_ratio: float | None = None  # p90 latency ratio of the last window
 
     def allowed(self, cap: int | None) -> int:
         """Requests that may run now: floor of the limit, within the hard cap."""
@@ -237,7 +235,6 @@ class RunningLimit:
         if self._soft:
             aims.append(_quantile(self._soft, self._s.target_quantile) / _INSIDE_SOFT)
         ratio = max(aims) if aims else None  # 1.0 = exactly at the aimed-at point
-        self.last_ratio = ratio
         allowed = self.allowed(cap)
         busy = mean_running >= 0.8 * allowed
         if busy and goodput > 0:
