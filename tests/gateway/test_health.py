@@ -143,3 +143,34 @@ async def test_requests_reserved_on_an_ejected_replica_finish_and_release(replic
             text = (await r.read()).decode()
             assert text.rstrip().endswith("data: [DONE]")
         assert await wait_for(lambda: gw.controller.reserved_tokens("r0") == 0, within=2.0)
+
+
+async def test_first_byte_timeouts_eject_a_hung_replica(replica, gateway):
+    hung, good = await replica(), await replica()
+    gw = await gateway(
+        hung,
+        good,
+        discovery={"fail_threshold": 1000},  # the request path alone must find it
+        upstream={"first_byte_s": 0.3, "total_s": 0.3},
+    )
+    gw.state.pipeline.outliers.consecutive_failures = 1
+    hung.set_fault(make_fault("hang"))
+    statuses = []
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(40):
+                async with s.post(
+                    gw.url + "/v1/chat/completions", json={**SHORT, "stream": True}
+                ) as r:
+                    statuses.append(r.status)
+                    await r.read()
+                if _usage(gw, "r0").ejected:
+                    break
+            assert _usage(gw, "r0").ejected
+            assert statuses[-1] == 504  # a timeout is not retried: the client saw it once
+            # Ejected: the hung replica gets nothing more.
+            for _ in range(3):
+                async with s.post(gw.url + "/v1/chat/completions", json=SHORT) as r:
+                    assert r.status == 200
+    finally:
+        hung.set_fault(make_fault("none"))
