@@ -124,6 +124,7 @@ class _Replica:
     drain: DrainMeter
     present: bool = True  # False after remove_replica (kept while reservations remain)
     ready: bool = False
+    ejected: bool = False  # outlier ejection (set_ejected): out of service, ready or not
     models: frozenset[str] = frozenset()
     capacity: int | None = None
     block_size: int = 16
@@ -163,8 +164,8 @@ class _Replica:
 
     @property
     def usable(self) -> bool:
-        """May receive new requests: present, ready and with a known pool."""
-        return self.present and self.ready and self.capacity is not None
+        """May receive new requests: present, ready, not ejected and with a known pool."""
+        return self.present and self.ready and not self.ejected and self.capacity is not None
 
     @property
     def free(self) -> int:
@@ -407,6 +408,17 @@ class AdmissionController:
         if rep is not None:
             rep.ready = False
 
+    def set_ejected(self, name: str, ejected: bool, now: float) -> list[Admit]:
+        """Eject `name` (outlier detection: no new requests, whatever discovery says) or
+        return it to service. Its reservations stay until released, as their requests
+        end. Returns requests admitted from the queue because a replica returned."""
+        self._now = max(self._now, now)
+        rep = self._replicas.get(name)
+        if rep is None or rep.ejected == ejected:
+            return []
+        rep.ejected = ejected
+        return self._flush(self._settle(now))
+
     # ------------------------------------------------------------------ requests
     def submit(self, req: AdmissionRequest, now: float) -> Verdict:
         """Decide one request: Admit now, Queue, Shed (503) or Refuse (400/404)."""
@@ -643,6 +655,7 @@ class AdmissionController:
                     limit=rep.allowed if rep.limit is not None else None,
                     limit_reason=rep.limit.reason if rep.limit is not None else "",
                     held=rep.held,
+                    ejected=rep.ejected,
                 )
             )
         return out
@@ -1090,7 +1103,9 @@ class AdmissionController:
             for name in self._candidate_names(entry):
                 head_for.setdefault(name, entry)
         for rep in self._replicas.values():
-            if not rep.usable:
+            if rep.ejected:
+                out[rep.name] = "ejected"
+            elif not rep.usable:
                 out[rep.name] = "not_ready"
             elif (allowed := rep.allowed) is not None and rep.running >= allowed:
                 learned = rep.cap is None or allowed < rep.cap

@@ -116,9 +116,12 @@ class ReplicaUsage:
     reserved_tokens: int
     running: int
     max_running: int | None  # configured or engine-reported cap (an upper bound)
-    binding_ceiling: str  # "none" | "kv_capacity" | "running_cap" | "latency" | "not_ready"
+    binding_ceiling: (
+        str  # "none" | "kv_capacity" | "running_cap" | "latency" | "not_ready" | "ejected"
+    )
     models: list[str] = field(default_factory=list)
     limit: int | None = None  # the learned running limit in force (None: not learning)
     limit_reason: str = ""  # what last moved the learned limit
     engine_kv_tokens: int | None = None  # the engine's own KV usage, in tokens
     held: int = 0  # abandoned requests whose reservation waits for the engine to stop
+    ejected: bool = False  # out of service by outlier detection

@@ -460,8 +460,15 @@ class EngineServer:
 
                 return not_found_response()
             return self._error(exc.status, exc.reason or "error")
-        except (asyncio.CancelledError, ConnectionError):
+        except asyncio.CancelledError:
             raise
+        except ConnectionError as exc:
+            # The client went away mid-response ("Cannot write to closing transport"): an
+            # abort, as a real engine treats it. The handler's `finally` has already ended
+            # the core request; end this one quietly, as the `drop` fault does, instead of
+            # letting aiohttp log a traceback for a normal event.
+            log.debug("enginesim: client gone on %s %s: %s", request.method, request.path, exc)
+            raise asyncio.CancelledError("client disconnected") from None
         except Exception:  # a bug: still an error object, and logged loudly
             log.exception("enginesim: unhandled error on %s %s", request.method, request.path)
             return self._error(500, "internal error in the engine simulator")

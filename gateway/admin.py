@@ -3,8 +3,8 @@
 ``GET /admin/replicas`` shows, per replica, what admission decides with: the discovered
 and effective capacity, what is reserved and running, the queue for the models it
 serves, the learned running limit and what last moved it, and which ceiling (KV
-capacity, a configured or engine running cap, or the learned latency limit) currently
-binds. Without a
+capacity, a configured or engine running cap, the learned latency limit, not ready, or
+an outlier ejection) currently binds, and each replica's ejections. Without a
 configured admin token the admin API is closed (401), never open.
 """
 
@@ -16,11 +16,17 @@ from typing import Any
 from aiohttp import web
 
 from admission.controller import AdmissionController
+from admission.health import OutlierDetector
 from gateway.discovery import Discovery
 from gateway.errors import ApiError
 
 
-def replicas_snapshot(controller: AdmissionController, discovery: Discovery) -> dict[str, Any]:
+def replicas_snapshot(
+    controller: AdmissionController,
+    discovery: Discovery,
+    outliers: OutlierDetector | None = None,
+    now: float = 0.0,
+) -> dict[str, Any]:
     usage = {u.name: u for u in controller.replica_usage()}
     queue = {m: controller.queue_depth(m) for m in sorted(discovery.known_models)}
     out = []
@@ -28,6 +34,7 @@ def replicas_snapshot(controller: AdmissionController, discovery: Discovery) -> 
         s = w.state
         u = usage.get(name)
         models = list(u.models) if u else list(s.models)
+        until = outliers.ejected_until(name) if outliers is not None else None
         out.append(
             {
                 "name": name,
@@ -47,6 +54,9 @@ def replicas_snapshot(controller: AdmissionController, discovery: Discovery) -> 
                 "max_running": u.max_running if u else s.max_running,
                 "queue": sum(queue.get(m, 0) for m in models),
                 "binding_ceiling": u.binding_ceiling if u else "not_ready",
+                "ejected": bool(u and u.ejected),
+                "ejected_for_s": round(max(0.0, until - now), 3) if until is not None else None,
+                "ejections": outliers.ejections(name) if outliers is not None else 0,
                 "limit": u.limit if u else None,
                 "limit_reason": u.limit_reason if u else "",
                 "block_size": s.block_size,

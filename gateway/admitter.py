@@ -54,6 +54,16 @@ class AdmissionBridge:
                 fut.set_result(Shed(rid, "shutdown", 1.0))
         self._waiters.clear()
 
+    def shed_all(self, reason: str, retry_after: float) -> int:
+        """Shed every queued request at once (graceful shutdown); returns how many. Each
+        waiter's ``finally`` releases its queue entry."""
+        n = 0
+        for rid, fut in list(self._waiters.items()):
+            if not fut.done():
+                fut.set_result(Shed(rid, reason, retry_after))
+                n += 1
+        return n
+
     @property
     def waiting(self) -> int:
         return len(self._waiters)

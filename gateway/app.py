@@ -14,6 +14,7 @@ upstream call is aborted; its reservation is held until the engine shows it stop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -110,6 +111,7 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
         try:
             yield
         finally:
+            st.pipeline.close()
             await st.discovery.stop()
             await st.bridge.stop()
             await session.close()
@@ -135,6 +137,8 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
         return _json({"status": "ok"})
 
     async def ready(request: web.Request) -> web.Response:
+        if st.pipeline.draining:
+            return _json({"ready": False, "draining": True, "replicas": []}, status=503)
         ready = [u.name for u in st.controller.replica_usage() if u.ready]
         return _json({"ready": bool(ready), "replicas": ready}, status=200 if ready else 503)
 
@@ -148,7 +152,14 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
             require_admin(request, config.auth.admin_token)
         except ApiError as e:
             return e.response()
-        return _json(replicas_snapshot(st.controller, st.discovery))
+        return _json(
+            replicas_snapshot(
+                st.controller,
+                st.discovery,
+                st.pipeline.outliers,
+                asyncio.get_running_loop().time(),
+            )
+        )
 
     known_paths = set(UPSTREAM_PATHS.values()) | {
         "/v1/models",
@@ -246,6 +257,36 @@ class Gateway:
             return True
         except TimeoutError:
             return False
+
+    async def shutdown(
+        self, grace_s: float | None = None, *, fast: asyncio.Event | None = None
+    ) -> dict[str, int | bool]:
+        """Graceful shutdown: ``/ready`` turns false and new requests get 503 at once,
+        queued requests are shed (503 with Retry-After), running ones get `grace_s`
+        (default ``shutdown.drain_grace_s``) to finish, or until `fast` is set; then they
+        are cut (streams end with an error event) and the gateway stops."""
+        grace = self.config.shutdown.drain_grace_s if grace_s is None else grace_s
+        pipeline = self.state.pipeline
+        shed = pipeline.begin_shutdown()
+        log.info("kvgate shutting down", extra={"fields": {"shed": shed, "grace_s": grace}})
+        waits = [asyncio.ensure_future(pipeline.idle.wait())]
+        if fast is not None:
+            waits.append(asyncio.ensure_future(fast.wait()))
+        try:
+            await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        drained = pipeline.idle.is_set()
+        cut = 0
+        if not drained:
+            cut = pipeline.cut_running()
+            # Cut handlers answer at once; bound the wait anyway.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5.0):
+                    await pipeline.idle.wait()
+        await self.stop()
+        return {"shed": shed, "cut": cut, "drained": drained}
 
     async def stop(self) -> None:
         if self._runner is not None:

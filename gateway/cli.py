@@ -82,17 +82,25 @@ def serve_main(argv: Sequence[str]) -> int:
 async def _serve(config) -> None:  # type: ignore[no-untyped-def]
     from gateway.app import Gateway
 
+    # SIGTERM: graceful (shutdown.drain_grace_s for running requests). SIGINT, or a
+    # second SIGTERM: fast (queued and running requests are answered at once).
     stop = asyncio.Event()
+    fast = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set() or sig == signal.SIGINT:
+            fast.set()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     gw = Gateway(config)
     await gw.start()
     try:
         await stop.wait()
     finally:
-        # aiohttp stops accepting, then gives in-flight handlers its shutdown timeout.
-        await gw.stop()
+        await gw.shutdown(0.0 if fast.is_set() else None, fast=fast)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

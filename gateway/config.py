@@ -159,6 +159,28 @@ class AuthConfig(_Strict):
 class DiscoveryConfig(_Strict):
     refresh_interval_s: PositiveFloat = 2.0
     probe_timeout_s: PositiveFloat = 2.0
+    # Hysteresis: a ready replica becomes unready after this many failed (or timed out)
+    # probe rounds in a row, and returns after `success_threshold` good rounds in a row.
+    fail_threshold: Annotated[int, Field(ge=1)] = 3
+    success_threshold: Annotated[int, Field(ge=1)] = 2
+
+
+class OutlierConfig(_Strict):
+    """Passive outlier ejection from the request path (admission/health.py)."""
+
+    enabled: bool = True
+    # Upstream failures in a row (5xx, refused connection, timeout before the first byte).
+    consecutive_failures: Annotated[int, Field(ge=1)] = 5
+    base_ejection_s: PositiveFloat = 30.0  # doubled on each repeat ejection...
+    max_ejection_s: PositiveFloat = 300.0  # ...up to this
+    # Eject only while at most this share of the replicas is ejected (one of one: never).
+    max_ejection_percent: Annotated[float, Field(ge=0.0, le=100.0)] = 50.0
+
+
+class ShutdownConfig(_Strict):
+    # SIGTERM: /ready turns false, queued requests are shed (503), running ones get this
+    # long to finish before they are cut (streams end with an error event).
+    drain_grace_s: Annotated[float, Field(ge=0.0)] = 25.0
 
 
 class LoggingConfig(_Strict):
@@ -176,6 +198,8 @@ class GatewayConfig(_Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    outlier: OutlierConfig = Field(default_factory=OutlierConfig)
+    shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     # Model name -> local Hugging Face tokenizer.json: exact prompt counts for that model
     # instead of the learned chars-per-token estimate (see gateway/tokenizers.py).

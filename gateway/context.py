@@ -67,6 +67,10 @@ class RequestContext:
     # A non-stream request kvgate stopped waiting for (client gone, timeout) while the
     # engine had it: the engine may still be generating it (its reservation is held).
     upstream_abandoned: bool = False
+    # The client stream once the relay has started it (a graceful shutdown ends it with
+    # an error event), and whether shutdown cut this request.
+    client_stream: Any = None
+    cut: bool = False
     # outcome
     status: int = 0
     outcome: str = "unknown"

@@ -9,16 +9,26 @@ hands those admissions to their waiters.
 
 The first round runs for all replicas before the gateway starts serving, so ``/ready``
 is truthful from the first request.
+
+Readiness has hysteresis (`admission.health.ProbeHysteresis`): a round whose probes fail
+or time out (the adapter finds the replica not ready) takes a ready replica out only
+after ``discovery.fail_threshold`` such rounds in a row; until then admission keeps the
+last good view (its age makes routing treat it as stale). An unready replica returns
+after ``discovery.success_threshold`` good rounds in a row. A refused connection on the
+request path (`Discovery.mark_down`) takes the replica out at once, and it too returns
+only after that many good rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 
 import aiohttp
 
+from admission.health import ProbeHysteresis
 from gateway.admitter import AdmissionBridge
 from gateway.config import DiscoveryConfig, ReplicaConfig
 from routing.adapters import adapter_for
@@ -54,6 +64,7 @@ class ReplicaWatcher:
         )
         self._headers = {"Authorization": f"Bearer {rc.api_key}"} if rc.api_key else {}
         self._was_ready: bool | None = None
+        self.hysteresis = ProbeHysteresis(cfg.fail_threshold, cfg.success_threshold)
 
     async def _probe(self, path: str) -> tuple[int, str] | None:
         try:
@@ -79,7 +90,16 @@ class ReplicaWatcher:
             # A pinned pool is the capacity for engines that cannot report one (the
             # adapters only call a replica ready once its capacity is known).
             state.capacity_tokens = self.config.pool_tokens
+        before = copy.deepcopy(state) if self.hysteresis.ready else None
         self._adapter.apply(state, results, now)
+        observed = bool(state.ready)
+        ready = self.hysteresis.observe(observed)
+        if ready and not observed and before is not None:
+            # A failed round within the hysteresis: keep the last good view.
+            log.debug("probe round of %s failed; still ready (hysteresis)", state.name)
+            state = self.state = before
+        elif not ready:
+            state.ready = False
         self._known_models.update(state.models)
         if self.config.block_size:
             state.block_size = self.config.block_size
@@ -159,6 +179,14 @@ class Discovery:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks = []
+
+    def mark_down(self, name: str) -> None:
+        """The request path found `name` down (refused connection): it stays out until
+        ``success_threshold`` good probe rounds in a row."""
+        w = self.watchers.get(name)
+        if w is not None:
+            w.hysteresis.force_down()
+            w.state.ready = False
 
     def reinstate(self, name: str) -> None:
         """Restore `name` to what discovery last saw (undoes a temporary mark_unready)."""

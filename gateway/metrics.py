@@ -22,7 +22,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
-CEILINGS = ("kv_capacity", "running_cap", "latency", "not_ready", "none")
+CEILINGS = ("kv_capacity", "running_cap", "latency", "not_ready", "ejected", "none")
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 # estimated / actual prompt tokens: 1 is a perfect count, 2 reserves twice what is used.
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0)
@@ -65,6 +65,11 @@ class _LedgerCollector(Collector):
         ready = GaugeMetricFamily(
             "kvgate_replica_ready", "1 if the replica is ready", labels=["replica"]
         )
+        ejected = GaugeMetricFamily(
+            "kvgate_replica_ejected",
+            "1 while outlier detection keeps the replica out of service",
+            labels=["replica"],
+        )
         limit = GaugeMetricFamily(
             "kvgate_replica_limit",
             "Requests kvgate lets run on the replica at once: the learned limit within any "
@@ -74,7 +79,7 @@ class _LedgerCollector(Collector):
         binding = GaugeMetricFamily(
             "kvgate_replica_binding_ceiling",
             "1 for the ceiling that keeps the replica from taking more work now "
-            "(kv_capacity, running_cap, latency, not_ready, none)",
+            "(kv_capacity, running_cap, latency, not_ready, ejected, none)",
             labels=["replica", "ceiling"],
         )
         for u in self._usage():
@@ -82,6 +87,7 @@ class _LedgerCollector(Collector):
             reserved.add_metric([u.name], u.reserved_tokens)
             running.add_metric([u.name], u.running)
             ready.add_metric([u.name], 1 if u.ready else 0)
+            ejected.add_metric([u.name], 1 if u.ejected else 0)
             allowed = u.limit if u.limit is not None else u.max_running
             if allowed is not None:
                 limit.add_metric([u.name], allowed)
@@ -93,7 +99,7 @@ class _LedgerCollector(Collector):
             "(the stream went on; the engine's own scheduler absorbed the excess)",
         )
         topup.add_metric([], self._topup_failures())
-        return [depth, cap, reserved, running, ready, limit, binding, topup]
+        return [depth, cap, reserved, running, ready, ejected, limit, binding, topup]
 
 
 class GatewayMetrics:
@@ -116,6 +122,13 @@ class GatewayMetrics:
             "Upstream failures by replica and kind (connect, timeout, status_5xx, dropped, "
             "stream_error)",
             ["replica", "kind"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "kvgate_replica_ejections",
+            "Outlier ejections by replica (consecutive 5xx, refused connections, timeouts "
+            "before the first byte)",
+            ["replica"],
             registry=r,
         )
         self.queue_wait = Histogram(

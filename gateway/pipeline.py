@@ -16,6 +16,16 @@ to another replica; if none can take it at once the original error is answered: 
 engine's own (its status and message, as an OpenAI error object), else 502.
 A connection refusal also marks the replica unready until discovery sees it healthy.
 Timeouts are not retried: a replica that is merely slow would get the load twice.
+
+Outlier ejection (`admission.health.OutlierDetector`, config ``outlier``): refused
+connections, 5xx answers and timeouts before the first byte, in a row, eject a replica
+from admission for a doubling, capped time; requests already reserved there run on and
+release as they end. A timer returns it to service.
+
+Graceful shutdown (`Pipeline.begin_shutdown`, `Pipeline.cut_running`): new requests and
+queued ones are answered 503 ``shutting_down`` with Retry-After; running ones are cut
+only when the shell's grace runs out: a stream ends with an error event, a non-stream
+request gets the 503.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from pydantic import ValidationError
 
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
+from admission.health import OutlierDetector
 from admission.retries import RetryMemory
 from admission.types import AdmissionRequest, Admit, Completion, Refuse, Shed
 from gateway.admitter import AdmissionBridge
@@ -69,6 +80,9 @@ SDK_DEFAULT_MAX_RETRIES = 2
 # Upstream failures that say the replica could not serve its load: the learned limit
 # hears of them (a refused connection or a dropped one says the replica is down, not full).
 _LOAD_FAILURES = frozenset({"timeout", "stream_error", "status_5xx"})
+# Upstream failures (raised before any byte reached the client) that count towards
+# outlier ejection: a refused connection, a 5xx answer, no first byte in time.
+_OUTLIER_FAILURES = frozenset({"connect", "status_5xx", "timeout"})
 
 
 def _validation_message(err: ValidationError) -> tuple[str, str | None]:
@@ -131,6 +145,96 @@ class Pipeline:
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        oc = config.outlier
+        self.outliers: OutlierDetector | None = None
+        if oc.enabled:
+            self.outliers = OutlierDetector(
+                consecutive_failures=oc.consecutive_failures,
+                base_ejection_s=oc.base_ejection_s,
+                max_ejection_s=oc.max_ejection_s,
+                max_ejection_percent=oc.max_ejection_percent,
+            )
+            for rc in config.replicas:
+                self.outliers.add(rc.name)
+        self._eject_timers: dict[str, asyncio.TimerHandle] = {}
+        self.draining = False
+        self._active: dict[asyncio.Task[object], RequestContext] = {}
+
+    # ================================================================== lifecycle
+    def begin_shutdown(self) -> int:
+        """Refuse new requests and shed the queued ones (503, Retry-After); returns how
+        many were shed. Running requests go on."""
+        self.draining = True
+        return self.bridge.shed_all("shutdown", self._shutdown_retry_after())
+
+    def cut_running(self) -> int:
+        """Cut every running request (the shutdown grace is over); returns how many."""
+        n = 0
+        for task, ctx in list(self._active.items()):
+            if not ctx.cut and not task.done():
+                ctx.cut = True
+                task.cancel("kvgate shutdown")
+                n += 1
+        return n
+
+    def close(self) -> None:
+        for h in self._eject_timers.values():
+            h.cancel()
+        self._eject_timers.clear()
+
+    def _shutdown_retry_after(self) -> float:
+        return max(1.0, self.config.admission.min_retry_after_s)
+
+    def _shutting_down(self) -> ApiError:
+        return ApiError(
+            503,
+            "kvgate is shutting down; retry the request.",
+            code="shutting_down",
+            retry_after=self._shutdown_retry_after(),
+            outcome="shed_shutdown",
+        )
+
+    async def _cut(self, ctx: RequestContext) -> web.StreamResponse:
+        """The answer of a request cut at shutdown: an error event on a started stream,
+        else a 503."""
+        ctx.status = 503
+        ctx.outcome = "shutdown_cut"
+        err = self._shutting_down()
+        resp = ctx.client_stream
+        if resp is not None and resp.prepared:
+            try:
+                await resp.write(err.sse_event())
+                await resp.write_eof()
+            except ConnectionError:
+                pass
+            return resp
+        return err.response({"x-request-id": ctx.request_id})
+
+    # ================================================================== outliers
+    def _outlier_failure(self, replica: str, kind: str) -> None:
+        if self.outliers is None or kind not in _OUTLIER_FAILURES:
+            return
+        now = self._loop.time()
+        until = self.outliers.failure(replica, now)
+        if until is None:
+            return
+        self.metrics.ejections.labels(replica).inc()
+        log.warning(
+            "replica %s ejected for %.1f s after consecutive failures",
+            replica,
+            until - now,
+            extra={"fields": {"replica": replica, "ejected_s": round(until - now, 3)}},
+        )
+        self.bridge.resolve(self.controller.set_ejected(replica, True, now))
+        self._eject_timers[replica] = self._loop.call_at(until, self._end_ejection, replica, until)
+
+    def _end_ejection(self, replica: str, until: float) -> None:
+        self._eject_timers.pop(replica, None)
+        assert self.outliers is not None
+        now = max(self._loop.time(), until)
+        for name in self.outliers.expire(now):
+            log.info("replica %s returns from ejection", name, extra={"fields": {"replica": name}})
+            self.bridge.resolve(self.controller.set_ejected(name, False, now))
 
     # ================================================================== the chain
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
@@ -143,7 +247,12 @@ class Pipeline:
         )
         self.inflight += 1
         self.idle.clear()
+        task = asyncio.current_task()
+        if task is not None:
+            self._active[task] = ctx
         try:
+            if self.draining:
+                raise self._shutting_down()
             self.authenticate(request, ctx)
             await self.parse(request, ctx)
             text = await self.estimate(ctx)
@@ -156,6 +265,10 @@ class Pipeline:
             ctx.outcome = e.outcome
             return e.response({"x-request-id": ctx.request_id})
         except asyncio.CancelledError:
+            if ctx.cut and task is not None:
+                # Shutdown cut it (not the client): answer it cleanly.
+                task.uncancel()
+                return await self._cut(ctx)
             # Client went away (aiohttp cancels the handler). Upstream is closed by the
             # relay's own finally; the reservation by ours.
             ctx.status = 499
@@ -173,6 +286,8 @@ class Pipeline:
                 self.account(ctx)
             finally:
                 self.release(ctx)
+                if task is not None:
+                    self._active.pop(task, None)
                 self.inflight -= 1
                 if self.inflight == 0:
                     self.idle.set()
@@ -340,6 +455,8 @@ class Pipeline:
             self.metrics.queue_wait.observe(ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
             return
         if isinstance(verdict, Shed):
+            if verdict.reason == "shutdown":
+                raise self._shutting_down()
             self._retries.remember(retry_key, req.arrival, self._loop.time())
             self.metrics.shed.labels(verdict.reason).inc()
             if verdict.status == 429:
@@ -402,9 +519,12 @@ class Pipeline:
                             }
                         },
                     )
+                elif self.outliers is not None:
+                    self.outliers.success(replica)
                 return resp
             except UpstreamFailure as f:
                 self.metrics.upstream_errors.labels(replica, f.kind).inc()
+                self._outlier_failure(replica, f.kind)
                 log.warning(
                     "upstream %s failed for %s: %s",
                     replica,
@@ -416,6 +536,7 @@ class Pipeline:
                 )
                 if f.kind == "connect":
                     self.controller.mark_unready(replica, self._loop.time())
+                    self.discovery.mark_down(replica)
                 if (
                     f.retryable
                     and self._retry_once

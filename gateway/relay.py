@@ -353,6 +353,7 @@ class Relay:
         except ConnectionError as e:
             raise ClientGone() from e
         ctx.status = 200
+        ctx.client_stream = resp
         return resp
 
     # ------------------------------------------------------------------ SSE inspection

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
+import aiohttp
 import pytest
 
 from tests.enginesim.helpers import CHAT, COMPLETIONS, chat_body, parse_sse, wait_until
@@ -469,3 +471,38 @@ async def test_workload_from_header_tools_and_text(server, session, monkeypatch)
         without = (await r.json())["count"]
     async with session.post(server.url + "/tokenize", json={**plain, "tools": tools}) as r:
         assert (await r.json())["count"] > without
+
+
+async def test_stream_disconnects_are_quiet_aborts(enginesim_server, session, caplog):
+    """A client gone mid-stream is an abort, not an error: no "Cannot write to closing
+    transport" traceback in the log (at a fast clock the write races the disconnect)."""
+    caplog.set_level(logging.DEBUG)
+    server = await enginesim_server("tiny", speed=50.0)
+    body = {"prompt": "z " * 20, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    before = server.core.stats().num_aborted
+    for _ in range(5):
+        resp = await session.post(server.url + COMPLETIONS, json=body)
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")
+        resp.close()
+        await wait_until(lambda: server.core.stats().blocks_in_use == 0)
+    await wait_until(lambda: server.driver.num_in_flight == 0)
+    assert server.core.stats().num_aborted - before == 5
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not loud, [r.getMessage() for r in loud]
+    assert not [r for r in caplog.records if r.name == "aiohttp.server" or r.exc_info]
+
+
+async def test_write_to_a_closed_client_ends_the_handler_quietly(enginesim_server, caplog):
+    """The error middleware turns a write to a gone client into a quiet cancellation."""
+    from aiohttp.test_utils import make_mocked_request
+
+    caplog.set_level(logging.DEBUG)
+    server = await enginesim_server("tiny")
+
+    async def handler(request):
+        raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+
+    with pytest.raises(asyncio.CancelledError):
+        await server._error_middleware(make_mocked_request("POST", COMPLETIONS), handler)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

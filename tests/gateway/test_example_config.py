@@ -23,6 +23,8 @@ def test_example_config_loads_and_matches_defaults() -> None:
         "limits",
         "auth",
         "discovery",
+        "outlier",
+        "shutdown",
         "logging",
         "tokenizers",
     ):

@@ -1,0 +1,176 @@
+"""Discovery hysteresis and outlier ejection over real loopback HTTP.
+
+A failed probe round no longer takes a replica out at once; consecutive upstream
+failures eject a replica for a while, and what was reserved there still releases.
+The `gateway` fixture checks that nothing stays reserved after each test.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from enginesim.faults import make_fault
+from tests.gateway.conftest import MODEL, wait_for
+
+SHORT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+ADMIN = "admin-secret"
+
+
+def _usage(gw, name: str):
+    return next(u for u in gw.controller.replica_usage() if u.name == name)
+
+
+async def _metric(gw, family: str, replica: str) -> float | None:
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+        text = await r.text()
+    for fam in text_string_to_metric_families(text):
+        if fam.name == family:
+            for smp in fam.samples:
+                if smp.labels.get("replica") == replica and not smp.name.endswith("_created"):
+                    return smp.value
+    return None
+
+
+async def test_failed_probe_rounds_keep_a_single_replica_ready_until_threshold(replica, gateway):
+    srv = await replica()
+    gw = await gateway(
+        srv,
+        discovery={"fail_threshold": 3, "success_threshold": 2, "probe_timeout_s": 0.2},
+    )
+    hyst = gw.state.discovery.watchers["r0"].hysteresis
+    assert _usage(gw, "r0").ready
+    srv.set_fault(make_fault("hang"))  # probes time out
+    try:
+        assert await wait_for(lambda: hyst._fails >= 1, within=5.0)
+        # One (and two) failed rounds: still ready, so requests would still be admitted.
+        assert hyst._fails < 3 and _usage(gw, "r0").ready
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/ready") as r:
+            assert r.status == 200
+        assert await wait_for(lambda: not _usage(gw, "r0").ready, within=5.0)
+        assert hyst._fails >= 3
+    finally:
+        srv.set_fault(make_fault("none"))
+    # Back after two good rounds in a row; a request then completes.
+    assert await wait_for(lambda: _usage(gw, "r0").ready, within=5.0)
+    assert hyst._oks >= 2
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/chat/completions", json=SHORT) as r,
+    ):
+        assert r.status == 200
+
+
+async def test_consecutive_5xx_eject_a_replica_then_it_returns(replica, gateway):
+    bad, good = await replica(), await replica()
+    gw = await gateway(
+        bad,
+        good,
+        # Discovery must not take `bad` out itself: this test is about the request path.
+        discovery={"fail_threshold": 1000},
+        auth={"admin_token": ADMIN},
+    )
+    pipeline = gw.state.pipeline
+    assert pipeline.outliers is not None
+    # Shorten the ejection for the test (the detector is sans-IO: plain attributes).
+    pipeline.outliers.consecutive_failures = 2
+    pipeline.outliers.base_ejection_s = 0.6
+    bad.set_fault(make_fault("error", status=500))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(40):
+            async with s.post(gw.url + "/v1/chat/completions", json=SHORT) as r:
+                # A 5xx before any byte is retried on the good replica: the client sees 200.
+                assert r.status == 200
+            if _usage(gw, "r0").ejected:
+                break
+        assert _usage(gw, "r0").ejected
+        assert _usage(gw, "r0").binding_ceiling == "ejected"
+        assert await _metric(gw, "kvgate_replica_ejections", "r0") == 1.0
+        assert await _metric(gw, "kvgate_replica_ejected", "r0") == 1.0
+        assert await _metric(gw, "kvgate_replica_ejected", "r1") == 0.0
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        async with s.get(gw.url + "/admin/replicas", headers=headers) as r:
+            snap = {x["name"]: x for x in (await r.json())["replicas"]}
+        assert snap["r0"]["ejected"] is True and snap["r0"]["ejections"] == 1
+        assert 0 < snap["r0"]["ejected_for_s"] <= 0.6
+        assert snap["r1"]["ejected"] is False and snap["r1"]["ejected_for_s"] is None
+        # While ejected, every request goes to the good replica at the first attempt.
+        before = await _metric(gw, "kvgate_upstream_errors", "r0")
+        for _ in range(3):
+            async with s.post(gw.url + "/v1/chat/completions", json=SHORT) as r:
+                assert r.status == 200
+        assert await _metric(gw, "kvgate_upstream_errors", "r0") == before
+        bad.set_fault(make_fault("none"))
+        assert await wait_for(lambda: not _usage(gw, "r0").ejected, within=5.0)
+        assert _usage(gw, "r0").ready
+
+
+async def test_max_ejection_percent_never_ejects_the_only_replica(replica, gateway):
+    srv = await replica()
+    gw = await gateway(srv, discovery={"fail_threshold": 1000})
+    gw.state.pipeline.outliers.consecutive_failures = 1
+    srv.set_fault(make_fault("error", status=500))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            async with s.post(gw.url + "/v1/chat/completions", json=SHORT) as r:
+                assert r.status == 500  # the engine's own answer, not a 503 no_replica
+    assert not _usage(gw, "r0").ejected
+    srv.set_fault(make_fault("none"))
+
+
+async def test_requests_reserved_on_an_ejected_replica_finish_and_release(replica, gateway):
+    srv = await replica(speed=5.0)
+    gw = await gateway(srv, discovery={"fail_threshold": 1000})
+    pipeline = gw.state.pipeline
+    pipeline.outliers.max_ejection_percent = 100.0
+    pipeline.outliers.consecutive_failures = 1
+    body = {**SHORT, "max_tokens": 40, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readany()  # the stream is running on r0
+            assert gw.controller.reserved_tokens("r0") > 0
+            pipeline._outlier_failure("r0", "connect")  # as the request path reports it
+            assert _usage(gw, "r0").ejected
+            # Nothing new is admitted there...
+            async with s.post(
+                gw.url + "/v1/chat/completions",
+                json=SHORT,
+                headers={"x-kvgate-queue-timeout": "0"},
+            ) as r2:
+                assert r2.status == 503
+            # ...while the running stream completes normally and releases.
+            text = (await r.read()).decode()
+            assert text.rstrip().endswith("data: [DONE]")
+        assert await wait_for(lambda: gw.controller.reserved_tokens("r0") == 0, within=2.0)
+
+
+async def test_first_byte_timeouts_eject_a_hung_replica(replica, gateway):
+    hung, good = await replica(), await replica()
+    gw = await gateway(
+        hung,
+        good,
+        discovery={"fail_threshold": 1000},  # the request path alone must find it
+        upstream={"first_byte_s": 0.3, "total_s": 0.3},
+    )
+    gw.state.pipeline.outliers.consecutive_failures = 1
+    hung.set_fault(make_fault("hang"))
+    statuses = []
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(40):
+                async with s.post(
+                    gw.url + "/v1/chat/completions", json={**SHORT, "stream": True}
+                ) as r:
+                    statuses.append(r.status)
+                    await r.read()
+                if _usage(gw, "r0").ejected:
+                    break
+            assert _usage(gw, "r0").ejected
+            assert statuses[-1] == 504  # a timeout is not retried: the client saw it once
+            # Ejected: the hung replica gets nothing more.
+            for _ in range(3):
+                async with s.post(gw.url + "/v1/chat/completions", json=SHORT) as r:
+                    assert r.status == 200
+    finally:
+        hung.set_fault(make_fault("none"))

@@ -1,0 +1,184 @@
+"""Graceful shutdown: a real ``kvgate serve`` process on loopback, stopped by PID.
+
+SIGTERM: ``/ready`` turns false at once, queued requests are shed with 503 and
+Retry-After, running requests get ``shutdown.drain_grace_s``, then streams are cut with
+an error event; the process exits 0. A second SIGTERM (or a SIGINT) is fast. The
+embedded `Gateway.shutdown` drains a request that ends within the grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from tests.gateway.conftest import MODEL, wait_for
+
+LONG = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "tell me a long story"}],
+    "max_tokens": 1500,
+    "ignore_eos": True,
+    "stream": True,
+}
+SHORT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _serve(tmp_path: Path, srv: Any, grace: float) -> tuple[asyncio.subprocess.Process, str]:
+    port = _free_port()
+    cfg = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "replicas": [{"name": "r0", "url": srv.url, "max_running": 1}],
+        "admission": {"queue_timeout_s": 30.0},
+        "discovery": {"refresh_interval_s": 0.2, "probe_timeout_s": 0.5},
+        "shutdown": {"drain_grace_s": grace},
+        "logging": {"access_log": False},
+    }
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = (tmp_path / "kvgate.log").open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "serve", "-c", str(path),
+        cwd=ROOT, stdout=log, stderr=log,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as s:
+        for _ in range(300):
+            with contextlib.suppress(aiohttp.ClientError):
+                async with s.get(url + "/ready") as r:
+                    if r.status == 200:
+                        return proc, url
+            if proc.returncode is not None:
+                break
+            await asyncio.sleep(0.05)
+    proc.kill()
+    await proc.wait()
+    pytest.fail("kvgate serve did not become ready: " + (tmp_path / "kvgate.log").read_text())
+
+
+async def _queue_depth(s: aiohttp.ClientSession, url: str) -> float:
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith(f'kvgate_queue_depth{{model="{MODEL}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def _exit_code(proc: asyncio.subprocess.Process, within: float) -> int | None:
+    try:
+        async with asyncio.timeout(within):
+            return await proc.wait()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return None
+
+
+async def _sigterm_scenario(tmp_path: Path, srv: Any, *, grace: float, second: int | None):
+    """One long stream running, one request queued behind it, then SIGTERM (and maybe a
+    second signal). Returns (queued answer, stream tail, exit code, seconds to exit)."""
+    proc, url = await _serve(tmp_path, srv, grace)
+    loop = asyncio.get_running_loop()
+    try:
+        async with aiohttp.ClientSession() as s:
+            stream = await s.post(url + "/v1/chat/completions", json=LONG)
+            assert stream.status == 200
+            await stream.content.readany()
+            queued = asyncio.ensure_future(s.post(url + "/v1/chat/completions", json=SHORT))
+            for _ in range(200):
+                if await _queue_depth(s, url) == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert await _queue_depth(s, url) == 1
+            t0 = loop.time()
+            proc.send_signal(signal.SIGTERM)
+            # Queued: shed at once with 503 and Retry-After.
+            r = await asyncio.wait_for(queued, 5.0)
+            shed = (r.status, r.headers.get("Retry-After"), await r.json())
+            # /ready is false at once (the listener stays open while running requests drain).
+            async with s.get(url + "/ready") as rr:
+                ready = (rr.status, await rr.json())
+            # A new request is answered at once too.
+            async with s.post(url + "/v1/chat/completions", json=SHORT) as rn:
+                assert rn.status == 503 and "Retry-After" in rn.headers
+                assert (await rn.json())["error"]["code"] == "shutting_down"
+            if second is not None:
+                proc.send_signal(second)
+            tail = (await asyncio.wait_for(stream.read(), 30.0)).decode()
+            stream.release()
+        code = await _exit_code(proc, 15.0)
+        return shed, ready, tail, code, loop.time() - t0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        log = (tmp_path / "kvgate.log").read_text()
+        assert "Traceback" not in log, log
+
+
+def _last_event(tail: str) -> dict[str, Any]:
+    events = [e for e in tail.replace("\r\n", "\n").split("\n\n") if e.strip()]
+    assert events and events[-1].startswith("data: ")
+    return json.loads(events[-1][len("data: ") :])
+
+
+async def test_sigterm_sheds_queue_drains_then_cuts_and_exits_0(replica, tmp_path):
+    srv = await replica(speed=1.0)
+    shed, ready, tail, code, took = await _sigterm_scenario(tmp_path, srv, grace=1.0, second=None)
+    status, retry_after, body = shed
+    assert status == 503 and retry_after is not None and int(retry_after) >= 1
+    assert body["error"]["code"] == "shutting_down"
+    assert ready == (503, {"ready": False, "draining": True, "replicas": []})
+    # The running stream was given the grace, then cut with a clean error event.
+    assert "[DONE]" not in tail
+    assert _last_event(tail)["error"]["code"] == "shutting_down"
+    assert took >= 1.0
+    assert code == 0
+    # The engine saw the connection close and aborted the request.
+    assert await wait_for(lambda: srv.core.stats().blocks_in_use == 0, within=5.0)
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+async def test_second_signal_is_fast(replica, tmp_path, second):
+    srv = await replica(speed=1.0)
+    shed, _ready, tail, code, took = await _sigterm_scenario(
+        tmp_path, srv, grace=60.0, second=second
+    )
+    assert shed[0] == 503
+    assert _last_event(tail)["error"]["code"] == "shutting_down"
+    assert code == 0 and took < 10.0
+    assert await wait_for(lambda: srv.core.stats().blocks_in_use == 0, within=5.0)
+
+
+async def test_embedded_shutdown_drains_a_request_that_ends_within_the_grace(replica, gateway):
+    srv = await replica(speed=5.0)
+    gw = await gateway(srv)
+    body = {**LONG, "max_tokens": 30}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readany()
+            assert gw.state.pipeline.inflight == 1  # still running when shutdown begins
+            done = asyncio.ensure_future(gw.shutdown(10.0))
+            tail = (await r.read()).decode()
+        result = await asyncio.wait_for(done, 10.0)
+    assert tail.rstrip().endswith("data: [DONE]")
+    assert result == {"shed": 0, "cut": 0, "drained": True}
+    assert gw.controller.reserved_tokens() == 0
