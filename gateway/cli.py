@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.cli:serve_main", "run the gateway"),
     "demo": ("gateway.demo:main", "run the demo (simulated replicas, load through kvgate)"),
+    # Locust patches the process with gevent: only this command imports it.
+    "sweep": ("loadtests.sweep:main", "find a target's ceiling: a concurrency staircase"),
 }
 
 
