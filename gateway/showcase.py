@@ -33,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sw = importlib.import_module("loadtests.sweep")
     from enginesim.profiles import load_profile
     from gateway import demo
+    from loadtests.report import points_table
 
     ap = argparse.ArgumentParser(
         prog="kvgate showcase",
@@ -61,7 +62,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
     )
     results = []
-    preemptions = []
     for label, through in (("straight", False), ("through kvgate", True)):
         slug = "kvgate" if through else "straight"
         replica = demo.start_replica(args.profile, args.speed, log=workdir / f"replica-{slug}.log")
@@ -87,20 +87,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cfg = sw.config_from_args(args, target, label)
                 cfg.workload = args.workload
                 results.append(sw.run_sweep(cfg, sw.console_progress()))
-            preemptions.append(replica_preemptions(replica.url))
+            results[-1].preemptions = replica_preemptions(replica.url)
     paths = sw.write_outputs(
         results,
         out,
         title=f"Ceiling sweep: straight at a replica, then through kvgate ({profile.name})",
     )
-    with paths["report.md"].open("a") as f:
-        f.write(
-            "Replica preemptions (the engine's own counter): "
-            + ", ".join(f"{r.label} {p:,.0f}" for r, p in zip(results, preemptions, strict=True))
-            + ".\n"
-        )
     print()
-    print(summary(results, preemptions))
+    print(points_table(results))
     print(f"\nreport: {paths['report.md']}  (logs in {workdir})")
     return 0
 
@@ -134,14 +128,6 @@ def replica_preemptions(url: str) -> float:
         r"^(?:vllm:num_preemptions_total|sglang:num_retracted_reqs_total)(?:\{[^}]*\})?\s+(\S+)"
     )
     return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
-
-
-def summary(results, preemptions: Sequence[float]) -> str:  # type: ignore[no-untyped-def]
-    from loadtests.report import points_table
-
-    table = points_table(results)
-    table += "\n| replica preemptions | " + " | ".join(f"{p:,.0f}" for p in preemptions) + " |"
-    return table
 
 
 if __name__ == "__main__":

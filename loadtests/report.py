@@ -42,6 +42,7 @@ class SweepResult:
     limits: list[tuple[float, float]] = field(default_factory=list)  # (target s, limit)
     started: str = ""
     wall_s: float = 0.0
+    preemptions: float | None = None  # the replica's own counter, when the caller knows it
 
     @property
     def reading(self) -> Reading:
@@ -331,6 +332,11 @@ def points_table(results: Sequence[SweepResult]) -> str:
 
     line("kvgate learned limit", limit)
     line("ceiling", lambda r: r.reading.kind)
+    if any(r.preemptions is not None for r in results):
+        line(
+            "replica preemptions",
+            lambda r: "-" if r.preemptions is None else f"{r.preemptions:,.0f}",
+        )
     return "\n".join(rows)
 
 
@@ -400,3 +406,23 @@ def markdown(
         "",
     ]
     return "\n".join(out)
+
+
+def render(folder: Path, title: str = "") -> None:
+    """Draw the plots and write the report again from a sweep's ``sweep.json``."""
+    results = load_json(folder / "sweep.json")
+    plot_throughput(results, folder / "throughput.png")
+    plot_latency(results, folder / "latency.png")
+    old = folder / "report.md"
+    if not title and old.exists():
+        first = old.read_text().splitlines()[:1]
+        title = first[0].removeprefix("# ") if first else ""
+    old.write_text(markdown(results, ["throughput.png", "latency.png"], title or "Ceiling sweep"))
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m loadtests.report FOLDER  (re-renders FOLDER/sweep.json)")
+    render(Path(sys.argv[1]))

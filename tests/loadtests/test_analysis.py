@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from loadtests.analysis import Record, Step, find_failure, find_plateau, read, summarize
-from loadtests.report import SweepResult, load_json, markdown, write_csv, write_json
+from loadtests.report import SweepResult, load_json, markdown, render, write_csv, write_json
 
 
 def step(c: int, tok_s: float, *, ok: int = 100, ended: int = 100, per_user: float = 20.0,
@@ -121,3 +121,14 @@ def test_outputs_round_trip_and_name_the_points(tmp_path) -> None:
     assert "| failure point (valid < 95%) | c=16, 684/738 valid | none |" in md
     assert "| kvgate learned limit | - | 6 |" in md
     assert "![throughput](throughput.png)" in md
+
+
+def test_a_sweep_renders_again_from_its_json(tmp_path) -> None:
+    straight = result("straight", SEED2)
+    straight.preemptions = 16
+    write_json([straight], tmp_path / "sweep.json")
+    render(tmp_path, "Title")
+    for name in ("throughput.png", "latency.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (tmp_path / "report.md").read_text()
+    assert md.startswith("# Title") and "| replica preemptions | 16 |" in md
