@@ -83,8 +83,9 @@ def sdk_backoff(retries_so_far: int, rng: random.Random) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The locustfile's own options (they show in the web UI too)."""
-    g = parser.add_argument_group("kvgate load test")
+    """The locustfile's own options, on Locust's parser (so the web UI shows them under
+    its custom parameters; a group's options would not show)."""
+    g = parser
     g.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
     g.add_argument(
         "--timeout",
@@ -101,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "enginesim replica's --speed); the timeout is divided by it",
     )
     g.add_argument("--max-retries", type=int, default=2, help="retries of a 429/503 (SDK: 2)")
-    g.add_argument("--api-key", default="", help="sent as a bearer token")
+    g.add_argument("--api-key", default="", help="sent as a bearer token", is_secret=True)
     g.add_argument(
         "--prompt-tokens",
         default="",
@@ -162,13 +163,18 @@ def config_from_options(opts: argparse.Namespace) -> LoadConfig:
 
 
 def load_config(env: Environment) -> LoadConfig:
-    """The run's `LoadConfig`: set by the sweep, else read once from the options."""
-    cfg = getattr(env, "kvgate_load", None)
-    if cfg is None:
-        opts = env.parsed_options or argparse.Namespace()
-        cfg = config_from_options(opts)
-        env.kvgate_load = cfg  # type: ignore[attr-defined]
-    return cfg
+    """The run's `LoadConfig`: the one the sweep set, else built from the options (again
+    when they change, as they do when the web UI starts a new run with other values)."""
+    fixed = getattr(env, "kvgate_load", None)
+    if fixed is not None:
+        return fixed
+    opts = env.parsed_options or argparse.Namespace()
+    key = repr(sorted(vars(opts).items()))
+    cached = getattr(env, "_kvgate_load_cache", None)
+    if cached is None or cached[0] != key:
+        cached = (key, config_from_options(opts))
+        env._kvgate_load_cache = cached  # type: ignore[attr-defined]
+    return cached[1]
 
 
 def discover_model(host: str, cfg: LoadConfig) -> str:

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +53,62 @@ async def test_users_run_headless_against_kvgate(replica, gateway, tmp_path):
         assert ("ITL", workload) in rows
     # ignore_eos with max_tokens: every chat answer is exactly 24 tokens (the size column).
     assert float(rows[("POST", "chat")]["Average Content Size"]) == 24
+
+
+async def test_the_web_ui_shows_the_options_and_runs_a_swarm(replica, gateway, unused_port):
+    """The same file in the web UI: its options are in the start form, and a swarm
+    started from the UI with them set runs against kvgate without failures."""
+    srv = await replica(speed=50)
+    gw = await gateway(srv)
+    ui = f"http://127.0.0.1:{unused_port}"
+    proc = await asyncio.create_subprocess_exec(
+        str(LOCUST), "-f", str(LOCUSTFILE), "--web-host", "127.0.0.1",
+        "--web-port", str(unused_port), "--host", gw.url, "--class-picker",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            page = ""
+            for _ in range(100):  # up to ~10 s for Locust to listen
+                try:
+                    async with s.get(ui + "/") as r:
+                        page = await r.text()
+                        break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.1)
+            for option in ("prompt_tokens", "output_tokens", "prompt_file", "timeout", "steps"):
+                assert f'"{option}": {{' in page, option
+            form = {
+                "user_count": "2", "spawn_rate": "2", "host": gw.url,
+                "prompt_tokens": "fixed:100", "output_tokens": "fixed:8", "timeout": "20",
+                "user_classes": "ChatUser",
+            }  # fmt: skip
+            async with s.post(ui + "/swarm", data=form) as r:
+                assert (await r.json())["success"]
+            stats: dict = {}
+            for _ in range(60):  # until a few requests are in (bounded)
+                await asyncio.sleep(0.1)
+                async with s.get(ui + "/stats/requests") as r:
+                    stats = await r.json()
+                posts = [x for x in stats["stats"] if x.get("method") == "POST"]
+                if posts and posts[0]["num_requests"] >= 5:
+                    break
+            async with s.post(ui + "/stop") as r:
+                assert r.status == 200
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 10)
+    assert posts and posts[0]["name"] == "chat" and posts[0]["num_requests"] >= 5
+    assert stats["fail_ratio"] == 0
+
+
+@pytest.fixture
+def unused_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 SHAPES = textwrap.dedent(
