@@ -18,6 +18,12 @@ from collections.abc import Callable, Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.cli:serve_main", "run the gateway"),
     "demo": ("gateway.demo:main", "run the demo (simulated replicas, load through kvgate)"),
+    # Locust patches the process with gevent: only these two commands import it.
+    "sweep": ("loadtests.sweep:main", "find a target's ceiling: a concurrency staircase"),
+    "showcase": (
+        "gateway.showcase:main",
+        "the sweep straight at a simulated replica, then through kvgate",
+    ),
 }
 
 
