@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+from routing.plugins import KVHeadroomScorer
 from routing.types import Candidate, RouteRequest
 
 Filter = Callable[[RouteRequest, Candidate], bool]
@@ -37,15 +38,8 @@ class Scorer(Protocol):
     def score(self, req: RouteRequest, candidate: Candidate) -> float: ...
 
 
-class HeadroomScorer:
-    """Fraction of the replica's effective pool still free after nothing else: free / effective."""
-
-    name = "kv_headroom"
-
-    def score(self, req: RouteRequest, candidate: Candidate) -> float:
-        if candidate.effective_capacity <= 0:
-            return 0.0
-        return min(1.0, max(0.0, candidate.free_tokens / candidate.effective_capacity))
+# The most-headroom scorer is the `kv_headroom` plugin of the routing profiles.
+HeadroomScorer = KVHeadroomScorer
 
 
 class ScoringPicker:
