@@ -30,7 +30,6 @@ matplotlib: ``pip install -e '.[bench]'``), and Markdown on stdout.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import statistics
@@ -47,7 +46,7 @@ from enginesim.profiles import load_profile  # noqa: E402
 from enginesim.simulate import measure_decode, run_closed_loop  # noqa: E402
 from enginesim.types import Workload  # noqa: E402
 from enginesim.workloads import WorkItem, synthetic_items  # noqa: E402
-from gateway.demo import run_phase  # noqa: E402
+from gateway.demo import run_async, run_phase  # noqa: E402
 
 TIMEOUT_S = 45.0  # simulated seconds
 
@@ -328,12 +327,7 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=1800.0, help="wall seconds per run")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learned_limit.json")
     args = ap.parse_args()
-    try:
-        import uvloop
-
-        return uvloop.run(main_async(args))
-    except ImportError:
-        return asyncio.run(main_async(args))
+    return run_async(main_async(args))
 
 
 if __name__ == "__main__":

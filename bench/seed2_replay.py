@@ -30,7 +30,6 @@ committed runs are seed2_replay.run{1,2,3,4}.json, their output seed2_replay.txt
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import tempfile
@@ -41,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from enginesim.profiles import load_profile  # noqa: E402
 from enginesim.workloads import seed2_workload  # noqa: E402
-from gateway.demo import DEFAULT_TIMEOUT_S, run_phase  # noqa: E402
+from gateway.demo import DEFAULT_TIMEOUT_S, run_async, run_phase  # noqa: E402
 
 PROFILE = "seed2-8b-16gb"
 
@@ -92,7 +91,7 @@ async def one_run(
         "retries_per_completed": res.retries_per_completed,
         "failed": res.failed,
         "failed_after_s": [x * args.speed for x in res.failed_after],
-        "limit": row.limit_summary(args.speed),
+        "limit": row.limit_summary(),
         "limits": [(t * args.speed, v, why) for t, v, why in row.limits],
     }
     print(
@@ -258,12 +257,7 @@ def main() -> int:
         help="take the straight rows from this earlier result; run only kvgate's rows",
     )
     args = ap.parse_args()
-    try:
-        import uvloop
-
-        return uvloop.run(main_async(args))
-    except ImportError:
-        return asyncio.run(main_async(args))
+    return run_async(main_async(args))
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def run(
         att.done = True
         live.pop(att.rid, None)
         if pending:
-            push(now, "send", (att.client, pending.pop(), now, now, 0))
+            push(now, "send", (att.client, pending.pop(), now, 0))
         elif not live:
             report.wall_s = now
 
@@ -188,7 +188,7 @@ def run(
         push(
             now + verdict.retry_after,
             "send",
-            (att.client, att.item, att.first, None, att.retries + 1),
+            (att.client, att.item, att.first, att.retries + 1),
         )
 
     def send(client: int, item: WorkItem, first: float, retries: int) -> None:
@@ -218,7 +218,7 @@ def run(
     start_engine(upsert())
     note_limit()
     for c in range(min(concurrency, len(pending))):
-        push(0.0, "send", (c, pending.pop(), 0.0, 0.0, 0))
+        push(0.0, "send", (c, pending.pop(), 0.0, 0))
     push(probe_s, "probe", None)
     step_end: float | None = None
     step_events: list = []
@@ -298,7 +298,7 @@ def run(
             continue
         _, _, kind, data = heapq.heappop(heap)
         if kind == "send":
-            client, item, first, _, retries = data  # type: ignore[misc]
+            client, item, first, retries = data  # type: ignore[misc]
             send(client, item, first, retries)
         elif kind == "timeout":
             att = live.get(data)  # type: ignore[arg-type]

@@ -25,9 +25,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -206,7 +207,7 @@ class Row:
     preemptions: float
     limits: list[tuple[float, int, str]] = field(default_factory=list)
 
-    def limit_summary(self, speed: float) -> str:
+    def limit_summary(self) -> str:
         """The learned limit: its value over the second half of the run (min-max)."""
         if not self.limits:
             return "-"
@@ -232,7 +233,7 @@ def render_table(rows: Sequence[Row], speed: float) -> str:
             "retries per completed request",
             lambda r: f"{r.result.shed_retries / max(1, r.result.completed):.2f}",
         ),
-        ("learned running limit (second half)", lambda r: r.limit_summary(speed)),
+        ("learned running limit (second half)", lambda r: r.limit_summary()),
         ("wall time (simulated)", lambda r: sim(r.result.wall_s)),
         (
             "aggregate tokens/s (prompt+output, completed)",
@@ -419,9 +420,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="wall seconds after which a phase stops by itself",
     )
     args = ap.parse_args(list(argv) if argv is not None else None)
+    return run_async(run_demo(args))
+
+
+def run_async(main: Coroutine[Any, Any, int]) -> int:
+    """Run a demo's or bench's main coroutine on uvloop (asyncio's loop without it)."""
     try:
         import uvloop
-
-        return uvloop.run(run_demo(args))
     except ImportError:
-        return asyncio.run(run_demo(args))
+        return asyncio.run(main)
+    return uvloop.run(main)
