@@ -891,6 +891,10 @@ class AdmissionController:
             prefix_hashes=req.prefix_hashes,
             session=req.session,
             now=now,
+            tenant=req.tenant,
+            prompt_tokens=req.prompt_tokens,
+            ttft_target_s=req.ttft_target_s,
+            itl_target_s=req.itl_target_s,
         )
         choice = self._picker.pick(route, [r.cand for r in fitting])
         if choice is None:

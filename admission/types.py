@@ -46,6 +46,9 @@ class AdmissionRequest:
     # once by the gateway when a profile reads it, and the client's session key.
     prefix_hashes: tuple[int, ...] = ()
     session: str | None = None
+    # The tenant's SLO targets (seconds; None: none), for SLO-aware placement.
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -82,6 +82,10 @@ class Candidate:
     spec_draft_tokens_total: float | None = None
     spec_accepted_tokens_total: float | None = None
     view_age_s: float = 0.0
+    # Admission's prediction of this replica's mean inter-token gap with the request
+    # added (seconds), None before it has evidence; an SLO filter holds it against
+    # `RouteRequest.itl_target_s`.
+    predicted_itl_s: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,6 +95,9 @@ class RouteRequest:
     `prefix_hashes` is the prompt's block hash chain (routing.prefix.block_hashes),
     computed once per request by the gateway; `session` the client's session key
     (``x-session-id`` header, else the body's ``user``); `now` the decision time.
+    `tenant` is the authenticated tenant; `prompt_tokens` the prompt's (estimated)
+    length, for the prefill cost of its uncached part; `ttft_target_s` and
+    `itl_target_s` the tenant's SLO targets (None: no target).
     """
 
     request_id: str
@@ -100,6 +107,10 @@ class RouteRequest:
     prefix_hashes: tuple[int, ...] = ()
     session: str | None = None
     now: float = 0.0
+    tenant: str = "default"
+    prompt_tokens: int = 0
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
 
 
 class Router(Protocol):
