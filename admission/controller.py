@@ -315,6 +315,9 @@ class AdmissionController:
         self._seq = 0
         self._pending: list[Admit] = []  # admitted by expire(); handed out by the next call
         self._returning = ReturningBacklog()  # shed requests expected back
+        # Entries a full queue gave up for another tenant's newcomer (fair share of the
+        # queue): handed out by the next `expire`, which `next_deadline` makes due now.
+        self._displaced: list[Shed] = []
         self._rng = random.Random(seed)  # Retry-After jitter
         self._now = 0.0
         self._limit_settings = LimitSettings(
@@ -530,7 +533,7 @@ class AdmissionController:
         # Shed requests that will come back before this one count ahead of it (not ahead
         # of a last retry, which queues before them).
         back_tokens, back_count = (
-            (0, 0) if req.last_retry else self._returning.ahead(model, req.arrival, now)
+            (0, 0) if req.last_retry else self._returning.ahead(model, req.arrival, now, req.tenant)
         )
         policy = self._tenant_of(req.tenant)
         if (
@@ -550,6 +553,22 @@ class AdmissionController:
             shed = self._shed(req, raw, "tenant_queue", wait, now, now)
             reason = "tenant_concurrency" if capped else "tenant_queue"
             return replace(shed, reason=reason, status=429)
+        if model_depth >= self.config.queue_max_per_model:
+            victim = self._queue.victim(entry, self.config.queue_max_per_model)
+            if victim is not None:
+                # The newcomer's tenant holds less than its weighted share of the queue:
+                # the last entry of the tenant most over its share gives way.
+                self._dequeue(victim)
+                vwait = self._wait_for(
+                    self._wait_context(model, now),
+                    victim.raw,
+                    self._queue_tokens.get(model, 0),
+                    self._queue_per_model.get(model, 0),
+                )
+                self._displaced.append(
+                    self._shed(victim.req, victim.raw, "queue_full", vwait, now, now)
+                )
+                model_depth -= 1
         if model_depth >= self.config.queue_max_per_model:
             self._dequeue(entry)
             wait = self._wait_for(
@@ -650,7 +669,8 @@ class AdmissionController:
         `release` / `upsert_replica` / `remove_replica` / `pump` call.
         """
         self._now = max(self._now, now)
-        shed: list[Shed] = []
+        shed: list[Shed] = self._displaced
+        self._displaced = []
         ahead: dict[str, tuple[int, int]] = {}  # model -> (tokens, count) of kept entries
         contexts: dict[str, _WaitContext | None] = {}
         for entry in list(self._queue):
@@ -684,6 +704,8 @@ class AdmissionController:
         """The earliest deadline among queued requests and held reservations (when
         `expire` should next run)."""
         first = self._queue.next_deadline()
+        if self._displaced:
+            return self._now
         for res in self._held.values():  # in order of abandonment: the first ends first
             return res.held_until if first is None else min(first, res.held_until)
         return first
@@ -1137,7 +1159,7 @@ class AdmissionController:
         delay = self._clamp(delay)
         key = req.retry_key if req.retry_key is not None else req.request_id
         expires = now + delay * (1.0 + j) + max(self.config.min_retry_after_s, 0.25 * delay)
-        self._returning.add(req.model, key, req.arrival, expires, raw)
+        self._returning.add(req.model, key, req.arrival, expires, raw, req.tenant)
         return Shed(req.request_id, reason, delay)
 
     def _clamp(self, wait: float | None) -> float:

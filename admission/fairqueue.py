@@ -200,11 +200,12 @@ class FairQueue:
             lanes = self._classes.get(-neg)
             if not lanes:
                 continue
-            heap = [(self._counter.get(t, 0.0), t) for t in lanes]
+            # Ties of the counter go to the earlier head (deadline, then first arrival).
+            heap = [(self._counter.get(t, 0.0), lane.keys[0], t) for t, lane in lanes.items()]
             heapq.heapify(heap)
             pos = dict.fromkeys(lanes, 0)
             while heap:
-                _, tenant = heap[0]
+                _, _, tenant = heap[0]
                 lane = lanes.get(tenant)
                 i = pos[tenant]
                 if lane is None or i >= len(lane.entries) or passed_over(tenant):
@@ -214,7 +215,12 @@ class FairQueue:
                 yield entry
                 if entry.queued:  # not admitted: the next of this tenant may be tried
                     pos[tenant] = i + 1
-                heapq.heapreplace(heap, (self._counter.get(tenant, 0.0), tenant))
+                    i += 1
+                if i < len(lane.entries):
+                    item = (self._counter.get(tenant, 0.0), lane.keys[i], tenant)
+                    heapq.heapreplace(heap, item)
+                else:
+                    heapq.heappop(heap)
 
     def __iter__(self) -> Iterator[Any]:
         """The order projected without admissions: per class, each tenant's entries at
@@ -223,22 +229,57 @@ class FairQueue:
             lanes = self._classes.get(-neg)
             if not lanes:
                 continue
-            heap = [(self._counter.get(t, 0.0), t, 0) for t in lanes]
-            heapq.heapify(heap)
             snapshot = {t: list(lane.entries) for t, lane in lanes.items()}
+            heap = [(self._counter.get(t, 0.0), e[0].key, t, 0) for t, e in snapshot.items()]
+            heapq.heapify(heap)
             while heap:
-                c, t, i = heapq.heappop(heap)
+                c, _, t, i = heapq.heappop(heap)
                 entries = snapshot[t]
                 entry = entries[i]
                 yield entry
                 if i + 1 < len(entries):
-                    heapq.heappush(heap, (c + entry.raw / self.weight(t), t, i + 1))
+                    nxt = entries[i + 1]
+                    heapq.heappush(heap, (c + entry.raw / self.weight(t), nxt.key, t, i + 1))
 
     def next_deadline(self) -> float | None:
         heap = self._deadlines
         while heap and not heap[0][2].queued:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
+
+    def victim(self, entry: Any, limit: int) -> Any | None:
+        """When the queue of `entry`'s model is full (`limit` entries): the entry that
+        should give way to it, or None (the newcomer is shed). A tenant holding fewer
+        than its weighted share of the model's queue slots takes the last slot of the
+        tenant most over its share (in classes no higher than its own), so a flood
+        cannot crowd a trickle out of the queue."""
+        req = entry.req
+        model = req.model
+        counts: dict[str, int] = {}
+        for neg in self._prios:
+            for t, lane in self._classes[-neg].items():
+                n = (lane.model_count or {}).get(model, 0)
+                if n > 0:
+                    counts[t] = counts.get(t, 0) + n
+        mine = counts.pop(req.tenant, 0) - (1 if entry.queued else 0)  # not itself
+        if not counts:
+            return None
+        total_w = sum(self.weight(t) for t in counts) + self.weight(req.tenant)
+        if mine + 1 > limit * self.weight(req.tenant) / total_w:
+            return None
+        over = max(counts, key=lambda t: counts[t] / self.weight(t))
+        if counts[over] / self.weight(over) <= (mine + 1) / self.weight(req.tenant):
+            return None
+        for neg in reversed(self._prios):  # lowest class first
+            if -neg > req.priority:
+                break
+            lane = self._classes[-neg].get(over)
+            if lane is None:
+                continue
+            for e in reversed(lane.entries):
+                if e.req.model == model:
+                    return e
+        return None
 
     # ------------------------------------------------------------------ estimates
     def ahead(self, entry: Any) -> tuple[int, int]:

@@ -92,51 +92,69 @@ class ReturningBacklog:
     the queue alone sends a crowd back at once, to be shed again. Entries leave when the
     request comes back (`discard` by its key) or when it is overdue (`expires`: a client
     that gave up).
+
+    Entries carry their tenant: under fair queueing a returning request is ahead only of
+    later arrivals of its own tenant (another tenant's place in line is set by the fair
+    order, not by arrival), so `ahead` can count one tenant's only.
     """
 
     __slots__ = ("_entries", "_totals", "_heap", "_seq")
 
     def __init__(self) -> None:
-        # model -> key -> (first arrival, expiry, tokens)
-        self._entries: dict[str, dict[Hashable, tuple[float, float, int]]] = {}
-        self._totals: dict[str, list[int]] = {}  # model -> [tokens, count]
+        # model -> key -> (first arrival, expiry, tokens, tenant)
+        self._entries: dict[str, dict[Hashable, tuple[float, float, int, str]]] = {}
+        # model -> [tokens, count]; (model, tenant) -> [tokens, count]
+        self._totals: dict[Hashable, list[int]] = {}
         self._heap: list[tuple[float, int, str, Hashable]] = []
         self._seq = 0
 
-    def add(self, model: str, key: Hashable, arrival: float, expires: float, tokens: int) -> None:
+    def add(
+        self,
+        model: str,
+        key: Hashable,
+        arrival: float,
+        expires: float,
+        tokens: int,
+        tenant: str = "default",
+    ) -> None:
         self.discard(model, key)
-        self._entries.setdefault(model, {})[key] = (arrival, expires, tokens)
-        tot = self._totals.setdefault(model, [0, 0])
-        tot[0] += tokens
-        tot[1] += 1
+        self._entries.setdefault(model, {})[key] = (arrival, expires, tokens, tenant)
+        for k in (model, (model, tenant)):
+            tot = self._totals.setdefault(k, [0, 0])
+            tot[0] += tokens
+            tot[1] += 1
         self._seq += 1
         heapq.heappush(self._heap, (expires, self._seq, model, key))
 
     def discard(self, model: str, key: Hashable) -> None:
         got = self._entries.get(model, {}).pop(key, None)
         if got is not None:
-            tot = self._totals[model]
-            tot[0] -= got[2]
-            tot[1] -= 1
+            for k in (model, (model, got[3])):
+                tot = self._totals[k]
+                tot[0] -= got[2]
+                tot[1] -= 1
 
-    def ahead(self, model: str, arrival: float, now: float) -> tuple[int, int]:
-        """(tokens, requests) expected back for `model` that arrived before `arrival`."""
+    def ahead(
+        self, model: str, arrival: float, now: float, tenant: str | None = None
+    ) -> tuple[int, int]:
+        """(tokens, requests) expected back for `model` that arrived before `arrival`
+        (only `tenant`'s when given)."""
         self._expire(now)
         entries = self._entries.get(model)
         if not entries:
             return 0, 0
         if arrival >= now:  # a newcomer: everything returning is ahead of it
-            tokens, count = self._totals[model]
-            return tokens, count
+            tot = self._totals.get(model if tenant is None else (model, tenant))
+            return (tot[0], tot[1]) if tot is not None else (0, 0)
         tokens = count = 0
-        for first, _, need in entries.values():
-            if first < arrival:
+        for first, _, need, who in entries.values():
+            if first < arrival and (tenant is None or who == tenant):
                 tokens += need
                 count += 1
         return tokens, count
 
     def __len__(self) -> int:
-        return sum(t[1] for t in self._totals.values())
+        return sum(t[1] for k, t in self._totals.items() if not isinstance(k, tuple))
 
     def _expire(self, now: float) -> None:
         heap = self._heap
