@@ -1004,7 +1004,11 @@ class AdmissionController:
         """Admit queued entries in order until every usable replica is blocked.
 
         An entry routing rejected on every replica that fits it waits without blocking
-        them: it waits for routing's say, not for their capacity."""
+        them: it waits for routing's say, not for their capacity. Except for an ITL
+        target: an entry no replica meets now, but that a replica would meet with fewer
+        running (its ITL model says so at one running), blocks those replicas like an
+        entry waiting for room: their load must fall for it, and letting the entries
+        behind it in, as a filter's rejection would, keeps the load up and starves it."""
         if not self._queue:
             return []
         usable = {r.name for r in self._replicas.values() if r.usable}
@@ -1019,11 +1023,26 @@ class AdmissionController:
                 self._queue.admitted(entry.req, self._replicas[admit.replica].running)
                 admitted.append(admit)
             elif admit is _REJECTED:
-                entry.rejected = True
+                held = self._slo_holds(entry)
+                entry.rejected = not held
+                blocked.update(held)
             else:
                 entry.rejected = False
                 blocked.update(self._candidate_names(entry))
         return admitted
+
+    def _slo_holds(self, entry: _Entry) -> set[str]:
+        """Replicas a routing-rejected entry with an ITL target waits for: those that
+        would meet the target with one request running (module docstring, _settle)."""
+        target = entry.req.itl_target_s
+        if not target:
+            return set()
+        out = set()
+        for name in self._candidate_names(entry):
+            alone = self.predicted_itl(name, 1)
+            if alone is not None and alone <= target:
+                out.add(name)
+        return out
 
     def _flush(self, admits: list[Admit]) -> list[Admit]:
         if self._pending:

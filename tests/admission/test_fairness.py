@@ -351,3 +351,23 @@ def test_itl_target_goes_to_a_replica_that_meets_it_or_waits() -> None:
     for rid in ("s-1", "s-2", "n-0"):
         ctrl.release(rid, 3.0)
     assert ctrl.reserved_tokens() == 0
+
+
+def test_an_itl_target_a_lighter_load_would_meet_holds_the_replicas_for_it() -> None:
+    """Both replicas meet 0.05 s alone but not at 3 running: the waiting entry with the
+    target blocks them, so a request behind it does not keep the load up."""
+    ctrl = _slo_controller()
+    _teach(ctrl, {"slow": 0.02, "fast": 0.02})
+    for i in range(4):
+        v = ctrl.submit(req(f"s-{i}", "t", 50, 50, itl_target=0.05), 1.0)
+        assert isinstance(v, Admit)
+    held = ctrl.submit(req("s-4", "t", 50, 50, itl_target=0.05), 1.0)
+    assert isinstance(held, Queued)
+    behind = ctrl.submit(req("n-0", "u", 50, 50), 1.1)
+    assert isinstance(behind, Queued)  # room, but the replicas are draining for s-4
+    # One running less: s-4 fits its target, and once it is in, the hold ends.
+    got = ctrl.release("s-0", 2.0)
+    assert [a.request_id for a in got] == ["s-4", "n-0"]
+    for rid in ("s-1", "s-2", "s-3", "s-4", "n-0"):
+        ctrl.release(rid, 3.0)
+    assert ctrl.reserved_tokens() == 0 and ctrl.queue_depth() == 0
