@@ -2,16 +2,19 @@
 
 A decode step serves every running request at once, so a request's inter-token gap
 grows with the number running beside it: memory-bound decode reads the weights once per
-step plus every running request's KV, ``itl(n) ~ a + b n``. Seed 000 makes the point
-that this ceiling (the per-user decode rate) is set by a different resource from TTFT.
+step plus every running request's KV, ``itl(n) ~ a + b n`` (prefill chunks interleaved
+with decode add to it, more with more requests starting). Seed 000 makes the point that
+this ceiling (the per-user decode rate) is set by a different resource from TTFT.
 
-`ItlModel` keeps the last `window` streams' (mean running during the stream, mean
-inter-token gap) and fits that line by least squares, slope and intercept kept
-non-negative. With too little spread in the running counts to fit a slope it takes the
-conservative reading that the gap grows in proportion to the batch past what was seen
-(``itl(n) = mean * max(1, n / mean_running)``). `predict(running_after)` is the expected
-gap once a request is added; None before `min_samples` streams (no evidence: routing
-then keeps the replica). The fit is cached and redone only after a new sample.
+`ItlModel` keeps, per running count (rounded: the mean during the stream), the last
+`per_load` streams' mean gaps, and fits the line through the per-count means, each count
+weighted equally, slope and intercept kept non-negative. Evidence is kept per count so
+that a long busy spell at one load does not push out what was seen at a lighter one:
+that is what says whether draining a replica would bring the gap within a target. With
+one count seen it takes the conservative reading that the gap grows in proportion to the
+batch past it (``itl(n) = mean * max(1, n / count)``). `predict(running_after)` is the
+expected gap once a request is added; None before `min_samples` streams (no evidence:
+routing then keeps the replica). The fit is cached and redone only after a new sample.
 """
 
 from __future__ import annotations
@@ -20,31 +23,42 @@ from collections import deque
 
 
 class ItlModel:
-    __slots__ = ("_samples", "_min", "_fit")
+    __slots__ = ("_by_load", "_per_load", "_max_loads", "_min", "_n", "_fit")
 
-    def __init__(self, window: int = 64, min_samples: int = 4) -> None:
-        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+    def __init__(self, per_load: int = 16, min_samples: int = 4, max_loads: int = 512) -> None:
+        self._by_load: dict[int, deque[float]] = {}
+        self._per_load = per_load
+        self._max_loads = max_loads
         self._min = min_samples
+        self._n = 0
         self._fit: tuple[float, float, float, float] | None = None  # a, b, mean n, mean itl
 
     def __len__(self) -> int:
-        return len(self._samples)
+        return self._n
 
     def add(self, running: float, itl_s: float) -> None:
         if itl_s <= 0 or running <= 0:
             return
-        self._samples.append((running, itl_s))
+        load = max(1, round(running))
+        window = self._by_load.get(load)
+        if window is None:
+            if len(self._by_load) >= self._max_loads:
+                return  # bounded: a load count this high is not a place to learn
+            window = self._by_load[load] = deque(maxlen=self._per_load)
+        if len(window) < self._per_load:
+            self._n += 1
+        window.append(itl_s)
         self._fit = None
 
     def _refit(self) -> tuple[float, float, float, float]:
-        xs = [s[0] for s in self._samples]
-        ys = [s[1] for s in self._samples]
-        n = len(xs)
-        mx = sum(xs) / n
-        my = sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        if sxx < 0.25 * n:  # running counts too alike (spread < 0.5): no slope to read
+        xs = list(self._by_load)
+        ys = [sum(w) / len(w) for w in self._by_load.values()]
+        k = len(xs)
+        mx = sum(xs) / k
+        my = sum(ys) / k
+        if k < 2:
             return (-1.0, 0.0, mx, my)
+        sxx = sum((x - mx) ** 2 for x in xs)
         b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
         b = max(0.0, b)
         a = max(0.0, my - b * mx)
@@ -52,11 +66,11 @@ class ItlModel:
 
     def predict(self, running_after: float) -> float | None:
         """Expected mean inter-token gap with `running_after` requests running."""
-        if len(self._samples) < self._min:
+        if self._n < self._min:
             return None
         if self._fit is None:
             self._fit = self._refit()
         a, b, mx, my = self._fit
-        if a < 0:  # no slope fitted
+        if a < 0:  # one load count seen: no slope to read
             return my * max(1.0, running_after / mx)
         return a + b * running_after

@@ -371,3 +371,24 @@ def test_an_itl_target_a_lighter_load_would_meet_holds_the_replicas_for_it() -> 
     for rid in ("s-1", "s-2", "s-3", "s-4", "n-0"):
         ctrl.release(rid, 3.0)
     assert ctrl.reserved_tokens() == 0 and ctrl.queue_depth() == 0
+
+
+def test_itl_model_fits_gap_against_running_and_keeps_light_load_evidence() -> None:
+    from admission.itl import ItlModel
+
+    m = ItlModel(per_load=4, min_samples=4)
+    assert m.predict(1) is None
+    for n in (1, 2, 4, 8):
+        m.add(n, 0.01 + 0.01 * n)
+    assert m.predict(1) == pytest.approx(0.02)
+    assert m.predict(10) == pytest.approx(0.11)
+    # A long busy spell at 8 running does not push out what was seen alone.
+    for _ in range(500):
+        m.add(8, 0.3)
+    assert m.predict(1) is not None and m.predict(1) < 0.1
+    assert (m.predict(8) or 0) > 0.2
+    flat = ItlModel(min_samples=2)
+    flat.add(2, 0.05)
+    flat.add(2, 0.05)
+    assert flat.predict(1) == pytest.approx(0.05)
+    assert flat.predict(4) == pytest.approx(0.1)  # one count seen: proportional past it
