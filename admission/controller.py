@@ -807,7 +807,10 @@ class AdmissionController:
         if completion is not None and completion.ok and completion.itl_s is not None:
             # The stream's load: the mean of the running counts at its start and end.
             load = (rep.running + (at_admit or rep.running)) / 2
-            self._itl.setdefault(rep.name, ItlModel()).add(load, completion.itl_s)
+            model = self._itl.get(rep.name)
+            if model is None:
+                model = self._itl[rep.name] = ItlModel(memory_s=self.config.itl_memory_s)
+            model.add(load, completion.itl_s, now)
         rep.reserved -= res.tokens
         rep.running -= 1
         rep.drain.record(res.tokens, now)

@@ -15,6 +15,12 @@ one count seen it takes the conservative reading that the gap grows in proportio
 batch past it (``itl(n) = mean * max(1, n / count)``). `predict(running_after)` is the
 expected gap once a request is added; None before `min_samples` streams (no evidence:
 routing then keeps the replica). The fit is cached and redone only after a new sample.
+
+Evidence older than `memory_s` is dropped (on the next sample). Without that, a replica
+held at a light load to meet a target never sees a heavier one again, and a pessimistic
+reading of the heavy loads (taken while long prefills were interleaved, say) would keep
+it under-used for good; once the old evidence goes, the fit extrapolates from what is
+current, a heavier load is tried, and measured.
 """
 
 from __future__ import annotations
@@ -23,10 +29,17 @@ from collections import deque
 
 
 class ItlModel:
-    __slots__ = ("_by_load", "_per_load", "_max_loads", "_min", "_n", "_fit")
+    __slots__ = ("_by_load", "_per_load", "_max_loads", "_min", "_n", "_fit", "_memory")
 
-    def __init__(self, per_load: int = 16, min_samples: int = 4, max_loads: int = 512) -> None:
-        self._by_load: dict[int, deque[float]] = {}
+    def __init__(
+        self,
+        per_load: int = 16,
+        min_samples: int = 4,
+        max_loads: int = 512,
+        memory_s: float = float("inf"),
+    ) -> None:
+        self._by_load: dict[int, deque[tuple[float, float]]] = {}  # load -> (time, gap)
+        self._memory = memory_s
         self._per_load = per_load
         self._max_loads = max_loads
         self._min = min_samples
@@ -36,9 +49,10 @@ class ItlModel:
     def __len__(self) -> int:
         return self._n
 
-    def add(self, running: float, itl_s: float) -> None:
+    def add(self, running: float, itl_s: float, now: float = 0.0) -> None:
         if itl_s <= 0 or running <= 0:
             return
+        self._forget(now - self._memory)
         load = max(1, round(running))
         window = self._by_load.get(load)
         if window is None:
@@ -47,12 +61,25 @@ class ItlModel:
             window = self._by_load[load] = deque(maxlen=self._per_load)
         if len(window) < self._per_load:
             self._n += 1
-        window.append(itl_s)
+        window.append((now, itl_s))
         self._fit = None
+
+    def _forget(self, before: float) -> None:
+        gone = []
+        for load, window in self._by_load.items():
+            while window and window[0][0] < before:
+                window.popleft()
+                self._n -= 1
+            if not window:
+                gone.append(load)
+        for load in gone:
+            del self._by_load[load]
+        if gone:
+            self._fit = None
 
     def _refit(self) -> tuple[float, float, float, float]:
         xs = list(self._by_load)
-        ys = [sum(w) / len(w) for w in self._by_load.values()]
+        ys = [sum(g for _, g in w) / len(w) for w in self._by_load.values()]
         k = len(xs)
         mx = sum(xs) / k
         my = sum(ys) / k

@@ -257,6 +257,8 @@ async def run_once(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
             await wait_http(r.url + "/health", proc=r)
         config = gateway_config([r.url for r in replicas], speed=speed, timeout_s=300.0)
         config["tenants"] = tenants_config(mode, speed)
+        # The ITL model's memory, a minute of the replica's time.
+        config["admission"]["itl_memory_s"] = 60.0 / speed
         gw = start_gateway(config, workdir=workdir, log=workdir / f"kvgate-{mode}.log")
         with stopping(gw):
             await wait_http(gw.url + "/ready", proc=gw)
