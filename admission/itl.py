@@ -7,14 +7,17 @@ with decode add to it, more with more requests starting). Seed 000 makes the poi
 this ceiling (the per-user decode rate) is set by a different resource from TTFT.
 
 `ItlModel` keeps, per running count (rounded: the mean during the stream), the last
-`per_load` streams' mean gaps, and fits the line through the per-count means, each count
-weighted equally, slope and intercept kept non-negative. Evidence is kept per count so
-that a long busy spell at one load does not push out what was seen at a lighter one:
-that is what says whether draining a replica would bring the gap within a target. With
-one count seen it takes the conservative reading that the gap grows in proportion to the
-batch past it (``itl(n) = mean * max(1, n / count)``). `predict(running_after)` is the
-expected gap once a request is added; None before `min_samples` streams (no evidence:
-routing then keeps the replica). The fit is cached and redone only after a new sample.
+`per_load` streams' mean gaps. Evidence is kept per count so that a long busy spell at
+one load does not push out what was seen at a lighter one: that is what says whether
+draining a replica would bring the gap within a target. `predict(running_after)` is the
+expected gap once a request is added: the measured mean at that count when it has at
+least two streams (the operating point is measured, not modelled: interleaved prefills
+make the curve far from a line), else interpolated between the nearest counts measured
+on either side, else extrapolated on the line fitted through the per-count means (each
+count weighted equally; slope and intercept non-negative), and with only one count seen,
+the conservative reading that the gap grows in proportion to the batch past it
+(``itl(n) = mean * max(1, n / count)``). None before `min_samples` streams (no evidence:
+routing then keeps the replica). The summary is cached and redone only after a sample.
 
 Evidence older than `memory_s` is dropped (on the next sample). Without that, a replica
 held at a light load to meet a target never sees a heavier one again, and a pessimistic
@@ -25,11 +28,22 @@ current, a heavier load is tried, and measured.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 
 class ItlModel:
-    __slots__ = ("_by_load", "_per_load", "_max_loads", "_min", "_n", "_fit", "_memory")
+    __slots__ = (
+        "_by_load",
+        "_per_load",
+        "_max_loads",
+        "_min",
+        "_n",
+        "_fit",
+        "_memory",
+        "_keys",
+        "_means",
+    )
 
     def __init__(
         self,
@@ -45,6 +59,8 @@ class ItlModel:
         self._min = min_samples
         self._n = 0
         self._fit: tuple[float, float, float, float] | None = None  # a, b, mean n, mean itl
+        self._keys: list[int] = []  # measured counts (at least two streams), sorted
+        self._means: list[float] = []
 
     def __len__(self) -> int:
         return self._n
@@ -78,6 +94,9 @@ class ItlModel:
             self._fit = None
 
     def _refit(self) -> tuple[float, float, float, float]:
+        keys = sorted(k for k, w in self._by_load.items() if len(w) >= 2)
+        self._keys = keys
+        self._means = [sum(g for _, g in self._by_load[k]) / len(self._by_load[k]) for k in keys]
         xs = list(self._by_load)
         ys = [sum(g for _, g in w) / len(w) for w in self._by_load.values()]
         k = len(xs)
@@ -97,6 +116,16 @@ class ItlModel:
             return None
         if self._fit is None:
             self._fit = self._refit()
+        keys = self._keys
+        if keys:
+            n = max(1, round(running_after))
+            i = bisect.bisect_left(keys, n)
+            if i < len(keys) and keys[i] == n:
+                return self._means[i]
+            if 0 < i < len(keys):
+                lo, hi = keys[i - 1], keys[i]
+                f = (n - lo) / (hi - lo)
+                return self._means[i - 1] + f * (self._means[i] - self._means[i - 1])
         a, b, mx, my = self._fit
         if a < 0:  # one load count seen: no slope to read
             return my * max(1.0, running_after / mx)
