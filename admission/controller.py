@@ -56,7 +56,11 @@ Queue order and head-of-line policy
     another model on disjoint replicas are not held up by it. Small requests do not
     backfill past a large head on the same replicas: without trustworthy run-time
     estimates, any backfill could delay the head. A full queue sheds the newcomer
-    whatever its priority (no displacement of entries already promised a place).
+    whatever its priority, unless its tenant holds less than its weighted share of the
+    model's queue slots: then the last entry of the tenant most over its share gives way
+    (shed 503 with Retry-After), so a flood cannot crowd a trickle out of the queue. An
+    entry waiting for its tenant's ITL target holds the replicas that would meet it at a
+    lighter load (see `_settle`).
     `Queued.position` counts the entries of the same model expected to be served before
     it (0 = head): higher classes, its own tenant's earlier entries, and what the other
     tenants' counters let through before its turn.
