@@ -290,3 +290,44 @@ async def test_openai_client_reads_the_rate_limit_headers(replica, gateway):
         with pytest.raises(openai.AuthenticationError) as auth_exc:
             await bad.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3)
     assert auth_exc.value.code == "invalid_api_key"
+
+
+async def test_concurrency_and_queue_caps_are_429s_naming_the_limit(replica, gateway):
+    srv = await replica(speed=2.0)
+    gw = await gateway(
+        srv,
+        tenants=[
+            tenant("a", KEY_A, max_concurrent=1, max_queued=0),
+            tenant("b", KEY_B, max_queued=0),
+        ],
+        pool_tokens=512,
+    )
+    async with aiohttp.ClientSession() as s:
+        held = await s.post(
+            gw.url + "/v1/chat/completions", json=body(200, stream=True), headers=auth(KEY_A)
+        )
+        assert len(await read_events(held, 1)) == 1
+        async with await post(s, gw, KEY_A, body()) as r:
+            assert r.status == 429
+            err = (await r.json())["error"]
+            assert err["code"] == "rate_limit_exceeded"
+            assert "Concurrency limit reached for tenant a" in err["message"]
+            assert float(r.headers["retry-after-ms"]) > 0 and "Retry-After" in r.headers
+        # b has no concurrency cap: it runs beside a's stream.
+        async with await post(s, gw, KEY_B, body()) as r:
+            assert r.status == 200
+        # Fill the pool with a second stream of b's; b's next request cannot start and
+        # may not queue.
+        held_b = await s.post(
+            gw.url + "/v1/chat/completions", json=body(200, stream=True), headers=auth(KEY_B)
+        )
+        assert len(await read_events(held_b, 1)) == 1
+        async with await post(s, gw, KEY_B, body(100)) as r:
+            assert r.status == 429
+            assert "Queue limit reached for tenant b" in (await r.json())["error"]["message"]
+        held.close()
+        held_b.close()
+    live = await scrape(gw)
+    key = "kvgate_tenant_rate_limited_total"
+    assert live[(key, (("limit", "concurrency"), ("tenant", "a")))] == 1
+    assert live[(key, (("limit", "queue"), ("tenant", "b")))] == 1
