@@ -331,3 +331,23 @@ async def test_concurrency_and_queue_caps_are_429s_naming_the_limit(replica, gat
     key = "kvgate_tenant_rate_limited_total"
     assert live[(key, (("limit", "concurrency"), ("tenant", "a")))] == 1
     assert live[(key, (("limit", "queue"), ("tenant", "b")))] == 1
+
+
+async def test_a_larger_share_admits_waiting_requests_at_once(replica, gateway):
+    srv = await replica(speed=2.0)
+    gw = await gateway(srv, tenants=[tenant("a", KEY_A, max_concurrent=2, rpm=100)])
+    gw.state.set_tenant_share("a", 0.5)  # this process may run 1 of a's 2, 50 rpm
+    async with aiohttp.ClientSession() as s:
+        held = await s.post(
+            gw.url + "/v1/chat/completions", json=body(200, stream=True), headers=auth(KEY_A)
+        )
+        assert len(await read_events(held, 1)) == 1
+        assert held.headers["x-ratelimit-limit-requests"] == "50"
+        waiting = asyncio.create_task(post(s, gw, KEY_A, body()))
+        assert await wait_for(lambda: gw.controller.tenant_queued("a") == 1)
+        gw.state.set_tenant_share("a", 1.0)
+        assert gw.controller.tenant_queued("a") == 0 and gw.controller.tenant_running("a") == 2
+        async with await waiting as r:
+            assert r.status == 200
+            assert r.headers["x-ratelimit-limit-requests"] == "100"
+        held.close()
