@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from admission.retries import RetryMemory
 from admission.tenants import (
     Gcra,
-    RateVerdict,
     KeyIndex,
+    RateVerdict,
     TenantConfig,
     TenantLimiter,
     go_duration,
