@@ -147,7 +147,22 @@ class CountingConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
+    """What one client may send and how slowly (enforced before anything is parsed)."""
+
+    # A larger body is answered 413 (by Content-Length before reading, else while reading).
     max_body_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
+    # One request line or header line longer than this, or more header lines than
+    # `max_headers`, is answered 431 by the HTTP parser.
+    max_header_bytes: Annotated[int, Field(ge=1024)] = 8190
+    max_headers: Annotated[int, Field(ge=8)] = 128
+    # A connection that has not sent a complete request head within this long of opening
+    # (or of its last answer: the keep-alive idle time) is closed: slowloris.
+    header_timeout_s: PositiveFloat = 60.0
+    # The whole body must arrive within this long once the head has: else 408.
+    body_timeout_s: PositiveFloat = 60.0
+    # A client that takes no bytes of its answer for this long (its socket buffers full)
+    # is cut as gone: the upstream request is aborted and its reservation freed.
+    client_write_timeout_s: PositiveFloat = 60.0
 
 
 class AuthConfig(_Strict):
@@ -181,6 +196,9 @@ class ShutdownConfig(_Strict):
     # SIGTERM: /ready turns false, queued requests are shed (503), running ones get this
     # long to finish before they are cut (streams end with an error event).
     drain_grace_s: Annotated[float, Field(ge=0.0)] = 25.0
+    # The listener stays open this long after SIGTERM (new requests get 503 with
+    # Retry-After while load balancers notice /ready), then refuses new connections.
+    listen_grace_s: Annotated[float, Field(ge=0.0)] = 2.0
 
 
 class LoggingConfig(_Strict):
