@@ -96,7 +96,12 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
             lambda: st.controller.top_up_failures,
         )
         pipeline_ref: list[Pipeline] = []
-        relay = Relay(session, config.upstream, lambda ctx: pipeline_ref[0].on_progress(ctx))
+        relay = Relay(
+            session,
+            config.upstream,
+            lambda ctx: pipeline_ref[0].on_progress(ctx),
+            client_write_timeout_s=config.limits.client_write_timeout_s,
+        )
         counter = PromptCounter(config, st.estimator, st.discovery, st.metrics, session)
         st.pipeline = Pipeline(
             config,
@@ -241,7 +246,7 @@ class Gateway:
             **server_kwargs(self.config.limits),
         )
         await self._runner.setup()
-        install_error_handler(self._runner)
+        install_error_handler(self._runner, self.config.limits)
         self._site = web.TCPSite(
             self._runner, self.host, self.port, backlog=1024, reuse_address=True
         )

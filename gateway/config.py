@@ -163,6 +163,10 @@ class LimitsConfig(_Strict):
     # A client that takes no bytes of its answer for this long (its socket buffers full)
     # is cut as gone: the upstream request is aborted and its reservation freed.
     client_write_timeout_s: PositiveFloat = 60.0
+    # Each client connection's kernel send buffer (SO_SNDBUF; Linux doubles it), so a
+    # client that stops reading holds ~200 KB, not the 4 MiB autotuning allows. None:
+    # the kernel's autotuning.
+    client_send_buffer_bytes: Annotated[int, Field(ge=4096)] | None = 65536
 
 
 class AuthConfig(_Strict):

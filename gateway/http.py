@@ -12,6 +12,14 @@ Policy, and why:
   closed (aiohttp's keep-alive timer: slowloris); a body must arrive within
   ``limits.body_timeout_s`` (408, `gateway.pipeline`); a client that takes none of its
   answer for ``limits.client_write_timeout_s`` is cut (`gateway.relay`).
+- **A client that stops reading costs a bounded buffer.** Linux grows a socket's send
+  buffer up to ``net.ipv4.tcp_wmem``'s maximum (4 MiB by default): a stuck client would
+  absorb a whole answer (a 2,000-token stream is ~400 KB) and keep its reservation while
+  kvgate kept pulling tokens for nobody. Each connection's send buffer is pinned to
+  ``limits.client_send_buffer_bytes`` (64 KiB, which the kernel doubles; token streams
+  need far less), so a stuck client blocks kvgate's write after ~200 KB (kernel plus
+  the transport's 64 KiB high-water mark), the relay stops reading from the engine,
+  and the write timeout cuts it.
 - **Every error a client sees is an OpenAI error object.** aiohttp answers a head it
   cannot parse (and an exception escaping a handler) itself, in plain text, bypassing
   the app and its middlewares. `install` swaps in a request handler whose
@@ -24,7 +32,9 @@ Policy, and why:
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 from typing import Any
 
 from aiohttp import http_exceptions, web
@@ -43,7 +53,20 @@ def _is_head_too_large(exc: BaseException | None, message: str | None) -> bool:
 
 
 class OpenAIErrorRequestHandler(RequestHandler):
-    """aiohttp's connection handler, answering its own errors as OpenAI error objects."""
+    """aiohttp's connection handler, answering its own errors as OpenAI error objects,
+    with a bounded kernel send buffer."""
+
+    send_buffer_bytes: int | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.send_buffer_bytes:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+                except OSError:  # pragma: no cover - a platform without the option
+                    pass
+        super().connection_made(transport)
 
     def handle_error(
         self,
@@ -85,16 +108,23 @@ class OpenAIErrorRequestHandler(RequestHandler):
 
 
 class _Server(web.Server):
+    send_buffer_bytes: int | None = None
+
     def __call__(self) -> RequestHandler:
-        return OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler = OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler.send_buffer_bytes = self.send_buffer_bytes
+        return handler
 
 
-def install(runner: web.AppRunner) -> None:
-    """Make `runner`'s server (after ``setup()``) use `OpenAIErrorRequestHandler`."""
+def install(runner: web.AppRunner, limits: Any) -> None:
+    """Make `runner`'s server (after ``setup()``) use `OpenAIErrorRequestHandler`, with
+    ``limits.client_send_buffer_bytes`` as each connection's kernel send buffer."""
     server = runner.server
     assert server is not None, "call runner.setup() first"
     # web.Server builds one RequestHandler per connection in __call__; only that changes.
     server.__class__ = _Server
+    assert isinstance(server, _Server)
+    server.send_buffer_bytes = limits.client_send_buffer_bytes
 
 
 def server_kwargs(limits: Any) -> dict[str, Any]:

@@ -85,6 +85,10 @@ _LOAD_FAILURES = frozenset({"timeout", "stream_error", "status_5xx"})
 _OUTLIER_FAILURES = frozenset({"connect", "status_5xx", "timeout"})
 
 
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _validation_message(err: ValidationError) -> tuple[str, str | None]:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
@@ -118,6 +122,7 @@ class Pipeline:
         self.counter = counter or PromptCounter(config, estimator, discovery, metrics)
         self._api_keys = dict(config.auth.api_keys)
         self._max_body = config.limits.max_body_bytes
+        self._body_timeout = config.limits.body_timeout_s
         self._queue_timeout = config.admission.queue_timeout_s
         self._retry_once = config.upstream.retry_once
         self._retries = RetryMemory(
@@ -317,13 +322,28 @@ class Pipeline:
         if length is not None and length > self._max_body:
             raise _too_large(self._max_body)
         try:
-            raw = await request.read()
+            if request.content.is_eof():  # the whole body came with the head
+                raw = await request.read()
+            else:  # a slow body holds a connection and a handler: bound it
+                async with asyncio.timeout(self._body_timeout):
+                    raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise _too_large(self._max_body) from None
+        except TimeoutError:
+            raise ApiError(
+                408,
+                f"The request body did not arrive within {self._body_timeout:g} s.",
+                code="body_timeout",
+            ) from None
         if len(raw) > self._max_body:
             raise _too_large(self._max_body)
         try:
-            body = json.loads(raw)
+            # NaN and Infinity are not JSON (RFC 8259); an engine would choke on them.
+            body = json.loads(raw, parse_constant=_no_constant)
+        except RecursionError:
+            raise invalid_request(
+                "Request body is nested too deeply.", code="invalid_json"
+            ) from None
         except (ValueError, UnicodeDecodeError) as e:
             raise invalid_request(
                 f"Request body is not valid JSON: {e}", code="invalid_json"
@@ -564,7 +584,7 @@ class Pipeline:
                     ) from None
                 raise ApiError(
                     502,
-                    f"Replica {replica} failed: {f.message}",
+                    f"Replica {replica} failed: {f.client_message}.",
                     code=f"upstream_{f.kind}",
                     outcome=f"upstream_{f.kind}",
                 ) from None
