@@ -11,9 +11,10 @@ OpenAI error object. Account and release run in ``finally`` on every path, inclu
 cancellation when the client disconnects, so a reservation can never leak.
 
 Retry: when the chosen replica refuses the connection (it crashed) or answers 5xx
-before any byte reached the client, the request is re-admitted once, without queueing,
-to another replica; if none can take it at once the original error is answered: the
-engine's own (its status and message, as an OpenAI error object), else 502.
+before any byte reached the client, the request is re-admitted once to another replica,
+queueing at its first arrival's place within its own queue deadline when none can take
+it at once; shed from there, the original error is answered: the engine's own (its
+status and message, as an OpenAI error object), else 502.
 A connection refusal also marks the replica unready until discovery sees it healthy.
 Timeouts are not retried: a replica that is merely slow would get the load twice.
 
@@ -44,7 +45,7 @@ from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.health import OutlierDetector
 from admission.retries import RetryMemory
-from admission.types import AdmissionRequest, Admit, Completion, Refuse, Shed
+from admission.types import AdmissionRequest, Admit, Completion, Queued, Refuse, Shed
 from gateway.admitter import AdmissionBridge
 from gateway.config import GatewayConfig
 from gateway.context import Kind, RequestContext
@@ -561,7 +562,7 @@ class Pipeline:
                     f.retryable
                     and self._retry_once
                     and ctx.attempts == 0
-                    and self._readmit(ctx, replica, f.kind)
+                    and await self._readmit(ctx, replica, f.kind)
                 ):
                     continue
                 ctx.upstream_error = f.kind
@@ -589,12 +590,18 @@ class Pipeline:
                     outcome=f"upstream_{f.kind}",
                 ) from None
 
-    def _readmit(self, ctx: RequestContext, failed: str, kind: str) -> bool:
-        """Release the failed admission and try one immediate admission elsewhere.
+    async def _readmit(self, ctx: RequestContext, failed: str, kind: str) -> bool:
+        """Release the failed admission and admit the request once more, elsewhere.
 
         The failed replica is excluded from this one decision by marking it unready;
         after a 5xx it is reinstated at once (discovery decides its health, not one
         answer), after a refused connection it stays out until discovery sees it up.
+        When no replica can take it at once (the others are at their limits, as they are
+        under load when one replica dies), the retry waits in the queue at its first
+        arrival's place, within the request's own queue deadline: a request that had no
+        byte yet is retried to completion rather than answered 502 because the healthy
+        replicas were busy at that instant. Shed from the queue, it gets the original
+        error.
         """
         ctx.attempts += 1
         self.release(ctx)
@@ -605,15 +612,18 @@ class Pipeline:
         ctx.admission_id = rid
         try:
             verdict = ctrl.submit(
-                # Now or never: the client has already waited once.
-                _admission_request(ctx, rid, arrival=ctx.arrival, deadline=now),
+                # First arrival: ahead of the requests that came after it.
+                _admission_request(ctx, rid, arrival=ctx.arrival, deadline=ctx.deadline),
                 now,
             )
         finally:
             if kind != "connect":
                 self.discovery.reinstate(failed)
+        if isinstance(verdict, Queued):
+            verdict = await self.bridge.wait_queued(rid)
         if isinstance(verdict, Admit):
             self._admitted(ctx, verdict)
+            self.metrics.retries.labels(failed, kind).inc()
             return True
         self.release(ctx)
         return False
