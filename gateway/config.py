@@ -72,11 +72,36 @@ class ReplicaConfig(_Strict):
     # also for `-c` with a `--kv-unified-per-slot` below `-c / -np`, which auto misreads).
     # See routing/adapters/llamacpp.py. A pinned pool_tokens wins over any of them.
     kv_layout: Literal["auto", "per_slot", "unified"] = "auto"
+    # vLLM only: a server started with `--data-parallel-size N` runs N engines, each with
+    # its own KV pool, behind one URL. With N here the replica becomes N replicas
+    # `<name>-dp<k>`, one per engine rank, each with a ledger of its own (its pool read
+    # from the metrics labelled engine="k"), and every request is pinned to the rank it
+    # was admitted on with vLLM's `X-data-parallel-rank` header. `pool_tokens` and
+    # `max_running` apply to each rank. Left at 1 on a DP server, the ranks' pools are
+    # summed and vLLM's own balancer picks the rank (see README, data parallel).
+    data_parallel_size: Annotated[int, Field(ge=1)] = 1
+    # The engine rank this replica entry addresses (set by the expansion above, or by
+    # hand to address one rank of a DP server); None: the whole server.
+    dp_rank: Annotated[int, Field(ge=0)] | None = None
 
     @field_validator("url")
     @classmethod
     def _strip_slash(cls, v: str) -> str:
         return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _data_parallel_is_vllm(self) -> ReplicaConfig:
+        if (self.data_parallel_size > 1 or self.dp_rank is not None) and self.engine != "vllm":
+            raise ValueError(
+                f"data_parallel_size/dp_rank: apply to engine vllm only, not {self.engine!r}"
+            )
+        if self.dp_rank is not None and self.data_parallel_size > 1:
+            if self.dp_rank >= self.data_parallel_size:
+                raise ValueError(
+                    f"dp_rank: {self.dp_rank} is not below data_parallel_size "
+                    f"{self.data_parallel_size}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _layout_is_llamacpp(self) -> ReplicaConfig:
@@ -229,6 +254,19 @@ class GatewayConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_replica_names(self) -> GatewayConfig:
+        # A vLLM data-parallel replica becomes one replica per engine rank (first: the
+        # names checked below are the expanded ones).
+        expanded: list[ReplicaConfig] = []
+        for r in self.replicas:
+            if r.data_parallel_size > 1 and r.dp_rank is None:
+                expanded.extend(
+                    r.model_copy(update={"name": f"{r.name}-dp{k}", "dp_rank": k})
+                    for k in range(r.data_parallel_size)
+                )
+            else:
+                expanded.append(r)
+        if len(expanded) != len(self.replicas):
+            self.replicas = expanded
         seen: set[str] = set()
         for r in self.replicas:
             if r.name in seen:

@@ -136,6 +136,8 @@ class Pipeline:
             h = {"Content-Type": "application/json"}
             if rc.api_key:
                 h["Authorization"] = f"Bearer {rc.api_key}"
+            if rc.dp_rank is not None:  # pinned to the engine rank whose ledger admitted it
+                h["X-data-parallel-rank"] = str(rc.dp_rank)
             self._headers[rc.name] = h
         # Prefix block hashes are computed once per request, only when a routing profile
         # reads them.
