@@ -384,7 +384,7 @@ async def streams_phase(args: argparse.Namespace, workdir: Path) -> dict[str, An
             body = {
                 "model": MODEL_NAME,
                 "messages": [{"role": "user", "content": "tell a very long story " * 20}],
-                "max_tokens": 4000,
+                "max_tokens": 1500,
                 "ignore_eos": True,
                 "stream": True,
             }
