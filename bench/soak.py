@@ -443,7 +443,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvgate-soak-") as tmp:
         workdir = Path(tmp)
         started = time.strftime("%Y-%m-%d %H:%M:%S")
-        result = {"started": started, "profile": args.profile, "seed": args.seed}
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        result = {"started": started, "commit": commit, "profile": args.profile, "seed": args.seed}
         result["soak"] = asyncio.run(soak(args, workdir))
         result["streams"] = asyncio.run(streams_phase(args, workdir))
         log = (workdir / "kvgate.log").read_text(errors="replace")
