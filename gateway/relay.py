@@ -314,14 +314,14 @@ class Relay:
                     code=f"upstream_{failure.kind}",
                 )
                 try:
-                    await resp.write(err.sse_event())
-                    await resp.write_eof()
+                    await self._end(request, resp, ctx, err.sse_event())
                 except ConnectionError:
                     pass
                 return resp
             assert resp is not None
             try:
-                await resp.write_eof()
+                if not await self._end(request, resp, ctx):
+                    return resp
             except ConnectionError:
                 ctx.outcome = "client_disconnect"
                 ctx.status = 499
@@ -337,6 +337,25 @@ class Relay:
                     # Closing the connection is how an engine learns to abort the request
                     # (vLLM and SGLang abort on client disconnect) and free its KV blocks.
                     up.close()
+
+    async def _end(
+        self, request: web.Request, resp: web.StreamResponse, ctx: RequestContext, last: bytes = b""
+    ) -> bool:
+        """Write `last` and end the stream. A client that takes none of it within the
+        write timeout (its buffers were already full) is dropped like a stalled one, so
+        the end of a stream cannot hold the request either; returns False then."""
+        try:
+            async with asyncio.timeout(self._write_timeout):
+                if last:
+                    await resp.write(last)
+                await resp.write_eof()
+            return True
+        except TimeoutError:
+            ctx.outcome = "client_stalled"
+            ctx.status = 499
+            if request.transport is not None:
+                request.transport.abort()
+            return False
 
     async def _stream_refused(
         self, ctx: RequestContext, up: aiohttp.ClientResponse

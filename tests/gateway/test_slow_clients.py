@@ -20,6 +20,8 @@ import socket
 
 from tests.gateway.conftest import MODEL, wait_for
 
+# ~100 KB of SSE: past the transport's 64 KiB high-water mark, within what the buffers hold.
+END_TOKENS = 550
 SLOW = {
     "header_timeout_s": 0.5,
     "body_timeout_s": 0.5,
@@ -137,6 +139,43 @@ async def test_client_that_never_reads_its_stream_is_cut_and_released(replica, g
         assert srv.core.stats().num_finished == 0
         assert srv.core.stats().generation_tokens < 2000
         # The client's connection was dropped (what was buffered for it is gone).
+        assert await _closed_by_server(reader, within=10.0)
+    finally:
+        writer.close()
+    text = gw.state.metrics.render().decode()
+    assert 'outcome="client_stalled"' in text
+
+
+async def test_client_that_stops_reading_at_the_end_of_its_stream_is_released(replica, gateway):
+    """The whole answer fits the buffers but crosses the transport's high-water mark:
+    the engine finishes, and it is the stream's last write that the client never takes.
+    That write is bounded too: the reservation is freed, the connection dropped."""
+    srv = await replica(speed=50.0)
+    gw = await gateway(srv, limits=SLOW, upstream={"total_s": 60.0})
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "write a while"}],
+            "max_tokens": END_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", gw.port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        await writer.drain()
+        assert await wait_for(lambda: gw.state.pipeline.inflight == 1, within=10.0)
+        assert await wait_for(lambda: srv.core.stats().num_finished == 1, within=20.0)
+        assert await wait_for(lambda: gw.state.pipeline.inflight == 0, within=30.0)
+        assert gw.controller.reserved_tokens() == 0
         assert await _closed_by_server(reader, within=10.0)
     finally:
         writer.close()
