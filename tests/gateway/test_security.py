@@ -18,8 +18,10 @@ import json
 import logging
 
 import aiohttp
+import pytest
 
 from enginesim.faults import make_fault
+from gateway.errors import upstream_error
 from gateway.logging import JsonFormatter
 from tests.gateway.conftest import MODEL, wait_for
 
@@ -158,3 +160,23 @@ async def test_secrets_never_reach_the_log(replica, gateway, caplog):
     assert logged  # the run did log (access log off; warnings and info on)
     for secret in (CLIENT_KEY, REPLICA_KEY, ADMIN_TOKEN):
         assert secret not in logged
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        'Traceback (most recent call last):\n  File "/app/vllm/engine.py", line 3\nRuntimeError',
+        'EngineCore failed: File "/usr/lib/python3/site.py", line 1',
+        "upstream http://10.0.3.7:8000/v1/chat/completions refused",
+        "see https://internal.example/runbook",
+    ],
+)
+def test_engine_messages_with_tracebacks_or_addresses_are_replaced(message):
+    err = upstream_error(500, {"error": {"message": message, "code": 500}}, fallback="fallback")
+    assert err.message == "fallback" and err.status == 500 and err.code == "500"
+
+
+def test_engine_messages_without_leaks_are_kept():
+    msg = "The input (5000 tokens) is longer than the model's context length (4096 tokens)."
+    err = upstream_error(400, {"message": msg, "object": "error", "code": 400}, fallback="f")
+    assert err.message == msg and err.code == "context_length_exceeded"
