@@ -300,3 +300,52 @@ async def test_fuzz_headers(replica, gateway):
     await run_property(prop)
     assert 431 in seen  # oversized values and too many header lines
     assert 200 in seen
+
+
+async def test_fuzz_methods_and_paths(replica, gateway):
+    """Any method on any path: a known answer (200 for the open GET endpoints, 401 for
+    the admin API without a token) or a 404/405 error object; never a 5xx."""
+    srv = await replica(speed=200.0)
+    gw = await gateway(srv, limits=LIMITS, auth={"admin_token": "t0ken"})
+    known = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready",
+             "/metrics", "/admin/replicas", "/admin", "/v1", "/"]  # fmt: skip
+    seen: set[int] = set()
+
+    async def one(method: bytes, path: bytes) -> tuple[int, dict[str, str], bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        try:
+            writer.write(method + b" " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         b"Content-Length: 0\r\n\r\n")  # fmt: skip
+            await writer.drain()
+            async with asyncio.timeout(30):
+                raw = await reader.read()
+        finally:
+            writer.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        hdrs = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
+        if hdrs.get("transfer-encoding") == "chunked":
+            body = _dechunk(body)
+        return int(lines[0].split()[1]), hdrs, body
+
+    @FUZZ
+    @given(
+        method=st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE", b"PATCH", b"OPTIONS", b"HEAD"]),
+        path=st.one_of(
+            st.sampled_from(known).map(str.encode),
+            st.from_regex(rb"\A/[A-Za-z0-9._~%/?=&-]{0,60}\Z"),
+        ),
+    )
+    def prop(run: Any, method: bytes, path: bytes) -> None:
+        status, hdrs, body = run(one(method, path))
+        assert status < 500, (method, path, status, body[:200])
+        seen.add(status)
+        if status >= 400 and method != b"HEAD":
+            check_answer(status, hdrs, body)
+        run(settled(gw))
+
+    await run_property(prop)
+    assert {404, 405} <= seen
+    status, hdrs, body = await one(b"GET", b"/admin/replicas")  # no token
+    assert status == 401
+    check_answer(status, hdrs, body)
