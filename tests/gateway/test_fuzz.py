@@ -99,6 +99,13 @@ def check_answer(status: int, hdrs: dict[str, str], body: bytes) -> None:
         assert "http://" not in err["message"], err  # no upstream URL
     else:
         assert status == 200, status
+        if hdrs.get("content-type", "").startswith("text/event-stream"):
+            events = [e for e in body.replace(b"\r\n", b"\n").split(b"\n\n") if e.strip()]
+            assert events, "empty stream"
+            assert events[-1] == b"data: [DONE]" or events[-1].startswith(b'data: {"error"')
+        else:
+            doc = json.loads(body)
+            assert doc["object"] in ("chat.completion", "text_completion", "list"), doc
 
 
 def run_property(test: Any) -> Any:
