@@ -16,7 +16,10 @@ queueing at its first arrival's place within its own queue deadline when none ca
 it at once; shed from there, the original error is answered: the engine's own (its
 status and message, as an OpenAI error object), else 502.
 A connection refusal also marks the replica unready until discovery sees it healthy.
-Timeouts are not retried: a replica that is merely slow would get the load twice.
+A stream with no first event within ``upstream.first_byte_s`` (a hung or stalled
+replica) is retried the same way: its upstream connection is closed first, so the
+engine aborts it and no replica does the work twice. A non-stream request's only bound
+is ``upstream.total_s``: past it, the answer is 504, not a retry.
 
 Outlier ejection (`admission.health.OutlierDetector`, config ``outlier``): refused
 connections, 5xx answers and timeouts before the first byte, in a row, eject a replica

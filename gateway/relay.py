@@ -286,11 +286,14 @@ class Relay:
                     if request.transport is not None:
                         request.transport.abort()
                     return resp if resp is not None else web.Response(status=499)
+                # Before the first byte the client has seen nothing: the request may be
+                # retried on another replica (this one's is aborted as the connection
+                # closes, so no replica does the work twice).
                 failure = UpstreamFailure(
                     "timeout",
                     "upstream timed out"
                     + (" between stream chunks" if resp else " before the first token"),
-                    retryable=False,
+                    retryable=resp is None,
                 )
             except ClientGone:
                 ctx.outcome = "client_disconnect"
