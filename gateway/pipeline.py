@@ -134,6 +134,9 @@ class Pipeline:
         )
         # Per-replica constants, computed once: URL and the headers sent upstream.
         self._urls = {rc.name: rc.url for rc in config.replicas}
+        self._same_server = {
+            rc.name: [o.name for o in config.replicas if o.url == rc.url] for rc in config.replicas
+        }
         self._headers: dict[str, dict[str, str]] = {}
         for rc in config.replicas:
             h = {"Content-Type": "application/json"}
@@ -561,8 +564,11 @@ class Pipeline:
                     },
                 )
                 if f.kind == "connect":
-                    self.controller.mark_unready(replica, self._loop.time())
-                    self.discovery.mark_down(replica)
+                    # Every replica entry of that server (the engine ranks of a vLLM
+                    # data-parallel server share its URL) is down with it.
+                    for name in self._same_server[replica]:
+                        self.controller.mark_unready(name, self._loop.time())
+                        self.discovery.mark_down(name)
                 if (
                     f.retryable
                     and self._retry_once

@@ -30,7 +30,9 @@ BLOCKS = 60  # x 16 = 960 tokens per engine
 class FakeVLLMDataParallel:
     """A loopback stand-in for a vLLM server with two data-parallel engines."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = M, blocks: int = BLOCKS) -> None:
+        self.model = model
+        self.blocks = blocks
         self.ranks: list[str | None] = []
         self.running = {"0": 0, "1": 0}
         self.release = asyncio.Event()
@@ -41,19 +43,19 @@ class FakeVLLMDataParallel:
         lines = ["# TYPE vllm:num_requests_running gauge"]
         for e in ("0", "1"):
             lines.append(
-                f'vllm:num_requests_running{{engine="{e}",model_name="{M}"}} {self.running[e]}'
+                f'vllm:num_requests_running{{engine="{e}",model_name="{self.model}"}} {self.running[e]}'
             )
         lines.append("# TYPE vllm:num_requests_waiting gauge")
         for e in ("0", "1"):
-            lines.append(f'vllm:num_requests_waiting{{engine="{e}",model_name="{M}"}} 0.0')
+            lines.append(f'vllm:num_requests_waiting{{engine="{e}",model_name="{self.model}"}} 0.0')
         lines.append("# TYPE vllm:kv_cache_usage_perc gauge")
         for e in ("0", "1"):
-            lines.append(f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="{M}"}} 0.0')
+            lines.append(f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="{self.model}"}} 0.0')
         lines.append("# TYPE vllm:cache_config_info gauge")
         for e in ("0", "1"):
             lines.append(
                 f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",engine="{e}",'
-                f'gpu_memory_utilization="0.9",num_gpu_blocks="{BLOCKS}",'
+                f'gpu_memory_utilization="0.9",num_gpu_blocks="{self.blocks}",'
                 f'enable_prefix_caching="True"}} 1.0'
             )
         return "\n".join(lines) + "\n"
@@ -66,7 +68,10 @@ class FakeVLLMDataParallel:
 
         async def models(_r: web.Request) -> web.Response:
             return web.json_response(
-                {"object": "list", "data": [{"id": M, "object": "model", "max_model_len": 4096}]}
+                {
+                    "object": "list",
+                    "data": [{"id": self.model, "object": "model", "max_model_len": 2048}],
+                }
             )
 
         async def chat(r: web.Request) -> web.Response:
@@ -149,3 +154,44 @@ async def test_one_ledger_per_rank_and_requests_pinned(gateway):
         assert len(fake.ranks) == 3 and fake.ranks[2] in ("0", "1")
     finally:
         await fake.stop()
+
+
+async def test_a_dead_dp_server_takes_all_its_ranks_out_and_the_retry_goes_elsewhere(
+    replica, gateway
+):
+    """The ranks share one URL: a refused connection on one rank marks every rank of
+    that server down, so the retry goes to another server instead of a sibling rank."""
+    from tests.gateway.conftest import MODEL
+
+    fake = FakeVLLMDataParallel(model=MODEL, blocks=1000)  # 16,000 tokens a rank
+    fake.release.set()
+    await fake.start()
+    srv = await replica()  # 4,096 tokens: the ranks have more headroom
+    gw = await gateway(
+        replicas=[
+            {"name": "big", "url": fake.url, "data_parallel_size": 2},
+            {"name": "small", "url": srv.url},
+        ],
+        discovery={"refresh_interval_s": 30.0},  # only the request path learns of it
+    )
+    await fake.stop()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    def ready() -> dict[str, bool]:
+        return {u.name: u.ready for u in gw.controller.replica_usage()}
+
+    statuses = []
+    async with aiohttp.ClientSession() as s:
+        # The picker breaks ties at random: send until one request has met a dead rank
+        # (two in three do).
+        for _ in range(20):
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                statuses.append(r.status)
+                await r.read()
+            if not all(ready().values()):
+                break
+    # Both ranks went down with the first refusal, and every request completed (a retry
+    # never went to the sibling rank of the dead server).
+    assert ready() == {"big-dp0": False, "big-dp1": False, "small": True}
+    assert set(statuses) == {200}
+    assert srv.core.stats().num_finished == len(statuses)
