@@ -632,6 +632,8 @@ class Pipeline:
                 self.discovery.reinstate(failed)
         if isinstance(verdict, Queued):
             verdict = await self.bridge.wait_queued(rid)
+        if isinstance(verdict, Shed) and verdict.reason == "shutdown":
+            raise self._shutting_down()
         if isinstance(verdict, Admit):
             self._admitted(ctx, verdict)
             self.metrics.retries.labels(failed, kind).inc()

@@ -229,3 +229,37 @@ async def test_new_connections_are_refused_after_the_listen_grace(replica, tmp_p
             await proc.wait()
         log = (tmp_path / "kvgate.log").read_text()
         assert "Traceback" not in log, log
+
+
+async def test_a_retry_waiting_in_the_queue_at_shutdown_is_told_shutting_down(replica, gateway):
+    """A request whose replica died before its first byte waits in the queue for a retry
+    (the other replica is full); shutdown sheds it as shutting_down, not as the 502."""
+    from enginesim.faults import make_fault
+
+    dead = await replica()
+    busy = await replica(speed=1.0)
+    gw = await gateway(
+        replicas=[
+            {"name": "dead", "url": dead.url, "pool_tokens": 300},  # too small for the long one
+            {"name": "busy", "url": busy.url, "max_running": 1},
+        ],
+        discovery={"refresh_interval_s": 30.0},
+        admission={"learn_limit": False},
+    )
+    async with aiohttp.ClientSession() as s:
+        hold = await s.post(gw.url + "/v1/chat/completions", json={**LONG, "max_tokens": 400})
+        assert hold.status == 200
+        await hold.content.readany()
+        usage = {u.name: u for u in gw.controller.replica_usage()}
+        assert usage["busy"].running == 1  # the long stream holds the only slot there
+        dead.set_fault(make_fault("crash"))
+        assert await wait_for(lambda: dead.crashed)
+        retry = asyncio.ensure_future(s.post(gw.url + "/v1/chat/completions", json=SHORT))
+        assert await wait_for(lambda: gw.controller.queue_depth() == 1, within=10.0)
+        gw.state.pipeline.begin_shutdown()
+        r = await asyncio.wait_for(retry, 10.0)
+        assert r.status == 503 and "Retry-After" in r.headers
+        assert (await r.json())["error"]["code"] == "shutting_down"
+        r.release()
+        hold.close()
+    assert await wait_for(lambda: gw.controller.reserved_tokens() == 0, within=10.0)
