@@ -31,8 +31,8 @@ from gateway.config import GatewayConfig
 from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
 from gateway.errors import ApiError
+from gateway.http import hide_server_version, server_kwargs
 from gateway.http import install as install_error_handler
-from gateway.http import server_kwargs
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import UPSTREAM_PATHS, Pipeline
@@ -82,6 +82,7 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
     config's ``routing`` profiles describe, `routing.scheduler.build_router`).
     """
     app = web.Application(client_max_size=config.limits.max_body_bytes)
+    hide_server_version(app)
     st = GatewayState(config, picker)
     app[STATE_KEY] = st
 

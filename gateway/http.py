@@ -27,7 +27,8 @@ Policy, and why:
   400 for any other malformed request, 500 for the rest. The message names the limit,
   never an exception's text, a traceback or an upstream address; the details go to the
   log (a malformed request at info level without a traceback: it is the client's fault,
-  and a traceback per bad request would let anyone flood the log).
+  and a traceback per bad request would let anyone flood the log). The ``Server`` header
+  says ``kvgate``, not the Python and aiohttp versions.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from aiohttp.web_protocol import RequestHandler
 from gateway.errors import ApiError
 
 log = logging.getLogger("kvgate.http")
+SERVER = "kvgate"
 
 
 def _is_head_too_large(exc: BaseException | None, message: str | None) -> bool:
@@ -98,7 +100,7 @@ class OpenAIErrorRequestHandler(RequestHandler):
         else:
             err = ApiError(500, "internal error in kvgate", code="internal_error")
             log.error("error handling a request from %s", request.remote, exc_info=exc)
-        resp = err.response()
+        resp = err.response({"Server": SERVER})
         resp.force_close()
         return resp
 
@@ -125,6 +127,16 @@ def install(runner: web.AppRunner, limits: Any) -> None:
     server.__class__ = _Server
     assert isinstance(server, _Server)
     server.send_buffer_bytes = limits.client_send_buffer_bytes
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER
+
+
+def hide_server_version(app: web.Application) -> None:
+    """Answer ``Server: kvgate`` instead of aiohttp's ``Python/3.x aiohttp/3.y``: the
+    versions tell a scanner which known flaws to try."""
+    app.on_response_prepare.append(_server_header)
 
 
 def server_kwargs(limits: Any) -> dict[str, Any]:

@@ -62,6 +62,7 @@ async def test_body_over_limit_is_413_from_content_length_alone(replica, gateway
     )
     assert head.startswith(b"HTTP/1.1 413")
     assert _error(body)["code"] == "request_too_large"
+    assert b"Server: kvgate\r\n" in head and b"aiohttp" not in head
 
 
 async def test_chunked_body_over_limit_is_413(replica, gateway):
@@ -88,6 +89,7 @@ async def test_oversized_head_is_431_error_object(replica, gateway):
         head, body = await _raw(gw.port, head_bytes.rstrip(b"\r\n") + b"\r\n\r\n")
         assert head.split(b" ")[1] == b"431", head
         assert b"application/json" in head
+        assert b"Server: kvgate\r\n" in head and b"aiohttp" not in head
         err = _error(body)
         assert err["code"] == "headers_too_large" and "2048" in err["message"]
     assert gw.state.pipeline.inflight == 0
