@@ -81,15 +81,20 @@ class AdmissionBridge:
         self.resolve(self.controller.take_displaced())
         if not isinstance(verdict, Queued):
             return verdict, False
+        return await self.wait_queued(req.request_id), True
+
+    async def wait_queued(self, request_id: str) -> Admit | Shed:
+        """Wait for the Admit or Shed of a request the controller just queued (its
+        `submit` answered Queued, with no await in between)."""
         fut: asyncio.Future[Admit | Shed] = self._loop.create_future()
-        self._waiters[req.request_id] = fut
+        self._waiters[request_id] = fut
         first = self.controller.next_deadline()
         if first is not None and first < self._armed:
             self._wake.set()  # this entry may expire before what the task sleeps towards
         try:
-            return await fut, True
+            return await fut
         finally:
-            self._waiters.pop(req.request_id, None)
+            self._waiters.pop(request_id, None)
 
     def release(self, request_id: str, completion: Completion | None = None) -> None:
         """Free a reservation or queue entry (idempotent) and hand out what that admits."""

@@ -32,6 +32,8 @@ from gateway.config import GatewayConfig
 from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
 from gateway.errors import ApiError
+from gateway.http import hide_server_version, server_kwargs
+from gateway.http import install as install_error_handler
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
@@ -93,6 +95,7 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
     config's ``routing`` profiles describe, `routing.scheduler.build_router`).
     """
     app = web.Application(client_max_size=config.limits.max_body_bytes)
+    hide_server_version(app)
     st = GatewayState(config, picker)
     app[STATE_KEY] = st
 
@@ -107,7 +110,12 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
             lambda: st.controller.top_up_failures,
         )
         pipeline_ref: list[Pipeline] = []
-        relay = Relay(session, config.upstream, lambda ctx: pipeline_ref[0].on_progress(ctx))
+        relay = Relay(
+            session,
+            config.upstream,
+            lambda ctx: pipeline_ref[0].on_progress(ctx),
+            client_write_timeout_s=config.limits.client_write_timeout_s,
+        )
         counter = PromptCounter(config, st.estimator, st.discovery, st.metrics, session)
         st.pipeline = Pipeline(
             config,
@@ -259,8 +267,14 @@ class Gateway:
         return self._runner
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            **server_kwargs(self.config.limits),
+        )
         await self._runner.setup()
+        install_error_handler(self._runner, self.config.limits)
         self._site = web.TCPSite(
             self._runner, self.host, self.port, backlog=1024, reuse_address=True
         )
@@ -291,19 +305,33 @@ class Gateway:
         """Graceful shutdown: ``/ready`` turns false and new requests get 503 at once,
         queued requests are shed (503 with Retry-After), running ones get `grace_s`
         (default ``shutdown.drain_grace_s``) to finish, or until `fast` is set; then they
-        are cut (streams end with an error event) and the gateway stops."""
+        are cut (streams end with an error event) and the gateway stops.
+
+        The listener stays open ``shutdown.listen_grace_s`` (at most the drain grace), so
+        a load balancer that has not yet seen ``/ready`` turn false gets a 503 with
+        Retry-After, not a refused connection; then new connections are refused. Even a
+        gateway with nothing in flight waits that long before it stops (unless `fast`)."""
         grace = self.config.shutdown.drain_grace_s if grace_s is None else grace_s
+        listen_grace = min(self.config.shutdown.listen_grace_s, grace)
         pipeline = self.state.pipeline
+        loop = asyncio.get_running_loop()
         shed = pipeline.begin_shutdown()
         log.info("kvgate shutting down", extra={"fields": {"shed": shed, "grace_s": grace}})
+        close_at = loop.time() + listen_grace
+        closer = asyncio.ensure_future(self._close_listener_at(close_at, fast))
         waits = [asyncio.ensure_future(pipeline.idle.wait())]
         if fast is not None:
             waits.append(asyncio.ensure_future(fast.wait()))
         try:
             await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            if fast is None or not fast.is_set():
+                # Drained early: keep answering 503 until the listen grace is over.
+                await asyncio.wait([closer], timeout=max(0.0, close_at - loop.time()))
         finally:
             for w in waits:
                 w.cancel()
+            closer.cancel()
+        await self._close_listener()
         drained = pipeline.idle.is_set()
         cut = 0
         if not drained:
@@ -314,6 +342,23 @@ class Gateway:
                     await pipeline.idle.wait()
         await self.stop()
         return {"shed": shed, "cut": cut, "drained": drained}
+
+    async def _close_listener_at(self, when: float, fast: asyncio.Event | None) -> None:
+        delay = max(0.0, when - asyncio.get_running_loop().time())
+        if fast is None:
+            await asyncio.sleep(delay)
+        else:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await fast.wait()
+        await self._close_listener()
+
+    async def _close_listener(self) -> None:
+        """Stop accepting connections; open ones (running requests) go on."""
+        if self._site is not None:
+            site, self._site = self._site, None
+            await site.stop()
+            log.info("kvgate stopped accepting connections")
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -74,11 +74,36 @@ class ReplicaConfig(_Strict):
     # also for `-c` with a `--kv-unified-per-slot` below `-c / -np`, which auto misreads).
     # See routing/adapters/llamacpp.py. A pinned pool_tokens wins over any of them.
     kv_layout: Literal["auto", "per_slot", "unified"] = "auto"
+    # vLLM only: a server started with `--data-parallel-size N` runs N engines, each with
+    # its own KV pool, behind one URL. With N here the replica becomes N replicas
+    # `<name>-dp<k>`, one per engine rank, each with a ledger of its own (its pool read
+    # from the metrics labelled engine="k"), and every request is pinned to the rank it
+    # was admitted on with vLLM's `X-data-parallel-rank` header. `pool_tokens` and
+    # `max_running` apply to each rank. Left at 1 on a DP server, the ranks' pools are
+    # summed and vLLM's own balancer picks the rank (see README, data parallel).
+    data_parallel_size: Annotated[int, Field(ge=1)] = 1
+    # The engine rank this replica entry addresses (set by the expansion above, or by
+    # hand to address one rank of a DP server); None: the whole server.
+    dp_rank: Annotated[int, Field(ge=0)] | None = None
 
     @field_validator("url")
     @classmethod
     def _strip_slash(cls, v: str) -> str:
         return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _data_parallel_is_vllm(self) -> ReplicaConfig:
+        if (self.data_parallel_size > 1 or self.dp_rank is not None) and self.engine != "vllm":
+            raise ValueError(
+                f"data_parallel_size/dp_rank: apply to engine vllm only, not {self.engine!r}"
+            )
+        if self.dp_rank is not None and self.data_parallel_size > 1:
+            if self.dp_rank >= self.data_parallel_size:
+                raise ValueError(
+                    f"dp_rank: {self.dp_rank} is not below data_parallel_size "
+                    f"{self.data_parallel_size}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _layout_is_llamacpp(self) -> ReplicaConfig:
@@ -149,7 +174,26 @@ class CountingConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
+    """What one client may send and how slowly (enforced before anything is parsed)."""
+
+    # A larger body is answered 413 (by Content-Length before reading, else while reading).
     max_body_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
+    # One request line or header line longer than this, or more header lines than
+    # `max_headers`, is answered 431 by the HTTP parser.
+    max_header_bytes: Annotated[int, Field(ge=1024)] = 8190
+    max_headers: Annotated[int, Field(ge=8)] = 128
+    # A connection that has not sent a complete request head within this long of opening
+    # (or of its last answer: the keep-alive idle time) is closed: slowloris.
+    header_timeout_s: PositiveFloat = 60.0
+    # The whole body must arrive within this long once the head has: else 408.
+    body_timeout_s: PositiveFloat = 60.0
+    # A client that takes no bytes of its answer for this long (its socket buffers full)
+    # is cut as gone: the upstream request is aborted and its reservation freed.
+    client_write_timeout_s: PositiveFloat = 60.0
+    # Each client connection's kernel send buffer (SO_SNDBUF; Linux doubles it), so a
+    # client that stops reading holds ~200 KB, not the 4 MiB autotuning allows. None:
+    # the kernel's autotuning.
+    client_send_buffer_bytes: Annotated[int, Field(ge=4096)] | None = 65536
 
 
 class AuthConfig(_Strict):
@@ -184,6 +228,9 @@ class ShutdownConfig(_Strict):
     # SIGTERM: /ready turns false, queued requests are shed (503), running ones get this
     # long to finish before they are cut (streams end with an error event).
     drain_grace_s: Annotated[float, Field(ge=0.0)] = 25.0
+    # The listener stays open this long after SIGTERM (new requests get 503 with
+    # Retry-After while load balancers notice /ready), then refuses new connections.
+    listen_grace_s: Annotated[float, Field(ge=0.0)] = 2.0
 
 
 class LoggingConfig(_Strict):
@@ -213,6 +260,19 @@ class GatewayConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_replica_names(self) -> GatewayConfig:
+        # A vLLM data-parallel replica becomes one replica per engine rank (first: the
+        # names checked below are the expanded ones).
+        expanded: list[ReplicaConfig] = []
+        for r in self.replicas:
+            if r.data_parallel_size > 1 and r.dp_rank is None:
+                expanded.extend(
+                    r.model_copy(update={"name": f"{r.name}-dp{k}", "dp_rank": k})
+                    for k in range(r.data_parallel_size)
+                )
+            else:
+                expanded.append(r)
+        if len(expanded) != len(self.replicas):
+            self.replicas = expanded
         seen: set[str] = set()
         for r in self.replicas:
             if r.name in seen:

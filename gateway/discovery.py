@@ -61,6 +61,7 @@ class ReplicaWatcher:
             labels=dict(rc.labels),
             block_size=rc.block_size or 16,
             max_running=rc.max_running,
+            dp_rank=rc.dp_rank,
         )
         self._headers = {"Authorization": f"Bearer {rc.api_key}"} if rc.api_key else {}
         self._was_ready: bool | None = None

@@ -104,6 +104,16 @@ _CODE_FOR_TYPE = {
 _CONTEXT_MESSAGES = ("maximum context length", "longer than the model's context length")
 
 
+# An engine's message that carries a traceback, a source location or an address says
+# more about the deployment than a client should learn (an engine's 500 often does); the
+# fallback wording stands in for it and the engine's log keeps the details.
+_LEAK_MARKERS = ("Traceback (most recent call last)", 'File "', "http://", "https://")
+
+
+def _leaky(message: str) -> bool:
+    return any(m in message for m in _LEAK_MARKERS)
+
+
 def upstream_error(status: int, body: object, *, fallback: str) -> ApiError:
     """An engine's error answer as an OpenAI error object, keeping its status and message.
 
@@ -113,7 +123,8 @@ def upstream_error(status: int, body: object, *, fallback: str) -> ApiError:
     a numeric ``code``. The ``code`` becomes a string a client can act on: the engine's
     own when it is a word, ``context_length_exceeded`` for a request longer than the
     context, else the number as a string. The ``type`` is OpenAI's for the status; the
-    `fallback` message stands in when the engine gave none.
+    `fallback` message stands in when the engine gave none, or one with a traceback or
+    an address in it.
     """
     err: dict[str, object] = {}
     if isinstance(body, dict):
@@ -125,7 +136,7 @@ def upstream_error(status: int, body: object, *, fallback: str) -> ApiError:
         elif "message" in body:
             err = body
     message = err.get("message")
-    if not isinstance(message, str) or not message:
+    if not isinstance(message, str) or not message or _leaky(message):
         message = fallback
     raw_code = err.get("code")
     etype = err.get("type")

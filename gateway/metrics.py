@@ -124,6 +124,13 @@ class GatewayMetrics:
             ["replica", "kind"],
             registry=r,
         )
+        self.retries = Counter(
+            "kvgate_upstream_retries",
+            "Requests re-admitted to another replica after a failure before any byte reached "
+            "the client, by the replica that failed and the failure kind",
+            ["replica", "kind"],
+            registry=r,
+        )
         self.ejections = Counter(
             "kvgate_replica_ejections",
             "Outlier ejections by replica (consecutive 5xx, refused connections, timeouts "

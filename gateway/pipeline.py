@@ -11,11 +11,15 @@ OpenAI error object. Account and release run in ``finally`` on every path, inclu
 cancellation when the client disconnects, so a reservation can never leak.
 
 Retry: when the chosen replica refuses the connection (it crashed) or answers 5xx
-before any byte reached the client, the request is re-admitted once, without queueing,
-to another replica; if none can take it at once the original error is answered: the
-engine's own (its status and message, as an OpenAI error object), else 502.
+before any byte reached the client, the request is re-admitted once to another replica,
+queueing at its first arrival's place within its own queue deadline when none can take
+it at once; shed from there, the original error is answered: the engine's own (its
+status and message, as an OpenAI error object), else 502.
 A connection refusal also marks the replica unready until discovery sees it healthy.
-Timeouts are not retried: a replica that is merely slow would get the load twice.
+A stream with no first event within ``upstream.first_byte_s`` (a hung or stalled
+replica) is retried the same way: its upstream connection is closed first, so the
+engine aborts it and no replica does the work twice. A non-stream request's only bound
+is ``upstream.total_s``: past it, the answer is 504, not a retry.
 
 Outlier ejection (`admission.health.OutlierDetector`, config ``outlier``): refused
 connections, 5xx answers and timeouts before the first byte, in a row, eject a replica
@@ -45,7 +49,7 @@ from admission.estimate import TokenEstimator
 from admission.health import OutlierDetector
 from admission.retries import RetryMemory
 from admission.tenants import TenantLimiter, TenantState, go_duration
-from admission.types import AdmissionRequest, Admit, Completion, Refuse, Shed
+from admission.types import AdmissionRequest, Admit, Completion, Queued, Refuse, Shed
 from gateway.admitter import AdmissionBridge
 from gateway.config import GatewayConfig
 from gateway.context import Kind, RequestContext
@@ -89,6 +93,10 @@ _LOAD_FAILURES = frozenset({"timeout", "stream_error", "status_5xx"})
 _OUTLIER_FAILURES = frozenset({"connect", "status_5xx", "timeout"})
 
 
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _validation_message(err: ValidationError) -> tuple[str, str | None]:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
@@ -126,6 +134,7 @@ class Pipeline:
         self.tenants = tenants or TenantLimiter.from_config(config.tenants, config.auth.api_keys)
         metrics.set_tenant_names(self.tenants.tenants)
         self._max_body = config.limits.max_body_bytes
+        self._body_timeout = config.limits.body_timeout_s
         self._queue_timeout = config.admission.queue_timeout_s
         self._retry_once = config.upstream.retry_once
         self._retries = RetryMemory(
@@ -133,11 +142,16 @@ class Pipeline:
         )
         # Per-replica constants, computed once: URL and the headers sent upstream.
         self._urls = {rc.name: rc.url for rc in config.replicas}
+        self._same_server = {
+            rc.name: [o.name for o in config.replicas if o.url == rc.url] for rc in config.replicas
+        }
         self._headers: dict[str, dict[str, str]] = {}
         for rc in config.replicas:
             h = {"Content-Type": "application/json"}
             if rc.api_key:
                 h["Authorization"] = f"Bearer {rc.api_key}"
+            if rc.dp_rank is not None:  # pinned to the engine rank whose ledger admitted it
+                h["X-data-parallel-rank"] = str(rc.dp_rank)
             self._headers[rc.name] = h
         # Prefix block hashes are computed once per request, only when a routing profile
         # reads them.
@@ -331,13 +345,28 @@ class Pipeline:
         if length is not None and length > self._max_body:
             raise _too_large(self._max_body)
         try:
-            raw = await request.read()
+            if request.content.is_eof():  # the whole body came with the head
+                raw = await request.read()
+            else:  # a slow body holds a connection and a handler: bound it
+                async with asyncio.timeout(self._body_timeout):
+                    raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise _too_large(self._max_body) from None
+        except TimeoutError:
+            raise ApiError(
+                408,
+                f"The request body did not arrive within {self._body_timeout:g} s.",
+                code="body_timeout",
+            ) from None
         if len(raw) > self._max_body:
             raise _too_large(self._max_body)
         try:
-            body = json.loads(raw)
+            # NaN and Infinity are not JSON (RFC 8259); an engine would choke on them.
+            body = json.loads(raw, parse_constant=_no_constant)
+        except RecursionError:
+            raise invalid_request(
+                "Request body is nested too deeply.", code="invalid_json"
+            ) from None
         except (ValueError, UnicodeDecodeError) as e:
             raise invalid_request(
                 f"Request body is not valid JSON: {e}", code="invalid_json"
@@ -594,13 +623,16 @@ class Pipeline:
                     },
                 )
                 if f.kind == "connect":
-                    self.controller.mark_unready(replica, self._loop.time())
-                    self.discovery.mark_down(replica)
+                    # Every replica entry of that server (the engine ranks of a vLLM
+                    # data-parallel server share its URL) is down with it.
+                    for name in self._same_server[replica]:
+                        self.controller.mark_unready(name, self._loop.time())
+                        self.discovery.mark_down(name)
                 if (
                     f.retryable
                     and self._retry_once
                     and ctx.attempts == 0
-                    and self._readmit(ctx, replica, f.kind)
+                    and await self._readmit(ctx, replica, f.kind)
                 ):
                     continue
                 ctx.upstream_error = f.kind
@@ -623,17 +655,23 @@ class Pipeline:
                     ) from None
                 raise ApiError(
                     502,
-                    f"Replica {replica} failed: {f.message}",
+                    f"Replica {replica} failed: {f.client_message}.",
                     code=f"upstream_{f.kind}",
                     outcome=f"upstream_{f.kind}",
                 ) from None
 
-    def _readmit(self, ctx: RequestContext, failed: str, kind: str) -> bool:
-        """Release the failed admission and try one immediate admission elsewhere.
+    async def _readmit(self, ctx: RequestContext, failed: str, kind: str) -> bool:
+        """Release the failed admission and admit the request once more, elsewhere.
 
         The failed replica is excluded from this one decision by marking it unready;
         after a 5xx it is reinstated at once (discovery decides its health, not one
         answer), after a refused connection it stays out until discovery sees it up.
+        When no replica can take it at once (the others are at their limits, as they are
+        under load when one replica dies), the retry waits in the queue at its first
+        arrival's place, within the request's own queue deadline: a request that had no
+        byte yet is retried to completion rather than answered 502 because the healthy
+        replicas were busy at that instant. Shed from the queue, it gets the original
+        error.
         """
         ctx.attempts += 1
         self.release(ctx)
@@ -644,12 +682,12 @@ class Pipeline:
         ctx.admission_id = rid
         try:
             verdict = ctrl.submit(
-                # Now or never: the client has already waited once.
+                # First arrival: ahead of the requests that came after it.
                 _admission_request(
                     ctx,
                     rid,
                     arrival=ctx.arrival,
-                    deadline=now,
+                    deadline=ctx.deadline,
                     priority=ctx.priority,
                     targets=self.tenants.tenants.get(ctx.tenant),
                 ),
@@ -658,8 +696,13 @@ class Pipeline:
         finally:
             if kind != "connect":
                 self.discovery.reinstate(failed)
+        if isinstance(verdict, Queued):
+            verdict = await self.bridge.wait_queued(rid)
+        if isinstance(verdict, Shed) and verdict.reason == "shutdown":
+            raise self._shutting_down()
         if isinstance(verdict, Admit):
             self._admitted(ctx, verdict)
+            self.metrics.retries.labels(failed, kind).inc()
             return True
         self.release(ctx)
         return False

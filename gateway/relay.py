@@ -29,8 +29,11 @@ instead of buffering the whole answer in the gateway.
 
 Timeouts are phase-aware, with one re-armed deadline instead of a timer per chunk: the
 first event must arrive within ``first_byte_s``, each later one within ``idle_s`` of the
-previous, all within ``total_s``. Time spent writing to a slow client counts only against
-``total_s``: backpressure from the client is not an engine stall.
+previous, all within ``total_s``. Time spent writing to a slow client does not count
+against ``idle_s``: backpressure from the client is not an engine stall. A client that
+takes none of its stream for ``limits.client_write_timeout_s`` (its socket buffers full:
+it stopped reading) is cut like a client that left: the engine's request is aborted and
+the reservation freed, and kvgate never buffers more than the socket's buffers for it.
 """
 
 from __future__ import annotations
@@ -114,9 +117,13 @@ class Relay:
         session: aiohttp.ClientSession,
         cfg: UpstreamConfig,
         on_progress: Callable[[RequestContext], None],
+        *,
+        client_write_timeout_s: float = 60.0,
     ) -> None:
         self._session = session
         self._cfg = cfg
+        # A client that takes none of its stream for this long is cut (see _stream).
+        self._write_timeout = client_write_timeout_s
         # Called when a stream's generated tokens pass ctx.topup_at (reservation top-up).
         self._on_progress = on_progress
 
@@ -228,6 +235,7 @@ class Relay:
         up: aiohttp.ClientResponse | None = None
         resp: web.StreamResponse | None = None
         clean = False
+        writing = False  # a timeout while writing is the client's stall, not the engine's
         failure: UpstreamFailure | None = None
         timer = asyncio.timeout_at(min(loop.time() + cfg.first_byte_s, total_deadline))
         try:
@@ -246,10 +254,13 @@ class Relay:
                         if out:
                             # The idle bound is for the engine, not for a slow client:
                             # while writing (backpressure) only the total bound applies.
-                            timer.reschedule(total_deadline)
+                            # A client that takes nothing for client_write_timeout_s is cut.
+                            timer.reschedule(min(loop.time() + self._write_timeout, total_deadline))
+                            writing = True
                             if resp is None:
                                 resp = await self._start_client_stream(request, ctx, up)
                             await _write(resp, out)
+                            writing = False
                             now = loop.time()
                             if ctx.first_byte_at is None:
                                 ctx.first_byte_at = now
@@ -267,11 +278,22 @@ class Relay:
                         )
                     clean = True
             except TimeoutError:
+                if writing and loop.time() < total_deadline:
+                    # The client's socket stayed full: it reads nothing. Drop it (and what
+                    # is buffered for it); the engine's request is aborted in `finally`.
+                    ctx.outcome = "client_stalled"
+                    ctx.status = 499
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return resp if resp is not None else web.Response(status=499)
+                # Before the first byte the client has seen nothing: the request may be
+                # retried on another replica (this one's is aborted as the connection
+                # closes, so no replica does the work twice).
                 failure = UpstreamFailure(
                     "timeout",
                     "upstream timed out"
                     + (" between stream chunks" if resp else " before the first token"),
-                    retryable=False,
+                    retryable=resp is None,
                 )
             except ClientGone:
                 ctx.outcome = "client_disconnect"
@@ -291,18 +313,18 @@ class Relay:
                 ctx.upstream_error = failure.kind
                 err = ApiError(
                     504 if failure.kind == "timeout" else 502,
-                    failure.message,
+                    failure.client_message,
                     code=f"upstream_{failure.kind}",
                 )
                 try:
-                    await resp.write(err.sse_event())
-                    await resp.write_eof()
+                    await self._end(request, resp, ctx, err.sse_event())
                 except ConnectionError:
                     pass
                 return resp
             assert resp is not None
             try:
-                await resp.write_eof()
+                if not await self._end(request, resp, ctx):
+                    return resp
             except ConnectionError:
                 ctx.outcome = "client_disconnect"
                 ctx.status = 499
@@ -318,6 +340,25 @@ class Relay:
                     # Closing the connection is how an engine learns to abort the request
                     # (vLLM and SGLang abort on client disconnect) and free its KV blocks.
                     up.close()
+
+    async def _end(
+        self, request: web.Request, resp: web.StreamResponse, ctx: RequestContext, last: bytes = b""
+    ) -> bool:
+        """Write `last` and end the stream. A client that takes none of it within the
+        write timeout (its buffers were already full) is dropped like a stalled one, so
+        the end of a stream cannot hold the request either; returns False then."""
+        try:
+            async with asyncio.timeout(self._write_timeout):
+                if last:
+                    await resp.write(last)
+                await resp.write_eof()
+            return True
+        except TimeoutError:
+            ctx.outcome = "client_stalled"
+            ctx.status = 499
+            if request.transport is not None:
+                request.transport.abort()
+            return False
 
     async def _stream_refused(
         self, ctx: RequestContext, up: aiohttp.ClientResponse

@@ -13,6 +13,17 @@ import aiohttp
 from gateway.config import UpstreamConfig
 from gateway.errors import ApiError
 
+# What a client is told of each failure kind: never the exception's text, which can name
+# the replica's address ("Connect call failed ('10.0.3.7', 8000)") or library internals;
+# those go to the log.
+_CLIENT_MESSAGES = {
+    "connect": "the replica could not be reached",
+    "dropped": "the replica dropped the connection",
+    "timeout": "the replica timed out",
+    "status_5xx": "the replica failed",
+    "stream_error": "the replica ended the stream with an error",
+}
+
 
 class UpstreamFailure(Exception):
     """The engine could not give a usable answer.
@@ -41,6 +52,13 @@ class UpstreamFailure(Exception):
         self.retryable = retryable
         self.status = status
         self.answer = answer
+
+    @property
+    def client_message(self) -> str:
+        """The failure as a client may read it (no addresses, no exception text)."""
+        if self.kind == "timeout":
+            return self.message  # kvgate's own fixed wording ("... before the first token")
+        return _CLIENT_MESSAGES.get(self.kind, "the replica failed")
 
 
 def make_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:

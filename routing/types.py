@@ -46,6 +46,9 @@ class ReplicaState:
     prefix_cache_hits_total: float | None = None
     spec_draft_tokens_total: float | None = None
     spec_accepted_tokens_total: float | None = None
+    # One engine rank of a data-parallel server (vLLM's `engine` metric label): the
+    # adapter reads only that rank's metrics. None: the whole server.
+    dp_rank: int | None = None
     # When the discovery round began (the engine's answers describe it after that).
     updated_at: float = 0.0
     # `updated_at` of the last round whose answers included the engine's running gauge

@@ -2,8 +2,17 @@
 
 Pool size: ``vllm:cache_config_info`` is an info gauge whose labels carry the cache
 config; the pool is ``num_gpu_blocks * block_size`` tokens, or ``kv_cache_size_tokens``
-when a build reports it directly. With data parallelism there is one label set per
-``engine``; their pools are summed (the front-end balances over them).
+when a build reports it directly.
+
+Data parallelism (``--data-parallel-size N``): one server runs N engines, each with its
+own KV pool, and every ``vllm:`` sample carries an ``engine`` label (``"0"``..``"N-1"``)
+next to ``model_name``; ``vllm:cache_config_info`` has one label set per engine. A
+replica entry for one rank (``ReplicaState.dp_rank``, from the config's
+``data_parallel_size``) reads only the samples of its own ``engine``: its pool, load,
+usage and counters are that engine's, so admission keeps one ledger per engine and a
+request must fit the engine it is pinned to (``X-data-parallel-rank``). A replica entry
+for the whole server (no rank) sums the engines' pools and load, as the front-end's
+own balancer spreads requests over them.
 
 Reservations: vLLM preempts (``preempts`` True). A request it cannot grow is preempted
 and recomputed later, which costs time, not the request; so admission may reserve a
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 from routing.adapters._common import (
     Responses,
+    Sample,
     apply_load,
     apply_models,
     as_int,
@@ -40,6 +50,8 @@ class VLLMAdapter:
         state.preempts = True
         models_ok = apply_models(state, ok_body(responses, "/v1/models"))
         samples = parse_prometheus(ok_body(responses, "/metrics"))
+        if samples is not None and state.dp_rank is not None:
+            samples = _one_engine(samples, str(state.dp_rank))
         metrics_ok = samples is not None
         if samples is not None:
             self._apply_cache_config(state, samples)
@@ -79,3 +91,15 @@ class VLLMAdapter:
             state.capacity_tokens = int(direct)
         elif per_engine:
             state.capacity_tokens = sum(per_engine.values())
+
+
+def _one_engine(samples: dict[str, list[Sample]], engine: str) -> dict[str, list[Sample]]:
+    """The samples of one data-parallel engine (label ``engine``). Samples without the
+    label (process metrics, a build without DP labels) are left out: a rank must never
+    read the whole server's figures as its own."""
+    out: dict[str, list[Sample]] = {}
+    for name, found in samples.items():
+        mine = [s for s in found if s.labels.get("engine") == engine]
+        if mine:
+            out[name] = mine
+    return out

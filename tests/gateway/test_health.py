@@ -167,7 +167,9 @@ async def test_first_byte_timeouts_eject_a_hung_replica(replica, gateway):
                 if _usage(gw, "r0").ejected:
                     break
             assert _usage(gw, "r0").ejected
-            assert statuses[-1] == 504  # a timeout is not retried: the client saw it once
+            # A stream's first-byte timeout is retried on the good replica: the client
+            # never saw the hung one.
+            assert set(statuses) == {200}
             # Ejected: the hung replica gets nothing more.
             for _ in range(3):
                 async with s.post(gw.url + "/v1/chat/completions", json=SHORT) as r:

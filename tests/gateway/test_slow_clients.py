@@ -1,0 +1,183 @@
+"""Slow and stuck clients cannot hold kvgate's connections, handlers or reservations.
+
+- slow headers (slowloris) and a connection that sends nothing: closed after
+  ``limits.header_timeout_s``, before any handler runs;
+- a slow body: 408 OpenAI error object after ``limits.body_timeout_s``, nothing reserved;
+- a client that never reads its stream: once its socket buffers are full, kvgate stops
+  reading from the engine (backpressure: the engine's request stays unfinished, nothing
+  piles up in kvgate), and after ``limits.client_write_timeout_s`` without progress the
+  client is cut, the engine's request aborted and the reservation freed, while the client
+  still holds its connection open.
+
+Raw sockets on 127.0.0.1, so the client misbehaves exactly as described.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+from tests.gateway.conftest import MODEL, wait_for
+
+# ~100 KB of SSE: past the transport's 64 KiB high-water mark, within what the buffers hold.
+END_TOKENS = 550
+SLOW = {
+    "header_timeout_s": 0.5,
+    "body_timeout_s": 0.5,
+    "client_write_timeout_s": 0.5,
+    "client_send_buffer_bytes": 16384,
+}
+
+
+async def _closed_by_server(reader: asyncio.StreamReader, within: float) -> bool:
+    try:
+        async with asyncio.timeout(within):
+            while await reader.read(4096):
+                pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+
+
+async def test_slow_headers_are_cut(replica, gateway):
+    srv = await replica()
+    gw = await gateway(srv, limits=SLOW)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + b"X-Pad: "
+        + b"a" * 400
+        + b"\r\n\r\n"
+    )
+    sent = 0
+    closed = False
+    try:
+        for sent in range(1, len(head) + 1):  # one byte every 20 ms: ~9 s for the head
+            writer.write(head[sent - 1 : sent])
+            await writer.drain()
+            await asyncio.sleep(0.02)
+            if reader.at_eof():
+                closed = True
+                break
+    except ConnectionError:
+        closed = True
+    finally:
+        writer.close()
+    assert closed and sent < len(head), f"head not cut: {sent} of {len(head)} bytes sent"
+    assert gw.state.pipeline.inflight == 0
+
+
+async def test_silent_connection_is_closed(replica, gateway):
+    srv = await replica()
+    gw = await gateway(srv, limits=SLOW)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        assert await _closed_by_server(reader, within=10.0)
+    finally:
+        writer.close()
+
+
+async def test_slow_body_gets_408(replica, gateway):
+    srv = await replica()
+    gw = await gateway(srv, limits=SLOW)
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10]
+        )
+        await writer.drain()
+        async with asyncio.timeout(10.0):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            payload = await reader.readexactly(length)
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 408"), head
+    err = json.loads(payload)["error"]
+    assert err["code"] == "body_timeout" and set(err) == {"message", "type", "param", "code"}
+    assert gw.controller.reserved_tokens() == 0
+    assert srv.core.stats().num_finished == 0  # it never reached the engine
+
+
+async def test_client_that_never_reads_its_stream_is_cut_and_released(replica, gateway):
+    srv = await replica(speed=50.0)
+    gw = await gateway(srv, limits=SLOW, upstream={"total_s": 60.0})
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "write forever"}],
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: small window
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", gw.port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        await writer.drain()
+        # Never read. Wait for kvgate to give up on us.
+        assert await wait_for(lambda: gw.state.pipeline.inflight == 1, within=10.0)
+        assert await wait_for(lambda: gw.state.pipeline.inflight == 0, within=30.0)
+        assert gw.controller.reserved_tokens() == 0
+        # The engine's request was aborted, not finished: kvgate stopped pulling tokens
+        # once the client's buffers were full, so it never buffered the whole answer.
+        assert await wait_for(lambda: srv.core.stats().num_aborted == 1, within=5.0)
+        assert srv.core.stats().num_finished == 0
+        assert srv.core.stats().generation_tokens < 2000
+        # The client's connection was dropped (what was buffered for it is gone).
+        assert await _closed_by_server(reader, within=10.0)
+    finally:
+        writer.close()
+    text = gw.state.metrics.render().decode()
+    assert 'outcome="client_stalled"' in text
+
+
+async def test_client_that_stops_reading_at_the_end_of_its_stream_is_released(replica, gateway):
+    """The whole answer fits the buffers but crosses the transport's high-water mark:
+    the engine finishes, and it is the stream's last write that the client never takes.
+    That write is bounded too: the reservation is freed, the connection dropped."""
+    srv = await replica(speed=50.0)
+    gw = await gateway(srv, limits=SLOW, upstream={"total_s": 60.0})
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "write a while"}],
+            "max_tokens": END_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", gw.port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        await writer.drain()
+        assert await wait_for(lambda: gw.state.pipeline.inflight == 1, within=10.0)
+        assert await wait_for(lambda: srv.core.stats().num_finished == 1, within=20.0)
+        assert await wait_for(lambda: gw.state.pipeline.inflight == 0, within=30.0)
+        assert gw.controller.reserved_tokens() == 0
+        assert await _closed_by_server(reader, within=10.0)
+    finally:
+        writer.close()
+    text = gw.state.metrics.render().decode()
+    assert 'outcome="client_stalled"' in text
