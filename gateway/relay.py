@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -55,6 +56,42 @@ _ENVELOPE = frozenset(
 )
 
 
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
+_JSON_SPACE = b" \t\r\n"
+
+
+def with_include_usage(raw: bytes, body: dict[str, Any]) -> bytes:
+    """`raw` (a JSON object, parsed as `body`) with ``stream_options.include_usage`` true.
+
+    The common case, a body without ``stream_options``, is patched in its bytes: the
+    member goes in right after the opening brace, and every byte the client sent stays
+    as it was (no re-serialisation: numbers, escapes, key order, unknown fields all
+    untouched). A body that has ``stream_options`` already (without ``include_usage``
+    true) is rare and its member cannot be found without a JSON scan: it is parsed again
+    with the standard library (which keeps big integers exact) and re-serialised with
+    the member merged."""
+    if "stream_options" not in body:
+        i = 0
+        n = len(raw)
+        while i < n and raw[i] in _JSON_SPACE:
+            i += 1
+        if i < n and raw[i] == 0x7B:  # "{"; anything else in front (a BOM): re-serialise
+            j = i + 1
+            while j < n and raw[j] in _JSON_SPACE:
+                j += 1
+            member = _INCLUDE_USAGE if j < n and raw[j] != 0x7D else _INCLUDE_USAGE[:-1]
+            return raw[: i + 1] + member + raw[i + 1 :]
+    doc = json.loads(raw)
+    opts = doc.get("stream_options")
+    doc["stream_options"] = (
+        {**opts, "include_usage": True} if isinstance(opts, dict) else {"include_usage": True}
+    )
+    try:
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800") is valid JSON, not UTF-8
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
 def _event_end(buf: bytes, start: int) -> tuple[int, int]:
     """The first event boundary at or after `start` in any of SSE's three line endings:
     (index, length of the separator), or (-1, 0)."""
@@ -64,6 +101,38 @@ def _event_end(buf: bytes, start: int) -> tuple[int, int]:
         if i >= 0 and (best < 0 or i < best):
             best, size = i, len(sep)
     return best, size
+
+
+def _content_events(buf: bytes) -> tuple[int, int] | None:
+    """The fast path of `Relay._take_events` for LF-framed SSE: (end of the last
+    complete event, number of content events before it), or None when an event there
+    needs a closer look (the per-event path then runs).
+
+    Byte tests over the whole buffer instead of a loop per event: every event starts
+    with ``data:`` (a count of ``\\n\\ndata:``; no raw newline can occur inside
+    a JSON line), none is an error event, and every ``"usage"`` key is followed by
+    ``null`` (a key cannot occur inside a JSON string: its quotes would be escaped).
+    Content events are then the events that are not ``[DONE]``."""
+    last = buf.rfind(b"\n\n")
+    if last < 0:
+        return 0, 0
+    end = last + 2
+    if buf.find(b"\n\n\n", 0, end) >= 0:
+        return None  # an empty event or a line of its own: the per-event path splits it
+    n = buf.count(b"\n\n", 0, end)
+    if (1 if buf.startswith(b"data:") else 0) + buf.count(b"\n\ndata:", 0, end) != n:
+        return None
+    if buf.find(b'{"error"', 0, end) >= 0:
+        return None
+    i = buf.find(b'"usage"', 0, end)
+    while i >= 0:
+        if buf.find(b"null", i + 7, i + 14) < 0:
+            return None  # the usage chunk: the per-event path reads it
+        i = buf.find(b'"usage"', i + 7, end)
+    done = buf.count(b"\n\ndata: [DONE]", 0, end) + buf.count(b"\n\ndata:[DONE]", 0, end)
+    if buf.startswith(b"data: [DONE]") or buf.startswith(b"data:[DONE]"):
+        done += 1
+    return end, n - done
 
 
 class ClientGone(Exception):
@@ -124,18 +193,10 @@ class Relay:
     @staticmethod
     def upstream_body(ctx: RequestContext) -> bytes:
         """The bytes sent to the engine: the client's own bytes, except that a stream
-        that did not ask for usage gets ``include_usage`` added (serialised once)."""
+        that did not ask for usage gets ``include_usage`` added (`with_include_usage`)."""
         if not ctx.stream or ctx.client_wants_usage or ctx.body is None:
             return ctx.raw
-        body = dict(ctx.body)
-        opts = body.get("stream_options")
-        body["stream_options"] = (
-            {**opts, "include_usage": True} if isinstance(opts, dict) else {"include_usage": True}
-        )
-        try:
-            return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-        except UnicodeEncodeError:  # a lone surrogate ("\ud800") is valid JSON, not UTF-8
-            return json.dumps(body, separators=(",", ":")).encode()
+        return with_include_usage(ctx.raw, ctx.body)
 
     # ------------------------------------------------------------------ entry point
     async def forward(
@@ -363,11 +424,24 @@ class Relay:
         Forwarded bytes are slices of what the engine sent, except an unrequested usage
         chunk (left out, or without its usage) and an error event (in OpenAI's shape).
         """
+        # SSE lines end in LF, CRLF or CR; an event ends at an empty line. LF framing is
+        # the common case; a buffer with a CR takes the general path.
+        crlf = b"\r" in buf
+        if not crlf:
+            fast = _content_events(buf)
+            if fast is not None:
+                end, n = fast
+                if end == 0:
+                    return b"", buf
+                ctx.events += n
+                ctx.generated += n
+                return buf[:end], buf[end:]
+        return self._take_each(ctx, buf, crlf)
+
+    def _take_each(self, ctx: RequestContext, buf: bytes, crlf: bool) -> tuple[bytes, bytes]:
+        """`_take_events` one event at a time (what the fast path must equal)."""
         start = 0
         kept: list[bytes] | None = None  # only materialised once something changes
-        # SSE lines end in LF, CRLF or CR; an event ends at an empty line. LF framing is
-        # the common case and costs one scan; a buffer with a CR takes the general path.
-        crlf = b"\r" in buf
         while True:
             if crlf:
                 i, sep = _event_end(buf, start)
