@@ -62,6 +62,10 @@ def summarise(raw: Path, top: int) -> tuple[int, list[tuple[str, float]], list[t
     )
 
 
+def _ours(name: str) -> bool:
+    return any(f"({d}/" in name for d in ("gateway", "admission", "routing"))
+
+
 def _frame(f: str) -> str:
     name, _, loc = f.partition(" (")
     path = loc.rstrip(")").rsplit(":", 1)[0]
@@ -133,6 +137,9 @@ def main() -> int:
             lines += [f"{p:6.1f}  {name}" for name, p in by_self]
             lines += ["", "cumulative %  function"]
             lines += [f"{p:6.1f}  {name}" for name, p in by_cum]
+            ours = [(k, v) for k, v in summarise(raw, 10_000)[2] if _ours(k)][: args.top]
+            lines += ["", "cumulative %  kvgate's own functions (gateway/, admission/, routing/)"]
+            lines += [f"{p:6.1f}  {name}" for name, p in ours]
             sections.append("\n".join(lines))
             print(sections[-1], flush=True)
             kv.stop()

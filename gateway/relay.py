@@ -103,36 +103,48 @@ def _event_end(buf: bytes, start: int) -> tuple[int, int]:
     return best, size
 
 
-def _content_events(buf: bytes) -> tuple[int, int] | None:
-    """The fast path of `Relay._take_events` for LF-framed SSE: (end of the last
-    complete event, number of content events before it), or None when an event there
-    needs a closer look (the per-event path then runs).
+# Below this a buffer holds a few events (an engine's one chunk per step): looking at
+# each costs fewer calls than the whole-buffer scans.
+_FAST_MIN_BYTES = 768
 
-    Byte tests over the whole buffer instead of a loop per event: every event starts
-    with ``data:`` (a count of ``\\n\\ndata:``; no raw newline can occur inside
-    a JSON line), none is an error event, and every ``"usage"`` key is followed by
-    ``null`` (a key cannot occur inside a JSON string: its quotes would be escaped).
-    Content events are then the events that are not ``[DONE]``."""
+
+def _content_events(buf: bytes) -> tuple[int, int, bool] | None:
+    """The fast path of `Relay._take_events` for LF-framed SSE: (end of the events it
+    took, how many of them are content events, whether it stopped early at a usage
+    chunk), or None when an event needs a closer look (the per-event path then runs).
+
+    A handful of byte scans over the whole buffer instead of a loop per event: the
+    events it takes are all one ``data:`` line each (the buffer starts with ``data:``
+    and has exactly two newlines per ``\\n\\ndata:`` boundary; no raw newline can
+    occur inside a JSON line), none is an error event, and every ``"usage"`` key among
+    them is followed by ``null`` (a key cannot occur inside a JSON string, whose quotes
+    would be escaped). It stops before the first event with a real ``"usage"``: the
+    per-event path reads that one. Content events are the events that are not
+    ``[DONE]``."""
     last = buf.rfind(b"\n\n")
     if last < 0:
-        return 0, 0
+        return 0, 0, False
     end = last + 2
-    if buf.find(b"\n\n\n", 0, end) >= 0:
-        return None  # an empty event or a line of its own: the per-event path splits it
-    n = buf.count(b"\n\n", 0, end)
-    if (1 if buf.startswith(b"data:") else 0) + buf.count(b"\n\ndata:", 0, end) != n:
+    stop = False
+    u = buf.find(b'"usage"', 0, end)
+    while u >= 0:
+        if buf.find(b"null", u + 7, u + 14) < 0:
+            end = buf.rfind(b"\n\n", 0, u) + 2  # the start of the usage chunk's event
+            if end < 2:
+                return 0, 0, True
+            stop = True
+            break
+        u = buf.find(b'"usage"', u + 7, end)
+    events = buf.count(b"\n\ndata:", 0, end) + 1
+    if not buf.startswith(b"data:") or buf.count(b"\n", 0, end) != 2 * events:
         return None
     if buf.find(b'{"error"', 0, end) >= 0:
         return None
-    i = buf.find(b'"usage"', 0, end)
-    while i >= 0:
-        if buf.find(b"null", i + 7, i + 14) < 0:
-            return None  # the usage chunk: the per-event path reads it
-        i = buf.find(b'"usage"', i + 7, end)
-    done = buf.count(b"\n\ndata: [DONE]", 0, end) + buf.count(b"\n\ndata:[DONE]", 0, end)
-    if buf.startswith(b"data: [DONE]") or buf.startswith(b"data:[DONE]"):
-        done += 1
-    return end, n - done
+    if buf.find(b"[DONE]", 0, end) >= 0:
+        events -= buf.count(b"\n\ndata: [DONE]", 0, end) + buf.count(b"\n\ndata:[DONE]", 0, end)
+        if buf.startswith(b"data: [DONE]") or buf.startswith(b"data:[DONE]"):
+            events -= 1
+    return end, events, stop
 
 
 class ClientGone(Exception):
@@ -427,16 +439,18 @@ class Relay:
         # SSE lines end in LF, CRLF or CR; an event ends at an empty line. LF framing is
         # the common case; a buffer with a CR takes the general path.
         crlf = b"\r" in buf
-        if not crlf:
-            fast = _content_events(buf)
-            if fast is not None:
-                end, n = fast
-                if end == 0:
-                    return b"", buf
-                ctx.events += n
-                ctx.generated += n
-                return buf[:end], buf[end:]
-        return self._take_each(ctx, buf, crlf)
+        if crlf or len(buf) < _FAST_MIN_BYTES:
+            return self._take_each(ctx, buf, crlf)
+        fast = _content_events(buf)
+        if fast is None:
+            return self._take_each(ctx, buf, False)
+        end, n, stop = fast
+        ctx.events += n
+        ctx.generated += n
+        if not stop:
+            return buf[:end], buf[end:]
+        out, rest = self._take_each(ctx, buf[end:], False)
+        return (buf[:end] + out if end else out), rest
 
     def _take_each(self, ctx: RequestContext, buf: bytes, crlf: bool) -> tuple[bytes, bytes]:
         """`_take_events` one event at a time (what the fast path must equal)."""

@@ -17,6 +17,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway import relay as relay_module
 from gateway.config import UpstreamConfig
 from gateway.context import RequestContext
 from gateway.relay import Relay, with_include_usage
@@ -201,18 +202,29 @@ def _run(take, data: bytes, cuts: list[int]) -> tuple[bytes, bytes]:
 def test_fast_stream_path_equals_the_per_event_path(body, tail, cuts, wants_usage):
     data = b"".join(body) + tail
     cuts = [c % (len(data) + 1) for c in cuts]
-    fast_ctx, slow_ctx = _ctx(wants_usage), _ctx(wants_usage)
     r = _relay()
-    fast = _run(lambda b: r._take_events(fast_ctx, b), data, cuts)
+    slow_ctx = _ctx(wants_usage)
     slow = _run(lambda b: r._take_each(slow_ctx, b, b"\r" in b), data, cuts)
-    assert fast == slow
-    for field in ("events", "generated", "usage_prompt", "usage_completion", "upstream_error"):
-        assert getattr(fast_ctx, field) == getattr(slow_ctx, field), field
+    saved = relay_module._FAST_MIN_BYTES
+    for threshold in (0, saved):  # the fast path on every buffer, and as configured
+        relay_module._FAST_MIN_BYTES = threshold
+        try:
+            fast_ctx = _ctx(wants_usage)
+            fast = _run(lambda b, c=fast_ctx: r._take_events(c, b), data, cuts)
+        finally:
+            relay_module._FAST_MIN_BYTES = saved
+        assert fast == slow
+        for field in ("events", "generated", "usage_prompt", "usage_completion", "upstream_error"):
+            assert getattr(fast_ctx, field) == getattr(slow_ctx, field), field
 
 
 def test_content_mentioning_usage_is_not_the_usage_chunk():
     data = _chunk('{"usage": {"prompt_tokens": 99}}') + _chunk('"usage": 1') + b"data: [DONE]\n\n"
     c = _ctx(wants_usage=False)
-    out, rest = _run(lambda b: _relay()._take_events(c, b), data, [])
+    saved, relay_module._FAST_MIN_BYTES = relay_module._FAST_MIN_BYTES, 0
+    try:
+        out, rest = _run(lambda b: _relay()._take_events(c, b), data, [])
+    finally:
+        relay_module._FAST_MIN_BYTES = saved
     assert out == data and rest == b""
     assert c.usage_prompt is None and c.generated == 2
