@@ -1,10 +1,12 @@
 """The reference contender of bench/overhead.py: a bare aiohttp + uvloop pass-through
-proxy, what a user would write by hand in about 30 lines. No validation, admission,
-metrics or logging: the floor a Python gateway starts from.
+proxy, what a user would write by hand in about 30 lines (round robin over the upstreams
+given). No validation, admission, metrics or logging: the floor a Python gateway starts
+from.
 
-    python bench/bare_proxy.py LISTEN_PORT UPSTREAM_URL
+    python bench/bare_proxy.py LISTEN_PORT UPSTREAM_URL [UPSTREAM_URL...]
 """
 
+import itertools
 import sys
 
 import aiohttp
@@ -19,7 +21,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
     async with session.request(
-        request.method, request.app["upstream"] + request.path_qs, data=body, headers=headers
+        request.method, next(request.app["upstreams"]) + request.path_qs, data=body, headers=headers
     ) as up:
         out = {k: v for k, v in up.headers.items() if k.lower() not in HOP}
         resp = web.StreamResponse(status=up.status, headers=out)
@@ -30,9 +32,9 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         return resp
 
 
-async def app(upstream: str) -> web.Application:
+async def app(upstreams: list[str]) -> web.Application:
     a = web.Application()
-    a["upstream"] = upstream
+    a["upstreams"] = itertools.cycle(upstreams)
     a["session"] = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
     )
@@ -43,4 +45,4 @@ async def app(upstream: str) -> web.Application:
 
 if __name__ == "__main__":
     uvloop.install()
-    web.run_app(app(sys.argv[2]), host="127.0.0.1", port=int(sys.argv[1]), access_log=None)
+    web.run_app(app(sys.argv[2:]), host="127.0.0.1", port=int(sys.argv[1]), access_log=None)

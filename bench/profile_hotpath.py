@@ -81,6 +81,7 @@ def main() -> int:
     ap.add_argument("--label", default="")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--keep-raw", type=Path, default=None, help="copy py-spy's stacks here")
     args = ap.parse_args()
     for tool in ("nginx", "wrk", "py-spy"):
         if not shutil.which(tool) and not (Path(sys.executable).parent / tool).exists():
@@ -127,6 +128,9 @@ def main() -> int:
             time.sleep(0.5)
             rps = wrk_rps(url, body, args.seconds, workdir)
             spy.wait(timeout=args.seconds + 30)
+            if args.keep_raw is not None:
+                args.keep_raw.mkdir(parents=True, exist_ok=True)
+                shutil.copy(raw, args.keep_raw / raw.name)
             total, by_self, by_cum = summarise(raw, args.top)
             lines = [
                 f"## {kind}: wrk c=32 {args.seconds:.0f} s, {rps:.0f} req/s "

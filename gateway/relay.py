@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from gateway.config import UpstreamConfig
@@ -267,10 +268,11 @@ class Relay:
                 err = _error_answer(up, body, ctx)
                 ctx.outcome = err.outcome
                 return err.response({"x-request-id": ctx.request_id})
-            try:
-                _record_usage(ctx, json.loads(body).get("usage"))
-            except (ValueError, AttributeError):
-                pass
+            if body.find(b'"usage"') >= 0:  # no parse for an answer without usage
+                try:
+                    _record_usage(ctx, orjson.loads(body).get("usage"))
+                except (ValueError, AttributeError):
+                    pass
             ctx.outcome = "ok"
             return web.Response(
                 status=status,
