@@ -45,4 +45,6 @@ async def app(upstreams: list[str]) -> web.Application:
 
 if __name__ == "__main__":
     uvloop.install()
-    web.run_app(app(sys.argv[2:]), host="127.0.0.1", port=int(sys.argv[1]), access_log=None)
+    web.run_app(
+        app(sys.argv[2:]), host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None
+    )

@@ -148,6 +148,66 @@ def _content_events(buf: bytes) -> tuple[int, int, bool] | None:
     return end, events, stop
 
 
+class _Watchdog:
+    """The phase-aware timeout of one stream with one timer, re-armed only when it fires.
+
+    Re-arming a timer on every chunk (``asyncio.Timeout.reschedule``: a cancelled and a
+    new timer handle) cost more than the rest of the relay's per-chunk work. Here the
+    relay only notes the time of the last upstream read (``last``) and whether it is
+    writing to the client (``writing``); when the timer fires, it checks the deadline
+    that applies now (first byte, idle gap from ``last``, total; while writing only the
+    total) and either re-arms for it or cancels the task, which `expired` then tells
+    apart from any other cancellation (as ``asyncio.timeout`` does)."""
+
+    __slots__ = (
+        "_loop",
+        "_task",
+        "_handle",
+        "_first",
+        "_idle",
+        "_total",
+        "last",
+        "writing",
+        "_fired",
+    )
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, first: float, idle: float, total: float
+    ) -> None:
+        self._loop = loop
+        self._task = asyncio.current_task()
+        self._first, self._idle, self._total = first, idle, total
+        self.last: float | None = None  # loop time after the last upstream read
+        self.writing = False
+        self._fired = False
+        self._handle: asyncio.TimerHandle | None = loop.call_at(first, self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if self.writing:
+            due = self._total
+        elif self.last is None:
+            due = self._first
+        else:
+            due = min(self.last + self._idle, self._total)
+        if now < due:
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self._handle = None
+        if self._task is not None:
+            self._fired = True
+            self._task.cancel()
+
+    def expired(self) -> bool:
+        """True when this watchdog cancelled the task and nothing else did too."""
+        return self._fired and self._task is not None and self._task.uncancel() == 0
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class ClientGone(Exception):
     """The client closed its connection while we were writing to it."""
 
@@ -304,10 +364,12 @@ class Relay:
         resp: web.StreamResponse | None = None
         clean = False
         failure: UpstreamFailure | None = None
-        timer = asyncio.timeout_at(min(loop.time() + cfg.first_byte_s, total_deadline))
+        wd = _Watchdog(
+            loop, min(loop.time() + cfg.first_byte_s, total_deadline), cfg.idle_s, total_deadline
+        )
         try:
             try:
-                async with timer:
+                try:
                     try:
                         up = await self._session.post(url, data=data, headers=headers)
                     except aiohttp.ClientError as e:
@@ -321,17 +383,18 @@ class Relay:
                         if out:
                             # The idle bound is for the engine, not for a slow client:
                             # while writing (backpressure) only the total bound applies.
-                            timer.reschedule(total_deadline)
+                            wd.writing = True
                             if resp is None:
                                 resp = await self._start_client_stream(request, ctx, up)
                             await _write(resp, out)
+                            wd.writing = False
                             now = loop.time()
                             if ctx.first_byte_at is None:
                                 ctx.first_byte_at = now
                             ctx.last_event_at = now
                             if ctx.generated + ctx.prompt_tokens > ctx.topup_at:
                                 self._on_progress(ctx)
-                        timer.reschedule(min(loop.time() + cfg.idle_s, total_deadline))
+                        wd.last = loop.time()
                     if buf:  # trailing bytes without a final blank line: pass them on
                         if resp is None:
                             resp = await self._start_client_stream(request, ctx, up)
@@ -341,6 +404,10 @@ class Relay:
                             "dropped", "replica closed an empty stream", retryable=True
                         )
                     clean = True
+                except asyncio.CancelledError:
+                    if wd.expired():
+                        raise TimeoutError from None
+                    raise
             except TimeoutError:
                 failure = UpstreamFailure(
                     "timeout",
@@ -386,6 +453,7 @@ class Relay:
             ctx.outcome = "ok" if ctx.upstream_error is None else f"upstream_{ctx.upstream_error}"
             return resp
         finally:
+            wd.close()
             if up is not None:
                 if clean:
                     up.release()
