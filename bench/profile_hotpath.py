@@ -1,7 +1,7 @@
 """Where kvgate's CPU goes on the request path: a sampling profile under load.
 
 Runs one ``kvgate serve`` process in front of the zero-latency nginx upstream of
-``bench/overhead.py``, records it with ``py-spy`` (a sampling profiler attached from
+``bench/overhead.py`` (or, with ``--upstream python``, its two engine-shaped backends), records it with ``py-spy`` (a sampling profiler attached from
 outside, so the process runs unmodified) while ``wrk`` drives it at concurrency 32, one
 phase of non-stream requests and one of streams, and writes the top functions by self
 and by cumulative (inclusive) time, in percent of the samples, to a text file.
@@ -31,6 +31,7 @@ from bench.overhead import (  # noqa: E402
     _wait_ready,
     start_kvgate,
     start_nginx,
+    start_python,
     upstream_servers,
     wrk_rps,
 )
@@ -81,6 +82,12 @@ def main() -> int:
     ap.add_argument("--label", default="")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--upstream",
+        choices=("nginx", "python"),
+        default="nginx",
+        help="nginx from memory, or two engine-shaped Python backends",
+    )
     ap.add_argument("--keep-raw", type=Path, default=None, help="copy py-spy's stacks here")
     args = ap.parse_args()
     for tool in ("nginx", "wrk", "py-spy"):
@@ -94,14 +101,22 @@ def main() -> int:
     procs: list[Process] = []
     sections = []
     try:
-        procs.append(start_nginx(workdir, "upstream", upstream_servers(workdir, up_ns, up_st)))
-        for kind, kv_port, up_port, body in (
-            ("non-stream", kv_ns, up_ns, BODY_NONSTREAM),
-            ("stream", kv_st, up_st, BODY_STREAM),
+        ups: dict[str, int | list[int]]
+        if args.upstream == "nginx":
+            procs.append(start_nginx(workdir, "upstream", upstream_servers(workdir, up_ns, up_st)))
+            ups = {"non-stream": up_ns, "stream": up_st}
+        else:
+            for i, port in enumerate((up_ns, up_st)):
+                procs.append(start_python(workdir, f"engine{i}", "engine_backend.py", [str(port)]))
+            ups = {"non-stream": [up_ns, up_st], "stream": [up_ns, up_st]}
+        for port in (up_ns, up_st):
+            _wait_port(port)
+        for kind, kv_port, body in (
+            ("non-stream", kv_ns, BODY_NONSTREAM),
+            ("stream", kv_st, BODY_STREAM),
         ):
-            kv = start_kvgate(workdir, f"kvgate-{kind}", kv_port, up_port)
+            kv = start_kvgate(workdir, f"kvgate-{kind}", kv_port, ups[kind])
             procs.append(kv)
-            _wait_port(up_port)
             _wait_port(kv_port)
             asyncio.run(_wait_ready(f"http://127.0.0.1:{kv_port}/ready"))
             url = f"http://127.0.0.1:{kv_port}/v1/chat/completions"
@@ -133,7 +148,7 @@ def main() -> int:
                 shutil.copy(raw, args.keep_raw / raw.name)
             total, by_self, by_cum = summarise(raw, args.top)
             lines = [
-                f"## {kind}: wrk c=32 {args.seconds:.0f} s, {rps:.0f} req/s "
+                f"## {kind} ({args.upstream} upstream): wrk c=32 {args.seconds:.0f} s, {rps:.0f} req/s "
                 f"(py-spy {total} samples)",
                 "",
                 "self %  function",
