@@ -350,6 +350,7 @@ class OpenLoopResult:
     ttfts: list[float] = field(default_factory=list)
     errors: int = 0
     late_starts: int = 0
+    statuses: dict[int, int] = field(default_factory=dict)  # non-200 answers by status
 
     def pct(self, values: list[float], q: float) -> float:
         if not values:
@@ -410,6 +411,7 @@ class _Conn(asyncio.Protocol):
                 self.res.ttfts.append(self.first - self.scheduled)
             else:
                 self.res.errors += 1
+                self.res.statuses[self.status] = self.res.statuses.get(self.status, 0) + 1
             self.pool.append(self)
             if self.done is not None and not self.done.done():
                 self.done.set_result(None)
@@ -459,6 +461,7 @@ async def open_loop(url: str, body: dict, rate: float, seconds: float) -> OpenLo
     res.latencies.clear()
     res.ttfts.clear()
     res.errors = 0
+    res.statuses.clear()
 
     async def one(scheduled: float) -> None:
         if clock() - scheduled > 0.002:
@@ -766,12 +769,14 @@ def open_loop_rounds(
                     "errors": ol.errors,
                     "late": ol.late_starts,
                     "n": len(ol.latencies),
+                    "statuses": {str(k): v for k, v in sorted(ol.statuses.items())},
                 }
                 lat[c.name][kind].append(row)
                 print(
                     f"{mode} round {rnd + 1} {kind} {c.name:14s} {rates[kind]:.0f}/s "
                     f"p50 {row['p50_ms']:.3f} p99 {row['p99_ms']:.3f} "
-                    f"ttft50 {row['ttft_p50_ms']:.3f} ms errors {ol.errors} late {ol.late_starts}",
+                    f"ttft50 {row['ttft_p50_ms']:.3f} ms errors {ol.errors} {row['statuses'] or ''} "
+                    f"late {ol.late_starts}",
                     flush=True,
                 )
     keys = ("p50_ms", "p99_ms", "ttft_p50_ms", "errors", "late")

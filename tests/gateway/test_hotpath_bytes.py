@@ -228,3 +228,18 @@ def test_content_mentioning_usage_is_not_the_usage_chunk():
         relay_module._FAST_MIN_BYTES = saved
     assert out == data and rest == b""
     assert c.usage_prompt is None and c.generated == 2
+
+
+def test_tune_gc_freezes_startup_objects_and_raises_the_young_threshold():
+    import gc
+
+    from gateway.runtime import GEN0_THRESHOLD, tune_gc
+
+    saved = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold()[0] == GEN0_THRESHOLD
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*saved)
