@@ -88,6 +88,7 @@ def main() -> int:
         default="nginx",
         help="nginx from memory, or two engine-shaped Python backends",
     )
+    ap.add_argument("--src", type=Path, default=None, help="profile another checkout's kvgate")
     ap.add_argument("--keep-raw", type=Path, default=None, help="copy py-spy's stacks here")
     args = ap.parse_args()
     for tool in ("nginx", "wrk", "py-spy"):
@@ -115,7 +116,7 @@ def main() -> int:
             ("non-stream", kv_ns, BODY_NONSTREAM),
             ("stream", kv_st, BODY_STREAM),
         ):
-            kv = start_kvgate(workdir, f"kvgate-{kind}", kv_port, ups[kind])
+            kv = start_kvgate(workdir, f"kvgate-{kind}", kv_port, ups[kind], src=args.src)
             procs.append(kv)
             _wait_port(kv_port)
             asyncio.run(_wait_ready(f"http://127.0.0.1:{kv_port}/ready"))
