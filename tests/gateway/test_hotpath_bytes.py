@@ -53,7 +53,7 @@ def _expected(body: dict) -> dict:
     return want
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     extra=st.dictionaries(st.text(max_size=10), json_values, max_size=5),
     opts=stream_options,
@@ -192,7 +192,7 @@ def _run(take, data: bytes, cuts: list[int]) -> tuple[bytes, bytes]:
     return out, buf
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     body=st.lists(events, max_size=12),
     tail=st.sampled_from([USAGE + b"data: [DONE]\n\n", b"data: [DONE]\n\n", ERROR, b""]),
