@@ -123,6 +123,7 @@ def hash_key_main(argv: Sequence[str]) -> int:
 
 async def _serve(config) -> None:  # type: ignore[no-untyped-def]
     from gateway.app import Gateway
+    from gateway.runtime import tune_gc
 
     # SIGTERM: graceful (shutdown.drain_grace_s for running requests). SIGINT, or a
     # second SIGTERM: fast (queued and running requests are answered at once).
@@ -139,6 +140,7 @@ async def _serve(config) -> None:  # type: ignore[no-untyped-def]
         loop.add_signal_handler(sig, on_signal, sig)
     gw = Gateway(config)
     await gw.start()
+    tune_gc()  # gateway/runtime.py: collect young objects less often once it is up
     try:
         await stop.wait()
     finally:

@@ -41,8 +41,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from gateway.config import UpstreamConfig
@@ -58,6 +60,42 @@ _ENVELOPE = frozenset(
 )
 
 
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
+_JSON_SPACE = b" \t\r\n"
+
+
+def with_include_usage(raw: bytes, body: dict[str, Any]) -> bytes:
+    """`raw` (a JSON object, parsed as `body`) with ``stream_options.include_usage`` true.
+
+    The common case, a body without ``stream_options``, is patched in its bytes: the
+    member goes in right after the opening brace, and every byte the client sent stays
+    as it was (no re-serialisation: numbers, escapes, key order, unknown fields all
+    untouched). A body that has ``stream_options`` already (without ``include_usage``
+    true) is rare and its member cannot be found without a JSON scan: it is parsed again
+    with the standard library (which keeps big integers exact) and re-serialised with
+    the member merged."""
+    if "stream_options" not in body:
+        i = 0
+        n = len(raw)
+        while i < n and raw[i] in _JSON_SPACE:
+            i += 1
+        if i < n and raw[i] == 0x7B:  # "{"; anything else in front (a BOM): re-serialise
+            j = i + 1
+            while j < n and raw[j] in _JSON_SPACE:
+                j += 1
+            member = _INCLUDE_USAGE if j < n and raw[j] != 0x7D else _INCLUDE_USAGE[:-1]
+            return raw[: i + 1] + member + raw[i + 1 :]
+    doc = json.loads(raw)
+    opts = doc.get("stream_options")
+    doc["stream_options"] = (
+        {**opts, "include_usage": True} if isinstance(opts, dict) else {"include_usage": True}
+    )
+    try:
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800") is valid JSON, not UTF-8
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
 def _event_end(buf: bytes, start: int) -> tuple[int, int]:
     """The first event boundary at or after `start` in any of SSE's three line endings:
     (index, length of the separator), or (-1, 0)."""
@@ -67,6 +105,134 @@ def _event_end(buf: bytes, start: int) -> tuple[int, int]:
         if i >= 0 and (best < 0 or i < best):
             best, size = i, len(sep)
     return best, size
+
+
+# Below this a buffer holds a few events (an engine's one chunk per step): looking at
+# each costs fewer calls than the whole-buffer scans.
+_FAST_MIN_BYTES = 768
+
+
+def _content_events(buf: bytes) -> tuple[int, int, bool] | None:
+    """The fast path of `Relay._take_events` for LF-framed SSE: (end of the events it
+    took, how many of them are content events, whether it stopped early at a usage
+    chunk), or None when an event needs a closer look (the per-event path then runs).
+
+    A handful of byte scans over the whole buffer instead of a loop per event: the
+    events it takes are all one ``data:`` line each (the buffer starts with ``data:``
+    and has exactly two newlines per ``\\n\\ndata:`` boundary; no raw newline can
+    occur inside a JSON line), none is an error event, and every ``"usage"`` key among
+    them is followed by ``null`` (a key cannot occur inside a JSON string, whose quotes
+    would be escaped). It stops before the first event with a real ``"usage"``: the
+    per-event path reads that one. Content events are the events that are not
+    ``[DONE]``."""
+    last = buf.rfind(b"\n\n")
+    if last < 0:
+        return 0, 0, False
+    end = last + 2
+    stop = False
+    u = buf.find(b'"usage"', 0, end)
+    while u >= 0:
+        if buf.find(b"null", u + 7, u + 14) < 0:
+            end = buf.rfind(b"\n\n", 0, u) + 2  # the start of the usage chunk's event
+            if end < 2:
+                return 0, 0, True
+            stop = True
+            break
+        u = buf.find(b'"usage"', u + 7, end)
+    events = buf.count(b"\n\ndata:", 0, end) + 1
+    if not buf.startswith(b"data:") or buf.count(b"\n", 0, end) != 2 * events:
+        return None
+    if buf.find(b'{"error"', 0, end) >= 0:
+        return None
+    if buf.find(b"[DONE]", 0, end) >= 0:
+        events -= buf.count(b"\n\ndata: [DONE]", 0, end) + buf.count(b"\n\ndata:[DONE]", 0, end)
+        if buf.startswith(b"data: [DONE]") or buf.startswith(b"data:[DONE]"):
+            events -= 1
+    return end, events, stop
+
+
+class _Watchdog:
+    """The phase-aware timeout of one stream with one timer, re-armed only when it fires.
+
+    Re-arming a timer on every chunk (``asyncio.Timeout.reschedule``: a cancelled and a
+    new timer handle) cost more than the rest of the relay's per-chunk work. Here the
+    relay only notes the time of the last upstream read (``last``) and whether it is
+    writing to the client (``writing``, since ``write_since``); when the timer fires, it
+    checks the deadline that applies now (first byte, idle gap from ``last``, total;
+    while writing the client's write timeout from ``write_since``, within the total) and
+    either re-arms for it or cancels the task, which `expired` then tells
+    apart from any other cancellation (as ``asyncio.timeout`` does)."""
+
+    __slots__ = (
+        "_loop",
+        "_task",
+        "_handle",
+        "_first",
+        "_idle",
+        "_total",
+        "_write",
+        "last",
+        "writing",
+        "write_since",
+        "_armed",
+        "_fired",
+    )
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        first: float,
+        idle: float,
+        total: float,
+        write: float,
+    ) -> None:
+        self._loop = loop
+        self._task = asyncio.current_task()
+        self._first, self._idle, self._total, self._write = first, idle, total, write
+        self.last: float | None = None  # loop time after the last upstream read
+        self.writing = False
+        self.write_since = 0.0  # loop time the current write to the client began
+        self._fired = False
+        self._armed = first  # when the timer fires next
+        self._handle: asyncio.TimerHandle | None = loop.call_at(first, self._check)
+
+    def begin_write(self, now: float) -> None:
+        """A write to the client begins: it must end within the write timeout. The timer
+        is re-armed only when it would fire later than that (with the defaults, the
+        engine's idle bound comes first and nothing is re-armed)."""
+        self.write_since = now
+        self.writing = True
+        due = now + self._write
+        if self._handle is not None and self._armed > due:
+            self._handle.cancel()
+            self._armed = due
+            self._handle = self._loop.call_at(due, self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if self.writing:
+            due = min(self.write_since + self._write, self._total)
+        elif self.last is None:
+            due = self._first
+        else:
+            due = min(self.last + self._idle, self._total)
+        if now < due:
+            self._armed = due
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self._handle = None
+        if self._task is not None:
+            self._fired = True
+            self._task.cancel()
+
+    def expired(self) -> bool:
+        """True when this watchdog cancelled the task and nothing else did too."""
+        return self._fired and self._task is not None and self._task.uncancel() == 0
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 class ClientGone(Exception):
@@ -131,18 +297,10 @@ class Relay:
     @staticmethod
     def upstream_body(ctx: RequestContext) -> bytes:
         """The bytes sent to the engine: the client's own bytes, except that a stream
-        that did not ask for usage gets ``include_usage`` added (serialised once)."""
+        that did not ask for usage gets ``include_usage`` added (`with_include_usage`)."""
         if not ctx.stream or ctx.client_wants_usage or ctx.body is None:
             return ctx.raw
-        body = dict(ctx.body)
-        opts = body.get("stream_options")
-        body["stream_options"] = (
-            {**opts, "include_usage": True} if isinstance(opts, dict) else {"include_usage": True}
-        )
-        try:
-            return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-        except UnicodeEncodeError:  # a lone surrogate ("\ud800") is valid JSON, not UTF-8
-            return json.dumps(body, separators=(",", ":")).encode()
+        return with_include_usage(ctx.raw, ctx.body)
 
     # ------------------------------------------------------------------ entry point
     async def forward(
@@ -201,10 +359,11 @@ class Relay:
                 err = _error_answer(up, body, ctx)
                 ctx.outcome = err.outcome
                 return err.response({"x-request-id": ctx.request_id})
-            try:
-                _record_usage(ctx, json.loads(body).get("usage"))
-            except (ValueError, AttributeError):
-                pass
+            if body.find(b'"usage"') >= 0:  # no parse for an answer without usage
+                try:
+                    _record_usage(ctx, orjson.loads(body).get("usage"))
+                except (ValueError, AttributeError):
+                    pass
             ctx.outcome = "ok"
             return web.Response(
                 status=status,
@@ -235,12 +394,18 @@ class Relay:
         up: aiohttp.ClientResponse | None = None
         resp: web.StreamResponse | None = None
         clean = False
-        writing = False  # a timeout while writing is the client's stall, not the engine's
         failure: UpstreamFailure | None = None
-        timer = asyncio.timeout_at(min(loop.time() + cfg.first_byte_s, total_deadline))
+        # A timeout while writing (wd.writing) is the client's stall, not the engine's.
+        wd = _Watchdog(
+            loop,
+            min(loop.time() + cfg.first_byte_s, total_deadline),
+            cfg.idle_s,
+            total_deadline,
+            self._write_timeout,
+        )
         try:
             try:
-                async with timer:
+                try:
                     try:
                         up = await self._session.post(url, data=data, headers=headers)
                     except aiohttp.ClientError as e:
@@ -255,19 +420,18 @@ class Relay:
                             # The idle bound is for the engine, not for a slow client:
                             # while writing (backpressure) only the total bound applies.
                             # A client that takes nothing for client_write_timeout_s is cut.
-                            timer.reschedule(min(loop.time() + self._write_timeout, total_deadline))
-                            writing = True
+                            wd.begin_write(loop.time())
                             if resp is None:
                                 resp = await self._start_client_stream(request, ctx, up)
                             await _write(resp, out)
-                            writing = False
+                            wd.writing = False
                             now = loop.time()
                             if ctx.first_byte_at is None:
                                 ctx.first_byte_at = now
                             ctx.last_event_at = now
                             if ctx.generated + ctx.prompt_tokens > ctx.topup_at:
                                 self._on_progress(ctx)
-                        timer.reschedule(min(loop.time() + cfg.idle_s, total_deadline))
+                        wd.last = loop.time()
                     if buf:  # trailing bytes without a final blank line: pass them on
                         if resp is None:
                             resp = await self._start_client_stream(request, ctx, up)
@@ -277,8 +441,12 @@ class Relay:
                             "dropped", "replica closed an empty stream", retryable=True
                         )
                     clean = True
+                except asyncio.CancelledError:
+                    if wd.expired():
+                        raise TimeoutError from None
+                    raise
             except TimeoutError:
-                if writing and loop.time() < total_deadline:
+                if wd.writing and loop.time() < total_deadline:
                     # The client's socket stayed full: it reads nothing. Drop it (and what
                     # is buffered for it); the engine's request is aborted in `finally`.
                     ctx.outcome = "client_stalled"
@@ -333,6 +501,7 @@ class Relay:
             ctx.outcome = "ok" if ctx.upstream_error is None else f"upstream_{ctx.upstream_error}"
             return resp
         finally:
+            wd.close()
             if up is not None:
                 if clean:
                     up.release()
@@ -404,11 +573,26 @@ class Relay:
         Forwarded bytes are slices of what the engine sent, except an unrequested usage
         chunk (left out, or without its usage) and an error event (in OpenAI's shape).
         """
+        # SSE lines end in LF, CRLF or CR; an event ends at an empty line. LF framing is
+        # the common case; a buffer with a CR takes the general path.
+        crlf = b"\r" in buf
+        if crlf or len(buf) < _FAST_MIN_BYTES:
+            return self._take_each(ctx, buf, crlf)
+        fast = _content_events(buf)
+        if fast is None:
+            return self._take_each(ctx, buf, False)
+        end, n, stop = fast
+        ctx.events += n
+        ctx.generated += n
+        if not stop:
+            return buf[:end], buf[end:]
+        out, rest = self._take_each(ctx, buf[end:], False)
+        return (buf[:end] + out if end else out), rest
+
+    def _take_each(self, ctx: RequestContext, buf: bytes, crlf: bool) -> tuple[bytes, bytes]:
+        """`_take_events` one event at a time (what the fast path must equal)."""
         start = 0
         kept: list[bytes] | None = None  # only materialised once something changes
-        # SSE lines end in LF, CRLF or CR; an event ends at an empty line. LF framing is
-        # the common case and costs one scan; a buffer with a CR takes the general path.
-        crlf = b"\r" in buf
         while True:
             if crlf:
                 i, sep = _event_end(buf, start)

@@ -1,56 +1,127 @@
-"""Request bodies of the OpenAI surface kvgate fronts, validated with pydantic v2.
+"""Request bodies of the OpenAI surface kvgate fronts: what kvgate reads, checked by hand.
 
-Only the fields admission needs are declared and checked strictly (a string where a
-number belongs is a 400, not a silent coercion). Everything else is allowed and passed
-to the engine untouched (``extra="allow"``): engines accept many fields OpenAI does not
-(vLLM's ``priority``, ``top_k``, ``ignore_eos``, ``min_tokens``...), and a gateway that
-dropped them would silently change what the engine does.
+Only the fields admission needs are read and checked, strictly (a string where a number
+belongs is a 400, not a silent coercion): ``model``, ``stream``, ``stream_options``,
+``max_tokens`` / ``max_completion_tokens``, ``n``, the messages' ``role`` and
+``content`` (the text to count), ``tools``, the completions ``prompt``. Everything else
+is left alone and passed to the engine untouched: engines accept many fields OpenAI does
+not (vLLM's ``priority``, ``top_k``, ``ignore_eos``, ``min_tokens``...), and a gateway
+that dropped them would silently change what the engine does.
 
-kvgate forwards the client's original bytes for non-streamed requests, so these models
-are validators and readers, never serialisers.
+Why not pydantic models of the body: validating every message into a model costs more
+than the rest of kvgate's own work on a request together (bench/results/profile_*.txt),
+and kvgate never serialises these objects (it forwards the client's bytes), so the
+readers below wrap the parsed dict and check only the fields above, in one pass, with
+errors that name the field (`BodyError`, answered as a 400 OpenAI error object).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from typing import Any
 
 # Far above any context window served today, low enough that arithmetic on it is safe.
 # Between a model's real limit and this, admission answers context_length_exceeded.
 MAX_TOKENS_CEILING = 1 << 24
 
-MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_CEILING)]
+
+class BodyError(ValueError):
+    """A field kvgate reads is missing or of the wrong type. ``param`` names the
+    top-level field (OpenAI's ``param``); the message gives the full location."""
+
+    def __init__(self, loc: str, msg: str) -> None:
+        super().__init__(f"{loc}: {msg}")
+        self.message = f"{loc}: {msg}"
+        self.param = loc.split(".", 1)[0]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    include_usage: StrictBool | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: StrictStr
-    # A string, or OpenAI content parts ({"type": "text", "text": ...}, images...).
-    content: StrictStr | list[dict[str, Any]] | None = None
+def _max_tokens(body: dict[str, Any], key: str) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if type(v) is not int:  # bool is an int subclass: true is not a token count
+        raise BodyError(key, "Input should be a valid integer")
+    if not 1 <= v <= MAX_TOKENS_CEILING:
+        raise BodyError(key, f"Input should be between 1 and {MAX_TOKENS_CEILING}")
+    return v
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage:
+    """One message: its ``role`` and ``content`` checked; the rest in ``model_extra``
+    (the message dict itself: ``tool_calls``, ``function_call``... are read from it)."""
 
-    model: Annotated[StrictStr, Field(min_length=1)]
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: MaxTokens | None = None
-    # kvgate reserves KV for one sequence per request; n > 1 multiplies the need in ways
-    # the engine may or may not share (prefix), so it is refused rather than guessed.
-    n: Literal[1] | None = None
+    __slots__ = ("role", "content", "model_extra")
+
+    def __init__(self, raw: Any, i: int) -> None:
+        if not isinstance(raw, dict):
+            raise BodyError(f"messages.{i}", "Input should be a valid dictionary")
+        role = raw.get("role")
+        if type(role) is not str:
+            raise BodyError(
+                f"messages.{i}.role",
+                "Field required" if role is None else "Input should be a valid string",
+            )
+        content = raw.get("content")
+        if content is not None and type(content) is not str:
+            if type(content) is not list or not all(type(p) is dict for p in content):
+                raise BodyError(
+                    f"messages.{i}.content",
+                    "Input should be a string, a list of content parts (objects) or null",
+                )
+        self.role: str = role
+        # A string, or OpenAI content parts ({"type": "text", "text": ...}, images...).
+        self.content: str | list[dict[str, Any]] | None = content
+        self.model_extra: dict[str, Any] = raw
+
+
+class _Common:
+    """The fields of both endpoints. Build with `from_body` (or `model_validate`)."""
+
+    __slots__ = ("body", "model", "stream", "stream_options", "max_tokens", "n")
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+        model = body.get("model")
+        if type(model) is not str or not model:
+            raise BodyError(
+                "model",
+                "Field required" if model is None else "Input should be a non-empty string",
+            )
+        self.model: str = model
+        stream = body.get("stream", False)
+        if type(stream) is not bool:
+            raise BodyError("stream", "Input should be a valid boolean")
+        self.stream: bool = stream
+        opts = body.get("stream_options")
+        if opts is not None:
+            if type(opts) is not dict:
+                raise BodyError("stream_options", "Input should be a valid dictionary")
+            inc = opts.get("include_usage")
+            if inc is not None and type(inc) is not bool:
+                raise BodyError("stream_options.include_usage", "Input should be a valid boolean")
+        self.stream_options: dict[str, Any] | None = opts
+        self.max_tokens = _max_tokens(body, "max_tokens")
+        # kvgate reserves KV for one sequence per request; n > 1 multiplies the need in
+        # ways the engine may or may not share (prefix), so it is refused, not guessed.
+        n = body.get("n")
+        if n is not None and (type(n) is not int or n != 1):
+            raise BodyError("n", "Input should be 1")
+        self.n: int | None = n
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> _Common:
+        return cls(body)
+
+    # The name pydantic gave it, kept for callers and tests written against the models.
+    @classmethod
+    def model_validate(cls, body: Any) -> Any:
+        if not isinstance(body, dict):
+            raise BodyError("body", "Input should be a valid dictionary")
+        return cls(body)
 
     @property
     def wants_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        opts = self.stream_options
+        return bool(opts and opts.get("include_usage"))
 
     @property
     def bounds_output(self) -> bool:
@@ -60,9 +131,25 @@ class _Common(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: MaxTokens | None = None
-    tools: list[dict[str, Any]] | None = None
+    __slots__ = ("messages", "max_completion_tokens", "tools")
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body)
+        msgs = body.get("messages")
+        if type(msgs) is not list:
+            raise BodyError(
+                "messages", "Field required" if msgs is None else "Input should be a valid list"
+            )
+        if not msgs:
+            raise BodyError("messages", "List should have at least 1 item after validation")
+        self.messages = [ChatMessage(m, i) for i, m in enumerate(msgs)]
+        self.max_completion_tokens = _max_tokens(body, "max_completion_tokens")
+        tools = body.get("tools")
+        if tools is not None and (
+            type(tools) is not list or not all(type(t) is dict for t in tools)
+        ):
+            raise BodyError("tools", "Input should be a list of objects")
+        self.tools: list[dict[str, Any]] | None = tools
 
     @property
     def bounds_output(self) -> bool:
@@ -93,13 +180,36 @@ class ChatCompletionRequest(_Common):
         return "\n".join(parts)
 
 
-# A completions prompt: text, or token ids. Batches (lists of several prompts) are
-# refused: each would need its own reservation.
-Prompt = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+def _is_ints(v: list[Any]) -> bool:
+    return all(type(x) is int for x in v)
 
 
 class CompletionRequest(_Common):
-    prompt: Prompt
+    """A completions prompt: text, or token ids. Batches (lists of several prompts) are
+    read (`batch_size`) and refused by the pipeline: each would need its own reservation."""
+
+    __slots__ = ("prompt",)
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body)
+        p = body.get("prompt")
+        ok = type(p) is str or (
+            type(p) is list
+            and (
+                all(type(x) is str for x in p)
+                or _is_ints(p)
+                or all(type(x) is list and _is_ints(x) for x in p)
+            )
+        )
+        if not ok:
+            raise BodyError(
+                "prompt",
+                "Field required"
+                if p is None
+                else "Input should be a string, a list of strings, a list of token ids "
+                "or a list of lists of token ids",
+            )
+        self.prompt: str | list[str] | list[int] | list[list[int]] = p
 
     @property
     def output_bound(self) -> int | None:

@@ -322,3 +322,27 @@ async def test_burst_with_random_disconnects_leaves_nothing_behind(replica, gate
     assert not [r for r in survivors if isinstance(r, BaseException)]
     assert set(statuses) <= {200, 503}
     assert statuses.count(200) >= len(survivors) // 2
+
+
+async def test_a_stream_longer_than_many_idle_windows_is_not_cut(replica, gateway):
+    """The idle bound is between chunks, not on the whole stream: a stream that goes on
+    for several idle windows, a chunk at a time, ends normally (the relay's one timer is
+    re-armed from the last chunk each time it fires)."""
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv, upstream={"idle_s": 0.5, "first_byte_s": 5.0})
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            gw.url + "/v1/chat/completions", json={**LONG, "max_tokens": 500, "stream": True}
+        ) as r,
+    ):
+        assert r.status == 200
+        body = await r.read()
+    took = loop.time() - started
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    assert not any(b'"error"' in e for e in events)
+    assert len(events) >= 500
+    assert took > 1.0  # the premise: it outlived two idle windows

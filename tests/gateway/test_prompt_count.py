@@ -232,5 +232,5 @@ def _discovery(watchers: list[SimpleNamespace]) -> SimpleNamespace:
 def _ctx(parsed: ChatCompletionRequest | CompletionRequest) -> RequestContext:
     kind = "chat" if isinstance(parsed, ChatCompletionRequest) else "completion"
     ctx = RequestContext("t", kind, "/", 0.0, parsed=parsed, model=parsed.model)
-    ctx.body = parsed.model_dump()
+    ctx.body = parsed.body
     return ctx
