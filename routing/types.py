@@ -120,7 +120,10 @@ class Router(Protocol):
     stays queued without holding anything up). The optional hooks ``placed(req,
     replica, now)`` and ``released(request_id, replica, now)`` are called by admission
     when it reserves a replica for a request and when it frees that reservation, so a
-    policy can keep state (prefix index, session table).
+    policy can keep state (prefix index, session table). The optional ``hints(req) ->
+    list[str]`` names replicas the policy wants among the candidates whatever their
+    headroom (warm prefix, session, speculating): admission scores a shortlist of the
+    replicas with the most headroom plus these, not the whole fleet.
     """
 
     def pick(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None: ...
