@@ -93,6 +93,9 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
             st.queue_depths,
             lambda: st.controller.top_up_failures,
         )
+        decisions = getattr(st.controller.router, "decisions", None)
+        if decisions is not None:
+            st.metrics.watch_routing(lambda: dict(decisions))
         pipeline_ref: list[Pipeline] = []
         relay = Relay(session, config.upstream, lambda ctx: pipeline_ref[0].on_progress(ctx))
         counter = PromptCounter(config, st.estimator, st.discovery, st.metrics, session)

@@ -117,3 +117,29 @@ async def test_a_request_every_filter_rejects_does_not_block_others(replica, gat
         assert resp.status == 503
         assert (await resp.json())["error"]["code"]
         resp.release()
+
+
+async def test_workload_classes_and_routing_reasons_appear_in_metrics(replica, gateway):
+    srv = await replica(speed=50.0)
+    gw = await gateway(srv, routing=PREFIX_PROFILE)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    code = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Fix this:\n```py\nx = [1, 2\n```"}],
+        "max_tokens": 4,
+    }
+    async with aiohttp.ClientSession() as s:
+        for body, headers in ((chat, {}), (code, {}), (chat, {"x-workload": "agentic"})):
+            async with s.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+        async with s.get(gw.url + "/metrics") as r:
+            text = await r.text()
+    for workload in ("chat", "coding", "agentic"):
+        line = f'kvgate_workload_requests_total{{outcome="ok",workload="{workload}"}} 1.0'
+        assert line in text, text
+    decided = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvgate_routing_decisions_total{")
+    ]
+    assert sum(decided) == 3, text
