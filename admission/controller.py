@@ -310,6 +310,10 @@ class AdmissionController:
         self._views: dict[str, _View] = {}  # model -> its view; cleared on a change
         self._views_of: object = None  # the `_by_model` index the views were built on
         self._hints_hook = getattr(self._picker, "hints", None)
+        self._warm_hook = getattr(self._picker, "warm", None)
+        # Expected-TTFT choices between a full warm replica and a free cold one
+        # (`_wait_for_warm`), by outcome: exported beside routing's decisions.
+        self.ttft_choices: dict[str, int] = {}
         self._reservations: dict[str, _Reservation] = {}
         self._held: dict[str, _Reservation] = {}  # abandoned, in order of abandonment
         self._queue: list[_Entry] = []  # sorted by key
@@ -393,6 +397,19 @@ class AdmissionController:
         c.prefix_cache_hits_total = state.prefix_cache_hits_total
         c.spec_draft_tokens_total = state.spec_draft_tokens_total
         c.spec_accepted_tokens_total = state.spec_accepted_tokens_total
+        # Speculation: a configured `speculative` label wins over what the engine says.
+        label = rep.labels.get("speculative", "").strip().lower()
+        if label in ("true", "1", "yes", "on"):
+            c.speculative = True
+        elif label in ("false", "0", "no", "off"):
+            c.speculative = False
+        else:
+            c.speculative = bool(state.speculative)
+        c.spec_num_draft_tokens = state.spec_num_draft_tokens
+        c.spec_drafts_total = state.spec_drafts_total
+        c.spec_accept_length = state.spec_accept_length
+        c.itl_sum_s = state.itl_sum_s
+        c.itl_count = state.itl_count
         rep.view_at = state.updated_at
         rep.preempts = state.preempts
         rep.private_slots = state.private_slots
@@ -1058,6 +1075,12 @@ class AdmissionController:
         rep = reps.get(choice.name)
         if rep is None or not fit.get(choice.name):
             raise ValueError(f"picker returned {choice.name!r}, which was not a candidate")
+        if (
+            self._warm_hook is not None
+            and req.prefix_hashes
+            and self._wait_for_warm(req, route, rep, fit, now)
+        ):
+            return _REJECTED  # waits for the warm replica without blocking anyone
         tokens = rep.tokens_for(req)
         rep.reserved += tokens
         rep.running += 1
@@ -1071,6 +1094,55 @@ class AdmissionController:
         if self._placed_hook is not None:
             self._placed_hook(route, rep.cand, now)
         return Admit(req.request_id, rep.name, tokens)
+
+    def _wait_for_warm(
+        self,
+        req: AdmissionRequest,
+        route: RouteRequest,
+        chosen: _Replica,
+        fit: dict[str, bool],
+        now: float,
+    ) -> bool:
+        """Whether `req` should wait for the warm replica routing would rather use (it
+        holds more of the prompt cached but is full now) instead of starting on `chosen`.
+
+        Expected time to first token on the warm replica: its queue wait (its KV deficit
+        for this request over its drain rate in tokens/s, and its running-slot deficit
+        over its rate in requests/s) plus the prefill of the part it does not hold;
+        against the prefill of what `chosen` does not hold, starting now. Prefill times
+        are the replicas' own fitted TTFT lines (`ServiceModel`); without samples on
+        either, or without a drain rate on the warm one, there is no basis to wait and
+        the request starts now. Routing names the warm replicas (`Router.warm`); this is
+        admission's when, not routing's where."""
+        warm = self._warm_hook(route)  # type: ignore[misc]
+        if not warm:
+            return False
+        name, cached = warm[0]
+        if name == chosen.name or fit.get(name):
+            return False  # the warm replica was a candidate: routing weighed it
+        w = self._replicas.get(name)
+        if w is None or not w.usable or req.model not in w.models or not w.can_ever_fit(req):
+            return False
+        here = next((t for n, t in warm if n == chosen.name), 0)
+        if cached <= here or not len(w.ttft) or not len(chosen.ttft):
+            return False
+        tok_rate, req_rate = w.drain.rates(now)
+        wait = 0.0
+        deficit = w.tokens_for(req) - w.free
+        if deficit > 0:
+            wait = deficit / tok_rate if tok_rate > 0 else math.inf
+        allowed = w.allowed
+        if allowed is not None and w.running >= allowed:
+            slots = w.running - allowed + 1
+            wait = max(wait, slots / req_rate if req_rate > 0 else math.inf)
+        if not math.isfinite(wait):
+            return False
+        prompt = max(1, req.prompt_tokens)
+        t_warm = wait + w.ttft.predict(max(1, prompt - cached), allowed or w.running + 1)
+        t_cold = chosen.ttft.predict(max(1, prompt - here), chosen.allowed or chosen.running + 1)
+        verdict = "expected_ttft_wait" if t_warm < t_cold else "expected_ttft_cold"
+        self.ttft_choices[verdict] = self.ttft_choices.get(verdict, 0) + 1
+        return t_warm < t_cold
 
     @staticmethod
     def _fits_now(rep: _Replica, req: AdmissionRequest, now: float) -> bool:

@@ -95,7 +95,8 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
         )
         decisions = getattr(st.controller.router, "decisions", None)
         if decisions is not None:
-            st.metrics.watch_routing(lambda: dict(decisions))
+            choices = st.controller.ttft_choices
+            st.metrics.watch_routing(lambda: {**decisions, **choices})
         pipeline_ref: list[Pipeline] = []
         relay = Relay(session, config.upstream, lambda ctx: pipeline_ref[0].on_progress(ctx))
         counter = PromptCounter(config, st.estimator, st.discovery, st.metrics, session)

@@ -171,6 +171,29 @@ class PrefixCacheScorer:
                 out.append(name)
         return out
 
+    def warm(self, req: RouteRequest) -> list[tuple[str, int]]:
+        """The replicas `hints` names with the prompt tokens each is expected to hold
+        cached (matched blocks x block_chars / chars_per_token, within the prompt),
+        warmest first: a fact for admission's expected-TTFT choice, not a decision."""
+        hashes = req.prefix_hashes
+        out = []
+        for name in self.hints(req):
+            idx = self._indexes.get(name)
+            if idx is None:
+                continue
+            blocks = idx.match(hashes)
+            if blocks:
+                cached = int(blocks * self.block_chars / self.chars_per_token)
+                out.append((name, min(req.prompt_tokens or cached, cached)))
+        out.sort(key=lambda x: -x[1])
+        return out
+
+    def explain(self, req: RouteRequest, chosen: Candidate) -> str | None:
+        if not req.prefix_hashes:
+            return None
+        idx = self._indexes.get(chosen.name)
+        return "prefix_warm" if idx is not None and idx.match(req.prefix_hashes[:1]) else None
+
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
         hashes = req.prefix_hashes
         if not hashes:

@@ -43,6 +43,7 @@ class Profile:
         self.released_hooks = tuple(p.released for p in plugins if hasattr(p, "released"))
         self.hint_hooks = tuple(p.hints for p in plugins if hasattr(p, "hints"))
         self.explain_hooks = tuple(p.explain for p in plugins if hasattr(p, "explain"))
+        self.warm_hooks = tuple(p.warm for p in plugins if hasattr(p, "warm"))
         self.needs_prefix = any(getattr(p, "needs_prefix", False) for p in plugins)
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
@@ -112,6 +113,14 @@ class SchedulingRouter:
         for hook in hooks:
             out.extend(hook(req))
         return out
+
+    def warm(self, req: RouteRequest) -> list[tuple[str, int]]:
+        """Replicas expected to hold part of the prompt cached, with those tokens, warmest
+        first (admission's expected-TTFT choice reads it; empty without a prefix
+        plugin)."""
+        for hook in self.profile_for(req.model).warm_hooks:
+            return hook(req)
+        return []
 
     def placed(self, req: RouteRequest, candidate: Candidate, now: float) -> None:
         profile = self.profile_for(req.model)

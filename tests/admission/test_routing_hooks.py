@@ -108,3 +108,113 @@ def test_scheduling_router_places_sessions_through_admission() -> None:
         if i == 2:
             home = got.replica
         assert got.replica == home  # affinity beats the emptier replica
+
+
+class WarmOn:
+    """Prefers `warm` (holding `cached` prompt tokens) whenever it is a candidate."""
+
+    def __init__(self, warm: str, cached: int) -> None:
+        self.warm_name = warm
+        self.cached = cached
+
+    def pick(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
+        for c in candidates:
+            if c.name == self.warm_name:
+                return c
+        return candidates[0]
+
+    def hints(self, req: RouteRequest) -> list[str]:
+        return [self.warm_name]
+
+    def warm(self, req: RouteRequest) -> list[tuple[str, int]]:
+        return [(self.warm_name, self.cached)]
+
+
+def _teach(ctl: AdmissionController, name: str, now: float, *, ttft_per_token: float) -> float:
+    """Run requests on replica `name` alone so it learns a TTFT line and a drain rate."""
+    from admission.types import Completion
+
+    for i in range(12):
+        rid = f"teach-{name}-{i}"
+        prompt = 100 + 50 * i
+        admit = ctl.submit(request(rid, prompt, 10), now)
+        assert isinstance(admit, Admit) and admit.replica == name
+        now += 0.5
+        ttft = 0.01 + ttft_per_token * prompt
+        ctl.release(rid, now, Completion(ttft_s=ttft, service_s=ttft + 0.1, prompt_tokens=prompt))
+    return now
+
+
+def _two_replicas(cached: int) -> AdmissionController:
+    ctl = make(WarmOn("warm", cached))
+    ctl.upsert_replica(replica("warm", 2000, max_running=1), 0.0)
+    ctl.upsert_replica(replica("cold", 2000, max_running=1), 0.0)
+    return ctl
+
+
+def _req_with_prefix(rid: str, prompt: int):  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    return replace(request(rid, prompt, 10), prefix_hashes=(1, 2, 3))
+
+
+def test_expected_ttft_waits_for_a_warm_replica_when_the_cold_prefill_is_longer() -> None:
+    ctl = _two_replicas(cached=1500)
+    now = 0.0
+    ctl.mark_unready("cold", now)
+    now = _teach(ctl, "warm", now, ttft_per_token=0.002)
+    ctl.upsert_replica(replica("cold", 2000, max_running=1), now)
+    ctl.mark_unready("warm", now)
+    now = _teach(ctl, "cold", now, ttft_per_token=0.002)
+    ctl.upsert_replica(replica("warm", 2000, max_running=1), now)
+    # The warm replica is busy (its one slot taken); the cold one is free.
+    assert ctl.submit(request("busy", 100, 10), now).replica == "warm"  # type: ignore[union-attr]
+    # 1600-token prompt, 1500 cached on warm: ~0.2 s there after a short wait, against
+    # ~3.2 s of prefill on the cold one: it waits for warm (queued, blocking nobody).
+    verdict = ctl.submit(_req_with_prefix("agent", 1600), now)
+    assert isinstance(verdict, Queued)
+    assert ctl.ttft_choices == {"expected_ttft_wait": 1}
+    other = ctl.submit(request("other", 100, 10), now)  # the cold replica is not blocked
+    assert isinstance(other, Admit) and other.replica == "cold"
+    ctl.release("other", now + 0.1)
+    admits = ctl.release("busy", now + 0.2)
+    assert [(a.request_id, a.replica) for a in admits] == [("agent", "warm")]
+    ctl.release("agent", now + 1.0)
+    assert ctl.reserved_tokens() == 0
+
+
+def test_expected_ttft_starts_cold_when_little_is_cached() -> None:
+    ctl = _two_replicas(cached=100)
+    now = 0.0
+    ctl.mark_unready("cold", now)
+    now = _teach(ctl, "warm", now, ttft_per_token=0.002)
+    ctl.upsert_replica(replica("cold", 2000, max_running=1), now)
+    ctl.mark_unready("warm", now)
+    now = _teach(ctl, "cold", now, ttft_per_token=0.002)
+    ctl.upsert_replica(replica("warm", 2000, max_running=1), now)
+    assert ctl.submit(request("busy", 1500, 10), now).replica == "warm"  # type: ignore[union-attr]
+    verdict = ctl.submit(_req_with_prefix("agent", 400), now)
+    assert isinstance(verdict, Admit) and verdict.replica == "cold"
+    assert ctl.ttft_choices == {"expected_ttft_cold": 1}
+    ctl.release("busy", now + 1.0)
+    ctl.release("agent", now + 1.0)
+
+
+def test_speculative_label_wins_over_the_engine() -> None:
+    router = RejectsOne()
+    ctl = make(router)
+    st = replica("r1", 1000)
+    st.speculative = True
+    ctl.upsert_replica(st, 0.0)
+    ctl.submit(request("ok-1", 10, 10), 0.0)
+    assert router.seen[0].speculative is True
+    st.labels = {"speculative": "false"}
+    ctl.upsert_replica(st, 1.0)
+    ctl.submit(request("ok-2", 10, 10), 1.0)
+    assert router.seen[0].speculative is False
+    st.labels, st.speculative = {"speculative": "true"}, None
+    ctl.upsert_replica(st, 2.0)
+    ctl.submit(request("ok-3", 10, 10), 2.0)
+    assert router.seen[0].speculative is True
+    for rid in ("ok-1", "ok-2", "ok-3"):
+        ctl.release(rid, 3.0)
