@@ -218,3 +218,49 @@ def test_speculative_label_wins_over_the_engine() -> None:
     assert router.seen[0].speculative is True
     for rid in ("ok-1", "ok-2", "ok-3"):
         ctl.release(rid, 3.0)
+
+
+def test_shortlist_choice_matches_a_full_scan_and_filters_stay_exact() -> None:
+    """With many replicas admission scores a shortlist; the pick is the one a full scan
+    of the profile would make, and a filter that rejects the shortlist is asked again
+    with every fitting replica."""
+    from routing.config import RoutingConfig
+    from routing.registry import register
+
+    class KeepLast:
+        def filter(self, req: RouteRequest, cands: Sequence[Candidate]) -> list[Candidate]:
+            return [c for c in cands if c.name == "r39"]
+
+    register("filter", "test_keep_r39")(lambda params, env: KeepLast())
+    router = build_router(RoutingConfig(), seed=3)
+    ctl = make(router)
+    for i in range(40):
+        ctl.upsert_replica(replica(f"r{i}", 1000 + 10 * i), 0.0)
+    # Most free fraction first: all empty, so ties; reserve some and check the choice is
+    # the replica with the largest free fraction, as a full scan would give.
+    for k in range(30):
+        admit = ctl.submit(request(f"q{k}", 50 + k, 50), 1.0)
+        assert isinstance(admit, Admit)
+        usage = {u.name: u for u in ctl.replica_usage()}
+        chosen = usage[admit.replica]
+        before = (
+            chosen.effective_capacity_tokens - chosen.reserved_tokens + admit.reserved_tokens
+        ) / (chosen.effective_capacity_tokens)
+        best = max(
+            (u.effective_capacity_tokens - u.reserved_tokens) / u.effective_capacity_tokens
+            for u in usage.values()
+            if u.name != admit.replica
+        )
+        assert before >= best - 1e-9
+    filtered = build_router(
+        RoutingConfig.model_validate({"default_profile": {"filters": [{"name": "test_keep_r39"}]}})
+    )
+    ctl2 = make(filtered)
+    for i in range(40):
+        ctl2.upsert_replica(replica(f"r{i}", 1000), 0.0)
+    admit = ctl2.submit(request("only", 10, 10), 1.0)
+    assert isinstance(admit, Admit) and admit.replica == "r39"
+    for k in range(30):
+        ctl.release(f"q{k}", 2.0)
+    ctl2.release("only", 2.0)
+    assert ctl.reserved_tokens() == 0 and ctl2.reserved_tokens() == 0
