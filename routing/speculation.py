@@ -10,9 +10,11 @@ or not as it was started; the gateway can only choose who goes there.
 Policy. For a request of a speculating workload (``workloads``, default ``[coding]``):
 a speculating replica whose batch with this request stays within its *crossover* scores
 1, one past it 0, a plain replica 0.5: coding goes to speculating replicas while
-speculation pays there and spills to plain ones past it. Other requests score plain
-replicas 1 and speculating ones 0 (``others_prefer_plain``, default true): chat placed on
-a speculating replica raises the batch coding depends on and gains less itself. With a
+speculation pays there and spills to plain ones past it. Other requests score a plain
+replica 1, and a speculating one 1 while its batch with them stays within
+``others_share`` (0.25) of the crossover, 0 past it: at low load chat gains from
+speculation too (1.5x at batch 1 on enginesim), and it leaves the speculating replicas'
+batch to coding before it grows (0: other classes never go there by preference). With a
 load scorer in the profile (``kv_headroom`` / ``running_headroom``) the weights decide
 how far a preference may overload a replica. The batch is the larger of the ledger's
 running count (current) and the engine's (other clients; as of its last round).
@@ -92,7 +94,7 @@ class SpeculationScorer:
         crossover_batch: float = 32.0,
         reference_acceptance: float = 4.73,
         num_draft_tokens: int = 5,
-        others_prefer_plain: bool = True,
+        others_share: float = 0.25,
         min_window_tokens: int = 64,
         window_rounds: int = 32,
     ) -> None:
@@ -100,7 +102,7 @@ class SpeculationScorer:
         self.crossover_batch = crossover_batch
         self.reference_acceptance = reference_acceptance
         self.num_draft_tokens = num_draft_tokens
-        self.others_prefer_plain = others_prefer_plain
+        self.others_share = others_share
         self.min_window_tokens = min_window_tokens
         self.window_rounds = window_rounds
         self._reps: dict[str, _Replica] = {}
@@ -168,9 +170,9 @@ class SpeculationScorer:
             if not c.speculative:
                 return 0.5
             return 1.0 if rep.batch + 1 <= self.crossover(c) else 0.0
-        if self.others_prefer_plain:
-            return 0.0 if c.speculative else 1.0
-        return 0.5
+        if not c.speculative:
+            return 1.0
+        return 1.0 if rep.batch + 1 <= self.others_share * self.crossover(c) else 0.0
 
     def placed(self, req: RouteRequest, c: Candidate, now: float) -> None:
         if c.speculative:
@@ -212,7 +214,7 @@ def _speculation(params: Mapping[str, Any], env: PluginEnv) -> SpeculationScorer
             "crossover_batch": (int, float),
             "reference_acceptance": (int, float),
             "num_draft_tokens": int,
-            "others_prefer_plain": bool,
+            "others_share": (int, float),
             "min_window_tokens": int,
             "window_rounds": int,
         },
@@ -223,17 +225,18 @@ def _speculation(params: Mapping[str, Any], env: PluginEnv) -> SpeculationScorer
     crossover = float(params.get("crossover_batch", 32.0))
     ref = float(params.get("reference_acceptance", 4.73))
     k = int(params.get("num_draft_tokens", 5))
-    if crossover < 1 or k < 1 or not 1.0 < ref < k + 1:
+    share = float(params.get("others_share", 0.25))
+    if crossover < 1 or k < 1 or not 1.0 < ref < k + 1 or not 0.0 <= share <= 1.0:
         raise ValueError(
             "crossover_batch must be >= 1, num_draft_tokens >= 1, and "
-            "reference_acceptance in (1, num_draft_tokens + 1)"
+            "reference_acceptance in (1, num_draft_tokens + 1), others_share in [0, 1]"
         )
     return SpeculationScorer(
         workloads=tuple(workloads),
         crossover_batch=crossover,
         reference_acceptance=ref,
         num_draft_tokens=k,
-        others_prefer_plain=bool(params.get("others_prefer_plain", True)),
+        others_share=share,
         min_window_tokens=max(1, int(params.get("min_window_tokens", 64))),
         window_rounds=max(3, int(params.get("window_rounds", 32))),
     )

@@ -34,12 +34,13 @@ def test_coding_prefers_speculating_replicas_below_the_crossover_and_spills_past
     assert s.score(req("coding"), cand("s", spec=True, running=1, engine_running=9)) == 0.0
 
 
-def test_other_workloads_keep_off_speculating_replicas_unless_told() -> None:
-    s = SpeculationScorer()
-    assert s.score(req("chat"), cand("s", spec=True)) == 0.0
-    assert s.score(req("chat"), cand("p", spec=False)) == 1.0
-    neutral = SpeculationScorer(others_prefer_plain=False)
-    assert neutral.score(req("chat"), cand("s", spec=True)) == 0.5
+def test_other_workloads_use_speculating_replicas_only_while_their_batch_is_small() -> None:
+    s = SpeculationScorer(crossover_batch=16, others_share=0.25)  # chat up to batch 4
+    assert s.score(req("chat"), cand("s", spec=True, running=3)) == 1.0
+    assert s.score(req("chat"), cand("s", spec=True, running=4)) == 0.0
+    assert s.score(req("chat"), cand("p", spec=False, running=9)) == 1.0
+    never = SpeculationScorer(others_share=0.0)
+    assert never.score(req("chat"), cand("s", spec=True)) == 0.0
 
 
 def test_crossover_scales_with_measured_acceptance() -> None:
@@ -121,6 +122,7 @@ def test_bad_params_are_rejected() -> None:
         {"reference_acceptance": 7.0},
         {"workloads": [1]},
         {"nope": 1},
+        {"others_share": 1.5},
     ):
         with pytest.raises((ValueError, TypeError)):
             build("scorer", "speculation", params, PluginEnv())
