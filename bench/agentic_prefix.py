@@ -382,6 +382,8 @@ async def kvgate_view(url: str) -> dict:
                 out["decisions"][sm.labels["reason"]] = sm.value
             elif sm.name == "kvgate_replica_limit":
                 out["limits"][sm.labels["replica"]] = sm.value
+            elif sm.name == "kvgate_prompt_counts_total":
+                out.setdefault("prompt_counts", {})[sm.labels["how"]] = sm.value
             elif sm.name == "kvgate_queue_wait_seconds_sum":
                 out["queue_wait_sum_s"] = sm.value
             elif sm.name == "kvgate_queue_wait_seconds_count":
