@@ -54,6 +54,12 @@ Queue order and head-of-line policy
     Where an admitted request goes is routing's decision (the `Router` handed in: the
     gateway builds it from the config's profiles, `routing.scheduler`); admission tells it
     when it places a request and when it frees it (the ``placed`` / ``released`` hooks).
+    Routing is handed a shortlist, not every replica: the few with the most headroom in
+    per-model orders kept on every reserve and release, plus the ones routing names
+    (admission/candidates.py), so a decision costs the same at 4 and 256 replicas. When
+    routing's warmest replica for a prompt is full and it chose a colder free one, the
+    request waits for the warm one if that is expected to give its first token sooner
+    (`_wait_for_warm`).
     An entry routing rejects on every replica that fits it (a filter keeps none) waits
     without blocking those replicas for the entries behind it: it waits for routing's
     say, not for capacity, and it is retried on every settle until its deadline.
