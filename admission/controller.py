@@ -155,6 +155,10 @@ class _Replica:
     # Service (and time to first token) against tokens, for the deadline of a queued request.
     service: ServiceModel = field(default_factory=ServiceModel)
     ttft: ServiceModel = field(default_factory=ServiceModel)
+    # Mean inter-token gap of streams against the batch they ran in (requests running
+    # here when they ended, themselves included), a line with the median residual added:
+    # `Candidate.predicted_itl_s` for a request that would join the batch now.
+    itl: ServiceModel = field(default_factory=lambda: ServiceModel(quantile=0.5))
     # The routing view of this replica, refreshed in place (engine gauges at upsert,
     # ledger fields at each decision) instead of rebuilt per call.
     cand: Candidate = field(default_factory=lambda: Candidate("", 0, 0, 0, None))
@@ -879,6 +883,8 @@ class AdmissionController:
             rep.service.add(work, c.service_s, load)
         if c.ok and c.ttft_s is not None and prompt > 0:
             rep.ttft.add(prompt, c.ttft_s, load)
+        if c.ok and c.itl_s is not None and c.itl_s > 0:
+            rep.itl.add(rep.running + 1, c.itl_s)  # its slot is already freed: + 1 is it
         if rep.limit is None:
             return
         targets = self._targets.get(res.model) or self._targets.get("*")
@@ -1168,6 +1174,7 @@ class AdmissionController:
         c.running = rep.running
         c.max_running = allowed
         c.view_age_s = max(0.0, now - rep.view_at) if rep.view_at else 0.0
+        c.predicted_itl_s = rep.itl.predict(rep.running + 1) if len(rep.itl) else None
         return True
 
     def _settle(self, now: float) -> list[Admit]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.types import Admit, Queued
@@ -264,3 +266,38 @@ def test_shortlist_choice_matches_a_full_scan_and_filters_stay_exact() -> None:
         ctl.release(f"q{k}", 2.0)
     ctl2.release("only", 2.0)
     assert ctl.reserved_tokens() == 0 and ctl2.reserved_tokens() == 0
+
+
+def test_candidates_carry_a_predicted_itl_from_the_replicas_streams() -> None:
+    """Admission fills `Candidate.predicted_itl_s` from the replica's own streams: a line
+    of mean inter-token gap against the batch they ran in, for the batch with the new
+    request added; None before any stream completed there."""
+    from admission.types import Completion
+
+    router = RejectsOne()
+    ctl = make(router)
+    ctl.upsert_replica(replica("r1", 100_000), 0.0)
+    ctl.submit(request("first", 10, 10), 0.0)
+    assert router.seen[0].predicted_itl_s is None
+    ctl.release("first", 0.5)
+    now = 1.0
+    # Streams end at batches 1..4 with a gap of 10 ms + 5 ms per request in the batch.
+    for batch in (1, 2, 3, 4, 4, 3, 2, 1):
+        ids = [f"b{batch}-{now}-{i}" for i in range(batch)]
+        for rid in ids:
+            assert isinstance(ctl.submit(request(rid, 10, 10), now), Admit)
+        for k, rid in enumerate(ids):
+            in_batch = batch - k
+            gap = 0.010 + 0.005 * in_batch
+            ctl.release(rid, now + 1.0, Completion(itl_s=gap, ttft_s=0.1, prompt_tokens=10))
+        now += 2.0
+    ctl.submit(request("probe-1", 10, 10), now)
+    one = router.seen[0].predicted_itl_s
+    assert one == pytest.approx(0.015, abs=1e-6)  # batch of 1: itself
+    for i in range(5):
+        ctl.submit(request(f"load-{i}", 10, 10), now)
+    ctl.submit(request("probe-7", 10, 10), now)
+    assert router.seen[0].predicted_itl_s == pytest.approx(0.010 + 0.005 * 7, abs=1e-6)
+    for rid in ["probe-1", "probe-7", *(f"load-{i}" for i in range(5))]:
+        ctl.release(rid, now + 1.0)
+    assert ctl.reserved_tokens() == 0
