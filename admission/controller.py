@@ -1056,8 +1056,10 @@ class AdmissionController:
             ttft_target_s=req.ttft_target_s,
             itl_target_s=req.itl_target_s,
         )
+        hinted: list[str] = []
         if not complete and self._hints_hook is not None:
-            for name in self._hints_hook(route):
+            hinted = self._hints_hook(route)
+            for name in hinted:
                 if name not in fit:
                     rep = reps.get(name)
                     ok = (
@@ -1087,12 +1089,14 @@ class AdmissionController:
         rep = reps.get(choice.name)
         if rep is None or not fit.get(choice.name):
             raise ValueError(f"picker returned {choice.name!r}, which was not a candidate")
-        if (
-            self._warm_hook is not None
-            and req.prefix_hashes
-            and self._wait_for_warm(req, route, rep, fit, now)
-        ):
-            return _REJECTED  # waits for the warm replica without blocking anyone
+        if self._warm_hook is not None and req.prefix_hashes:
+            # Only when a replica routing may prefer could not be a candidate (full).
+            if complete:
+                full = not all(fit.values())
+            else:
+                full = any(not fit.get(name, True) for name in hinted)
+            if full and self._wait_for_warm(req, route, rep, fit, now):
+                return _REJECTED  # waits for the warm replica without blocking anyone
         tokens = rep.tokens_for(req)
         rep.reserved += tokens
         rep.running += 1
