@@ -68,6 +68,12 @@ Queue order and head-of-line policy
     Where an admitted request goes is routing's decision (the `Router` handed in: the
     gateway builds it from the config's profiles, `routing.scheduler`); admission tells it
     when it places a request and when it frees it (the ``placed`` / ``released`` hooks).
+    Routing is handed a shortlist, not every replica: the few with the most headroom in
+    per-model orders kept on every reserve and release, plus the ones routing names
+    (admission/candidates.py), so a decision costs the same at 4 and 256 replicas. When
+    routing's warmest replica for a prompt is full and it chose a colder free one, the
+    request waits for the warm one if that is expected to give its first token sooner
+    (`_wait_for_warm`).
     An entry routing rejects on every replica that fits it (a filter keeps none) waits
     without blocking those replicas for the entries behind it: it waits for routing's
     say, not for capacity, and it is retried on every settle until its deadline.
@@ -105,6 +111,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from admission.candidates import HeadroomIndex, PredictMax
 from admission.config import AdmissionConfig
 from admission.drain import DrainMeter
 from admission.estimate import ServiceModel
@@ -164,6 +171,9 @@ class _Replica:
     # Service (and time to first token) against tokens, for the deadline of a queued request.
     service: ServiceModel = field(default_factory=ServiceModel)
     ttft: ServiceModel = field(default_factory=ServiceModel)
+    # Mean inter-token gap of streams by the number running (admission.itl): the
+    # `Candidate.predicted_itl_s` of a request with an ITL target (None: no evidence).
+    itl: ItlModel | None = None
     # The routing view of this replica, refreshed in place (engine gauges at upsert,
     # ledger fields at each decision) instead of rebuilt per call.
     cand: Candidate = field(default_factory=lambda: Candidate("", 0, 0, 0, None))
@@ -172,6 +182,20 @@ class _Replica:
     # which sets everything else it reads): one decision asks it several times.
     memo_key: tuple[int, int, int, bool] | None = None
     memo_tokens: int = 0
+    # What the per-model views (`_View`) group and filter this replica by; a change
+    # rebuilds them (`_replica_changed`).
+    sig: tuple[object, ...] | None = None
+
+    def shape(self) -> tuple[object, ...]:
+        """What the fit checks (`can_ever_fit`, `tokens_for`) read besides the request."""
+        return (
+            self.capacity is None,
+            self.effective,
+            self.block_size,
+            self.max_model_len,
+            self.preempts,
+            self.private_slots,
+        )
 
     @property
     def allowed(self) -> int | None:
@@ -287,6 +311,24 @@ class TenantLimits(Protocol):
 # `_try_admit`'s answer when replicas fit but routing's filters rejected them all.
 _REJECTED = object()
 
+# Replicas shortlisted from each headroom order per decision (admission/candidates.py).
+SHORTLIST_PER_ORDER = 4
+
+
+@dataclass(slots=True)
+class _View:
+    """One model's replicas as a decision reads them, kept incrementally
+    (admission/candidates.py): rebuilt only when a replica's shape, readiness or
+    membership changes; its orders and predictions follow every reserve and release."""
+
+    present: list[_Replica]
+    known_shapes: list[_Replica]  # one present replica per shape, with a known limit
+    usable_shapes: list[_Replica]  # one usable replica per shape
+    order: HeadroomIndex
+    ttft: PredictMax
+    service: PredictMax
+    dirty: set[str]  # replicas whose predicted lines are to be refreshed
+
 
 class AdmissionController:
     """Admits requests to replicas whose KV pool fits them; queues or sheds the rest."""
@@ -307,12 +349,18 @@ class AdmissionController:
         self._released_hook = getattr(self._picker, "released", None)
         self._replicas: dict[str, _Replica] = {}
         self._by_model: dict[str, list[_Replica]] | None = None  # None: rebuild on use
+        self._views: dict[str, _View] = {}  # model -> its view; cleared on a change
+        self._views_of: object = None  # the `_by_model` index the views were built on
+        self._hints_hook = getattr(self._picker, "hints", None)
+        self._warm_hook = getattr(self._picker, "warm", None)
+        # Expected-TTFT choices between a full warm replica and a free cold one
+        # (`_wait_for_warm`), by outcome: exported beside routing's decisions.
+        self.ttft_choices: dict[str, int] = {}
         self._reservations: dict[str, _Reservation] = {}
         self._held: dict[str, _Reservation] = {}  # abandoned, in order of abandonment
         # Tenant policies by name (weight, caps, queue timeout); None: all equal, no caps.
         self._tenant_of: Callable[[str], TenantLimits | None] = tenants or (lambda _t: None)
         self._queue = FairQueue(self._weight_of)  # the order: admission.fairqueue
-        self._itl: dict[str, ItlModel] = {}  # per replica: inter-token gap vs running
         self._queued: dict[str, _Entry] = {}
         self._queue_per_model: dict[str, int] = {}
         self._queue_tokens: dict[str, int] = {}  # model -> sum of queued raw needs
@@ -397,6 +445,19 @@ class AdmissionController:
         c.prefix_cache_hits_total = state.prefix_cache_hits_total
         c.spec_draft_tokens_total = state.spec_draft_tokens_total
         c.spec_accepted_tokens_total = state.spec_accepted_tokens_total
+        # Speculation: a configured `speculative` label wins over what the engine says.
+        label = rep.labels.get("speculative", "").strip().lower()
+        if label in ("true", "1", "yes", "on"):
+            c.speculative = True
+        elif label in ("false", "0", "no", "off"):
+            c.speculative = False
+        else:
+            c.speculative = bool(state.speculative)
+        c.spec_num_draft_tokens = state.spec_num_draft_tokens
+        c.spec_drafts_total = state.spec_drafts_total
+        c.spec_accept_length = state.spec_accept_length
+        c.itl_sum_s = state.itl_sum_s
+        c.itl_count = state.itl_count
         rep.view_at = state.updated_at
         rep.preempts = state.preempts
         rep.private_slots = state.private_slots
@@ -425,6 +486,7 @@ class AdmissionController:
                 now=now,
                 cap=rep.cap,
             )
+        self._replica_changed(rep)
         return self._flush(self._settle(now))
 
     def remove_replica(self, name: str, now: float) -> list[Admit]:
@@ -438,6 +500,7 @@ class AdmissionController:
             self._by_model = None
             if rep.running == 0:
                 del self._replicas[name]
+            self._replica_changed(rep)
         return self._flush(self._settle(now))
 
     def mark_unready(self, name: str, now: float) -> None:
@@ -447,6 +510,7 @@ class AdmissionController:
         rep = self._replicas.get(name)
         if rep is not None:
             rep.ready = False
+            self._replica_changed(rep)
 
     def set_ejected(self, name: str, ejected: bool, now: float) -> list[Admit]:
         """Eject `name` (outlier detection: no new requests, whatever discovery says) or
@@ -457,6 +521,7 @@ class AdmissionController:
         if rep is None or rep.ejected == ejected:
             return []
         rep.ejected = ejected
+        self._replica_changed(rep)
         return self._flush(self._settle(now))
 
     # ------------------------------------------------------------------ requests
@@ -468,19 +533,24 @@ class AdmissionController:
             raise ValueError(f"request id {rid!r} is already admitted or queued")
         if req.retry_key is not None:
             self._returning.discard(req.model, req.retry_key)  # it is back
-        serving = [r for r in self._serving(req.model) if r.present]
-        if not serving:
+        view = self._view(req.model)
+        if not view.present:
             return Refuse(rid, 404, "model_not_found", f"The model `{req.model}` does not exist.")
-        known = [r for r in serving if r.capacity is not None or r.max_model_len is not None]
-        if known and not any(r.can_ever_fit(req) for r in known):
+        # One replica per shape answers for all of that shape (admission/candidates.py).
+        if view.known_shapes and not any(r.can_ever_fit(req) for r in view.known_shapes):
+            known = [
+                r for r in view.present if r.capacity is not None or r.max_model_len is not None
+            ]
             clamped = None if req.prompt_exact else self._clamp_estimate(req, known)
             if clamped is None:
                 return self._refuse_too_long(req, known)
             req = clamped
-        able = [r for r in serving if r.usable and r.can_ever_fit(req)]
-        if not able:
+        raw = 0
+        for r in view.usable_shapes:
+            if r.can_ever_fit(req):
+                raw = max(raw, r.tokens_for(req))
+        if not raw:
             return Shed(rid, "no_replica", self._clamp(None))
-        raw = max(r.tokens_for(req) for r in able)
 
         if req.latency_budget is not None:
             # The client said how long it waits (its read timeout): queue only while the
@@ -493,7 +563,7 @@ class AdmissionController:
             # forever helps nobody.
             budget = req.latency_budget
             share = (1.0 - self.config.latency_budget_fraction) * budget
-            slack = max(min(share, budget - self._predict(req, serving)), 0.1 * budget)
+            slack = max(min(share, budget - self._predict(req, view)), 0.1 * budget)
             deadline = min(req.deadline, now + slack)
         else:
             policy = self._tenant_of(req.tenant)
@@ -664,6 +734,7 @@ class AdmissionController:
             return False
         rep.reserved += extra
         res.tokens = target
+        self._touch(rep)
         return True
 
     def expire(self, now: float) -> list[Shed]:
@@ -818,9 +889,9 @@ class AdmissionController:
         if completion is not None and completion.ok and completion.itl_s is not None:
             # The stream's load: the mean of the running counts at its start and end.
             load = (rep.running + (at_admit or rep.running)) / 2
-            model = self._itl.get(rep.name)
+            model = rep.itl
             if model is None:
-                model = self._itl[rep.name] = ItlModel(memory_s=self.config.itl_memory_s)
+                model = rep.itl = ItlModel(memory_s=self.config.itl_memory_s)
             model.add(load, completion.itl_s, now)
         rep.reserved -= res.tokens
         rep.running -= 1
@@ -835,6 +906,8 @@ class AdmissionController:
         if not rep.present and rep.running == 0:
             del self._replicas[rep.name]
             self._by_model = None
+        else:
+            self._touch(rep)
 
     def _release_stopped(self, rep: _Replica, state: ReplicaState, now: float) -> None:
         """Release the held reservations of `rep` that its engine has stopped working on.
@@ -920,20 +993,97 @@ class AdmissionController:
             now, res.admitted_at, ok=c.ok, work_tokens=work or res.tokens, ratio=ratio, cap=rep.cap
         )
 
-    def _predict(self, req: AdmissionRequest, serving: list[_Replica]) -> float:
-        """Predicted service of `req` once admitted (a stream: time to first token), the
-        largest of its replicas' upper estimates (`ServiceModel`); 0 before any sample.
-        An upper estimate, not a typical one: a request admitted at its deadline with a
-        typical prediction would time out half the time."""
-        raw = max(1, req.prompt_tokens) + max(0, req.expected_output)  # the typical work
-        best = 0.0
-        for rep in serving:
-            load = rep.allowed or rep.running + 1
-            if req.stream:
-                best = max(best, rep.ttft.predict(req.prompt_tokens, load))
-            else:
-                best = max(best, rep.service.predict(raw, load))
-        return best
+    def _predict(self, req: AdmissionRequest, view: _View) -> float:
+        """Predicted service of `req` once admitted (a stream: time to first token), an
+        upper bound of the largest of its replicas' upper estimates (`ServiceModel`), from
+        per-model maxima refreshed only for replicas that changed (`PredictMax`); 0
+        before any sample. An upper estimate, not a typical one: a request admitted at
+        its deadline with a typical prediction would time out half the time."""
+        if view.dirty:
+            for name in view.dirty:
+                rep = self._replicas.get(name)
+                if rep is None or not rep.present:
+                    view.ttft.remove(name)
+                    view.service.remove(name)
+                    continue
+                load = rep.allowed or rep.running + 1
+                for model, target in ((rep.ttft, view.ttft), (rep.service, view.service)):
+                    line = model.line(load)
+                    if line is None:
+                        target.remove(name)
+                    else:
+                        target.set(name, line[0], line[1])
+            view.dirty.clear()
+        if req.stream:
+            return view.ttft.predict(req.prompt_tokens)
+        return view.service.predict(max(1, req.prompt_tokens) + max(0, req.expected_output))
+
+    def _view(self, model: str) -> _View:
+        """`model`'s view (admission/candidates.py), rebuilt when the replica index was."""
+        index = self._by_model
+        if index is None:
+            self._serving(model)
+            index = self._by_model
+        if self._views_of is not index:
+            self._views.clear()
+            self._views_of = index
+        view = self._views.get(model)
+        if view is not None:
+            return view
+        present = [r for r in self._serving(model) if r.present]
+        known: dict[tuple[object, ...], _Replica] = {}
+        usable: dict[tuple[object, ...], _Replica] = {}
+        for r in present:
+            shape = r.shape()
+            if r.capacity is not None or r.max_model_len is not None:
+                known.setdefault(shape, r)
+            if r.usable:
+                usable.setdefault(shape, r)
+        view = _View(
+            present,
+            list(known.values()),
+            list(usable.values()),
+            HeadroomIndex(),
+            PredictMax(),
+            PredictMax(),
+            {r.name for r in present},
+        )
+        for r in present:
+            self._order(view, r)
+        self._views[model] = view
+        return view
+
+    @staticmethod
+    def _order(view: _View, rep: _Replica) -> None:
+        """Place `rep` in `view`'s headroom orders by the ledger now."""
+        free = rep.free / rep.effective if rep.effective > 0 else 0.0
+        allowed = rep.allowed
+        if allowed is None:
+            run = 1.0 / (1.0 + rep.running)
+        else:
+            run = max(0.0, 1.0 - rep.running / allowed) if allowed > 0 else 0.0
+        view.order.update(rep.name, free, run)
+
+    def _touch(self, rep: _Replica) -> None:
+        """The ledger of `rep` changed (reserve, release, top-up, limit): follow it in
+        the views of its models."""
+        views = self._views
+        for model in rep.models:
+            view = views.get(model)
+            if view is not None:
+                self._order(view, rep)
+                view.dirty.add(rep.name)
+
+    def _replica_changed(self, rep: _Replica) -> None:
+        """After a replica's view, readiness or presence may have changed: rebuild the
+        model views when what they group it by did, else just follow its ledger. Any
+        code that changes a replica's pool (`effective`), readiness or models calls it."""
+        sig = (rep.present, rep.usable, rep.models, rep.shape())
+        if sig != rep.sig:
+            rep.sig = sig
+            self._views.clear()
+        else:
+            self._touch(rep)
 
     def _serving(self, model: str) -> list[_Replica]:
         """Replicas that list `model` (present or not), from a per-model index rebuilt
@@ -955,37 +1105,40 @@ class AdmissionController:
     def _try_admit(self, entry: _Entry, blocked: set[str], now: float) -> Admit | object | None:
         """Admit `entry` to a non-blocked replica that fits it now, chosen by routing.
 
-        None when nothing fits now; `_REJECTED` when replicas fit but routing rejected
-        every one of them."""
+        Routing scores a shortlist (admission/candidates.py): the first
+        ``SHORTLIST_PER_ORDER`` fitting replicas by KV headroom and by running headroom,
+        plus those routing names (`Router.hints`); only those candidates are refreshed.
+        When routing rejects the whole shortlist and replicas outside it fit, it is asked
+        again with all of them. None when nothing fits now; `_REJECTED` when replicas fit
+        but routing rejected every one of them."""
         req = entry.req
-        fitting: list[_Replica] = []
-        need = 0
-        for rep in self._serving(req.model):
-            if rep.name in blocked or not rep.usable or not rep.can_ever_fit(req):
-                continue
-            allowed = rep.allowed
-            if allowed is not None and rep.running >= allowed:
-                continue
-            tokens = rep.tokens_for(req)
-            if tokens > rep.free:
-                continue
-            fitting.append(rep)
-            need = max(need, tokens)
-            c = rep.cand  # refreshed in place: the ledger now, the engine's age
-            c.free_tokens = rep.free
-            c.effective_capacity = rep.effective
-            c.running = rep.running
-            c.max_running = allowed
-            c.view_age_s = max(0.0, now - rep.view_at) if rep.view_at else 0.0
-            c.predicted_itl_s = (
-                self.predicted_itl(rep.name, rep.running + 1) if req.itl_target_s else None
-            )
-        if not fitting:
-            return None
+        view = self._view(req.model)
+        reps = self._replicas
+        fit: dict[str, bool] = {}
+        short: list[_Replica] = []
+        complete = True  # every replica of the model was examined
+        k = SHORTLIST_PER_ORDER
+        for order in (view.order.by_free(), view.order.by_run()):
+            got = 0
+            for _, name in order:
+                ok = fit.get(name)
+                if ok is None:
+                    rep = reps.get(name)
+                    ok = rep is not None and name not in blocked and self._fits_now(rep, req, now)
+                    fit[name] = ok
+                    if ok:
+                        short.append(rep)  # type: ignore[arg-type]
+                if ok:
+                    got += 1
+                    if got >= k:
+                        complete = False
+                        break
+            if complete:
+                break  # the first order was walked to its end: nothing else fits
         route = RouteRequest(
             request_id=req.request_id,
             model=req.model,
-            need_tokens=need,
+            need_tokens=entry.raw,
             workload=req.workload,
             prefix_hashes=req.prefix_hashes,
             session=req.session,
@@ -995,12 +1148,47 @@ class AdmissionController:
             ttft_target_s=req.ttft_target_s,
             itl_target_s=req.itl_target_s,
         )
-        choice = self._picker.pick(route, [r.cand for r in fitting])
+        hinted: list[str] = []
+        if not complete and self._hints_hook is not None:
+            hinted = self._hints_hook(route)
+            for name in hinted:
+                if name not in fit:
+                    rep = reps.get(name)
+                    ok = (
+                        rep is not None
+                        and req.model in rep.models
+                        and name not in blocked
+                        and self._fits_now(rep, req, now)
+                    )
+                    fit[name] = ok
+                    if ok:
+                        short.append(rep)  # type: ignore[arg-type]
+        if not short:
+            return None
+        choice = self._picker.pick(route, [r.cand for r in short])
+        if choice is None and not complete:
+            rest = [
+                r
+                for r in view.present
+                if r.name not in fit and r.name not in blocked and self._fits_now(r, req, now)
+            ]
+            for r in rest:
+                fit[r.name] = True
+            if rest:
+                choice = self._picker.pick(route, [r.cand for r in short + rest])
         if choice is None:
             return _REJECTED
-        rep = next((r for r in fitting if r.name == choice.name), None)
-        if rep is None:
+        rep = reps.get(choice.name)
+        if rep is None or not fit.get(choice.name):
             raise ValueError(f"picker returned {choice.name!r}, which was not a candidate")
+        if self._warm_hook is not None and req.prefix_hashes:
+            # Only when a replica routing may prefer could not be a candidate (full).
+            if complete:
+                full = not all(fit.values())
+            else:
+                full = any(not fit.get(name, True) for name in hinted)
+            if full and self._wait_for_warm(req, route, rep, fit, now):
+                return _REJECTED  # waits for the warm replica without blocking anyone
         tokens = rep.tokens_for(req)
         rep.reserved += tokens
         rep.running += 1
@@ -1010,9 +1198,83 @@ class AdmissionController:
         self._reservations[req.request_id] = _Reservation(
             req.request_id, rep.name, req.model, tokens, now
         )
+        self._touch(rep)
         if self._placed_hook is not None:
             self._placed_hook(route, rep.cand, now)
         return Admit(req.request_id, rep.name, tokens)
+
+    def _wait_for_warm(
+        self,
+        req: AdmissionRequest,
+        route: RouteRequest,
+        chosen: _Replica,
+        fit: dict[str, bool],
+        now: float,
+    ) -> bool:
+        """Whether `req` should wait for the warm replica routing would rather use (it
+        holds more of the prompt cached but is full now) instead of starting on `chosen`.
+
+        Expected time to first token on the warm replica: its queue wait (its KV deficit
+        for this request over its drain rate in tokens/s, and its running-slot deficit
+        over its rate in requests/s) plus the prefill of the part it does not hold;
+        against the prefill of what `chosen` does not hold, starting now. Prefill times
+        are the replicas' own fitted TTFT lines (`ServiceModel`); without samples on
+        either, or without a drain rate on the warm one, there is no basis to wait and
+        the request starts now. Routing names the warm replicas (`Router.warm`); this is
+        admission's when, not routing's where."""
+        warm = self._warm_hook(route)  # type: ignore[misc]
+        if not warm:
+            return False
+        name, cached = warm[0]
+        if name == chosen.name or fit.get(name):
+            return False  # the warm replica was a candidate: routing weighed it
+        w = self._replicas.get(name)
+        if w is None or not w.usable or req.model not in w.models or not w.can_ever_fit(req):
+            return False
+        here = next((t for n, t in warm if n == chosen.name), 0)
+        if cached <= here or not len(w.ttft) or not len(chosen.ttft):
+            return False
+        tok_rate, req_rate = w.drain.rates(now)
+        wait = 0.0
+        deficit = w.tokens_for(req) - w.free
+        if deficit > 0:
+            wait = deficit / tok_rate if tok_rate > 0 else math.inf
+        allowed = w.allowed
+        if allowed is not None and w.running >= allowed:
+            slots = w.running - allowed + 1
+            wait = max(wait, slots / req_rate if req_rate > 0 else math.inf)
+        if not math.isfinite(wait):
+            return False
+        prompt = max(1, req.prompt_tokens)
+        t_warm = wait + w.ttft.predict(max(1, prompt - cached), allowed or w.running + 1)
+        t_cold = chosen.ttft.predict(max(1, prompt - here), chosen.allowed or chosen.running + 1)
+        verdict = "expected_ttft_wait" if t_warm < t_cold else "expected_ttft_cold"
+        self.ttft_choices[verdict] = self.ttft_choices.get(verdict, 0) + 1
+        return t_warm < t_cold
+
+    @staticmethod
+    def _fits_now(rep: _Replica, req: AdmissionRequest, now: float) -> bool:
+        """`rep` can take `req` now; if so its candidate is refreshed in place (the
+        ledger now, the engine view's age)."""
+        if not rep.usable or not rep.can_ever_fit(req):
+            return False
+        allowed = rep.allowed
+        if allowed is not None and rep.running >= allowed:
+            return False
+        free = rep.free
+        if rep.tokens_for(req) > free:
+            return False
+        c = rep.cand
+        c.free_tokens = free
+        c.effective_capacity = rep.effective
+        c.running = rep.running
+        c.max_running = allowed
+        c.view_age_s = max(0.0, now - rep.view_at) if rep.view_at else 0.0
+        itl = rep.itl
+        c.predicted_itl_s = (
+            itl.predict(rep.running + 1) if itl is not None and req.itl_target_s else None
+        )
+        return True
 
     def _settle(self, now: float) -> list[Admit]:
         """Admit queued entries in order until every usable replica is blocked.
@@ -1097,7 +1359,8 @@ class AdmissionController:
     def predicted_itl(self, replica: str, running_after: int) -> float | None:
         """The replica's expected inter-token gap with `running_after` running (None:
         no evidence yet); admission.itl."""
-        model = self._itl.get(replica)
+        rep = self._replicas.get(replica)
+        model = rep.itl if rep is not None else None
         return model.predict(running_after) if model is not None else None
 
     def _dequeue(self, entry: _Entry) -> None:

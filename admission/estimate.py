@@ -200,6 +200,17 @@ class ServiceModel:
         scale = max(1.0, load / fitted_load)
         return max(0.0, base + slope * tokens + margin) * scale
 
+    def line(self, load: float = 1.0) -> tuple[float, float] | None:
+        """(base, slope) with ``predict(tokens, load) == max(0, base + slope * tokens)``;
+        None without samples (predict is 0)."""
+        if not self._xs:
+            return None
+        if self._fit is None:
+            self._fit = self._refit()
+        base, slope, margin, fitted_load = self._fit
+        scale = max(1.0, load / fitted_load)
+        return (base + margin) * scale, slope * scale
+
     def _refit(self) -> tuple[float, float, float, float]:
         xs, ys = self._xs, self._ys
         n = len(xs)

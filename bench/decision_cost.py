@@ -10,8 +10,12 @@ the request is then released (not timed). Requests carry a 32-block chain drawn 
 sessions whose first 16 blocks are shared per tenant (16 tenants), so lookups walk real
 partial matches.
 
-Each configuration runs ``--runs`` times (``--decisions`` each); the medians of the
-per-run p50 and p99 are reported, with ratios to 4 replicas side by side. Results go to
+Each run first makes ``--warmup`` (200) untimed decisions (the same loop: the first
+decisions pay for cold caches and the first dict growths), then times ``--decisions``.
+Each configuration runs ``--runs`` times; the medians of the per-run p50 and p99 are
+reported, with ratios to 4 replicas side by side. ``--label`` tags the rows (e.g. the
+commit measured) and ``--out`` names the result file, so a before / after pair can be
+measured with this same script over two checkouts. Results go to
 ``bench/results/decision_cost.json`` and a Markdown table on stdout.
 
     .venv/bin/python bench/decision_cost.py [--runs 5] [--decisions 3000]
@@ -62,7 +66,9 @@ def chains(seed: int) -> list[tuple[int, ...]]:
     return out
 
 
-def one_run(n: int, profile: str, decisions: int, seed: int) -> tuple[float, float, int]:
+def one_run(
+    n: int, profile: str, decisions: int, seed: int, warmup: int = 200
+) -> tuple[float, float, int]:
     router = build_router(PROFILES[profile], seed=seed)
     ctl = AdmissionController(AdmissionConfig(learn_limit=False), router, seed=seed)
     for i in range(n):
@@ -97,7 +103,7 @@ def one_run(n: int, profile: str, decisions: int, seed: int) -> tuple[float, flo
     gc.collect()
     gc.disable()
     try:
-        for d in range(decisions):
+        for d in range(-warmup, decisions):
             s = rng.randrange(len(sessions))
             req = AdmissionRequest(
                 request_id=f"q{d}",
@@ -108,12 +114,13 @@ def one_run(n: int, profile: str, decisions: int, seed: int) -> tuple[float, flo
                 prefix_hashes=sessions[s],
                 session=f"s{s}",
             )
-            now = 1.0 + d * 1e-3
+            now = 1.0 + (d + warmup) * 1e-3
             t0 = time.perf_counter_ns()
             verdict = ctl.submit(req, now)
             t1 = time.perf_counter_ns()
             assert isinstance(verdict, Admit), verdict
-            times.append(t1 - t0)
+            if d >= 0:
+                times.append(t1 - t0)
             ctl.release(req.request_id, now)
     finally:
         gc.enable()
@@ -128,13 +135,19 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--decisions", type=int, default=3000)
     ap.add_argument("--replicas", type=int, nargs="+", default=[4, 64, 256])
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default="decision_cost.json")
     args = ap.parse_args()
     rows = []
     for profile in PROFILES:
         for n in args.replicas:
-            runs = [one_run(n, profile, args.decisions, seed) for seed in range(args.runs)]
+            runs = [
+                one_run(n, profile, args.decisions, seed, args.warmup) for seed in range(args.runs)
+            ]
             rows.append(
                 {
+                    "label": args.label,
                     "profile": profile,
                     "replicas": n,
                     "indexed_blocks": runs[0][2],
@@ -142,6 +155,9 @@ def main() -> None:
                     "p99_us": statistics.median(r[1] for r in runs),
                     "runs": args.runs,
                     "decisions_per_run": args.decisions,
+                    "warmup": args.warmup,
+                    "p50_us_runs": [r[0] for r in runs],
+                    "p99_us_runs": [r[1] for r in runs],
                 }
             )
     base = {r["profile"]: r for r in rows if r["replicas"] == args.replicas[0]}
@@ -157,7 +173,7 @@ def main() -> None:
             f"| {r['profile']} | {r['replicas']} | {r['indexed_blocks']} | {r['p50_us']:.1f} | "
             f"{r['p99_us']:.1f} | {r['p50_ratio']:.1f}x | {r['p99_ratio']:.1f}x |"
         )
-    out = Path(__file__).resolve().parent / "results" / "decision_cost.json"
+    out = Path(__file__).resolve().parent / "results" / args.out
     out.write_text(json.dumps(rows, indent=2) + "\n")
 
 

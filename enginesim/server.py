@@ -545,6 +545,12 @@ class EngineServer:
                 "chunked_prefill_size": p.max_num_batched_tokens,
                 "max_prefill_tokens": p.max_num_batched_tokens,
                 "speculative_algorithm": spec_algo,
+                # SGLang's server arguments: drafts verified per step (EAGLE: one chain).
+                "speculative_num_draft_tokens": (
+                    self.core.num_draft_tokens + 1 if self.speculative else None
+                ),
+                "speculative_num_steps": self.core.num_draft_tokens if self.speculative else None,
+                "speculative_eagle_topk": 1 if self.speculative else None,
                 "version": ENGINESIM_VERSION,
             }
         )

@@ -109,6 +109,10 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
             st.queue_depths,
             lambda: st.controller.top_up_failures,
         )
+        decisions = getattr(st.controller.router, "decisions", None)
+        if decisions is not None:
+            choices = st.controller.ttft_choices
+            st.metrics.watch_routing(lambda: {**decisions, **choices})
         pipeline_ref: list[Pipeline] = []
         relay = Relay(
             session,

@@ -102,6 +102,25 @@ class _LedgerCollector(Collector):
         return [depth, cap, reserved, running, ready, ejected, limit, binding, topup]
 
 
+class _RoutingCollector(Collector):
+    """`kvgate_routing_decisions_total{reason}`, read from the router at scrape time."""
+
+    def __init__(self, decisions: Callable[[], dict[str, int]]) -> None:
+        self._decisions = decisions
+
+    def collect(self) -> Iterable[Metric]:
+        fam = CounterMetricFamily(
+            "kvgate_routing_decisions",
+            "Routing decisions by reason (routing.scheduler: the plugin that decided it, "
+            "e.g. prefix_warm, session, speculation, spill, expected_ttft_cold; score: "
+            "the load terms alone; rejected: every candidate filtered out)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self._decisions().items()):
+            fam.add_metric([reason], n)
+        return [fam]
+
+
 class GatewayMetrics:
     """The gateway's metric families and cached label children."""
 
@@ -218,6 +237,39 @@ class GatewayMetrics:
             ["tenant", "limit"],
             registry=r,
         )
+        # Workload classes (routing.classify.WORKLOADS: a bounded label) and routing.
+        self.workload_requests = Counter(
+            "kvgate_workload_requests",
+            "Requests by workload class (coding, agentic, chat) and outcome",
+            ["workload", "outcome"],
+            registry=r,
+        )
+        self.workload_ttft = Histogram(
+            "kvgate_workload_ttft_seconds",
+            "Time to the first streamed event, by workload class",
+            ["workload"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._workload_children: dict[tuple[str, str], Counter] = {}
+        self._workload_ttft_children: dict[str, Histogram] = {}
+
+    def count_workload(self, workload: str, outcome: str) -> None:
+        key = (workload, outcome)
+        child = self._workload_children.get(key)
+        if child is None:
+            child = self._workload_children[key] = self.workload_requests.labels(*key)
+        child.inc()
+
+    def observe_workload_ttft(self, workload: str, seconds: float) -> None:
+        child = self._workload_ttft_children.get(workload)
+        if child is None:
+            child = self._workload_ttft_children[workload] = self.workload_ttft.labels(workload)
+        child.observe(seconds)
+
+    def watch_routing(self, decisions: Callable[[], dict[str, int]]) -> None:
+        """Export the router's decisions by reason (read at scrape time)."""
+        self.registry.register(_RoutingCollector(decisions))
 
     def count_request(self, model: str, outcome: str) -> None:
         key = (model, outcome)

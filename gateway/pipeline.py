@@ -445,6 +445,8 @@ class Pipeline:
             text,
             has_tools=has_tools,
             num_messages=max(1, ctx.num_messages),
+            # Set by `authenticate` from the tenant's config (None, or absent: not set).
+            tenant_default=getattr(ctx, "tenant_default_workload", None),
         )
 
     def tenant_limits(self, request: web.Request, ctx: RequestContext) -> None:
@@ -744,10 +746,12 @@ class Pipeline:
         self._account_tenant(ctx)
         m = self.metrics
         m.count_request(model_label, ctx.outcome)
+        m.count_workload(ctx.workload, ctx.outcome)
         ttft = None
         if ctx.first_byte_at is not None:
             ttft = ctx.first_byte_at - ctx.arrival
             m.ttft.observe(ttft)
+            m.observe_workload_ttft(ctx.workload, ttft)
             if ctx.events > 1 and ctx.last_event_at is not None:
                 m.itl.observe((ctx.last_event_at - ctx.first_byte_at) / (ctx.events - 1))
         if access_log_enabled():  # the line is built only when someone reads it

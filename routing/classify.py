@@ -5,14 +5,17 @@ is small, agentic to the replica whose prefix cache is warm), so a wrong guess c
 efficiency, never correctness. Order of evidence:
 
 1. The ``x-workload`` header, when it names a known class, wins: the client knows best.
-2. Tools: a request that declares tools or carries tool / function messages is an agent
+   An unknown value is ignored (falls through), never an error.
+2. The tenant's ``default_workload`` (config ``tenants[].default_workload``), when set
+   to a known class: an operator who knows a tenant runs a coding assistant says so once.
+3. Tools: a request that declares tools or carries tool / function messages is an agent
    loop (``agentic``), even when it edits code: what matters for routing is its long,
    repeated prefix (system prompt + tool schemas + growing transcript).
-3. Code: a fenced block (three backticks), or at least ``CODE_SIGNALS_NEEDED`` code
+4. Code: a fenced block (three backticks), or at least ``CODE_SIGNALS_NEEDED`` code
    signals (lines that look like definitions, imports, includes, braces-and-semicolons,
    or a traceback) -> ``coding``.
-4. Many turns (``AGENTIC_TURNS`` messages or more) -> ``agentic``.
-5. Otherwise ``chat``.
+5. Many turns (``AGENTIC_TURNS`` messages or more) -> ``agentic``.
+6. Otherwise ``chat``.
 
 Only the first ``SCAN_CHARS`` characters and the last ``SCAN_CHARS`` characters are
 scanned, so classification stays O(1) on very long prompts.
@@ -61,18 +64,25 @@ def looks_like_code(text: str) -> bool:
 
 
 def classify_workload(
-    header: str | None, text: str, *, has_tools: bool = False, num_messages: int = 1
+    header: str | None,
+    text: str,
+    *,
+    has_tools: bool = False,
+    num_messages: int = 1,
+    tenant_default: str | None = None,
 ) -> str:
     """The workload class of a request.
 
-    `header` is the ``x-workload`` header value (case-insensitive); `text` the prompt or
+    `header` is the ``x-workload`` header value (case-insensitive); `tenant_default` the
+    authenticated tenant's configured default (None: not set); `text` the prompt or
     rendered messages; `has_tools` should be set when the request declares tools or
     contains tool / function messages; `num_messages` is the chat length.
     """
-    if header:
-        wanted = header.strip().lower()
-        if wanted in WORKLOADS:
-            return wanted
+    for given in (header, tenant_default):
+        if given:
+            wanted = given.strip().lower()
+            if wanted in WORKLOADS:
+                return wanted
     if has_tools:
         return "agentic"
     if looks_like_code(text):

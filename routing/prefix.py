@@ -59,13 +59,26 @@ def block_hashes(text: str, block_chars: int = 64, max_blocks: int = 512) -> tup
 
 
 class PrefixIndex:
-    """An LRU set of block hashes holding at most `capacity` blocks."""
+    """An LRU set of block hashes holding at most `capacity` blocks.
 
-    __slots__ = ("_lru", "capacity")
+    With `holders` (shared by the indexes of one scorer) it also keeps, per hash, the
+    names of the replicas whose index holds it, exactly (added on insert, dropped on
+    eviction), so the warm replicas of a prompt are found without asking every index.
+    """
 
-    def __init__(self, capacity: int) -> None:
+    __slots__ = ("_lru", "capacity", "_holders", "_name")
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        name: str = "",
+        holders: dict[int, tuple[str, ...]] | None = None,
+    ) -> None:
         self.capacity = max(0, capacity)
         self._lru: OrderedDict[int, None] = OrderedDict()
+        self._holders = holders
+        self._name = name
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -82,18 +95,31 @@ class PrefixIndex:
         """Touch the chain, leaf first (the root ends most recent), evicting the least
         recently used blocks beyond capacity."""
         lru = self._lru
+        holders = self._holders
         for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)
             else:
                 lru[h] = None
-        while len(lru) > self.capacity:
-            lru.popitem(last=False)
+                if holders is not None:
+                    holders[h] = holders.get(h, ()) + (self._name,)
+        self._evict()
 
     def resize(self, capacity: int) -> None:
         self.capacity = max(0, capacity)
-        while len(self._lru) > self.capacity:
-            self._lru.popitem(last=False)
+        self._evict()
+
+    def _evict(self) -> None:
+        lru = self._lru
+        holders = self._holders
+        while len(lru) > self.capacity:
+            h, _ = lru.popitem(last=False)
+            if holders is not None:
+                left = tuple(n for n in holders.get(h, ()) if n != self._name)
+                if left:
+                    holders[h] = left
+                else:
+                    holders.pop(h, None)
 
 
 class PrefixCacheScorer:
@@ -107,6 +133,8 @@ class PrefixCacheScorer:
         self.chars_per_token = chars_per_token
         self.max_blocks_per_replica = max_blocks_per_replica
         self._indexes: dict[str, PrefixIndex] = {}
+        # hash -> replicas whose index holds it (kept exact by the indexes).
+        self._holders: dict[int, tuple[str, ...]] = {}
 
     def index(self, replica: str) -> PrefixIndex | None:
         return self._indexes.get(replica)
@@ -114,6 +142,57 @@ class PrefixCacheScorer:
     def indexed_blocks(self) -> int:
         """Blocks held over all replicas (memory is about 100 bytes each)."""
         return sum(len(i) for i in self._indexes.values())
+
+    def hints(self, req: RouteRequest, most: int = 4) -> list[str]:
+        """Up to `most` replicas holding the request's chain deepest: the holders of the
+        deepest block some index holds (found by bisection: an index holds a chain's
+        blocks from the root, as lookups stop at the first miss and eviction takes
+        leaves first), then those of the root (the shared system prompt), so the
+        warmest replicas come first. Their exact depth is the scorer's to compute."""
+        hashes = req.prefix_hashes
+        if not hashes:
+            return []
+        holders = self._holders
+        root = holders.get(hashes[0])
+        if not root:
+            return []
+        lo, hi = 0, len(hashes) - 1  # hashes[lo] is held; find the deepest held
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if holders.get(hashes[mid]):
+                lo = mid
+            else:
+                hi = mid - 1
+        out = list(holders[hashes[lo]][-most:])
+        for name in reversed(root):
+            if len(out) >= most:
+                break
+            if name not in out:
+                out.append(name)
+        return out
+
+    def warm(self, req: RouteRequest) -> list[tuple[str, int]]:
+        """The replicas `hints` names with the prompt tokens each is expected to hold
+        cached (matched blocks x block_chars / chars_per_token, within the prompt),
+        warmest first: a fact for admission's expected-TTFT choice, not a decision."""
+        hashes = req.prefix_hashes
+        out = []
+        for name in self.hints(req):
+            idx = self._indexes.get(name)
+            if idx is None:
+                continue
+            blocks = idx.match(hashes)
+            if blocks:
+                cached = int(blocks * self.block_chars / self.chars_per_token)
+                out.append((name, min(req.prompt_tokens or cached, cached)))
+        out.sort(key=lambda x: -x[1])
+        return out
+
+    def explain(self, req: RouteRequest, chosen: Candidate) -> str | None:
+        if not req.prefix_hashes:
+            return None
+        idx = self._indexes.get(chosen.name)
+        return "prefix_warm" if idx is not None and idx.match(req.prefix_hashes[:1]) else None
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
         hashes = req.prefix_hashes
@@ -134,7 +213,9 @@ class PrefixCacheScorer:
         capacity = self.capacity_for(candidate)
         idx = self._indexes.get(candidate.name)
         if idx is None:
-            idx = self._indexes[candidate.name] = PrefixIndex(capacity)
+            idx = self._indexes[candidate.name] = PrefixIndex(
+                capacity, name=candidate.name, holders=self._holders
+            )
         elif idx.capacity != capacity:
             idx.resize(capacity)
         idx.insert(req.prefix_hashes)
@@ -163,6 +244,13 @@ class SessionAffinityScorer:
 
     def __len__(self) -> int:
         return len(self._table)
+
+    def hints(self, req: RouteRequest) -> list[str]:
+        """The replica that last served the request's session, if any."""
+        if req.session is None:
+            return []
+        got = self.replica_of(req.session, req.now)
+        return [got] if got is not None else []
 
     def replica_of(self, session: str, now: float) -> str | None:
         got = self._table.get(session)

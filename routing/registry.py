@@ -58,6 +58,7 @@ def _builtins() -> None:
         import routing.plugins  # noqa: F401  (registers the built-in plugins)
         import routing.prefix  # noqa: F401
         import routing.slo  # noqa: F401
+        import routing.speculation  # noqa: F401
 
 
 def names(kind: str) -> list[str]:

@@ -41,6 +41,9 @@ class Profile:
         plugins = [*self.filters, *(s for s, _ in self.scorers), picker]
         self.placed_hooks = tuple(p.placed for p in plugins if hasattr(p, "placed"))
         self.released_hooks = tuple(p.released for p in plugins if hasattr(p, "released"))
+        self.hint_hooks = tuple(p.hints for p in plugins if hasattr(p, "hints"))
+        self.explain_hooks = tuple(p.explain for p in plugins if hasattr(p, "explain"))
+        self.warm_hooks = tuple(p.warm for p in plugins if hasattr(p, "warm"))
         self.needs_prefix = any(getattr(p, "needs_prefix", False) for p in plugins)
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
@@ -72,6 +75,9 @@ class SchedulingRouter:
         self.default = default
         self.per_model = dict(per_model or {})
         self._owner: dict[str, Profile] = {}  # request id -> profile with release hooks
+        # Decisions by reason (kvgate_routing_decisions_total): the first plugin whose
+        # ``explain(req, chosen)`` names one, else "score"; "rejected" when none passed.
+        self.decisions: dict[str, int] = {}
         self.needs_prefix = default.needs_prefix or any(
             p.needs_prefix for p in self.per_model.values()
         )
@@ -83,7 +89,38 @@ class SchedulingRouter:
         return [self.default, *self.per_model.values()]
 
     def pick(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
-        return self.profile_for(req.model).pick(req, candidates)
+        profile = self.profile_for(req.model)
+        chosen = profile.pick(req, candidates)
+        reason = "rejected" if chosen is None else "score"
+        if chosen is not None:
+            for explain in profile.explain_hooks:
+                why = explain(req, chosen)
+                if why:
+                    reason = why
+                    break
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        return chosen
+
+    def hints(self, req: RouteRequest) -> list[str]:
+        """Replicas the plugins want scored for `req` whatever their headroom (warm
+        prefix, session, speculating): admission adds them to its shortlist."""
+        hooks = self.profile_for(req.model).hint_hooks
+        if not hooks:
+            return []
+        if len(hooks) == 1:
+            return hooks[0](req)
+        out: list[str] = []
+        for hook in hooks:
+            out.extend(hook(req))
+        return out
+
+    def warm(self, req: RouteRequest) -> list[tuple[str, int]]:
+        """Replicas expected to hold part of the prompt cached, with those tokens, warmest
+        first (admission's expected-TTFT choice reads it; empty without a prefix
+        plugin)."""
+        for hook in self.profile_for(req.model).warm_hooks:
+            return hook(req)
+        return []
 
     def placed(self, req: RouteRequest, candidate: Candidate, now: float) -> None:
         profile = self.profile_for(req.model)

@@ -49,6 +49,17 @@ class ReplicaState:
     # One engine rank of a data-parallel server (vLLM's `engine` metric label): the
     # adapter reads only that rank's metrics. None: the whole server.
     dp_rank: int | None = None
+    # Speculative decoding as the engine says (None: the engine does not say): on or off,
+    # drafts proposed per step, verification steps so far (vLLM's counter), and the mean
+    # tokens emitted per verification step where the engine exports it directly (SGLang).
+    speculative: bool | None = None
+    spec_num_draft_tokens: int | None = None
+    spec_drafts_total: float | None = None
+    spec_accept_length: float | None = None
+    # The engine's inter-token latency histogram (cumulative sum in seconds and count),
+    # None where it exports none: with the acceptance it gives the step time.
+    itl_sum_s: float | None = None
+    itl_count: float | None = None
     # When the discovery round began (the engine's answers describe it after that).
     updated_at: float = 0.0
     # `updated_at` of the last round whose answers included the engine's running gauge
@@ -84,6 +95,14 @@ class Candidate:
     prefix_cache_hits_total: float | None = None
     spec_draft_tokens_total: float | None = None
     spec_accepted_tokens_total: float | None = None
+    # Speculation: the replica's ``speculative`` label ("true"/"false") when configured,
+    # else what the engine says (False when it says nothing); see ReplicaState.
+    speculative: bool = False
+    spec_num_draft_tokens: int | None = None
+    spec_drafts_total: float | None = None
+    spec_accept_length: float | None = None
+    itl_sum_s: float | None = None
+    itl_count: float | None = None
     view_age_s: float = 0.0
     # Admission's prediction of this replica's mean inter-token gap with the request
     # added (seconds), None before it has evidence; an SLO filter holds it against
@@ -123,7 +142,13 @@ class Router(Protocol):
     stays queued without holding anything up). The optional hooks ``placed(req,
     replica, now)`` and ``released(request_id, replica, now)`` are called by admission
     when it reserves a replica for a request and when it frees that reservation, so a
-    policy can keep state (prefix index, session table).
+    policy can keep state (prefix index, session table). The optional ``hints(req) ->
+    list[str]`` names replicas the policy wants among the candidates whatever their
+    headroom (warm prefix, session, speculating): admission scores a shortlist of the
+    replicas with the most headroom plus these, not the whole fleet. The optional
+    ``warm(req) -> list[tuple[str, int]]`` names replicas expected to hold part of the
+    prompt cached, with those tokens, warmest first: admission weighs waiting for a
+    full warm replica against a cold start now by expected time to first token.
     """
 
     def pick(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None: ...

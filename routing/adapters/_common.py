@@ -121,6 +121,7 @@ def apply_load(
     prefix_hits: tuple[str, ...] = (),
     spec_draft: tuple[str, ...] = (),
     spec_accepted: tuple[str, ...] = (),
+    itl: tuple[str, ...] = (),
 ) -> None:
     """Copy an engine's load gauges onto `state`, each from the first metric name present
     (summed across label sets; KV usage averaged). Absent metrics leave the field as is."""
@@ -141,3 +142,9 @@ def apply_load(
         state.spec_draft_tokens_total = value
     if spec_accepted and (value := total(samples, *spec_accepted)) is not None:
         state.spec_accepted_tokens_total = value
+    for name in itl:  # a histogram's base name: the first one present wins
+        s = total(samples, name + "_sum")
+        n = total(samples, name + "_count")
+        if s is not None and n is not None:
+            state.itl_sum_s, state.itl_count = s, n
+            break

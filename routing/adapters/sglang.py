@@ -10,6 +10,11 @@ Reservations: SGLang preempts (``preempts`` True): its scheduler reserves by
 ``new_token_ratio`` and retracts running requests when decode runs out of room, so, as
 with vLLM, admission may reserve a learned quantile of the output with top-ups, and the
 learned running limit watches the retractions (``sglang:num_retracted_reqs_total``).
+
+Speculation: ``/server_info`` carries the server arguments ``speculative_algorithm``
+(null when off; EAGLE, EAGLE3, NEXTN, STANDALONE... when on) and
+``speculative_num_draft_tokens`` (positions verified per step: drafts + 1); ``sglang:spec_accept_length`` in ``/metrics`` is the
+mean tokens emitted per verification step (0 before any).
 """
 
 from __future__ import annotations
@@ -63,6 +68,15 @@ class SGLangAdapter:
             context = _lookup(info, "context_length")
             if context is not None:
                 state.max_model_len = context
+            algo = info.get("speculative_algorithm")
+            state.speculative = isinstance(algo, str) and algo.upper() not in ("", "NONE")
+            # SGLang counts the positions verified per step (drafts + the bonus token).
+            verified = _lookup(info, "speculative_num_draft_tokens")
+            state.spec_num_draft_tokens = (
+                verified - 1
+                if state.speculative and verified is not None and verified > 1
+                else None
+            )
         samples = parse_prometheus(ok_body(responses, "/metrics"))
         metrics_ok = samples is not None
         if samples is not None:
@@ -77,5 +91,8 @@ class SGLangAdapter:
                 waiting=("sglang:num_queue_reqs",),
                 usage=("sglang:token_usage",),
                 preemptions=("sglang:num_retracted_reqs_total",),
+                itl=("sglang:inter_token_latency_seconds",),
             )
+            accept = total(samples, "sglang:spec_accept_length")
+            state.spec_accept_length = accept if accept is not None and accept >= 1.0 else None
         state.ready = models_ok and info_ok and metrics_ok and state.capacity_tokens is not None

@@ -24,6 +24,12 @@ Routing reads the prefix cache counters (``vllm:prefix_cache_queries_total`` /
 counters (``vllm:spec_decode_num_draft_tokens_total`` /
 ``vllm:spec_decode_num_accepted_tokens_total``). SGLang exports only ratios of these
 (``sglang:cache_hit_rate``, ``sglang:spec_accept_length``), so its counters stay None.
+
+Speculation: vLLM exports the ``vllm:spec_decode_*`` counters only when speculative
+decoding is configured, so their presence says it speculates (``speculative`` True, else
+False once ``/metrics`` answered); ``vllm:spec_decode_num_drafts_total`` counts
+verification steps, so accepted / drafts + 1 is the mean tokens per step (routing takes
+it over the window between rounds).
 """
 
 from __future__ import annotations
@@ -66,7 +72,13 @@ class VLLMAdapter:
                 prefix_hits=("vllm:prefix_cache_hits_total",),
                 spec_draft=("vllm:spec_decode_num_draft_tokens_total",),
                 spec_accepted=("vllm:spec_decode_num_accepted_tokens_total",),
+                itl=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
             )
+            drafts = total(samples, "vllm:spec_decode_num_drafts_total")
+            state.speculative = (
+                drafts is not None or "vllm:spec_decode_num_draft_tokens_total" in samples
+            )
+            state.spec_drafts_total = drafts
         state.ready = models_ok and metrics_ok and state.capacity_tokens is not None
 
     @staticmethod

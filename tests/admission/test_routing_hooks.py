@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.types import Admit, Queued
@@ -108,3 +110,189 @@ def test_scheduling_router_places_sessions_through_admission() -> None:
         if i == 2:
             home = got.replica
         assert got.replica == home  # affinity beats the emptier replica
+
+
+class WarmOn:
+    """Prefers `warm` (holding `cached` prompt tokens) whenever it is a candidate."""
+
+    def __init__(self, warm: str, cached: int) -> None:
+        self.warm_name = warm
+        self.cached = cached
+
+    def pick(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
+        for c in candidates:
+            if c.name == self.warm_name:
+                return c
+        return candidates[0]
+
+    def hints(self, req: RouteRequest) -> list[str]:
+        return [self.warm_name]
+
+    def warm(self, req: RouteRequest) -> list[tuple[str, int]]:
+        return [(self.warm_name, self.cached)]
+
+
+def _teach(ctl: AdmissionController, name: str, now: float, *, ttft_per_token: float) -> float:
+    """Run requests on replica `name` alone so it learns a TTFT line and a drain rate."""
+    from admission.types import Completion
+
+    for i in range(12):
+        rid = f"teach-{name}-{i}"
+        prompt = 100 + 50 * i
+        admit = ctl.submit(request(rid, prompt, 10), now)
+        assert isinstance(admit, Admit) and admit.replica == name
+        now += 0.5
+        ttft = 0.01 + ttft_per_token * prompt
+        ctl.release(rid, now, Completion(ttft_s=ttft, service_s=ttft + 0.1, prompt_tokens=prompt))
+    return now
+
+
+def _two_replicas(cached: int) -> AdmissionController:
+    ctl = make(WarmOn("warm", cached))
+    ctl.upsert_replica(replica("warm", 2000, max_running=1), 0.0)
+    ctl.upsert_replica(replica("cold", 2000, max_running=1), 0.0)
+    return ctl
+
+
+def _req_with_prefix(rid: str, prompt: int):  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    return replace(request(rid, prompt, 10), prefix_hashes=(1, 2, 3))
+
+
+def test_expected_ttft_waits_for_a_warm_replica_when_the_cold_prefill_is_longer() -> None:
+    ctl = _two_replicas(cached=1500)
+    now = 0.0
+    ctl.mark_unready("cold", now)
+    now = _teach(ctl, "warm", now, ttft_per_token=0.002)
+    ctl.upsert_replica(replica("cold", 2000, max_running=1), now)
+    ctl.mark_unready("warm", now)
+    now = _teach(ctl, "cold", now, ttft_per_token=0.002)
+    ctl.upsert_replica(replica("warm", 2000, max_running=1), now)
+    # The warm replica is busy (its one slot taken); the cold one is free.
+    assert ctl.submit(request("busy", 100, 10), now).replica == "warm"  # type: ignore[union-attr]
+    # 1600-token prompt, 1500 cached on warm: ~0.2 s there after a short wait, against
+    # ~3.2 s of prefill on the cold one: it waits for warm (queued, blocking nobody).
+    verdict = ctl.submit(_req_with_prefix("agent", 1600), now)
+    assert isinstance(verdict, Queued)
+    assert ctl.ttft_choices == {"expected_ttft_wait": 1}
+    other = ctl.submit(request("other", 100, 10), now)  # the cold replica is not blocked
+    assert isinstance(other, Admit) and other.replica == "cold"
+    ctl.release("other", now + 0.1)
+    admits = ctl.release("busy", now + 0.2)
+    assert [(a.request_id, a.replica) for a in admits] == [("agent", "warm")]
+    ctl.release("agent", now + 1.0)
+    assert ctl.reserved_tokens() == 0
+
+
+def test_expected_ttft_starts_cold_when_little_is_cached() -> None:
+    ctl = _two_replicas(cached=100)
+    now = 0.0
+    ctl.mark_unready("cold", now)
+    now = _teach(ctl, "warm", now, ttft_per_token=0.002)
+    ctl.upsert_replica(replica("cold", 2000, max_running=1), now)
+    ctl.mark_unready("warm", now)
+    now = _teach(ctl, "cold", now, ttft_per_token=0.002)
+    ctl.upsert_replica(replica("warm", 2000, max_running=1), now)
+    assert ctl.submit(request("busy", 1500, 10), now).replica == "warm"  # type: ignore[union-attr]
+    verdict = ctl.submit(_req_with_prefix("agent", 400), now)
+    assert isinstance(verdict, Admit) and verdict.replica == "cold"
+    assert ctl.ttft_choices == {"expected_ttft_cold": 1}
+    ctl.release("busy", now + 1.0)
+    ctl.release("agent", now + 1.0)
+
+
+def test_speculative_label_wins_over_the_engine() -> None:
+    router = RejectsOne()
+    ctl = make(router)
+    st = replica("r1", 1000)
+    st.speculative = True
+    ctl.upsert_replica(st, 0.0)
+    ctl.submit(request("ok-1", 10, 10), 0.0)
+    assert router.seen[0].speculative is True
+    st.labels = {"speculative": "false"}
+    ctl.upsert_replica(st, 1.0)
+    ctl.submit(request("ok-2", 10, 10), 1.0)
+    assert router.seen[0].speculative is False
+    st.labels, st.speculative = {"speculative": "true"}, None
+    ctl.upsert_replica(st, 2.0)
+    ctl.submit(request("ok-3", 10, 10), 2.0)
+    assert router.seen[0].speculative is True
+    for rid in ("ok-1", "ok-2", "ok-3"):
+        ctl.release(rid, 3.0)
+
+
+def test_shortlist_choice_matches_a_full_scan_and_filters_stay_exact() -> None:
+    """With many replicas admission scores a shortlist; the pick is the one a full scan
+    of the profile would make, and a filter that rejects the shortlist is asked again
+    with every fitting replica."""
+    from routing.config import RoutingConfig
+    from routing.registry import register
+
+    class KeepLast:
+        def filter(self, req: RouteRequest, cands: Sequence[Candidate]) -> list[Candidate]:
+            return [c for c in cands if c.name == "r39"]
+
+    register("filter", "test_keep_r39")(lambda params, env: KeepLast())
+    router = build_router(RoutingConfig(), seed=3)
+    ctl = make(router)
+    for i in range(40):
+        ctl.upsert_replica(replica(f"r{i}", 1000 + 10 * i), 0.0)
+    # Most free fraction first: all empty, so ties; reserve some and check the choice is
+    # the replica with the largest free fraction, as a full scan would give.
+    for k in range(30):
+        admit = ctl.submit(request(f"q{k}", 50 + k, 50), 1.0)
+        assert isinstance(admit, Admit)
+        usage = {u.name: u for u in ctl.replica_usage()}
+        chosen = usage[admit.replica]
+        before = (
+            chosen.effective_capacity_tokens - chosen.reserved_tokens + admit.reserved_tokens
+        ) / (chosen.effective_capacity_tokens)
+        best = max(
+            (u.effective_capacity_tokens - u.reserved_tokens) / u.effective_capacity_tokens
+            for u in usage.values()
+            if u.name != admit.replica
+        )
+        assert before >= best - 1e-9
+    filtered = build_router(
+        RoutingConfig.model_validate({"default_profile": {"filters": [{"name": "test_keep_r39"}]}})
+    )
+    ctl2 = make(filtered)
+    for i in range(40):
+        ctl2.upsert_replica(replica(f"r{i}", 1000), 0.0)
+    admit = ctl2.submit(request("only", 10, 10), 1.0)
+    assert isinstance(admit, Admit) and admit.replica == "r39"
+    for k in range(30):
+        ctl.release(f"q{k}", 2.0)
+    ctl2.release("only", 2.0)
+    assert ctl.reserved_tokens() == 0 and ctl2.reserved_tokens() == 0
+
+
+def test_candidates_carry_a_predicted_itl_from_the_replicas_streams() -> None:
+    """Admission fills `Candidate.predicted_itl_s` from the replica's own streams
+    (admission.itl: the mean inter-token gap by the number running) for a request with an
+    ITL target, the batch with it added; None before any stream completed there, and None
+    for a request without a target (nothing reads it)."""
+    from dataclasses import replace
+
+    from admission.types import Completion
+
+    router = RejectsOne()
+    ctl = make(router)
+    ctl.upsert_replica(replica("r1", 100_000), 0.0)
+    ctl.submit(replace(request("first", 10, 10), itl_target_s=0.1), 0.0)
+    assert router.seen[0].predicted_itl_s is None
+    ctl.release("first", 0.5)
+    now = 1.0
+    # Streams that ran alone, 15 ms between tokens.
+    for i in range(12):
+        assert isinstance(ctl.submit(request(f"alone-{i}", 10, 10), now), Admit)
+        ctl.release(f"alone-{i}", now + 1.0, Completion(itl_s=0.015, ttft_s=0.1, prompt_tokens=10))
+        now += 2.0
+    ctl.submit(replace(request("probe-1", 10, 10), itl_target_s=0.1), now)
+    assert router.seen[0].predicted_itl_s == pytest.approx(0.015, abs=1e-6)  # alone
+    ctl.submit(request("probe-none", 10, 10), now)
+    assert router.seen[0].predicted_itl_s is None  # no target: not computed
+    for rid in ["probe-1", "probe-none"]:
+        ctl.release(rid, now + 1.0)
+    assert ctl.reserved_tokens() == 0

@@ -28,4 +28,14 @@ def test_example_config_loads_and_matches_defaults() -> None:
         "logging",
         "tokenizers",
     ):
+        if section == "routing":  # its profiles are documented examples, validated here
+            assert cfg.routing.model_copy(update={"profiles": {}}) == defaults.routing
+            continue
         assert getattr(cfg, section) == getattr(defaults, section), section
+    profiles = cfg.routing.profiles
+    assert [s.name for s in profiles["agent-model"].scorers] == [
+        "prefix_cache",
+        "session_affinity",
+        "running_headroom",
+    ]
+    assert [s.name for s in profiles["coder-model"].scorers] == ["speculation", "running_headroom"]

@@ -117,3 +117,96 @@ async def test_a_request_every_filter_rejects_does_not_block_others(replica, gat
         assert resp.status == 503
         assert (await resp.json())["error"]["code"]
         resp.release()
+
+
+async def test_workload_classes_and_routing_reasons_appear_in_metrics(replica, gateway):
+    srv = await replica(speed=50.0)
+    gw = await gateway(srv, routing=PREFIX_PROFILE)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    code = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Fix this:\n```py\nx = [1, 2\n```"}],
+        "max_tokens": 4,
+    }
+    async with aiohttp.ClientSession() as s:
+        for body, headers in ((chat, {}), (code, {}), (chat, {"x-workload": "agentic"})):
+            async with s.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+        async with s.get(gw.url + "/metrics") as r:
+            text = await r.text()
+    for workload in ("chat", "coding", "agentic"):
+        line = f'kvgate_workload_requests_total{{outcome="ok",workload="{workload}"}} 1.0'
+        assert line in text, text
+    decided = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvgate_routing_decisions_total{")
+    ]
+    assert sum(decided) == 3, text
+
+
+SPEC_PROFILE = {
+    "default_profile": {
+        "scorers": [
+            {"name": "speculation", "weight": 2.0, "params": {"crossover_batch": 2}},
+            {"name": "running_headroom", "weight": 1.0},
+        ]
+    }
+}
+CODE = "Fix this function:\n```python\ndef f(x):\n    return x +\n```\n"
+
+
+def served(servers: Sequence[Any]) -> list[int]:
+    """Prompt tokens each replica has processed (its engine's own counter)."""
+    return [srv.core.stats().prompt_tokens for srv in servers]
+
+
+async def test_coding_goes_to_the_speculating_replica_at_low_load_and_spills_at_high(
+    replica, gateway
+):
+    # The gateway learns which replica speculates from the engine (spec_decode metrics).
+    spec = await replica(speed=5.0, speculative=True)
+    plain = await replica(speed=5.0, speculative=False)
+    gw = await gateway(spec, plain, routing=SPEC_PROFILE)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": CODE}], "max_tokens": 8}
+    headers = {"x-workload": "coding"}
+    async with aiohttp.ClientSession() as s:
+        # Low load: one coding request at a time, each on the speculating replica.
+        for _ in range(3):
+            before = served([spec, plain])
+            async with s.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+            after = served([spec, plain])
+            assert after[0] > before[0] and after[1] == before[1], (before, after)
+        # Chat keeps off the speculating replica.
+        before = served([spec, plain])
+        chat = {**body, "messages": [{"role": "user", "content": "hello there"}]}
+        async with s.post(gw.url + "/v1/chat/completions", json=chat) as r:
+            assert r.status == 200
+        after = served([spec, plain])
+        assert after[1] > before[1] and after[0] == before[0]
+        # High load: two long coding streams fill the speculating replica's batch up to
+        # the crossover; the next coding request spills to the plain replica.
+        long = {**body, "max_tokens": 600, "stream": True}
+        streams = [
+            await s.post(gw.url + "/v1/chat/completions", json=long, headers=headers)
+            for _ in range(2)
+        ]
+
+        def running_on_spec() -> int:
+            usage = {u.name: u.running for u in gw.controller.replica_usage()}
+            return usage["r0"]
+
+        assert await wait_for(lambda: running_on_spec() == 2)
+        before = served([spec, plain])
+        async with s.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+        after = served([spec, plain])
+        assert after[1] > before[1] and after[0] == before[0], (before, after)
+        for resp in streams:
+            await resp.read()
+            resp.release()
+        async with s.get(gw.url + "/metrics") as r:
+            text = await r.text()
+    assert 'kvgate_routing_decisions_total{reason="speculation"} 5.0' in text, text
+    assert 'kvgate_routing_decisions_total{reason="spill"} 1.0' in text, text

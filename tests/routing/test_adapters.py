@@ -437,3 +437,109 @@ def test_adapters_read_the_simulator_exposition(flavor: str) -> None:
     assert st.capacity_tokens == 512 * 16
     assert (st.engine_running, st.engine_waiting) == (5, 1)
     assert st.kv_usage == pytest.approx(0.25)
+
+
+VLLM_SPEC_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 200.0
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1000.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 546.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct",position="0"} 180.0
+# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 500.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 500.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 5.0
+"""
+
+
+def test_vllm_speculation_from_spec_decode_counters() -> None:
+    st = state("vllm")
+    responses = {"/metrics": (200, VLLM_SPEC_METRICS), "/v1/models": (200, VLLM_MODELS)}
+    adapter_for("vllm").apply(st, responses, 0.0)
+    assert st.speculative is True
+    assert st.spec_drafts_total == 200.0
+    assert (st.spec_draft_tokens_total, st.spec_accepted_tokens_total) == (1000.0, 546.0)
+    assert (st.itl_sum_s, st.itl_count) == (5.0, 500.0)
+    plain = state("vllm")
+    adapter_for("vllm").apply(
+        plain, {"/metrics": (200, VLLM_METRICS), "/v1/models": (200, VLLM_MODELS)}, 0.0
+    )
+    assert plain.speculative is False and plain.spec_drafts_total is None
+
+
+def test_sglang_speculation_from_server_args_and_accept_length() -> None:
+    info = {
+        "max_total_num_tokens": 100000,
+        "speculative_algorithm": "EAGLE",
+        "speculative_num_steps": 5,
+        "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": 6,
+    }
+    metrics = SGLANG_METRICS + (
+        "# HELP sglang:spec_accept_length The average acceptance length.\n"
+        "# TYPE sglang:spec_accept_length gauge\n"
+        'sglang:spec_accept_length{model_name="Qwen/Qwen2.5-7B-Instruct"} 3.9\n'
+    )
+    st = state("sglang")
+    responses = {
+        "/server_info": (200, json.dumps(info)),
+        "/metrics": (200, metrics),
+        "/v1/models": (200, SGLANG_MODELS),
+    }
+    adapter_for("sglang").apply(st, responses, 0.0)
+    assert st.speculative is True
+    assert st.spec_num_draft_tokens == 5  # positions verified per step minus the bonus
+    assert st.spec_accept_length == pytest.approx(3.9)
+    off = state("sglang")
+    responses["/server_info"] = (200, json.dumps({**info, "speculative_algorithm": None}))
+    adapter_for("sglang").apply(off, responses, 0.0)
+    assert off.speculative is False and off.spec_num_draft_tokens is None
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+def test_adapters_read_enginesim_speculation(flavor: str) -> None:
+    from enginesim.metrics import EngineMetrics
+    from enginesim.types import EngineStats, Flavor
+
+    stats = EngineStats(num_running=2, num_gpu_blocks=512, block_size=16)
+    stats.spec_num_drafts = 100
+    stats.spec_num_draft_tokens = 500
+    stats.spec_num_accepted_tokens = 373
+    metrics = EngineMetrics(
+        flavor=Flavor(flavor),
+        model_name="tiny",
+        stats=lambda: stats,
+        speculative=True,
+        max_running_requests=32,
+    )
+    text = metrics.render().decode()
+    models = json.dumps({"object": "list", "data": [{"id": "tiny", "max_model_len": 2048}]})
+    st = state(flavor)
+    responses = {"/metrics": (200, text), "/v1/models": (200, models)}
+    if flavor == "sglang":
+        info = {
+            "max_total_num_tokens": 512 * 16,
+            "speculative_algorithm": "EAGLE",
+            "speculative_num_draft_tokens": 6,
+        }
+        responses["/server_info"] = (200, json.dumps(info))
+    adapter_for(flavor).apply(st, responses, 0.0)
+    assert st.speculative is True
+    if flavor == "vllm":
+        assert (st.spec_drafts_total, st.spec_accepted_tokens_total) == (100, 373)
+    else:
+        assert st.spec_accept_length == pytest.approx(4.73)

@@ -42,3 +42,14 @@ def test_only_head_and_tail_of_long_prompts_are_scanned() -> None:
     middle_code = "word " * 5000 + "\n```\ncode\n```\n" + "word " * 5000
     assert classify_workload(None, middle_code) == "chat"
     assert classify_workload(None, "word " * 5000 + "\n```py\nx=1\n```") == "coding"
+
+
+def test_tenant_default_between_header_and_heuristic() -> None:
+    code = "Why does this fail?\n```\nx = [1, 2\n```"
+    # The header wins over the tenant's default; the default wins over the heuristic.
+    assert classify_workload("chat", code, tenant_default="agentic") == "chat"
+    assert classify_workload(None, code, tenant_default="agentic") == "agentic"
+    assert classify_workload(None, "hello", tenant_default="Coding ") == "coding"
+    # An unknown or missing default falls through to the heuristic.
+    assert classify_workload(None, code, tenant_default="batch") == "coding"
+    assert classify_workload("nonsense", code, tenant_default=None) == "coding"

@@ -239,3 +239,36 @@ def test_release_hook_reaches_the_plugin_that_saw_the_placement() -> None:
     router.released("x", "a", 2.0)
     router.released("x", "a", 2.0)  # once only
     assert seen == [("placed", "a"), ("released", "a")]
+
+
+def test_holders_map_stays_exact_under_eviction_and_hints_find_the_warmest() -> None:
+    s = scorer("prefix_cache", chars_per_token=1.0, max_blocks_per_replica=6)
+    assert isinstance(s, PrefixCacheScorer)
+    shared = "system prompt!" * 4  # 56 chars: 7 blocks of 8
+    deep = req(shared + "session A turn one two three")
+    s.placed(deep, cand("a"), 0.0)  # a holds the leaf-most 6 blocks it can
+    s.placed(req(shared[:24]), cand("b"), 0.0)  # b holds the first 3 blocks
+    # Every hash is listed under exactly the replicas whose index holds it.
+    for name in ("a", "b"):
+        idx = s.index(name)
+        assert idx is not None and len(idx) <= 6
+    for h, names in s._holders.items():
+        for n in names:
+            assert s.index(n).match([h]) == 1  # type: ignore[union-attr]
+    assert sum(len(v) for v in s._holders.values()) == len(s.index("a")) + len(s.index("b"))  # type: ignore[arg-type]
+    # The deepest holder comes first, then the root's other holders.
+    hinted = s.hints(deep)
+    assert hinted[0] in ("a", "b") and set(hinted) <= {"a", "b"}
+    assert s.hints(req("nothing like it at all, nothing")) == []
+    # warm(): cached tokens per replica, warmest first.
+    warm = s.warm(RouteRequest("w", "m", 10, prefix_hashes=deep.prefix_hashes, prompt_tokens=80))
+    assert warm == sorted(warm, key=lambda x: -x[1]) and all(t > 0 for _, t in warm)
+
+
+def test_session_hint_names_the_sessions_replica() -> None:
+    s = scorer("session_affinity", ttl_s=10.0)
+    assert isinstance(s, SessionAffinityScorer)
+    s.placed(req(session="x"), cand("b"), 0.0)
+    assert s.hints(req(session="x", now=5.0)) == ["b"]
+    assert s.hints(req(session="x", now=11.0)) == []
+    assert s.hints(req(session=None)) == []
