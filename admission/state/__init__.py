@@ -13,8 +13,9 @@ They do so by *leases*, as Google's Doorman divides a global rate limit:
   for what the process holds and has queued plus a little spare (its *want*).
 - The arithmetic (`admission.state.lease.grant`) runs atomically in the backend (a Lua
   script on Redis): expired holders are dropped; when the wants fit the total, each gets
-  its want; when they do not, each is entitled to at least a fair share (total / holders)
-  and to what others leave below theirs; a grant never exceeds what others do not hold
+  its want and what nobody wants is split equally (a lone process holds the whole);
+  when they do not, the shares are max-min fair (an equal split, and more where others
+  want less); a grant never exceeds what others do not hold
   (each holder counts the larger of its grant and its reported use). So the sum over
   processes never exceeds the total, and a busy process can use most of a pool while the
   others idle.

@@ -45,9 +45,9 @@ for i = 2, #KEYS do
     remaining = remaining - share
     if wants[k][2] == holder then
       entitled = share
-      break
     end
   end
+  entitled = entitled + math.floor(remaining / n)  -- what nobody wants, split equally
   local granted = math.max(0, math.min(entitled, total - held))
   redis.call('HSET', KEYS[i], holder, string.format('%d %d %d %d', granted, want, used, exp))
   redis.call('PEXPIRE', KEYS[i], ttl * 2)

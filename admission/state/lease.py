@@ -40,5 +40,5 @@ def grant(
         remaining -= share
         if name == holder and w == want:
             entitled = share
-            break
+    entitled += remaining // n  # what nobody wants, split equally
     return max(0, min(entitled, total - held)), n, used_sum

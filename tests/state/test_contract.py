@@ -52,13 +52,21 @@ def req(total: int, want: int, used: int = 0, resource: str = "pool:r0") -> list
     return [LeaseRequest(resource, total, want, used)]
 
 
-async def test_a_lone_holder_gets_its_want_within_the_total(rig: Rig) -> None:
+async def test_a_lone_holder_gets_the_whole(rig: Rig) -> None:
     b = rig.backend
     r = await b.renew("a", req(1000, 300), 10)
     assert r.processes == 1
-    assert (r.leases[0].granted, r.leases[0].holders) == (300, 1)
+    assert (r.leases[0].granted, r.leases[0].holders) == (1000, 1)
     r = await b.renew("a", req(1000, 5000), 10)
     assert r.leases[0].granted == 1000
+
+
+async def test_what_nobody_wants_is_split_equally(rig: Rig) -> None:
+    b = rig.backend
+    await b.renew("a", req(1000, 100), 10)  # alone: the whole
+    assert (await b.renew("b", req(1000, 100), 10)).leases[0].granted == 0  # a holds it all
+    assert (await b.renew("a", req(1000, 100), 10)).leases[0].granted == 500
+    assert (await b.renew("b", req(1000, 100), 10)).leases[0].granted == 500
 
 
 async def test_the_sum_of_grants_never_exceeds_the_total(rig: Rig) -> None:
@@ -78,9 +86,10 @@ async def test_the_sum_of_grants_never_exceeds_the_total(rig: Rig) -> None:
 
 async def test_one_busy_holder_uses_most_of_the_pool_while_others_idle(rig: Rig) -> None:
     b = rig.backend
-    await b.renew("idle1", req(1200, 50), 10)
-    await b.renew("idle2", req(1200, 50), 10)
-    r = await b.renew("busy", req(1200, 5000), 10)
+    for _ in range(2):  # the first idle one held the whole until the others came
+        await b.renew("idle1", req(1200, 50), 10)
+        await b.renew("idle2", req(1200, 50), 10)
+        r = await b.renew("busy", req(1200, 5000), 10)
     assert r.leases[0].granted == 1100
     assert r.leases[0].holders == 3
 
@@ -139,7 +148,7 @@ async def test_re_registering_is_idempotent(rig: Rig) -> None:
         await b.renew("a", req(1000, 400, used=300), 10)
     held = await b.holders("pool:r0")
     assert list(held) == ["a"]
-    assert (held["a"].granted, held["a"].used) == (400, 300)
+    assert (held["a"].granted, held["a"].want, held["a"].used) == (1000, 400, 300)
 
 
 async def test_resources_are_independent(rig: Rig) -> None:
@@ -147,7 +156,7 @@ async def test_resources_are_independent(rig: Rig) -> None:
     r = await b.renew(
         "a", req(1000, 2000) + req(8, 3, resource="run:r0") + req(500, 9, resource="pool:r1"), 10
     )
-    assert [x.granted for x in r.leases] == [1000, 3, 9]
+    assert [x.granted for x in r.leases] == [1000, 8, 500]
 
 
 async def test_a_shrinking_total_grants_nothing_more(rig: Rig) -> None:
@@ -172,6 +181,7 @@ async def test_shared_limits_carry_the_latest_version(rig: Rig) -> None:
     "total,want,others",
     [
         (1000, 300, []),
+        (1000, 100, [("o0", 300, 200, 100), ("o1", 100, 50, 50)]),
         (1000, 900, [("o0", 500, 900, 100)]),
         (1000, 100, [("o0", 0, 900, 0), ("o1", 0, 900, 0)]),
         (90, 90, [("o0", 30, 30, 30), ("o1", 10, 60, 40)]),
