@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -117,6 +118,9 @@ class Pipeline:
         # Without a session (no counter given) prompts are estimated and counted locally only.
         self.counter = counter or PromptCounter(config, estimator, discovery, metrics)
         self._api_keys = dict(config.auth.api_keys)
+        # Set by the app when shared state is configured fail-closed (gateway/sharing.py):
+        # returns the 503 new requests get while Redis is unreachable, else None.
+        self.state_gate: Callable[[], ApiError | None] | None = None
         self._max_body = config.limits.max_body_bytes
         self._queue_timeout = config.admission.queue_timeout_s
         self._retry_once = config.upstream.retry_once
@@ -412,6 +416,8 @@ class Pipeline:
         service, or for a stream the predicted time to first token (the controller
         predicts it); else the configured queue timeout.
         """
+        if self.state_gate is not None and (closed := self.state_gate()) is not None:
+            raise closed
         now = self._loop.time()
         deadline = math.inf
         hdr = request.headers.get(H_QUEUE_TIMEOUT)
