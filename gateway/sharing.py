@@ -29,7 +29,11 @@ Redis unreachable (``on_unreachable``)
 Reconnect
     The first good renewal re-registers every lease from the process's own holdings, one
     record per (resource, process): a Redis that restarted empty is rebuilt without
-    double counting, and records of processes that died meanwhile expire by TTL.
+    double counting, and records of processes that died meanwhile expire by TTL. Until
+    every process seen before the outage has re-registered (or a TTL has passed: the
+    missing ones are dead, or cut off and within their own 1/N), a slice stays within
+    the fail-open 1/N: a process that reconnects first must not take what the others
+    still run on.
 
 Shutdown
     The loop stops and the process returns its slices at once (best effort: if Redis is
@@ -111,6 +115,10 @@ class StateSync:
         self._task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
         self._last = -math.inf
+        # After an outage: until when (and until how many processes re-registered) the
+        # slices stay within the fail-open 1/N (module docstring, Reconnect).
+        self._rebuild_until = -math.inf
+        self._rebuild_n = 0
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -192,15 +200,26 @@ class StateSync:
             return
         leases = {lease.resource: lease for lease in result.leases}
         now = self._loop.time()
+        if not self.up and self._outage_logged:  # back from an outage: rebuild
+            self._rebuild_until = now + self.config.lease_ttl_s
+            self._rebuild_n = max(self.processes, self.workers_hint)
+        rebuilding = now < self._rebuild_until and result.processes < self._rebuild_n
+        n = max(self._rebuild_n, 1)
         for d in demands:
             pool = leases.get(f"pool:{d.replica}")
             run = leases.get(f"run:{d.replica}")
+            tokens = pool.granted if pool is not None else None
+            running = run.granted if run is not None else None
+            if rebuilding:
+                tokens = None if tokens is None else min(tokens, d.effective // n)
+                if running is not None and d.running_limit is not None:
+                    running = min(running, max(1, d.running_limit // n))
             self.bridge.resolve(
                 self.controller.set_pool_share(
                     d.replica,
-                    pool.granted if pool is not None else None,
+                    tokens,
                     now,
-                    running=run.granted if run is not None else None,
+                    running=running,
                     others_running=run.others_used if run is not None else 0,
                 )
             )
