@@ -26,6 +26,7 @@ from aiohttp import web
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.state import StateBackend
+from admission.tenants import TenantLimiter
 from gateway.admin import replicas_snapshot, require_admin
 from gateway.admitter import AdmissionBridge
 from gateway.config import GatewayConfig
@@ -34,7 +35,7 @@ from gateway.discovery import Discovery
 from gateway.errors import ApiError
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline import UPSTREAM_PATHS, Pipeline
+from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
 from gateway.relay import Relay
 from gateway.sharing import StateCollector, StateSync, make_backend
 from gateway.tokenizers import load_token_counters
@@ -54,7 +55,12 @@ class GatewayState:
             picker = build_router(
                 config.routing, discovery_interval_s=config.discovery.refresh_interval_s
             )
-        self.controller = AdmissionController(config.admission, picker)
+        # Tenants (admission/tenants.py): the pipeline checks keys and rates, the
+        # controller's queue reads weights and caps.
+        self.tenants = TenantLimiter.from_config(config.tenants, config.auth.api_keys)
+        self.controller = AdmissionController(
+            config.admission, picker, tenants=self.tenants.tenants.get
+        )
         counters = load_token_counters(config.tokenizers)
         self.estimator = TokenEstimator(config.admission, tokenizer_for=counters.get)
         self.discovery: Discovery
@@ -62,6 +68,13 @@ class GatewayState:
         self.pipeline: Pipeline
         self.metrics: GatewayMetrics
         self.sync: StateSync | None = None  # the lease loop (shared state), if any
+
+    def set_tenant_share(self, tenant: str, fraction: float) -> None:
+        """This process's share of a tenant's rpm, tpm and concurrency (the shared-state
+        backend leases it); a larger share may admit waiting requests at once."""
+        now = asyncio.get_running_loop().time()
+        self.tenants.set_share(tenant, fraction, now)
+        self.bridge.resolve(self.controller.pump(now))
 
     def queue_depths(self) -> dict[str, int]:
         return {m: self.controller.queue_depth(m) for m in self.discovery.known_models}
@@ -117,6 +130,7 @@ def build_app(
             relay,
             st.metrics,
             counter=counter,
+            tenants=st.tenants,
         )
         pipeline_ref.append(st.pipeline)
         await st.discovery.start()
@@ -143,6 +157,19 @@ def build_app(
             await session.close()
 
     app.cleanup_ctx.append(lifecycle)
+
+    async def rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+        # OpenAI's x-ratelimit-* headers on every answer to an authenticated request,
+        # with the values as they stand when the answer starts.
+        tenant = request.get(TENANT_KEY)
+        if tenant is not None:
+            response.headers.update(st.tenants.headers(tenant, asyncio.get_running_loop().time()))
+        if response.status == 429 and "Retry-After" not in response.headers:
+            # A request larger than the tenant's whole budget: retrying cannot help (the
+            # openai SDKs read this header).
+            response.headers["x-should-retry"] = "false"
+
+    app.on_response_prepare.append(rate_limit_headers)
 
     # ------------------------------------------------------------------ OpenAI surface
     async def chat(request: web.Request) -> web.StreamResponse:

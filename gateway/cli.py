@@ -20,6 +20,11 @@ from collections.abc import Callable, Sequence
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.cli:serve_main", "run the gateway"),
+    "hash-key": (
+        "gateway.cli:hash_key_main",
+        "print the SHA-256 of an API key read from stdin, for tenants[].keys_sha256 "
+        "(--new: make a key)",
+    ),
     "demo": ("gateway.demo:main", "run the demo (simulated replicas, load through kvgate)"),
     # Locust patches the process with gevent: only these two commands import it.
     "sweep": ("loadtests.sweep:main", "find a target's ceiling: a concurrency staircase"),
@@ -110,6 +115,37 @@ def serve_main(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 1
+    return 0
+
+
+def hash_key_main(argv: Sequence[str]) -> int:
+    """``kvgate hash-key``: the digest to put in ``tenants[].keys_sha256``.
+
+    The key is read from stdin (one line), never from the command line, where it would
+    show in the process list and the shell history. ``--new`` makes a random key
+    (256 bits) and prints it once, with its digest: give the key to the tenant and keep
+    only the digest."""
+    parser = argparse.ArgumentParser(
+        prog="kvgate hash-key",
+        description="Print the hex SHA-256 of an API key read from stdin (tenants[].keys_sha256).",
+    )
+    parser.add_argument("--new", action="store_true", help="make a new random key and hash it")
+    args = parser.parse_args(list(argv))
+
+    import secrets
+
+    from admission.tenants import hash_key
+
+    if args.new:
+        key = "sk-kvg-" + secrets.token_urlsafe(32)
+        print(f"key:    {key}")
+        print(f"sha256: {hash_key(key)}")
+        return 0
+    line = sys.stdin.readline().rstrip("\r\n")
+    if not line:
+        print("kvgate hash-key: no key on stdin", file=sys.stderr)
+        return 2
+    print(hash_key(line))
     return 0
 
 

@@ -8,7 +8,8 @@ carry the same file everywhere:
 - ``KVGATE_LISTEN``: ``host:port`` (or ``:port``)
 - ``KVGATE_ADMIN_TOKEN``: bearer token for ``/admin/*``
 - ``KVGATE_API_KEYS``: ``key:tenant,key2:tenant2`` (a key without ``:tenant`` maps to the
-  tenant ``default``); replaces the file's ``auth.api_keys``
+  tenant ``default``); replaces the file's ``auth.api_keys``. Plain keys are hashed when
+  the gateway starts and never logged; prefer ``tenants[].keys_sha256`` in the file.
 - ``KVGATE_LOG_LEVEL``: ``debug|info|warning|error``
 - ``KVGATE_STATE_BACKEND``: ``memory|redis`` (``state.backend``)
 - ``KVGATE_REDIS_URL``: ``redis://`` or ``rediss://`` (TLS) URL of the shared-state Redis
@@ -35,7 +36,8 @@ from pydantic import (
 )
 
 from admission.config import AdmissionConfig
-from routing.config import RoutingConfig
+from admission.tenants import TenantConfig
+from routing.config import FilterRef, ProfileConfig, RoutingConfig
 
 Engine = Literal["vllm", "sglang", "llamacpp", "openai"]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -156,7 +158,8 @@ class LimitsConfig(_Strict):
 
 class AuthConfig(_Strict):
     # API key -> tenant. Empty: no authentication, every request is tenant "default".
-    api_keys: dict[str, str] = Field(default_factory=dict)
+    # Deprecated: plain keys (hashed at start, never logged); use tenants[].keys_sha256.
+    api_keys: dict[str, str] = Field(default_factory=dict, repr=False)
     admin_token: str | None = None
 
 
@@ -245,6 +248,9 @@ class GatewayConfig(_Strict):
     # Model name -> local Hugging Face tokenizer.json: exact prompt counts for that model
     # instead of the learned chars-per-token estimate (see gateway/tokenizers.py).
     tokenizers: dict[str, FilePath] = Field(default_factory=dict)
+    # Tenants: hashed API keys, limits, priority range, weight, models, SLO targets
+    # (admission/tenants.py). Empty: one tenant "default" without limits.
+    tenants: list[TenantConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _unique_replica_names(self) -> GatewayConfig:
@@ -254,6 +260,37 @@ class GatewayConfig(_Strict):
                 raise ValueError(f"replicas: duplicate replica name {r.name!r}")
             seen.add(r.name)
         return self
+
+    @model_validator(mode="after")
+    def _tenants_consistent(self) -> GatewayConfig:
+        names: set[str] = set()
+        owner: dict[str, str] = {}
+        for i, t in enumerate(self.tenants):
+            if t.name in names:
+                raise ValueError(f"tenants.{i}.name: duplicate tenant name {t.name!r}")
+            names.add(t.name)
+            for d in t.keys_sha256:
+                if d in owner and owner[d] != t.name:
+                    raise ValueError(
+                        f"tenants.{i}.keys_sha256: a key of {t.name!r} is also {owner[d]!r}'s"
+                    )
+                owner[d] = t.name
+        # A tenant with an ITL target needs the slo_itl filter in every profile
+        # (routing/slo.py); it keeps everything for requests without a target.
+        if any(t.slo.itl_s is not None for t in self.tenants):
+            self.routing = self.routing.model_copy(
+                update={
+                    "default_profile": _with_slo_filter(self.routing.default_profile),
+                    "profiles": {m: _with_slo_filter(p) for m, p in self.routing.profiles.items()},
+                }
+            )
+        return self
+
+
+def _with_slo_filter(profile: ProfileConfig) -> ProfileConfig:
+    if any(f.name == "slo_itl" for f in profile.filters):
+        return profile
+    return profile.model_copy(update={"filters": [*profile.filters, FilterRef(name="slo_itl")]})
 
 
 def _format_validation_error(err: ValidationError) -> str:
