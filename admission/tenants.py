@@ -190,7 +190,12 @@ class Gcra:
     def wait(self, cost: float, now: float) -> float:
         """Seconds until `cost` cells would pass (0: now; inf: never)."""
         if cost > self.limit:
-            return math.inf
+            if cost > self.total:
+                return math.inf
+            # Within the whole budget but over this process's share of it (shared state:
+            # the share is renewed within a second or so): not never; the time the whole
+            # budget takes to refill `cost` cells.
+            return _WINDOW_S * cost / self.total
         t = self._interval()
         excess = max(self.tat, now) + cost * t - now - _WINDOW_S
         return max(0.0, excess)

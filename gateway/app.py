@@ -137,7 +137,13 @@ def build_app(
         backend = state_backend if state_backend is not None else make_backend(config.state)
         if backend is not None:
             st.sync = StateSync(
-                config.state, backend, st.controller, st.bridge, workers_hint=workers_hint
+                config.state,
+                backend,
+                st.controller,
+                st.bridge,
+                workers_hint=workers_hint,
+                tenants=st.tenants,
+                set_tenant_share=st.set_tenant_share,
             )
             await st.sync.start()
             st.pipeline.state_gate = st.sync.gate

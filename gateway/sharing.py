@@ -14,6 +14,16 @@ Renewal
     process published later is adopted (`RunningLimit.adopt`), and a new process seeds
     its limits from the shared ones; the running lease then splits the shared limit.
 
+Tenant budgets
+    A tenant's rpm, tpm and concurrency are leased the same way, as a fraction of the
+    tenant's totals (resource ``tenant:<name>``, in units of 1/10,000): a process asks
+    for its current fraction scaled by how much of it its rate limits have in use, plus
+    a quarter for growth (and at least a quarter of an equal split, so that an idle
+    process keeps room for its next request), so a busy process's fraction grows while
+    an idle one's decays,
+    and the limiter scales this process's limits to the granted fraction
+    (`TenantLimiter.set_share`). The fractions of all processes sum to at most 1.
+
 Redis unreachable (``on_unreachable``)
     ``fail-open``: the process keeps admitting from its slices, each cut to at most 1/N of
     the replica's pool and running limit (N: the processes alive at the last good
@@ -48,13 +58,14 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from admission.controller import AdmissionController, PoolDemand
 from admission.state import LeaseRequest, StateBackend, StateUnavailable
+from admission.tenants import TenantLimiter, TenantState
 from gateway.admitter import AdmissionBridge
 from gateway.config import StateConfig
 from gateway.errors import ApiError
@@ -62,6 +73,22 @@ from gateway.errors import ApiError
 log = logging.getLogger("kvgate.state")
 
 _DEMAND_CHECK_S = 0.05  # how soon a renewal follows requests queueing behind a slice
+TENANT_UNITS = 10_000  # a tenant's budget in lease units (a fraction in 1/10,000)
+_TENANT_GROWTH = 0.25  # what a tenant lease asks beyond what is in use, of its fraction
+
+
+def tenant_usage(st: TenantState, now: float) -> float:
+    """How much of this process's fraction of a tenant's budget is in use, in [0, 1]:
+    the fuller of its rpm and tpm buckets (cells charged and not yet refilled)."""
+    used = 0.0
+    for g in (st.rpm, st.tpm):
+        if g is not None and g.limit > 0:
+            used = max(used, 1.0 - g.remaining(now) / g.limit)
+    return min(1.0, max(0.0, used))
+
+
+def _limited(st: TenantState) -> bool:
+    return st.rpm is not None or st.tpm is not None or st.total_concurrent is not None
 
 
 def make_backend(config: StateConfig) -> StateBackend | None:
@@ -98,8 +125,14 @@ class StateSync:
         *,
         holder: str | None = None,
         workers_hint: int = 1,
+        tenants: TenantLimiter | None = None,
+        set_tenant_share: Callable[[str, float], None] | None = None,
     ) -> None:
         self.config = config
+        self.tenants = tenants
+        # Applies a tenant fraction (GatewayState.set_tenant_share: the limiter, then a
+        # pump of the queue); defaults to the limiter alone.
+        self._set_tenant_share = set_tenant_share
         self.backend = backend
         self.controller = controller
         self.bridge = bridge
@@ -194,6 +227,19 @@ class StateSync:
                             f"run:{d.replica}", d.running_limit, d.running + d.queued, d.running
                         )
                     )
+            tenants = self._tenant_states()
+            now = self._loop.time()
+            floor = 1.0 / (4 * max(self.processes, self.workers_hint))
+            for st in tenants:
+                want = max(floor, st.share * (tenant_usage(st, now) + _TENANT_GROWTH))
+                requests.append(
+                    LeaseRequest(
+                        f"tenant:{st.name}",
+                        TENANT_UNITS,
+                        min(TENANT_UNITS, math.ceil(want * TENANT_UNITS)),
+                        0,
+                    )
+                )
             result = await self.backend.renew(self.holder, requests, self.config.lease_ttl_s)
         except StateUnavailable as e:
             self._unreachable(e)
@@ -223,6 +269,13 @@ class StateSync:
                     others_running=run.others_used if run is not None else 0,
                 )
             )
+        for st in tenants:
+            lease = leases.get(f"tenant:{st.name}")
+            if lease is not None:
+                units = lease.granted
+                if rebuilding:
+                    units = min(units, TENANT_UNITS // n)
+                self._tenant_share(st, units / TENANT_UNITS)
         self.processes = result.processes
         self.renewals += 1
         if not self.up:
@@ -237,6 +290,20 @@ class StateSync:
                 )
             self._outage_logged = False
             self._ever_up = True
+
+    def _tenant_states(self) -> list[TenantState]:
+        if self.tenants is None:
+            return []
+        return [st for st in self.tenants.tenants.values() if _limited(st)]
+
+    def _tenant_share(self, st: TenantState, fraction: float) -> None:
+        fraction = min(1.0, max(0.0, fraction))
+        if fraction == st.share:
+            return
+        if self._set_tenant_share is not None:
+            self._set_tenant_share(st.name, fraction)
+        elif self.tenants is not None:
+            self.tenants.set_share(st.name, fraction, self._loop.time())
 
     async def _sync_limits(self) -> None:
         """Publish the learned limits this process changed; adopt newer ones."""
@@ -289,6 +356,11 @@ class StateSync:
             self.bridge.resolve(
                 self.controller.set_pool_share(d.replica, pool, now, running=running)
             )
+        for st in self._tenant_states():
+            fraction = 1.0 / n
+            if self._ever_up:
+                fraction = min(fraction, st.share)
+            self._tenant_share(st, fraction)
 
     # ---------------------------------------------------------------- observation
     def snapshot(self) -> dict[str, object]:
@@ -305,7 +377,9 @@ class StateSync:
                 "share_running": d.share_running,
                 "running": d.running,
             }
+        tenants = {st.name: {"share": st.share} for st in self._tenant_states()}
         return {
+            "tenants": tenants,
             "backend": self.backend.name,
             "holder": self.holder,
             "up": self.up,

@@ -384,3 +384,60 @@ async def test_workers_need_the_redis_backend(tmp_path: Path, replica: Any) -> N
     _, err = await proc.communicate()
     assert proc.returncode == 2
     assert b"state.backend" in err and b"redis" in err
+
+
+async def test_a_tenant_rpm_limit_holds_across_three_processes(
+    tmp_path: Path, redis_url: str, prefix: str, replica: Any, nodes: list[Node]
+) -> None:
+    """Each process leases a fraction of the tenant's budget; with all three pressed, the
+    requests the three admit together in a steady window match the tenant's rpm within
+    5% (the burst a fresh bucket allows is spent first, as in one process)."""
+    from admission.tenants import hash_key
+
+    rpm = 600  # 10 a second for the tenant, across every process
+    cfg = config(redis_url, prefix, [{"name": "r0", "url": replica.url}], lease_ttl_s=3.0)
+    cfg["tenants"] = [{"name": "team-a", "keys_sha256": [hash_key("sk-team-a")], "rpm": rpm}]
+    for i in range(3):
+        nodes.append(await start(tmp_path, cfg, f"gw{i}"))
+    body = {**BODY, "max_tokens": 2}
+    headers = {"Authorization": "Bearer sk-team-a"}
+    ok_at: list[float] = []
+    limited = [0]
+    loop = asyncio.get_running_loop()
+    stop_at = [float("inf")]
+
+    async def client(s: aiohttp.ClientSession, node: Node) -> None:
+        for _ in range(5000):
+            if loop.time() >= stop_at[0]:
+                return
+            async with s.post(node.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                await r.read()
+                if r.status == 200:
+                    ok_at.append(loop.time())
+                else:
+                    assert r.status == 429, r.status
+                    assert (await r.json())["error"]["code"] == "rate_limit_exceeded"
+                    assert "retry-after-ms" in r.headers, await admin_state(s, node)
+                    limited[0] += 1
+                    await asyncio.sleep(min(0.2, int(r.headers["retry-after-ms"]) / 1000))
+
+    async with aiohttp.ClientSession() as s:
+        for _ in range(100):  # the three hold equal fractions before the load
+            states = [await admin_state(s, n) for n in nodes]
+            shares = [st["tenants"]["team-a"]["share"] for st in states]
+            if all(st["processes"] == 3 for st in states) and max(shares) <= 0.34:
+                break
+            await asyncio.sleep(0.05)
+        assert sum(shares) <= 1.0 + 1e-9
+        warm, window = 6.0, 12.0
+        start_t = loop.time()
+        stop_at[0] = start_t + warm + window
+        await asyncio.gather(*(client(s, nodes[i % 3]) for i in range(9)))
+        states = [await admin_state(s, n) for n in nodes]
+    assert limited[0] > 0  # the limit was pressed throughout
+    steady = [t for t in ok_at if start_t + warm <= t < start_t + warm + window]
+    expected = rpm * window / 60.0
+    assert abs(len(steady) - expected) <= 0.05 * expected, (len(steady), expected)
+    # Every process served its part (the fractions follow demand, none starves).
+    assert all(st["tenants"]["team-a"]["share"] > 0.2 for st in states)
+    assert sum(st["tenants"]["team-a"]["share"] for st in states) <= 1.0 + 1e-9

@@ -216,3 +216,43 @@ async def test_fail_open_never_seen_uses_the_workers_hint(prefix: str) -> None:
     assert shares(c) == [POOL // 4]
     d = c.pool_demand("r1")
     assert d is not None and d.share_running == 10 // 4
+
+
+async def test_tenant_fractions_follow_demand_and_sum_to_at_most_one(
+    backend: StateBackend,
+) -> None:
+    from admission.tenants import TenantConfig, TenantLimiter
+
+    cfg = [TenantConfig(name="t", rpm=600)]
+    limiters = [TenantLimiter.from_config(cfg) for _ in range(3)]
+    cs = [ctrl() for _ in range(3)]
+    syncs = [
+        StateSync(
+            StateConfig(lease_ttl_s=5.0, renew_interval_s=0.5),
+            backend,
+            c,
+            AdmissionBridge(c),
+            holder=f"p{i}",
+            tenants=lim,
+        )
+        for i, (c, lim) in enumerate(zip(cs, limiters, strict=True))
+    ]
+    for _ in range(5):
+        for s in syncs:
+            await s.renew()
+    fractions = [lim.get("t").share for lim in limiters]
+    assert sum(fractions) <= 1.0 + 1e-9
+    assert all(abs(f - 1 / 3) < 0.01 for f in fractions), fractions  # idle: an equal split
+    # p0 spends its whole fraction: its lease grows, the idle ones' shrink.
+    loop = asyncio.get_running_loop()
+    for _ in range(6):
+        st = limiters[0].get("t")
+        assert st.rpm is not None
+        while st.rpm.wait(1, loop.time()) == 0:
+            limiters[0].charge("t", 0, loop.time())
+        for s in syncs:
+            await s.renew()
+        fractions = [lim.get("t").share for lim in limiters]
+        assert sum(fractions) <= 1.0 + 1e-9
+        assert all(f > 0 for f in fractions), fractions
+    assert fractions[0] > 0.6 and all(f >= 1 / 12 - 0.01 for f in fractions[1:]), fractions
