@@ -174,6 +174,10 @@ class _Replica:
     # Mean inter-token gap of streams by the number running (admission.itl): the
     # `Candidate.predicted_itl_s` of a request with an ITL target (None: no evidence).
     itl: ItlModel | None = None
+    # This process's lease of the replica when several gateways share it (`set_pool_share`):
+    # KV tokens and running requests it may hold; None: the whole replica.
+    share_tokens: int | None = None
+    share_running: int | None = None
     # The routing view of this replica, refreshed in place (engine gauges at upsert,
     # ledger fields at each decision) instead of rebuilt per call.
     cand: Candidate = field(default_factory=lambda: Candidate("", 0, 0, 0, None))
@@ -199,8 +203,12 @@ class _Replica:
 
     @property
     def allowed(self) -> int | None:
-        """Requests that may run at once: the learned limit within the hard cap."""
-        return self.cap if self.limit is None else self.limit.allowed(self.cap)
+        """Requests that may run at once: the learned limit within the hard cap (and
+        within this process's leased share of it)."""
+        allowed = self.cap if self.limit is None else self.limit.allowed(self.cap)
+        if self.share_running is not None:
+            return self.share_running if allowed is None else min(allowed, self.share_running)
+        return allowed
 
     @property
     def usable(self) -> bool:
@@ -209,6 +217,8 @@ class _Replica:
 
     @property
     def free(self) -> int:
+        if self.share_tokens is not None:  # this process's leased slice of the pool
+            return min(self.effective, self.share_tokens) - self.reserved
         return self.effective - self.reserved
 
     def need(self, raw_tokens: int) -> int:
@@ -306,6 +316,22 @@ class TenantLimits(Protocol):
     max_concurrent: int | None
     max_queued: int | None
     queue_timeout_s: float | None
+
+
+@dataclass(slots=True, frozen=True)
+class PoolDemand:
+    """One replica as this process holds and wants it (`AdmissionController.pool_demand`)."""
+
+    replica: str
+    usable: bool
+    effective: int  # the whole effective pool, before any share
+    reserved: int
+    running: int
+    queued_tokens: int  # queued requests' needs for the models it serves
+    queued: int
+    running_limit: int | None  # the learned limit within the cap (None: unbounded)
+    share_tokens: int | None
+    share_running: int | None
 
 
 # `_try_admit`'s answer when replicas fit but routing's filters rejected them all.
@@ -873,6 +899,64 @@ class AdmissionController:
         """The learned running limit of `replica` (for tests, benches and the admin API)."""
         rep = self._replicas.get(replica)
         return rep.limit if rep is not None else None
+
+    # ------------------------------------------------------------------ shared state
+    def set_pool_share(
+        self,
+        replica: str,
+        tokens: int | None,
+        now: float,
+        *,
+        running: int | None = None,
+        others_running: int = 0,
+    ) -> list[Admit]:
+        """Cap `replica`'s effective pool at the `tokens` this process leased (None: no
+        cap) and its running limit at `running` (None: no cap), when several gateway
+        processes share the replica (admission/state). `others_running` is what the
+        other processes hold there, so the learned limit judges the replica's whole
+        load. Reservations above a shrunk share stay until released; nothing more is
+        admitted there meanwhile. Returns requests admitted because the share grew."""
+        self._now = max(self._now, now)
+        rep = self._replicas.get(replica)
+        if rep is None:
+            return self._flush([])
+        rep.share_tokens = None if tokens is None else max(0, tokens)
+        rep.share_running = None if running is None else max(0, running)
+        if rep.limit is not None:
+            rep.limit.others = max(0, others_running)
+        self._replica_changed(rep)  # its free room and headroom moved: the orders follow
+        return self._flush(self._settle(now))
+
+    def pool_demand(self, replica: str) -> PoolDemand | None:
+        """What this process holds and wants of `replica` (the lease loop's input)."""
+        rep = self._replicas.get(replica)
+        if rep is None:
+            return None
+        queued_tokens = queued = 0
+        for model in rep.models:
+            queued_tokens += self._queue_tokens.get(model, 0)
+            queued += self._queue_per_model.get(model, 0)
+        limit = None
+        if rep.limit is not None:
+            limit = rep.limit.allowed(rep.cap)
+        elif rep.cap is not None:
+            limit = rep.cap
+        return PoolDemand(
+            replica=rep.name,
+            usable=rep.usable,
+            effective=rep.effective,
+            reserved=rep.reserved,
+            running=rep.running,
+            queued_tokens=queued_tokens,
+            queued=queued,
+            running_limit=limit,
+            share_tokens=rep.share_tokens,
+            share_running=rep.share_running,
+        )
+
+    def replica_names(self) -> list[str]:
+        """Every replica the ledger knows (present, or gone with reservations left)."""
+        return list(self._replicas)
 
     # ------------------------------------------------------------------ internals
     def _free(self, res: _Reservation, now: float, completion: Completion | None) -> None:

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
+from admission.state import StateBackend
 from admission.tenants import TenantLimiter
 from gateway.admin import replicas_snapshot, require_admin
 from gateway.admitter import AdmissionBridge
@@ -38,6 +39,7 @@ from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
 from gateway.relay import Relay
+from gateway.sharing import StateCollector, StateSync, make_backend
 from gateway.tokenizers import load_token_counters
 from gateway.upstream import make_session
 from routing.scheduler import build_router
@@ -67,6 +69,7 @@ class GatewayState:
         self.bridge: AdmissionBridge
         self.pipeline: Pipeline
         self.metrics: GatewayMetrics
+        self.sync: StateSync | None = None  # the lease loop (shared state), if any
 
     def set_tenant_share(self, tenant: str, fraction: float) -> None:
         """This process's share of a tenant's rpm, tpm and concurrency (the shared-state
@@ -88,11 +91,20 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=json.dumps(data).encode(), content_type=_JSON)
 
 
-def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.Application:
+def build_app(
+    config: GatewayConfig,
+    *,
+    picker: Router | None = None,
+    state_backend: StateBackend | None = None,
+    workers_hint: int = 1,
+) -> web.Application:
     """The kvgate aiohttp application for `config` (not yet started).
 
     `picker` chooses among the replicas a request fits on (default: the router the
     config's ``routing`` profiles describe, `routing.scheduler.build_router`).
+    `state_backend` overrides the configured shared state (``state.backend``; tests share
+    one `MemoryBackend` between gateways); `workers_hint` is the number of processes
+    started together (``--workers``), the least N for the fail-open share.
     """
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     hide_server_version(app)
@@ -134,10 +146,30 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
         )
         pipeline_ref.append(st.pipeline)
         await st.discovery.start()
+        backend = state_backend if state_backend is not None else make_backend(config.state)
+        if backend is not None:
+            st.sync = StateSync(
+                config.state,
+                backend,
+                st.controller,
+                st.bridge,
+                workers_hint=workers_hint,
+                tenants=st.tenants,
+                set_tenant_share=st.set_tenant_share,
+            )
+            await st.sync.start()
+            st.pipeline.state_gate = st.sync.gate
+        st.metrics.registry.register(
+            StateCollector(
+                config.state.backend if backend is None else backend.name, st.sync, st.controller
+            )
+        )
         try:
             yield
         finally:
             st.pipeline.close()
+            if st.sync is not None:
+                await st.sync.stop()
             await st.discovery.stop()
             await st.bridge.stop()
             await session.close()
@@ -200,12 +232,22 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
             )
         )
 
+    async def admin_state(request: web.Request) -> web.Response:
+        try:
+            require_admin(request, config.auth.admin_token)
+        except ApiError as e:
+            return e.response()
+        if st.sync is None:
+            return _json({"backend": config.state.backend, "up": True, "shared": False})
+        return _json({**st.sync.snapshot(), "shared": True})
+
     known_paths = set(UPSTREAM_PATHS.values()) | {
         "/v1/models",
         "/health",
         "/ready",
         "/metrics",
         "/admin/replicas",
+        "/admin/state",
     }
 
     async def fallback(request: web.Request) -> web.Response:
@@ -225,6 +267,7 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
         ("GET", "/ready", ready),
         ("GET", "/metrics", metrics),
         ("GET", "/admin/replicas", admin_replicas),
+        ("GET", "/admin/state", admin_state),
     ]
     for method, path, handler in handlers:
         app.router.add_route(method, path, handler)
@@ -242,11 +285,17 @@ class Gateway:
         host: str | None = None,
         port: int | None = None,
         picker: Router | None = None,
+        state_backend: StateBackend | None = None,
+        workers_hint: int = 1,
+        reuse_port: bool = False,
     ) -> None:
         self.config = config
         self.host = host if host is not None else config.listen.host
         self.port = port if port is not None else config.listen.port
-        self.app = build_app(config, picker=picker)
+        self.reuse_port = reuse_port  # SO_REUSEPORT: several processes on one port
+        self.app = build_app(
+            config, picker=picker, state_backend=state_backend, workers_hint=workers_hint
+        )
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
 
@@ -280,7 +329,12 @@ class Gateway:
         await self._runner.setup()
         install_error_handler(self._runner, self.config.limits)
         self._site = web.TCPSite(
-            self._runner, self.host, self.port, backlog=1024, reuse_address=True
+            self._runner,
+            self.host,
+            self.port,
+            backlog=1024,
+            reuse_address=True,
+            reuse_port=self.reuse_port or None,
         )
         await self._site.start()
         server = self._site._server  # the asyncio Server: the only way to learn port 0's pick

@@ -11,6 +11,10 @@ carry the same file everywhere:
   tenant ``default``); replaces the file's ``auth.api_keys``. Plain keys are hashed when
   the gateway starts and never logged; prefer ``tenants[].keys_sha256`` in the file.
 - ``KVGATE_LOG_LEVEL``: ``debug|info|warning|error``
+- ``KVGATE_STATE_BACKEND``: ``memory|redis`` (``state.backend``)
+- ``KVGATE_REDIS_URL``: ``redis://`` or ``rediss://`` (TLS) URL of the shared-state Redis
+  (``state.redis_url``)
+- ``KVGATE_REDIS_PASSWORD``: the Redis password (kept out of the file and the URL)
 """
 
 from __future__ import annotations
@@ -238,6 +242,42 @@ class LoggingConfig(_Strict):
     access_log: bool = True
 
 
+class StateConfig(_Strict):
+    """Where several gateway processes keep what they share (admission/state): the
+    per-replica pool and running-limit leases and the learned limits.
+
+    ``memory`` (the default) shares nothing: one process owns every replica. ``redis``
+    lets any number of processes and hosts on the same Redis and ``key_prefix`` act as
+    one gateway. A lease lives ``lease_ttl_s`` without renewal (a dead process's share
+    returns within it) and is renewed every ``renew_interval_s``. When Redis cannot be
+    reached, ``fail-open`` keeps admitting from this process's slices, each cut to at most
+    1/N of the replica (N: the processes last seen), and ``fail-closed`` answers 503 with
+    Retry-After until Redis is back.
+    """
+
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: Annotated[str, Field(pattern=r"^(redis|rediss|unix)://")] | None = None
+    # Set from KVGATE_REDIS_PASSWORD; a password in the URL works too but lands in files.
+    redis_password: str | None = Field(default=None, repr=False)
+    key_prefix: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")] = "kvgate"
+    on_unreachable: Literal["fail-open", "fail-closed"] = "fail-open"
+    lease_ttl_s: PositiveFloat = 3.0
+    renew_interval_s: PositiveFloat = 0.5
+    # Bound of one Redis round trip (connect, or a renewal).
+    timeout_s: PositiveFloat = 0.5
+
+    @model_validator(mode="after")
+    def _coherent(self) -> StateConfig:
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("redis_url: required with backend redis (or KVGATE_REDIS_URL)")
+        if self.renew_interval_s * 2 > self.lease_ttl_s:
+            raise ValueError(
+                f"renew_interval_s: {self.renew_interval_s} must be at most half of "
+                f"lease_ttl_s ({self.lease_ttl_s}), or a live process's lease may lapse"
+            )
+        return self
+
+
 class GatewayConfig(_Strict):
     listen: ListenConfig = Field(default_factory=ListenConfig)
     replicas: list[ReplicaConfig] = Field(default_factory=list)
@@ -251,6 +291,7 @@ class GatewayConfig(_Strict):
     outlier: OutlierConfig = Field(default_factory=OutlierConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    state: StateConfig = Field(default_factory=StateConfig)
     # Model name -> local Hugging Face tokenizer.json: exact prompt counts for that model
     # instead of the learned chars-per-token estimate (see gateway/tokenizers.py).
     tokenizers: dict[str, FilePath] = Field(default_factory=dict)
@@ -352,6 +393,15 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> None:
         auth["api_keys"] = _parse_api_keys(keys)
     if auth:
         data["auth"] = auth
+    state = dict(data.get("state") or {})
+    if backend := env.get("KVGATE_STATE_BACKEND"):
+        state["backend"] = backend.lower()
+    if url := env.get("KVGATE_REDIS_URL"):
+        state["redis_url"] = url
+    if password := env.get("KVGATE_REDIS_PASSWORD"):
+        state["redis_password"] = password
+    if state:
+        data["state"] = state
     if level := env.get("KVGATE_LOG_LEVEL"):
         data["logging"] = {**(data.get("logging") or {}), "level": level.lower()}
 

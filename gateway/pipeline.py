@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 
 import orjson
 from aiohttp import web
@@ -149,6 +150,9 @@ class Pipeline:
         # legacy keys are hashed here and not kept.
         self.tenants = tenants or TenantLimiter.from_config(config.tenants, config.auth.api_keys)
         metrics.set_tenant_names(self.tenants.tenants)
+        # Set by the app when shared state is configured fail-closed (gateway/sharing.py):
+        # returns the 503 new requests get while Redis is unreachable, else None.
+        self.state_gate: Callable[[], ApiError | None] | None = None
         self._max_body = config.limits.max_body_bytes
         self._body_timeout = config.limits.body_timeout_s
         self._queue_timeout = config.admission.queue_timeout_s
@@ -496,6 +500,8 @@ class Pipeline:
         service, or for a stream the predicted time to first token (the controller
         predicts it); else the configured queue timeout.
         """
+        if self.state_gate is not None and (closed := self.state_gate()) is not None:
+            raise closed
         now = self._loop.time()
         deadline = math.inf
         hdr = request.headers.get(H_QUEUE_TIMEOUT)
