@@ -93,6 +93,7 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
             st.queue_depths,
             lambda: st.controller.top_up_failures,
         )
+        st.metrics.watch_engines(lambda: [w.state for w in st.discovery.watchers.values()])
         pipeline_ref: list[Pipeline] = []
         relay = Relay(session, config.upstream, lambda ctx: pipeline_ref[0].on_progress(ctx))
         counter = PromptCounter(config, st.estimator, st.discovery, st.metrics, session)

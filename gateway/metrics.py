@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from admission.types import ReplicaUsage
+from routing.types import ReplicaState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -102,6 +103,48 @@ class _LedgerCollector(Collector):
         return [depth, cap, reserved, running, ready, ejected, limit, binding, topup]
 
 
+class _EngineCollector(Collector):
+    """Reads each replica's own load signals, as its engine last reported them in a
+    discovery round, at scrape time: what the dashboard sets beside kvgate's ledger (the
+    engine's KV usage against what kvgate reserved) and what the preemption alert reads,
+    without scraping every engine (an engine behind kvgate may not be reachable by
+    Prometheus at all). Names stay engine-neutral: the adapters map each engine's own."""
+
+    def __init__(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
+        self._states = states
+
+    def collect(self) -> Iterable[Metric]:
+        usage = GaugeMetricFamily(
+            "kvgate_replica_engine_kv_usage_ratio",
+            "The engine's own KV-cache usage (0-1) at its last discovery round",
+            labels=["replica"],
+        )
+        running = GaugeMetricFamily(
+            "kvgate_replica_engine_running",
+            "Requests the engine reported running at its last discovery round",
+            labels=["replica"],
+        )
+        waiting = GaugeMetricFamily(
+            "kvgate_replica_engine_waiting",
+            "Requests waiting inside the engine at its last discovery round",
+            labels=["replica"],
+        )
+        preempt = CounterMetricFamily(
+            "kvgate_replica_engine_preemptions",
+            "The engine's own preemption counter (vLLM recomputes, SGLang retracts): "
+            "a replica past its cliff",
+            labels=["replica"],
+        )
+        for st in self._states():
+            if st.running_seen_at is None or st.engine == "openai":  # no engine view yet
+                continue
+            usage.add_metric([st.name], st.kv_usage)
+            running.add_metric([st.name], st.engine_running)
+            waiting.add_metric([st.name], st.engine_waiting)
+            preempt.add_metric([st.name], st.preemptions_total)
+        return [usage, running, waiting, preempt]
+
+
 class GatewayMetrics:
     """The gateway's metric families and cached label children."""
 
@@ -171,6 +214,10 @@ class GatewayMetrics:
         )
         r.register(_LedgerCollector(usage, queue_depths, topup_failures))
         self._requests_children: dict[tuple[str, str], Counter] = {}
+
+    def watch_engines(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
+        """Export the engines' own load signals (`_EngineCollector`) from `states`."""
+        self.registry.register(_EngineCollector(states))
 
     def count_request(self, model: str, outcome: str) -> None:
         key = (model, outcome)
