@@ -13,6 +13,15 @@ while IFS='=' read -r key value; do
   export "$key=$value"
 done <<<"$engine_env"
 
+# Debian tools the deploy tests run (tests/deploy): promtool and prometheus (the
+# dashboard and alert rules are checked by Prometheus itself), chromium (the dashboard
+# screenshot test), kubectl's kustomize (the Kubernetes manifests) comes with the machine.
+need=()
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}") >/dev/null
+fi
+
 redis_pid=""
 cleanup() { if [ -n "$redis_pid" ]; then kill "$redis_pid" 2>/dev/null || true; fi; }
 trap cleanup EXIT
