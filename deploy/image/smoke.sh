@@ -12,7 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 IMAGE=${1:-localhost/kvgate:dev}
 PODMAN=(podman --runtime runc)
-RUN_OPTS=(--ulimit nofile=4096:4096 --ulimit nproc=4096:4096 --network host)
+# Read-only root and a tmpfs /tmp, as the Kubernetes Deployment runs it.
+RUN_OPTS=(--ulimit nofile=4096:4096 --ulimit nproc=4096:4096 --network host --read-only --tmpfs /tmp)
 port() { .venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 P=$(port); G=$(port)
 work=$(mktemp -d)
