@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +69,7 @@ class Stack:
     gateway: str = ""
     prometheus: str = ""
     faulty: str = ""  # the replica whose engine fails for the first half of the load
+    consoles: Path | None = None  # Prometheus's console templates folder
 
     async def fault(self, mode: str) -> None:
         """Set the faulty replica's fault (enginesim's POST /admin/faults)."""
@@ -167,11 +168,17 @@ async def start_stack(st: Stack, speed: float = 2.0) -> None:
     (promdir / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(f"127.0.0.1:{port}")))
     pport = free_port()
     st.prometheus = f"http://127.0.0.1:{pport}"
+    # Console templates (deploy tests' screenshot: tests/deploy/screenshot.py) go here.
+    for d in ("consoles", "console_libraries"):
+        (promdir / d).mkdir()
+    st.consoles = promdir / "consoles"
     argv = [
         prom_exe,
         f"--config.file={promdir / 'prometheus.yml'}",
         f"--storage.tsdb.path={promdir / 'data'}",
         f"--web.listen-address=127.0.0.1:{pport}",
+        f"--web.console.templates={promdir / 'consoles'}",
+        f"--web.console.libraries={promdir / 'console_libraries'}",
         "--storage.tsdb.retention.time=1h",
     ]
     p = st.start(argv, "prometheus", st.prometheus)
@@ -263,7 +270,12 @@ async def alerts(prometheus: str) -> list[dict]:
     return [rule for g in body["data"]["groups"] for rule in g["rules"]]
 
 
-async def run(load_s: float = 20.0, hold_s: float = 0.0) -> dict:
+async def run(
+    load_s: float = 20.0,
+    hold_s: float = 0.0,
+    after: Callable[[Stack], Awaitable[None]] | None = None,
+) -> dict:
+    """Start the stack, load it, query every panel; `after` runs while it is still up."""
     with stack_dir() as workdir:
         st = Stack(workdir)
         try:
@@ -285,6 +297,8 @@ async def run(load_s: float = 20.0, hold_s: float = 0.0) -> dict:
                 "rules": {r["name"]: r.get("health") for r in rules},
                 "results": panels,
             }
+            if after is not None:
+                await after(st)
             if hold_s > 0:
                 print(f"prometheus {st.prometheus}  kvgate {st.gateway}", flush=True)
                 await asyncio.sleep(hold_s)
