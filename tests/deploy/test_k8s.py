@@ -63,20 +63,26 @@ def _strict(schema: Any) -> Any:
         out = {k: _strict(v) for k, v in schema.items()}
         if "properties" in out and "additionalProperties" not in out:
             out["additionalProperties"] = False
+        pattern = out.get("pattern")
+        if isinstance(pattern, str) and "(?i)" in pattern[1:]:
+            # Go's RE2 takes an inline flag anywhere; Python's re only at the start.
+            out["pattern"] = "(?i)" + pattern.replace("(?i)", "")
         return out
     if isinstance(schema, list):
         return [_strict(v) for v in schema]
     return schema
 
 
-SERVICE_MONITOR_SCHEMA = _strict(promop.ServiceMonitor.model_json_schema(by_alias=True))
+CRD_SCHEMAS = {
+    kind: _strict(getattr(promop, kind).model_json_schema(by_alias=True))
+    for kind in ("ServiceMonitor", "PrometheusRule")
+}
 
 
 def validate(obj: dict[str, Any]) -> None:
     if obj["apiVersion"].startswith("monitoring.coreos.com/"):
         assert obj["apiVersion"] == "monitoring.coreos.com/v1"
-        assert obj["kind"] == "ServiceMonitor"
-        jsonschema.validate(obj, SERVICE_MONITOR_SCHEMA)
+        jsonschema.validate(obj, CRD_SCHEMAS[obj["kind"]])
     else:
         kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
 
@@ -100,6 +106,7 @@ def test_every_object_is_valid_against_its_schema(objects: list[dict[str, Any]])
             "Deployment",
             "PodDisruptionBudget",
             "ServiceMonitor",
+            "PrometheusRule",
             "NetworkPolicy",
         ]
     )
@@ -129,6 +136,10 @@ def test_the_validators_reject_bad_manifests(objects: list[dict[str, Any]]) -> N
     del sm["spec"]["selector"]
     with pytest.raises(jsonschema.ValidationError):
         validate(sm)
+    rule = copy.deepcopy(by_kind(objects, "PrometheusRule"))
+    rule["spec"]["groups"][0]["rules"][0]["fo"] = rule["spec"]["groups"][0]["rules"][0].pop("for")
+    with pytest.raises(jsonschema.ValidationError):
+        validate(rule)
 
 
 def test_the_gateway_deployment(objects: list[dict[str, Any]]) -> None:
@@ -179,6 +190,13 @@ def test_selectors_and_ports_match(objects: list[dict[str, Any]]) -> None:
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+def test_the_prometheus_rule_is_the_tested_alerts_file(objects: list[dict[str, Any]]) -> None:
+    rule = by_kind(objects, "PrometheusRule")
+    tested = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yaml").read_text())
+    assert rule["spec"] == tested
+    assert rule["metadata"]["labels"]["app.kubernetes.io/name"] == "kvgate"
 
 
 def test_redis_is_a_component(objects: list[dict[str, Any]], tree: Path) -> None:
