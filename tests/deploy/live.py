@@ -114,8 +114,8 @@ def gateway_config(replicas: dict[str, str], port: int) -> dict:
         "discovery": {"refresh_interval_s": 0.5, "probe_timeout_s": 1.0},
         "outlier": {
             "consecutive_failures": 2,
-            "base_ejection_s": 3.0,
-            "max_ejection_s": 6.0,
+            "base_ejection_s": 6.0,
+            "max_ejection_s": 12.0,
             "max_ejection_percent": 50.0,
         },
         "upstream": {"first_byte_s": 10.0, "idle_s": 10.0, "total_s": 30.0},
@@ -183,6 +183,20 @@ async def start_stack(st: Stack, speed: float = 2.0) -> None:
     ]
     p = st.start(argv, "prometheus", st.prometheus)
     await wait_ok(st.prometheus + "/-/ready", p)
+    await first_scrape(st.prometheus)
+
+
+async def first_scrape(prometheus: str, limit_s: float = 30.0) -> None:
+    """Wait until Prometheus has scraped kvgate once, so the run's start is on record."""
+    deadline = time.monotonic() + limit_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            params = {"query": 'up{job="kvgate"} == 1'}
+            async with s.get(prometheus + "/api/v1/query", params=params) as r:
+                if (await r.json())["data"]["result"]:
+                    return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"Prometheus did not scrape kvgate within {limit_s:.0f} s")
 
 
 @dataclass
@@ -264,6 +278,20 @@ async def query_panels(prometheus: str, start: float, end: float) -> list[PanelR
     return out
 
 
+async def alert_states(prometheus: str, start: float, end: float) -> dict[str, set[str]]:
+    """Every alert Prometheus evaluated as pending or firing during the run (its ALERTS
+    series), by name."""
+    params = {"query": "ALERTS", "start": f"{start:.3f}", "end": f"{end:.3f}", "step": "1"}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(prometheus + "/api/v1/query_range", params=params) as r:
+            body = await r.json()
+    out: dict[str, set[str]] = {}
+    for series in body["data"]["result"]:
+        m = series["metric"]
+        out.setdefault(m["alertname"], set()).add(m["alertstate"])
+    return out
+
+
 async def alerts(prometheus: str) -> list[dict]:
     async with aiohttp.ClientSession() as s, s.get(prometheus + "/api/v1/rules") as r:
         body = await r.json()
@@ -291,10 +319,12 @@ async def run(
             await asyncio.sleep(3 * SCRAPE_S)  # the last scrapes after the load
             panels = await query_panels(st.prometheus, start - 5, time.time())
             rules = await alerts(st.prometheus)
+            seen = await alert_states(st.prometheus, start - 5, time.time())
             summary = {
                 "load": load.__dict__,
                 "panels": [p.line() for p in panels],
                 "rules": {r["name"]: r.get("health") for r in rules},
+                "alerts_seen": {k: sorted(v) for k, v in seen.items()},
                 "results": panels,
             }
             if after is not None:
@@ -320,6 +350,7 @@ def main() -> int:
     summary = asyncio.run(run(args.load, args.hold))
     text = [f"load: {json.dumps(summary['load'])}", *summary["panels"]]
     text += [f"rule {k}: {v}" for k, v in summary["rules"].items()]
+    text += [f"alert seen {k}: {v}" for k, v in summary["alerts_seen"].items()]
     print("\n".join(text))
     if args.report is not None:
         args.report.write_text("\n".join(text) + "\n")

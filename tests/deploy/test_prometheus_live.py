@@ -33,3 +33,8 @@ async def test_every_dashboard_panel_returns_data_from_a_real_run() -> None:
         "KvgateRedisUnreachable",
     }
     assert set(rules.values()) == {"ok"}, rules
+    # The failing replica was ejected: the ejection alert's expression matched the live
+    # series and Prometheus held it pending (its `for` is longer than the run).
+    assert "pending" in summary["alerts_seen"].get("KvgateReplicaEjected", []), summary[
+        "alerts_seen"
+    ]
