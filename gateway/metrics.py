@@ -103,6 +103,11 @@ class _LedgerCollector(Collector):
         return [depth, cap, reserved, running, ready, ejected, limit, binding, topup]
 
 
+# Engines whose adapters read a KV usage gauge (llama.cpp's server no longer exports one:
+# a 0 there would be a claim, not a measurement).
+_KV_USAGE_ENGINES = frozenset({"vllm", "sglang"})
+
+
 class _EngineCollector(Collector):
     """Reads each replica's own load signals, as its engine last reported them in a
     discovery round, at scrape time: what the dashboard sets beside kvgate's ledger (the
@@ -138,7 +143,8 @@ class _EngineCollector(Collector):
         for st in self._states():
             if st.running_seen_at is None or st.engine == "openai":  # no engine view yet
                 continue
-            usage.add_metric([st.name], st.kv_usage)
+            if st.engine in _KV_USAGE_ENGINES:
+                usage.add_metric([st.name], st.kv_usage)
             running.add_metric([st.name], st.engine_running)
             waiting.add_metric([st.name], st.engine_waiting)
             preempt.add_metric([st.name], st.preemptions_total)

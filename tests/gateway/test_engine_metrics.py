@@ -58,3 +58,12 @@ async def test_no_engine_signals_before_the_first_round(gateway):
     gw = await gateway(replicas=[{"name": "gone", "url": "http://127.0.0.1:9"}])
     metrics = await scrape(gw)
     assert not [k for k in metrics if k[0].startswith("kvgate_replica_engine_")]
+
+
+async def test_no_kv_usage_claimed_for_an_engine_that_reports_none(enginesim_server, gateway):
+    # llama-server exports no KV usage gauge: kvgate reports its running count, not a 0 usage.
+    srv = await enginesim_server("llamacpp-tiny", speed=50.0)
+    gw = await gateway(srv, engine="llamacpp")
+    metrics = await scrape(gw)
+    assert ("kvgate_replica_engine_running", (("replica", "r0"),)) in metrics
+    assert not [k for k in metrics if k[0] == "kvgate_replica_engine_kv_usage_ratio"]
