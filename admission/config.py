@@ -168,6 +168,12 @@ class AdmissionConfig(BaseModel):
         "busy server not at all). Released earlier once the engine's running gauge shows it "
         "stopped. 0 releases at once.",
     )
+    itl_memory_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="How long a stream's inter-token gap stays evidence for the per-replica "
+        "ITL model that places requests with an ITL target (admission/itl.py).",
+    )
     cold_retry_after_s: float = Field(
         5.0,
         gt=0.0,

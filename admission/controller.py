@@ -39,17 +39,31 @@ Abandoned requests
     ``abandoned_hold_s`` has passed (`expire`); then it is released as by `release`.
 
 Queue order and head-of-line policy
-    Entries are served by priority (higher first), then arrival (`AdmissionRequest.arrival`,
-    which for a recognised retry is its first attempt's: see `admission.retries`), then
-    submission order. The policy is *strict order per replica*: an entry that cannot be admitted blocks every
+    Entries are served by priority class (higher first); within a class, tenants share by
+    weight in tokens (a virtual token counter: the backlogged tenant that has been served
+    the fewest tokens per unit of weight goes next), and within a tenant by earliest
+    deadline, where a recognised retry counts from its first attempt
+    (`AdmissionRequest.arrival`: see `admission.retries`) and a client's last retry goes
+    before its first attempts; `admission.fairqueue` states the order and the reasons.
+    One tenant's flood therefore cannot delay another tenant's trickle beyond its fair
+    share, and nobody takes the place of another tenant's retry. A tenant at its
+    ``max_concurrent`` is passed over (its entries wait without blocking anyone); one at
+    its ``max_queued`` is answered 429. The policy on that order is *strict order per
+    replica*: an entry that cannot be admitted blocks every
     replica it could ever run on, and a later entry may only be admitted to a replica no
     earlier entry is waiting for. A large request at the head is therefore never starved
     by a stream of small ones that keep taking the space it waits for, and requests of
     another model on disjoint replicas are not held up by it. Small requests do not
     backfill past a large head on the same replicas: without trustworthy run-time
     estimates, any backfill could delay the head. A full queue sheds the newcomer
-    whatever its priority (no displacement of entries already promised a place).
-    `Queued.position` counts the entries of the same model ahead (0 = head).
+    whatever its priority, unless its tenant holds less than its weighted share of the
+    model's queue slots: then the last entry of the tenant most over its share gives way
+    (shed 503 with Retry-After), so a flood cannot crowd a trickle out of the queue. An
+    entry waiting for its tenant's ITL target holds the replicas that would meet it at a
+    lighter load (see `_settle`).
+    `Queued.position` counts the entries of the same model expected to be served before
+    it (0 = head): higher classes, its own tenant's earlier entries, and what the other
+    tenants' counters let through before its turn.
 
     Where an admitted request goes is routing's decision (the `Router` handed in: the
     gateway builds it from the config's profiles, `routing.scheduler`); admission tells it
@@ -85,15 +99,17 @@ Refusals (never queued)
 
 from __future__ import annotations
 
-import bisect
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from admission.config import AdmissionConfig
 from admission.drain import DrainMeter
 from admission.estimate import ServiceModel
+from admission.fairqueue import FairQueue
+from admission.itl import ItlModel
 from admission.limit import LatencyTargets, LimitSettings, RunningLimit, latency_ratio
 from admission.retries import ReturningBacklog
 from admission.types import (
@@ -148,6 +164,10 @@ class _Replica:
     # Service (and time to first token) against tokens, for the deadline of a queued request.
     service: ServiceModel = field(default_factory=ServiceModel)
     ttft: ServiceModel = field(default_factory=ServiceModel)
+    # This process's lease of the replica when several gateways share it (`set_pool_share`):
+    # KV tokens and running requests it may hold; None: the whole replica.
+    share_tokens: int | None = None
+    share_running: int | None = None
     # The routing view of this replica, refreshed in place (engine gauges at upsert,
     # ledger fields at each decision) instead of rebuilt per call.
     cand: Candidate = field(default_factory=lambda: Candidate("", 0, 0, 0, None))
@@ -159,8 +179,12 @@ class _Replica:
 
     @property
     def allowed(self) -> int | None:
-        """Requests that may run at once: the learned limit within the hard cap."""
-        return self.cap if self.limit is None else self.limit.allowed(self.cap)
+        """Requests that may run at once: the learned limit within the hard cap (and
+        within this process's leased share of it)."""
+        allowed = self.cap if self.limit is None else self.limit.allowed(self.cap)
+        if self.share_running is not None:
+            return self.share_running if allowed is None else min(allowed, self.share_running)
+        return allowed
 
     @property
     def usable(self) -> bool:
@@ -169,6 +193,8 @@ class _Replica:
 
     @property
     def free(self) -> int:
+        if self.share_tokens is not None:  # this process's leased slice of the pool
+            return min(self.effective, self.share_tokens) - self.reserved
         return self.effective - self.reserved
 
     def need(self, raw_tokens: int) -> int:
@@ -247,13 +273,41 @@ class _Reservation:
 
 @dataclass(slots=True)
 class _Entry:
-    key: tuple[int, int, float, int]  # (-priority, 0 if last retry else 1, arrival, sequence)
+    # (-priority, 0 if last retry else 1, deadline as of first arrival, arrival, sequence):
+    # the order within its tenant's lane (admission.fairqueue orders across tenants).
+    key: tuple[int, int, float, float, int]
     req: AdmissionRequest
     raw: int  # the largest reservation it would hold on a replica it can use
     deadline: float
     # True while routing rejects every replica that could take it now: it then waits
     # without blocking anyone (module docstring, Queue order).
     rejected: bool = False
+    queued: bool = False  # in the queue (admission.fairqueue keeps it)
+
+
+class TenantLimits(Protocol):
+    """What the queue reads of a tenant (admission.tenants.TenantState has these)."""
+
+    weight: float
+    max_concurrent: int | None
+    max_queued: int | None
+    queue_timeout_s: float | None
+
+
+@dataclass(slots=True, frozen=True)
+class PoolDemand:
+    """One replica as this process holds and wants it (`AdmissionController.pool_demand`)."""
+
+    replica: str
+    usable: bool
+    effective: int  # the whole effective pool, before any share
+    reserved: int
+    running: int
+    queued_tokens: int  # queued requests' needs for the models it serves
+    queued: int
+    running_limit: int | None  # the learned limit within the cap (None: unbounded)
+    share_tokens: int | None
+    share_running: int | None
 
 
 # `_try_admit`'s answer when replicas fit but routing's filters rejected them all.
@@ -264,7 +318,12 @@ class AdmissionController:
     """Admits requests to replicas whose KV pool fits them; queues or sheds the rest."""
 
     def __init__(
-        self, config: AdmissionConfig, picker: Router | None = None, *, seed: int | None = None
+        self,
+        config: AdmissionConfig,
+        picker: Router | None = None,
+        *,
+        seed: int | None = None,
+        tenants: Callable[[str], TenantLimits | None] | None = None,
     ) -> None:
         self.config = config
         # Where a request goes is routing's decision (routing.scheduler builds it from the
@@ -276,13 +335,19 @@ class AdmissionController:
         self._by_model: dict[str, list[_Replica]] | None = None  # None: rebuild on use
         self._reservations: dict[str, _Reservation] = {}
         self._held: dict[str, _Reservation] = {}  # abandoned, in order of abandonment
-        self._queue: list[_Entry] = []  # sorted by key
+        # Tenant policies by name (weight, caps, queue timeout); None: all equal, no caps.
+        self._tenant_of: Callable[[str], TenantLimits | None] = tenants or (lambda _t: None)
+        self._queue = FairQueue(self._weight_of)  # the order: admission.fairqueue
+        self._itl: dict[str, ItlModel] = {}  # per replica: inter-token gap vs running
         self._queued: dict[str, _Entry] = {}
         self._queue_per_model: dict[str, int] = {}
         self._queue_tokens: dict[str, int] = {}  # model -> sum of queued raw needs
         self._seq = 0
         self._pending: list[Admit] = []  # admitted by expire(); handed out by the next call
         self._returning = ReturningBacklog()  # shed requests expected back
+        # Entries a full queue gave up for another tenant's newcomer (fair share of the
+        # queue): handed out by the next `expire`, which `next_deadline` makes due now.
+        self._displaced: list[Shed] = []
         self._rng = random.Random(seed)  # Retry-After jitter
         self._now = 0.0
         self._limit_settings = LimitSettings(
@@ -456,65 +521,101 @@ class AdmissionController:
             slack = max(min(share, budget - self._predict(req, serving)), 0.1 * budget)
             deadline = min(req.deadline, now + slack)
         else:
-            deadline = min(req.deadline, now + self.config.queue_timeout_s)
+            policy = self._tenant_of(req.tenant)
+            timeout = self.config.queue_timeout_s
+            if policy is not None and policy.queue_timeout_s is not None:
+                timeout = policy.queue_timeout_s  # the tenant's own replaces the default
+            deadline = min(req.deadline, now + timeout)
+        # Within its tenant: earliest deadline first, as of its first arrival (a retry
+        # keeps its place); admission.fairqueue orders the tenants.
+        edf = deadline - max(0.0, now - req.arrival) if math.isfinite(deadline) else math.inf
         entry = _Entry(
-            (-req.priority, 0 if req.last_retry else 1, req.arrival, self._seq), req, raw, deadline
+            (-req.priority, 0 if req.last_retry else 1, edf, req.arrival, self._seq),
+            req,
+            raw,
+            deadline,
         )
         self._seq += 1
-        pos = bisect.bisect_left(self._queue, entry.key, key=lambda e: e.key)
-        # Strict order: replicas an earlier entry waits for are closed to this one. Stop
-        # scanning once every replica this request could use is closed.
-        blocked: set[str] = set()
-        closed = False
-        if pos:  # nothing ahead (the common case): nothing is closed to it
-            mine = set(self._candidate_names(entry))
-            for ahead in self._queue[:pos]:
-                if ahead.rejected:
-                    continue
-                blocked.update(self._candidate_names(ahead))
-                if mine <= blocked:
-                    break
-            closed = mine <= blocked
-        if not closed:
-            admit = self._try_admit(entry, blocked, now)
-            if isinstance(admit, Admit):
-                return admit
-            entry.rejected = admit is _REJECTED
+        if self._queue:
+            # Queue it and scan in order: the fair order decides what comes before it,
+            # and strict order per replica what it may pass.
+            self._enqueue(entry)
+            admits = self._settle(now)
+            mine: Admit | None = None
+            for a in admits:
+                if a.request_id == rid:
+                    mine = a
+                else:
+                    self._pending.append(a)
+            if mine is not None:
+                return mine
+        else:
+            if not self._capped(req.tenant):
+                admit = self._try_admit(entry, set(), now)
+                if isinstance(admit, Admit):
+                    self._queue.admitted(req, self._replicas[admit.replica].running)
+                    return admit
+                entry.rejected = admit is _REJECTED
+            self._enqueue(entry)
 
         model = req.model
-        model_depth = self._queue_per_model.get(model, 0)
-        model_tokens = self._queue_tokens.get(model, 0)
+        model_depth = self._queue_per_model.get(model, 0) - 1  # others of its model
         # Shed requests that will come back before this one count ahead of it (not ahead
         # of a last retry, which queues before them).
         back_tokens, back_count = (
-            (0, 0) if req.last_retry else self._returning.ahead(model, req.arrival, now)
+            (0, 0) if req.last_retry else self._returning.ahead(model, req.arrival, now, req.tenant)
         )
-        if model_depth >= self.config.queue_max_per_model:
+        policy = self._tenant_of(req.tenant)
+        if (
+            policy is not None
+            and policy.max_queued is not None
+            and self._queue.queued_of(req.tenant) > policy.max_queued
+        ):
+            # The tenant's own queue is full: a 429 naming the limit it hit.
+            capped = self._capped(req.tenant)
+            self._dequeue(entry)
             wait = self._wait_for(
                 self._wait_context(model, now),
                 raw,
-                model_tokens + back_tokens,
+                self._queue_tokens.get(model, 0) + back_tokens,
+                self._queue_per_model.get(model, 0) + back_count,
+            )
+            shed = self._shed(req, raw, "tenant_queue", wait, now, now)
+            reason = "tenant_concurrency" if capped else "tenant_queue"
+            return replace(shed, reason=reason, status=429)
+        if model_depth >= self.config.queue_max_per_model:
+            victim = self._queue.victim(entry, self.config.queue_max_per_model)
+            if victim is not None:
+                # The newcomer's tenant holds less than its weighted share of the queue:
+                # the last entry of the tenant most over its share gives way.
+                self._dequeue(victim)
+                vwait = self._wait_for(
+                    self._wait_context(model, now),
+                    victim.raw,
+                    self._queue_tokens.get(model, 0),
+                    self._queue_per_model.get(model, 0),
+                )
+                self._displaced.append(
+                    self._shed(victim.req, victim.raw, "queue_full", vwait, now, now)
+                )
+                model_depth -= 1
+        if model_depth >= self.config.queue_max_per_model:
+            self._dequeue(entry)
+            wait = self._wait_for(
+                self._wait_context(model, now),
+                raw,
+                self._queue_tokens.get(model, 0) + back_tokens,
                 model_depth + back_count,
             )
             # No room to queue when it is back until the backlog ahead has drained.
             return self._shed(req, raw, "queue_full", wait, now, now)
-        if pos == len(self._queue):  # common case: behind everything of its model
-            ahead_tokens, position = model_tokens, model_depth
-        else:
-            ahead_tokens = position = 0
-            for e in self._queue[:pos]:
-                if e.req.model == model:
-                    ahead_tokens += e.raw
-                    position += 1
+        ahead_tokens, position = self._queue.ahead(entry)
         wait = self._wait_for(
             self._wait_context(model, now), raw, ahead_tokens + back_tokens, position + back_count
         )
         if deadline <= now or (wait is not None and now + wait > deadline):
+            self._dequeue(entry)
             return self._shed(req, raw, "deadline", wait, deadline, now)
-        self._queue.insert(pos, entry)
-        self._queued[rid] = entry
-        self._queue_per_model[model] = model_depth + 1
-        self._queue_tokens[model] = model_tokens + raw
         estimated = wait if wait is not None else self.config.cold_retry_after_s
         return Queued(rid, position, estimated)
 
@@ -598,7 +699,8 @@ class AdmissionController:
         `release` / `upsert_replica` / `remove_replica` / `pump` call.
         """
         self._now = max(self._now, now)
-        shed: list[Shed] = []
+        shed: list[Shed] = self._displaced
+        self._displaced = []
         ahead: dict[str, tuple[int, int]] = {}  # model -> (tokens, count) of kept entries
         contexts: dict[str, _WaitContext | None] = {}
         for entry in list(self._queue):
@@ -631,7 +733,9 @@ class AdmissionController:
     def next_deadline(self) -> float | None:
         """The earliest deadline among queued requests and held reservations (when
         `expire` should next run)."""
-        first = min((e.deadline for e in self._queue), default=None)
+        first = self._queue.next_deadline()
+        if self._displaced:
+            return self._now
         for res in self._held.values():  # in order of abandonment: the first ends first
             return res.held_until if first is None else min(first, res.held_until)
         return first
@@ -718,6 +822,63 @@ class AdmissionController:
         rep = self._replicas.get(replica)
         return rep.limit if rep is not None else None
 
+    # ------------------------------------------------------------------ shared state
+    def set_pool_share(
+        self,
+        replica: str,
+        tokens: int | None,
+        now: float,
+        *,
+        running: int | None = None,
+        others_running: int = 0,
+    ) -> list[Admit]:
+        """Cap `replica`'s effective pool at the `tokens` this process leased (None: no
+        cap) and its running limit at `running` (None: no cap), when several gateway
+        processes share the replica (admission/state). `others_running` is what the
+        other processes hold there, so the learned limit judges the replica's whole
+        load. Reservations above a shrunk share stay until released; nothing more is
+        admitted there meanwhile. Returns requests admitted because the share grew."""
+        self._now = max(self._now, now)
+        rep = self._replicas.get(replica)
+        if rep is None:
+            return self._flush([])
+        rep.share_tokens = None if tokens is None else max(0, tokens)
+        rep.share_running = None if running is None else max(0, running)
+        if rep.limit is not None:
+            rep.limit.others = max(0, others_running)
+        return self._flush(self._settle(now))
+
+    def pool_demand(self, replica: str) -> PoolDemand | None:
+        """What this process holds and wants of `replica` (the lease loop's input)."""
+        rep = self._replicas.get(replica)
+        if rep is None:
+            return None
+        queued_tokens = queued = 0
+        for model in rep.models:
+            queued_tokens += self._queue_tokens.get(model, 0)
+            queued += self._queue_per_model.get(model, 0)
+        limit = None
+        if rep.limit is not None:
+            limit = rep.limit.allowed(rep.cap)
+        elif rep.cap is not None:
+            limit = rep.cap
+        return PoolDemand(
+            replica=rep.name,
+            usable=rep.usable,
+            effective=rep.effective,
+            reserved=rep.reserved,
+            running=rep.running,
+            queued_tokens=queued_tokens,
+            queued=queued,
+            running_limit=limit,
+            share_tokens=rep.share_tokens,
+            share_running=rep.share_running,
+        )
+
+    def replica_names(self) -> list[str]:
+        """Every replica the ledger knows (present, or gone with reservations left)."""
+        return list(self._replicas)
+
     # ------------------------------------------------------------------ internals
     def _free(self, res: _Reservation, now: float, completion: Completion | None) -> None:
         """Return one reservation to its replica's pool (no queue settling)."""
@@ -726,6 +887,17 @@ class AdmissionController:
         if res.held_since is not None:
             del self._held[res.request_id]
             rep.held -= 1
+        true_tokens = None
+        if completion is not None and completion.completion_tokens is not None:
+            true_tokens = (completion.prompt_tokens or 0) + completion.completion_tokens
+        at_admit = self._queue.released(res.request_id, true_tokens)  # tenant accounting
+        if completion is not None and completion.ok and completion.itl_s is not None:
+            # The stream's load: the mean of the running counts at its start and end.
+            load = (rep.running + (at_admit or rep.running)) / 2
+            model = self._itl.get(rep.name)
+            if model is None:
+                model = self._itl[rep.name] = ItlModel(memory_s=self.config.itl_memory_s)
+            model.add(load, completion.itl_s, now)
         rep.reserved -= res.tokens
         rep.running -= 1
         rep.drain.record(res.tokens, now)
@@ -881,6 +1053,9 @@ class AdmissionController:
             c.running = rep.running
             c.max_running = allowed
             c.view_age_s = max(0.0, now - rep.view_at) if rep.view_at else 0.0
+            c.predicted_itl_s = (
+                self.predicted_itl(rep.name, rep.running + 1) if req.itl_target_s else None
+            )
         if not fitting:
             return None
         route = RouteRequest(
@@ -919,25 +1094,45 @@ class AdmissionController:
         """Admit queued entries in order until every usable replica is blocked.
 
         An entry routing rejected on every replica that fits it waits without blocking
-        them: it waits for routing's say, not for their capacity."""
+        them: it waits for routing's say, not for their capacity. Except for an ITL
+        target: an entry no replica meets now, but that a replica would meet with fewer
+        running (its ITL model says so at one running), blocks those replicas like an
+        entry waiting for room: their load must fall for it, and letting the entries
+        behind it in, as a filter's rejection would, keeps the load up and starves it."""
         if not self._queue:
             return []
         usable = {r.name for r in self._replicas.values() if r.usable}
         blocked: set[str] = set()
         admitted: list[Admit] = []
-        for entry in list(self._queue):
+        for entry in self._queue.visit(self._capped):
             if usable <= blocked:
                 break
             admit = self._try_admit(entry, blocked, now)
             if isinstance(admit, Admit):
                 self._dequeue(entry)
+                self._queue.admitted(entry.req, self._replicas[admit.replica].running)
                 admitted.append(admit)
             elif admit is _REJECTED:
-                entry.rejected = True
+                held = self._slo_holds(entry)
+                entry.rejected = not held
+                blocked.update(held)
             else:
                 entry.rejected = False
                 blocked.update(self._candidate_names(entry))
         return admitted
+
+    def _slo_holds(self, entry: _Entry) -> set[str]:
+        """Replicas a routing-rejected entry with an ITL target waits for: those that
+        would meet the target with one request running (module docstring, _settle)."""
+        target = entry.req.itl_target_s
+        if not target:
+            return set()
+        out = set()
+        for name in self._candidate_names(entry):
+            alone = self.predicted_itl(name, 1)
+            if alone is not None and alone <= target:
+                out.add(name)
+        return out
 
     def _flush(self, admits: list[Admit]) -> list[Admit]:
         if self._pending:
@@ -945,9 +1140,44 @@ class AdmissionController:
             self._pending = []
         return admits
 
+    def _enqueue(self, entry: _Entry) -> None:
+        self._queue.insert(entry)
+        self._queued[entry.req.request_id] = entry
+        model = entry.req.model
+        self._queue_per_model[model] = self._queue_per_model.get(model, 0) + 1
+        self._queue_tokens[model] = self._queue_tokens.get(model, 0) + entry.raw
+
+    def _weight_of(self, tenant: str) -> float:
+        policy = self._tenant_of(tenant)
+        return policy.weight if policy is not None else 1.0
+
+    def _capped(self, tenant: str) -> bool:
+        """The tenant runs as many requests as it may (its entries wait, blocking nobody)."""
+        policy = self._tenant_of(tenant)
+        if policy is None or policy.max_concurrent is None:
+            return False
+        return self._queue.running.get(tenant, 0) >= policy.max_concurrent
+
+    def set_tenants(self, tenants: Callable[[str], TenantLimits | None]) -> None:
+        """Tenant policies by name (weight, max_concurrent, max_queued, queue_timeout_s)."""
+        self._tenant_of = tenants
+
+    def tenant_running(self, tenant: str) -> int:
+        """Admitted, not yet released requests of `tenant`."""
+        return self._queue.running.get(tenant, 0)
+
+    def tenant_queued(self, tenant: str) -> int:
+        """Queued requests of `tenant`."""
+        return self._queue.queued_of(tenant)
+
+    def predicted_itl(self, replica: str, running_after: int) -> float | None:
+        """The replica's expected inter-token gap with `running_after` running (None:
+        no evidence yet); admission.itl."""
+        model = self._itl.get(replica)
+        return model.predict(running_after) if model is not None else None
+
     def _dequeue(self, entry: _Entry) -> None:
-        idx = bisect.bisect_left(self._queue, entry.key, key=lambda e: e.key)
-        del self._queue[idx]
+        self._queue.remove(entry)
         del self._queued[entry.req.request_id]
         model = entry.req.model
         left = self._queue_per_model[model] - 1
@@ -1038,7 +1268,7 @@ class AdmissionController:
         delay = self._clamp(delay)
         key = req.retry_key if req.retry_key is not None else req.request_id
         expires = now + delay * (1.0 + j) + max(self.config.min_retry_after_s, 0.25 * delay)
-        self._returning.add(req.model, key, req.arrival, expires, raw)
+        self._returning.add(req.model, key, req.arrival, expires, raw, req.tenant)
         return Shed(req.request_id, reason, delay)
 
     def _clamp(self, wait: float | None) -> float:

@@ -114,6 +114,7 @@ class RunningLimit:
         "_preemptions",
         "_waiting_rounds",
         "windows",
+        "others",
     )
 
     def __init__(self, settings: LimitSettings, now: float = 0.0) -> None:
@@ -136,6 +137,9 @@ class RunningLimit:
         self._preemptions: float | None = None
         self._waiting_rounds = 0
         self.windows = 0
+        # Requests other gateway processes run on the replica (shared state): the limit
+        # is the replica's, so it judges the whole load, not this process's part.
+        self.others = 0
 
     def allowed(self, cap: int | None) -> int:
         """Requests that may run now: floor of the limit, within the hard cap."""
@@ -146,7 +150,7 @@ class RunningLimit:
     def running_changed(self, running: int, now: float) -> None:
         """The replica's admitted request count is now `running`."""
         if now > self._last:
-            self._area += self._running * (now - self._last)
+            self._area += (self._running + self.others) * (now - self._last)
             self._last = now
         self._running = running
 
@@ -198,6 +202,7 @@ class RunningLimit:
         cap: int | None,
     ) -> None:
         """One discovery round's view of the engine, against what kvgate holds there."""
+        running += self.others  # what every gateway process holds there
         if preemptions_total is not None:
             before = self._preemptions
             self._preemptions = preemptions_total
@@ -216,6 +221,18 @@ class RunningLimit:
                 self._set(min(self.value, float(engine_running)), "engine_queue", now, cap)
         else:
             self._waiting_rounds = 0
+
+    def adopt(self, value: float, now: float, reason: str = "shared") -> None:
+        """Take `value` learned by another gateway process for the same replica (shared
+        state): it measured the same replica, so this process starts from it. The window
+        restarts, as after any change."""
+        if value >= 1.0 and value != self.value:
+            self._slow_start = False
+            if int(value) != int(self.value):
+                self._changed_at = now
+            self.value = value
+            self.reason = reason
+            self._reset_window(now)
 
     # ------------------------------------------------------------------ the window
     def _close_window(self, now: float, cap: int | None) -> None:

@@ -10,11 +10,15 @@ oldest waiting work goes first and shed-and-retry approximates one FIFO queue th
 partly in the clients.
 
 The gateway shell recognises a retry by a digest of (tenant, model, request body); the
-memory maps it to the first attempt's arrival time. An identical request from the same
-tenant that is not a retry inherits the earlier arrival too, which only moves it up
-among that tenant's own requests; nobody can claim a place they did not queue for.
-Entries expire `ttl_s` after they were last shed and the memory holds at most
-`max_entries` (oldest dropped first), so it stays bounded under any load.
+memory maps it to the first attempt's arrival time. The memory is kept per tenant: a
+retry is looked up only among its own tenant's sheds, and the queue orders by first
+arrival only within a tenant (admission.fairqueue), so nobody inherits another tenant's
+place. An identical request from the same tenant that is not a retry inherits the
+earlier arrival too, which only moves it up among that tenant's own requests. Entries
+expire `ttl_s` after they were last shed and each tenant's memory holds at most
+`max_entries` (its oldest dropped first): one tenant's flood of sheds cannot push
+another tenant's retries out of memory, and the whole stays bounded by the number of
+tenants (which come from configured keys).
 """
 
 from __future__ import annotations
@@ -25,49 +29,57 @@ from collections.abc import Hashable
 
 
 class RetryMemory:
-    """First-arrival times of recently shed requests, bounded in time and size."""
+    """First-arrival times of recently shed requests, per tenant, bounded in time and
+    size."""
 
-    __slots__ = ("_entries", "_ttl", "_max")
+    __slots__ = ("_tenants", "_ttl", "_max")
 
     def __init__(self, ttl_s: float, max_entries: int) -> None:
-        self._entries: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()
+        self._tenants: dict[str, OrderedDict[Hashable, tuple[float, float]]] = {}
         self._ttl = ttl_s
         self._max = max_entries
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(e) for e in self._tenants.values())
+
+    def tenant_len(self, tenant: str) -> int:
+        return len(self._tenants.get(tenant, ()))
 
     @property
     def enabled(self) -> bool:
         return self._ttl > 0 and self._max > 0
 
-    def first_arrival(self, key: Hashable, now: float) -> float | None:
-        """The first attempt's arrival if `key` was shed within the last `ttl_s`."""
-        got = self._entries.get(key)
-        if got is None:
+    def first_arrival(self, key: Hashable, now: float, tenant: str = "default") -> float | None:
+        """The first attempt's arrival if `tenant`'s `key` was shed within `ttl_s`."""
+        entries = self._tenants.get(tenant)
+        got = entries.get(key) if entries is not None else None
+        if got is None or entries is None:
             return None
         arrival, expires = got
         if expires <= now:
-            del self._entries[key]
+            del entries[key]
             return None
         return arrival
 
-    def remember(self, key: Hashable, arrival: float, now: float) -> None:
-        """Record that `key` (first seen at `arrival`) was shed at `now`."""
+    def remember(self, key: Hashable, arrival: float, now: float, tenant: str = "default") -> None:
+        """Record that `tenant`'s `key` (first seen at `arrival`) was shed at `now`."""
         if not self.enabled:
             return
-        known = self._entries.pop(key, None)
+        entries = self._tenants.setdefault(tenant, OrderedDict())
+        known = entries.pop(key, None)
         first = min(arrival, known[0]) if known is not None else arrival
-        self._entries[key] = (first, now + self._ttl)  # newest expiry last
-        while self._entries:
-            oldest_key, (_, expires) = next(iter(self._entries.items()))
-            if expires > now and len(self._entries) <= self._max:
+        entries[key] = (first, now + self._ttl)  # newest expiry last
+        while entries:
+            oldest_key, (_, expires) = next(iter(entries.items()))
+            if expires > now and len(entries) <= self._max:
                 break
-            del self._entries[oldest_key]
+            del entries[oldest_key]
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: Hashable, tenant: str = "default") -> None:
         """The request got in: later identical requests are newcomers again."""
-        self._entries.pop(key, None)
+        entries = self._tenants.get(tenant)
+        if entries is not None:
+            entries.pop(key, None)
 
 
 class ReturningBacklog:
@@ -80,51 +92,69 @@ class ReturningBacklog:
     the queue alone sends a crowd back at once, to be shed again. Entries leave when the
     request comes back (`discard` by its key) or when it is overdue (`expires`: a client
     that gave up).
+
+    Entries carry their tenant: under fair queueing a returning request is ahead only of
+    later arrivals of its own tenant (another tenant's place in line is set by the fair
+    order, not by arrival), so `ahead` can count one tenant's only.
     """
 
     __slots__ = ("_entries", "_totals", "_heap", "_seq")
 
     def __init__(self) -> None:
-        # model -> key -> (first arrival, expiry, tokens)
-        self._entries: dict[str, dict[Hashable, tuple[float, float, int]]] = {}
-        self._totals: dict[str, list[int]] = {}  # model -> [tokens, count]
+        # model -> key -> (first arrival, expiry, tokens, tenant)
+        self._entries: dict[str, dict[Hashable, tuple[float, float, int, str]]] = {}
+        # model -> [tokens, count]; (model, tenant) -> [tokens, count]
+        self._totals: dict[Hashable, list[int]] = {}
         self._heap: list[tuple[float, int, str, Hashable]] = []
         self._seq = 0
 
-    def add(self, model: str, key: Hashable, arrival: float, expires: float, tokens: int) -> None:
+    def add(
+        self,
+        model: str,
+        key: Hashable,
+        arrival: float,
+        expires: float,
+        tokens: int,
+        tenant: str = "default",
+    ) -> None:
         self.discard(model, key)
-        self._entries.setdefault(model, {})[key] = (arrival, expires, tokens)
-        tot = self._totals.setdefault(model, [0, 0])
-        tot[0] += tokens
-        tot[1] += 1
+        self._entries.setdefault(model, {})[key] = (arrival, expires, tokens, tenant)
+        for k in (model, (model, tenant)):
+            tot = self._totals.setdefault(k, [0, 0])
+            tot[0] += tokens
+            tot[1] += 1
         self._seq += 1
         heapq.heappush(self._heap, (expires, self._seq, model, key))
 
     def discard(self, model: str, key: Hashable) -> None:
         got = self._entries.get(model, {}).pop(key, None)
         if got is not None:
-            tot = self._totals[model]
-            tot[0] -= got[2]
-            tot[1] -= 1
+            for k in (model, (model, got[3])):
+                tot = self._totals[k]
+                tot[0] -= got[2]
+                tot[1] -= 1
 
-    def ahead(self, model: str, arrival: float, now: float) -> tuple[int, int]:
-        """(tokens, requests) expected back for `model` that arrived before `arrival`."""
+    def ahead(
+        self, model: str, arrival: float, now: float, tenant: str | None = None
+    ) -> tuple[int, int]:
+        """(tokens, requests) expected back for `model` that arrived before `arrival`
+        (only `tenant`'s when given)."""
         self._expire(now)
         entries = self._entries.get(model)
         if not entries:
             return 0, 0
         if arrival >= now:  # a newcomer: everything returning is ahead of it
-            tokens, count = self._totals[model]
-            return tokens, count
+            tot = self._totals.get(model if tenant is None else (model, tenant))
+            return (tot[0], tot[1]) if tot is not None else (0, 0)
         tokens = count = 0
-        for first, _, need in entries.values():
-            if first < arrival:
+        for first, _, need, who in entries.values():
+            if first < arrival and (tenant is None or who == tenant):
                 tokens += need
                 count += 1
         return tokens, count
 
     def __len__(self) -> int:
-        return sum(t[1] for t in self._totals.values())
+        return sum(t[1] for k, t in self._totals.items() if not isinstance(k, tuple))
 
     def _expire(self, now: float) -> None:
         heap = self._heap

@@ -25,6 +25,8 @@ from aiohttp import web
 
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
+from admission.state import StateBackend
+from admission.tenants import TenantLimiter
 from gateway.admin import replicas_snapshot, require_admin
 from gateway.admitter import AdmissionBridge
 from gateway.config import GatewayConfig
@@ -33,8 +35,9 @@ from gateway.discovery import Discovery
 from gateway.errors import ApiError
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline import UPSTREAM_PATHS, Pipeline
+from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
 from gateway.relay import Relay
+from gateway.sharing import StateCollector, StateSync, make_backend
 from gateway.tokenizers import load_token_counters
 from gateway.upstream import make_session
 from routing.scheduler import build_router
@@ -52,13 +55,26 @@ class GatewayState:
             picker = build_router(
                 config.routing, discovery_interval_s=config.discovery.refresh_interval_s
             )
-        self.controller = AdmissionController(config.admission, picker)
+        # Tenants (admission/tenants.py): the pipeline checks keys and rates, the
+        # controller's queue reads weights and caps.
+        self.tenants = TenantLimiter.from_config(config.tenants, config.auth.api_keys)
+        self.controller = AdmissionController(
+            config.admission, picker, tenants=self.tenants.tenants.get
+        )
         counters = load_token_counters(config.tokenizers)
         self.estimator = TokenEstimator(config.admission, tokenizer_for=counters.get)
         self.discovery: Discovery
         self.bridge: AdmissionBridge
         self.pipeline: Pipeline
         self.metrics: GatewayMetrics
+        self.sync: StateSync | None = None  # the lease loop (shared state), if any
+
+    def set_tenant_share(self, tenant: str, fraction: float) -> None:
+        """This process's share of a tenant's rpm, tpm and concurrency (the shared-state
+        backend leases it); a larger share may admit waiting requests at once."""
+        now = asyncio.get_running_loop().time()
+        self.tenants.set_share(tenant, fraction, now)
+        self.bridge.resolve(self.controller.pump(now))
 
     def queue_depths(self) -> dict[str, int]:
         return {m: self.controller.queue_depth(m) for m in self.discovery.known_models}
@@ -73,11 +89,20 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=json.dumps(data).encode(), content_type=_JSON)
 
 
-def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.Application:
+def build_app(
+    config: GatewayConfig,
+    *,
+    picker: Router | None = None,
+    state_backend: StateBackend | None = None,
+    workers_hint: int = 1,
+) -> web.Application:
     """The kvgate aiohttp application for `config` (not yet started).
 
     `picker` chooses among the replicas a request fits on (default: the router the
     config's ``routing`` profiles describe, `routing.scheduler.build_router`).
+    `state_backend` overrides the configured shared state (``state.backend``; tests share
+    one `MemoryBackend` between gateways); `workers_hint` is the number of processes
+    started together (``--workers``), the least N for the fail-open share.
     """
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     st = GatewayState(config, picker)
@@ -106,18 +131,52 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
             relay,
             st.metrics,
             counter=counter,
+            tenants=st.tenants,
         )
         pipeline_ref.append(st.pipeline)
         await st.discovery.start()
+        backend = state_backend if state_backend is not None else make_backend(config.state)
+        if backend is not None:
+            st.sync = StateSync(
+                config.state,
+                backend,
+                st.controller,
+                st.bridge,
+                workers_hint=workers_hint,
+                tenants=st.tenants,
+                set_tenant_share=st.set_tenant_share,
+            )
+            await st.sync.start()
+            st.pipeline.state_gate = st.sync.gate
+        st.metrics.registry.register(
+            StateCollector(
+                config.state.backend if backend is None else backend.name, st.sync, st.controller
+            )
+        )
         try:
             yield
         finally:
             st.pipeline.close()
+            if st.sync is not None:
+                await st.sync.stop()
             await st.discovery.stop()
             await st.bridge.stop()
             await session.close()
 
     app.cleanup_ctx.append(lifecycle)
+
+    async def rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+        # OpenAI's x-ratelimit-* headers on every answer to an authenticated request,
+        # with the values as they stand when the answer starts.
+        tenant = request.get(TENANT_KEY)
+        if tenant is not None:
+            response.headers.update(st.tenants.headers(tenant, asyncio.get_running_loop().time()))
+        if response.status == 429 and "Retry-After" not in response.headers:
+            # A request larger than the tenant's whole budget: retrying cannot help (the
+            # openai SDKs read this header).
+            response.headers["x-should-retry"] = "false"
+
+    app.on_response_prepare.append(rate_limit_headers)
 
     # ------------------------------------------------------------------ OpenAI surface
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -162,12 +221,22 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
             )
         )
 
+    async def admin_state(request: web.Request) -> web.Response:
+        try:
+            require_admin(request, config.auth.admin_token)
+        except ApiError as e:
+            return e.response()
+        if st.sync is None:
+            return _json({"backend": config.state.backend, "up": True, "shared": False})
+        return _json({**st.sync.snapshot(), "shared": True})
+
     known_paths = set(UPSTREAM_PATHS.values()) | {
         "/v1/models",
         "/health",
         "/ready",
         "/metrics",
         "/admin/replicas",
+        "/admin/state",
     }
 
     async def fallback(request: web.Request) -> web.Response:
@@ -187,6 +256,7 @@ def build_app(config: GatewayConfig, *, picker: Router | None = None) -> web.App
         ("GET", "/ready", ready),
         ("GET", "/metrics", metrics),
         ("GET", "/admin/replicas", admin_replicas),
+        ("GET", "/admin/state", admin_state),
     ]
     for method, path, handler in handlers:
         app.router.add_route(method, path, handler)
@@ -204,11 +274,17 @@ class Gateway:
         host: str | None = None,
         port: int | None = None,
         picker: Router | None = None,
+        state_backend: StateBackend | None = None,
+        workers_hint: int = 1,
+        reuse_port: bool = False,
     ) -> None:
         self.config = config
         self.host = host if host is not None else config.listen.host
         self.port = port if port is not None else config.listen.port
-        self.app = build_app(config, picker=picker)
+        self.reuse_port = reuse_port  # SO_REUSEPORT: several processes on one port
+        self.app = build_app(
+            config, picker=picker, state_backend=state_backend, workers_hint=workers_hint
+        )
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
 
@@ -236,7 +312,12 @@ class Gateway:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         self._site = web.TCPSite(
-            self._runner, self.host, self.port, backlog=1024, reuse_address=True
+            self._runner,
+            self.host,
+            self.port,
+            backlog=1024,
+            reuse_address=True,
+            reuse_port=self.reuse_port or None,
         )
         await self._site.start()
         server = self._site._server  # the asyncio Server: the only way to learn port 0's pick

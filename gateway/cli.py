@@ -17,12 +17,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import os
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.cli:serve_main", "run the gateway"),
+    "hash-key": (
+        "gateway.cli:hash_key_main",
+        "print the SHA-256 of an API key read from stdin, for tenants[].keys_sha256 "
+        "(--new: make a key)",
+    ),
     "demo": ("kvgate_demo.demo:main", "run the demo (simulated replicas, load through kvgate)"),
     # Locust patches the process with gevent: only these two commands import it.
     "sweep": ("loadtests.sweep:main", "find a target's ceiling: a concurrency staircase"),
@@ -69,7 +77,16 @@ def serve_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvgate serve", description="Run the kvgate gateway.")
     parser.add_argument("--config", "-c", help="YAML config file (see README)", default=None)
     parser.add_argument("--check", action="store_true", help="validate the config and exit")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway processes on one port (SO_REUSEPORT); more than one needs the "
+        "redis state backend (state.backend: redis)",
+    )
     args = parser.parse_args(list(argv))
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
 
     from gateway.config import ConfigError, load_config
     from gateway.logging import configure_logging
@@ -95,7 +112,23 @@ def serve_main(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.workers > 1:
+        problems = []
+        if config.state.backend != "redis":
+            problems.append(
+                "state.backend: --workers N > 1 needs the redis backend, so the processes "
+                "share each replica's pool (set state.backend: redis and state.redis_url, "
+                "or KVGATE_STATE_BACKEND=redis and KVGATE_REDIS_URL)"
+            )
+        if config.listen.port == 0:
+            problems.append("listen.port: --workers N > 1 needs a fixed port, not 0")
+        if problems:
+            print("kvgate: invalid configuration:\n  " + "\n  ".join(problems), file=sys.stderr)
+            return 2
+        return _supervise(list(argv), args.workers)
     configure_logging(config.logging.level, access=config.logging.access_log)
+    worker = os.environ.get(_WORKER_ENV) is not None
+    workers = int(os.environ.get(_WORKERS_ENV, "1") or 1) if worker else 1
 
     try:
         import uvloop
@@ -103,7 +136,7 @@ def serve_main(argv: Sequence[str]) -> int:
         uvloop = None  # type: ignore[assignment]
     runner = uvloop.run if uvloop is not None else asyncio.run
     try:
-        runner(_serve(config))
+        runner(_serve(config, reuse_port=worker, workers=workers))
     except KeyboardInterrupt:
         pass
     except ConfigError as e:  # raised while building the app (e.g. a tokenizer file)
@@ -118,7 +151,107 @@ def serve_main(argv: Sequence[str]) -> int:
     return 0
 
 
-async def _serve(config) -> None:  # type: ignore[no-untyped-def]
+def hash_key_main(argv: Sequence[str]) -> int:
+    """``kvgate hash-key``: the digest to put in ``tenants[].keys_sha256``.
+
+    The key is read from stdin (one line), never from the command line, where it would
+    show in the process list and the shell history. ``--new`` makes a random key
+    (256 bits) and prints it once, with its digest: give the key to the tenant and keep
+    only the digest."""
+    parser = argparse.ArgumentParser(
+        prog="kvgate hash-key",
+        description="Print the hex SHA-256 of an API key read from stdin (tenants[].keys_sha256).",
+    )
+    parser.add_argument("--new", action="store_true", help="make a new random key and hash it")
+    args = parser.parse_args(list(argv))
+
+    import secrets
+
+    from admission.tenants import hash_key
+
+    if args.new:
+        key = "sk-kvg-" + secrets.token_urlsafe(32)
+        print(f"key:    {key}")
+        print(f"sha256: {hash_key(key)}")
+        return 0
+    line = sys.stdin.readline().rstrip("\r\n")
+    if not line:
+        print("kvgate hash-key: no key on stdin", file=sys.stderr)
+        return 2
+    print(hash_key(line))
+    return 0
+
+
+_WORKER_ENV = "KVGATE_WORKER"  # set by the supervisor in each worker: its index
+_WORKERS_ENV = "KVGATE_WORKERS"  # and the number of workers
+
+
+def _supervise(argv: list[str], workers: int) -> int:
+    """Run `workers` gateway processes on one port (SO_REUSEPORT: the kernel spreads
+    connections over them) and stay until they end.
+
+    Each worker is ``kvgate serve`` with the same arguments (less ``--workers``), told its
+    index and the worker count through the environment; they share state through Redis.
+    SIGTERM and SIGINT are forwarded to every worker (each drains as a single process
+    does). A worker that exits on its own takes the others down (SIGTERM) and the
+    supervisor exits with its status, so an orchestrator restarts the whole set instead
+    of serving on with less capacity than it thinks. Returns the first non-zero status
+    of a worker, else 0.
+    """
+    args: list[str] = []
+    skip = False
+    for a in argv:  # drop --workers N / --workers=N
+        if skip:
+            skip = False
+            continue
+        if a == "--workers":
+            skip = True
+            continue
+        if a.startswith("--workers="):
+            continue
+        args.append(a)
+    procs: list[subprocess.Popen[bytes]] = []
+    stopping = False
+
+    def forward(sig: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for i in range(workers):
+        env = {**os.environ, _WORKER_ENV: str(i), _WORKERS_ENV: str(workers)}
+        procs.append(
+            subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", *args], env=env)
+        )
+    status = 0
+    while any(p.poll() is None for p in procs):
+        for p in procs:
+            code = p.poll()
+            if code is not None and code != 0 and status == 0:
+                status = code
+            if code is not None and not stopping:
+                print(
+                    f"kvgate: worker {p.pid} exited ({code}); stopping the others",
+                    file=sys.stderr,
+                )
+                stopping = True
+                status = status or code or 1
+                for q in procs:
+                    if q.poll() is None:
+                        q.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+    for p in procs:
+        code = p.wait()
+        if code != 0 and status == 0:
+            status = code
+    return status if status >= 0 else 128 - status
+
+
+async def _serve(config, *, reuse_port: bool = False, workers: int = 1) -> None:  # type: ignore[no-untyped-def]
     from gateway.app import Gateway
 
     # SIGTERM: graceful (shutdown.drain_grace_s for running requests). SIGINT, or a
@@ -134,7 +267,7 @@ async def _serve(config) -> None:  # type: ignore[no-untyped-def]
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    gw = Gateway(config)
+    gw = Gateway(config, reuse_port=reuse_port, workers_hint=workers)
     await gw.start()
     try:
         await stop.wait()

@@ -8,8 +8,13 @@ carry the same file everywhere:
 - ``KVGATE_LISTEN``: ``host:port`` (or ``:port``)
 - ``KVGATE_ADMIN_TOKEN``: bearer token for ``/admin/*``
 - ``KVGATE_API_KEYS``: ``key:tenant,key2:tenant2`` (a key without ``:tenant`` maps to the
-  tenant ``default``); replaces the file's ``auth.api_keys``
+  tenant ``default``); replaces the file's ``auth.api_keys``. Plain keys are hashed when
+  the gateway starts and never logged; prefer ``tenants[].keys_sha256`` in the file.
 - ``KVGATE_LOG_LEVEL``: ``debug|info|warning|error``
+- ``KVGATE_STATE_BACKEND``: ``memory|redis`` (``state.backend``)
+- ``KVGATE_REDIS_URL``: ``redis://`` or ``rediss://`` (TLS) URL of the shared-state Redis
+  (``state.redis_url``)
+- ``KVGATE_REDIS_PASSWORD``: the Redis password (kept out of the file and the URL)
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from pydantic import (
 )
 
 from admission.config import AdmissionConfig
-from routing.config import RoutingConfig
+from admission.tenants import TenantConfig
+from routing.config import FilterRef, ProfileConfig, RoutingConfig
 
 Engine = Literal["vllm", "sglang", "llamacpp", "openai"]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -152,7 +158,8 @@ class LimitsConfig(_Strict):
 
 class AuthConfig(_Strict):
     # API key -> tenant. Empty: no authentication, every request is tenant "default".
-    api_keys: dict[str, str] = Field(default_factory=dict)
+    # Deprecated: plain keys (hashed at start, never logged); use tenants[].keys_sha256.
+    api_keys: dict[str, str] = Field(default_factory=dict, repr=False)
     admin_token: str | None = None
 
 
@@ -188,6 +195,42 @@ class LoggingConfig(_Strict):
     access_log: bool = True
 
 
+class StateConfig(_Strict):
+    """Where several gateway processes keep what they share (admission/state): the
+    per-replica pool and running-limit leases and the learned limits.
+
+    ``memory`` (the default) shares nothing: one process owns every replica. ``redis``
+    lets any number of processes and hosts on the same Redis and ``key_prefix`` act as
+    one gateway. A lease lives ``lease_ttl_s`` without renewal (a dead process's share
+    returns within it) and is renewed every ``renew_interval_s``. When Redis cannot be
+    reached, ``fail-open`` keeps admitting from this process's slices, each cut to at most
+    1/N of the replica (N: the processes last seen), and ``fail-closed`` answers 503 with
+    Retry-After until Redis is back.
+    """
+
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: Annotated[str, Field(pattern=r"^(redis|rediss|unix)://")] | None = None
+    # Set from KVGATE_REDIS_PASSWORD; a password in the URL works too but lands in files.
+    redis_password: str | None = Field(default=None, repr=False)
+    key_prefix: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")] = "kvgate"
+    on_unreachable: Literal["fail-open", "fail-closed"] = "fail-open"
+    lease_ttl_s: PositiveFloat = 3.0
+    renew_interval_s: PositiveFloat = 0.5
+    # Bound of one Redis round trip (connect, or a renewal).
+    timeout_s: PositiveFloat = 0.5
+
+    @model_validator(mode="after")
+    def _coherent(self) -> StateConfig:
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("redis_url: required with backend redis (or KVGATE_REDIS_URL)")
+        if self.renew_interval_s * 2 > self.lease_ttl_s:
+            raise ValueError(
+                f"renew_interval_s: {self.renew_interval_s} must be at most half of "
+                f"lease_ttl_s ({self.lease_ttl_s}), or a live process's lease may lapse"
+            )
+        return self
+
+
 class GatewayConfig(_Strict):
     listen: ListenConfig = Field(default_factory=ListenConfig)
     replicas: list[ReplicaConfig] = Field(default_factory=list)
@@ -201,9 +244,13 @@ class GatewayConfig(_Strict):
     outlier: OutlierConfig = Field(default_factory=OutlierConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    state: StateConfig = Field(default_factory=StateConfig)
     # Model name -> local Hugging Face tokenizer.json: exact prompt counts for that model
     # instead of the learned chars-per-token estimate (see gateway/tokenizers.py).
     tokenizers: dict[str, FilePath] = Field(default_factory=dict)
+    # Tenants: hashed API keys, limits, priority range, weight, models, SLO targets
+    # (admission/tenants.py). Empty: one tenant "default" without limits.
+    tenants: list[TenantConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _unique_replica_names(self) -> GatewayConfig:
@@ -213,6 +260,37 @@ class GatewayConfig(_Strict):
                 raise ValueError(f"replicas: duplicate replica name {r.name!r}")
             seen.add(r.name)
         return self
+
+    @model_validator(mode="after")
+    def _tenants_consistent(self) -> GatewayConfig:
+        names: set[str] = set()
+        owner: dict[str, str] = {}
+        for i, t in enumerate(self.tenants):
+            if t.name in names:
+                raise ValueError(f"tenants.{i}.name: duplicate tenant name {t.name!r}")
+            names.add(t.name)
+            for d in t.keys_sha256:
+                if d in owner and owner[d] != t.name:
+                    raise ValueError(
+                        f"tenants.{i}.keys_sha256: a key of {t.name!r} is also {owner[d]!r}'s"
+                    )
+                owner[d] = t.name
+        # A tenant with an ITL target needs the slo_itl filter in every profile
+        # (routing/slo.py); it keeps everything for requests without a target.
+        if any(t.slo.itl_s is not None for t in self.tenants):
+            self.routing = self.routing.model_copy(
+                update={
+                    "default_profile": _with_slo_filter(self.routing.default_profile),
+                    "profiles": {m: _with_slo_filter(p) for m, p in self.routing.profiles.items()},
+                }
+            )
+        return self
+
+
+def _with_slo_filter(profile: ProfileConfig) -> ProfileConfig:
+    if any(f.name == "slo_itl" for f in profile.filters):
+        return profile
+    return profile.model_copy(update={"filters": [*profile.filters, FilterRef(name="slo_itl")]})
 
 
 def _format_validation_error(err: ValidationError) -> str:
@@ -255,6 +333,15 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> None:
         auth["api_keys"] = _parse_api_keys(keys)
     if auth:
         data["auth"] = auth
+    state = dict(data.get("state") or {})
+    if backend := env.get("KVGATE_STATE_BACKEND"):
+        state["backend"] = backend.lower()
+    if url := env.get("KVGATE_REDIS_URL"):
+        state["redis_url"] = url
+    if password := env.get("KVGATE_REDIS_PASSWORD"):
+        state["redis_password"] = password
+    if state:
+        data["state"] = state
     if level := env.get("KVGATE_LOG_LEVEL"):
         data["logging"] = {**(data.get("logging") or {}), "level": level.lower()}
 

@@ -22,6 +22,11 @@ class RequestContext:
     upstream_path: str
     arrival: float
     tenant: str = "default"
+    # The tenant's default workload class (tenants[].default_workload), set by
+    # authenticate; classify uses it when the request has no x-workload header.
+    tenant_default_workload: str | None = None
+    priority: int = 0  # x-kvgate-priority clamped to the tenant's range (tenant_limits)
+    rate_charge: Any = None  # admission.tenants.Charge: refunded or corrected at the end
     # parse
     raw: bytes = b""
     body: dict[str, Any] | None = None

@@ -220,6 +220,46 @@ class GatewayMetrics:
         )
         r.register(_LedgerCollector(usage, queue_depths, topup_failures))
         self._requests_children: dict[tuple[str, str], Counter] = {}
+        # Per tenant (label values: configured tenant names, "default", else "other").
+        self._tenant_names: frozenset[str] = frozenset({"default"})
+        self.tenant_requests = Counter(
+            "kvgate_tenant_requests",
+            "Requests by tenant and outcome",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.tenant_tokens_total = Counter(
+            "kvgate_tenant_tokens",
+            "Tokens the engines reported by tenant and kind (prompt, completion)",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_queue_wait_seconds = Histogram(
+            "kvgate_tenant_queue_wait_seconds",
+            "Time from arrival to admission of admitted requests, by tenant",
+            ["tenant"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.tenant_slo_total = Counter(
+            "kvgate_tenant_slo",
+            "Requests judged against a tenant's latency target (ttft, itl, e2e)",
+            ["tenant", "target"],
+            registry=r,
+        )
+        self.tenant_slo_met = Counter(
+            "kvgate_tenant_slo_met",
+            "Requests that met a tenant's latency target (ttft, itl, e2e)",
+            ["tenant", "target"],
+            registry=r,
+        )
+        self.tenant_rate_limited_total = Counter(
+            "kvgate_tenant_rate_limited",
+            "Requests answered 429 by tenant and the limit hit (requests, tokens, "
+            "concurrency, queue)",
+            ["tenant", "limit"],
+            registry=r,
+        )
 
     def watch_engines(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
         """Export the engines' own load signals (`_EngineCollector`) from `states`."""
@@ -233,6 +273,33 @@ class GatewayMetrics:
             # cannot create unbounded label cardinality.
             child = self._requests_children[key] = self.requests.labels(model, outcome)
         child.inc()
+
+    # ------------------------------------------------------------------ tenants
+    def set_tenant_names(self, names: Iterable[str]) -> None:
+        """The tenant label values allowed (bounded cardinality); others count as other."""
+        self._tenant_names = frozenset(names) | {"default"}
+
+    def _tenant(self, tenant: str) -> str:
+        return tenant if tenant in self._tenant_names else "other"
+
+    def tenant_request(self, tenant: str, outcome: str) -> None:
+        self.tenant_requests.labels(self._tenant(tenant), outcome).inc()
+
+    def tenant_tokens(self, tenant: str, kind: str, n: int) -> None:
+        if n > 0:
+            self.tenant_tokens_total.labels(self._tenant(tenant), kind).inc(n)
+
+    def tenant_queue_wait(self, tenant: str, seconds: float) -> None:
+        self.tenant_queue_wait_seconds.labels(self._tenant(tenant)).observe(seconds)
+
+    def tenant_slo(self, tenant: str, target: str, met: bool) -> None:
+        t = self._tenant(tenant)
+        self.tenant_slo_total.labels(t, target).inc()
+        if met:
+            self.tenant_slo_met.labels(t, target).inc()
+
+    def tenant_rate_limited(self, tenant: str, limit: str) -> None:
+        self.tenant_rate_limited_total.labels(self._tenant(tenant), limit).inc()
 
     def observe_prompt_estimate(self, estimated: int, actual: int, exact: bool) -> None:
         """How far the prompt count admission used was from what the engine counted."""

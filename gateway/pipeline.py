@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -44,6 +45,7 @@ from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.health import OutlierDetector
 from admission.retries import RetryMemory
+from admission.tenants import TenantLimiter, TenantState, go_duration
 from admission.types import AdmissionRequest, Admit, Completion, Refuse, Shed
 from gateway.admitter import AdmissionBridge
 from gateway.config import GatewayConfig
@@ -60,6 +62,9 @@ from routing.classify import classify_workload
 from routing.prefix import block_hashes
 
 log = logging.getLogger("kvgate.pipeline")
+
+# The authenticated tenant of a request (for the rate-limit headers of its answer).
+TENANT_KEY = web.RequestKey("kvgate_tenant", str)
 
 UPSTREAM_PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _SCHEMAS: dict[Kind, type[ChatCompletionRequest] | type[CompletionRequest]] = {
@@ -106,6 +111,7 @@ class Pipeline:
         metrics: GatewayMetrics,
         *,
         counter: PromptCounter | None = None,
+        tenants: TenantLimiter | None = None,
     ) -> None:
         self.config = config
         self.controller = controller
@@ -116,7 +122,13 @@ class Pipeline:
         self.metrics = metrics
         # Without a session (no counter given) prompts are estimated and counted locally only.
         self.counter = counter or PromptCounter(config, estimator, discovery, metrics)
-        self._api_keys = dict(config.auth.api_keys)
+        # Tenants: hashed keys, policies, rate limits (admission/tenants.py). The plain
+        # legacy keys are hashed here and not kept.
+        self.tenants = tenants or TenantLimiter.from_config(config.tenants, config.auth.api_keys)
+        metrics.set_tenant_names(self.tenants.tenants)
+        # Set by the app when shared state is configured fail-closed (gateway/sharing.py):
+        # returns the 503 new requests get while Redis is unreachable, else None.
+        self.state_gate: Callable[[], ApiError | None] | None = None
         self._max_body = config.limits.max_body_bytes
         self._queue_timeout = config.admission.queue_timeout_s
         self._retry_once = config.upstream.retry_once
@@ -257,7 +269,7 @@ class Pipeline:
             await self.parse(request, ctx)
             text = await self.estimate(ctx)
             self.classify(request, ctx, text)
-            self.tenant_limits(ctx)
+            self.tenant_limits(request, ctx)
             await self.admit(request, ctx)
             return await self.route_and_relay(request, ctx)
         except ApiError as e:
@@ -294,12 +306,15 @@ class Pipeline:
 
     # ================================================================== stages
     def authenticate(self, request: web.Request, ctx: RequestContext) -> None:
-        """API key -> tenant. Without configured keys every request is tenant default."""
-        if not self._api_keys:
-            return
-        auth = request.headers.get("Authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        tenant = self._api_keys.get(key) if key else None
+        """API key -> tenant (by its SHA-256 digest, compared in constant time). Without
+        configured keys every request is tenant default. Only the key decides the tenant:
+        no header can name another."""
+        limiter = self.tenants
+        key = ""
+        if limiter.auth_required:
+            auth = request.headers.get("Authorization", "")
+            key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        tenant = limiter.authenticate(key)
         if tenant is None:
             raise ApiError(
                 401,
@@ -310,6 +325,9 @@ class Pipeline:
                 outcome="unauthorized",
             )
         ctx.tenant = tenant
+        policy = limiter.get(tenant)
+        ctx.tenant_default_workload = policy.default_workload
+        request[TENANT_KEY] = tenant  # rate-limit headers on whatever answer follows
 
     async def parse(self, request: web.Request, ctx: RequestContext) -> None:
         """Read the body within the size limit and validate it."""
@@ -399,9 +417,43 @@ class Pipeline:
             num_messages=max(1, ctx.num_messages),
         )
 
-    def tenant_limits(self, ctx: RequestContext) -> None:
-        """Per-tenant token buckets and fair share: a later issue. The slot is here so the
-        stage order stays the one documented above."""
+    def tenant_limits(self, request: web.Request, ctx: RequestContext) -> None:
+        """The tenant's policy: the models it may use (404 as OpenAI answers a model the
+        key cannot see), its priority range (``x-kvgate-priority`` clamped into it, its
+        default without the header), and its requests and tokens per minute (GCRA): a
+        request that would exceed one is answered 429 ``rate_limit_exceeded`` naming the
+        limit, with Retry-After and retry-after-ms the exact time until it would pass.
+        A passing request is charged its estimate (prompt + reserved output) now; the
+        account stage corrects it to the engine's usage, or refunds it if it was never
+        admitted. Concurrency and queue caps are admission's (admission.fairqueue)."""
+        limiter = self.tenants
+        policy = limiter.get(ctx.tenant)
+        if not policy.may_use(ctx.model):
+            raise ApiError(
+                404,
+                f"The model `{ctx.model}` does not exist or you do not have access to it.",
+                code="model_not_found",
+                param="model",
+                outcome="model_not_found",
+            )
+        asked: int | None = None
+        if (p := request.headers.get(H_PRIORITY)) is not None:
+            try:
+                asked = int(p)
+            except ValueError:
+                raise invalid_request(
+                    f"{H_PRIORITY} must be an integer.", param=H_PRIORITY
+                ) from None
+        ctx.priority = policy.clamp_priority(asked)
+        if policy.rpm is None and policy.tpm is None:
+            return
+        now = self._loop.time()
+        tokens = ctx.prompt_tokens + ctx.expected_output
+        verdict = limiter.check(ctx.tenant, tokens, now)
+        if verdict.limit is not None:
+            self.metrics.tenant_rate_limited(ctx.tenant, verdict.limit)
+            raise _rate_limited(policy, verdict.limit, tokens, verdict.retry_after, now)
+        ctx.rate_charge = limiter.charge(ctx.tenant, tokens, now)
 
     async def admit(self, request: web.Request, ctx: RequestContext) -> None:
         """Admit now, wait in the queue, or answer shed/refuse.
@@ -412,11 +464,14 @@ class Pipeline:
         service, or for a stream the predicted time to first token (the controller
         predicts it); else the configured queue timeout.
         """
+        if self.state_gate is not None and (closed := self.state_gate()) is not None:
+            raise closed
         now = self._loop.time()
         deadline = math.inf
         hdr = request.headers.get(H_QUEUE_TIMEOUT)
         if hdr is not None:
-            deadline = now + min(self._queue_timeout, _seconds(hdr, H_QUEUE_TIMEOUT))
+            cap = self.tenants.get(ctx.tenant).queue_timeout_s or self._queue_timeout
+            deadline = now + min(cap, _seconds(hdr, H_QUEUE_TIMEOUT))
         if (read := request.headers.get(H_READ_TIMEOUT)) is not None:
             ctx.latency_budget = _seconds(read, H_READ_TIMEOUT) or None
         if (count := request.headers.get(H_RETRY_COUNT)) is not None:
@@ -426,43 +481,53 @@ class Pipeline:
                 raise invalid_request(
                     f"{H_RETRY_COUNT} must be an integer.", param=H_RETRY_COUNT
                 ) from None
-        priority = 0
-        if (p := request.headers.get(H_PRIORITY)) is not None:
-            try:
-                priority = int(p)
-            except ValueError:
-                raise invalid_request(
-                    f"{H_PRIORITY} must be an integer.", param=H_PRIORITY
-                ) from None
+        priority = ctx.priority  # clamped to the tenant's range by tenant_limits
         ctx.deadline = deadline
         ctx.admission_id = ctx.request_id
         # A retry of a request kvgate shed keeps its first arrival, i.e. its place in line
         # (admission/retries.py). The key is a digest: the memory never holds bodies.
         retry_key = ctx.retry_key = hash((ctx.tenant, ctx.model, ctx.raw))
-        first = self._retries.first_arrival(retry_key, now)
+        first = self._retries.first_arrival(retry_key, now, ctx.tenant)
         req = _admission_request(
             ctx,
             ctx.request_id,
             arrival=now if first is None else first,
             deadline=ctx.deadline,
             priority=priority,
+            targets=self.tenants.tenants.get(ctx.tenant),
         )
         verdict, _queued = await self.bridge.admit(req)
         if isinstance(verdict, Admit):
             if first is not None:
-                self._retries.forget(retry_key)
+                self._retries.forget(retry_key, ctx.tenant)
             self._admitted(ctx, verdict)
             self.metrics.queue_wait.observe(ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
+            self.metrics.tenant_queue_wait(ctx.tenant, ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
             return
         if isinstance(verdict, Shed):
             if verdict.reason == "shutdown":
                 raise self._shutting_down()
-            self._retries.remember(retry_key, req.arrival, self._loop.time())
+            self._retries.remember(retry_key, req.arrival, self._loop.time(), ctx.tenant)
             self.metrics.shed.labels(verdict.reason).inc()
             if verdict.status == 429:
+                policy = self.tenants.get(ctx.tenant)
+                if verdict.reason == "tenant_concurrency":
+                    limit = "concurrency"
+                    what = (
+                        f"Concurrency limit reached for tenant {ctx.tenant}: "
+                        f"{policy.max_concurrent} requests running (max_concurrent) and "
+                        f"{policy.max_queued} queued (max_queued)."
+                    )
+                else:
+                    limit = "queue"
+                    what = (
+                        f"Queue limit reached for tenant {ctx.tenant}: {policy.max_queued} "
+                        "requests already waiting (max_queued)."
+                    )
+                self.metrics.tenant_rate_limited(ctx.tenant, limit)
                 raise ApiError(
                     429,
-                    f"Rate limit reached for tenant {ctx.tenant} ({verdict.reason}).",
+                    f"{what} Please try again in {_go(verdict.retry_after)}.",
                     code="rate_limit_exceeded",
                     retry_after=verdict.retry_after,
                     outcome=f"shed_{verdict.reason}",
@@ -586,7 +651,14 @@ class Pipeline:
         try:
             verdict = ctrl.submit(
                 # Now or never: the client has already waited once.
-                _admission_request(ctx, rid, arrival=ctx.arrival, deadline=now),
+                _admission_request(
+                    ctx,
+                    rid,
+                    arrival=ctx.arrival,
+                    deadline=now,
+                    priority=ctx.priority,
+                    targets=self.tenants.tenants.get(ctx.tenant),
+                ),
                 now,
             )
         finally:
@@ -627,6 +699,7 @@ class Pipeline:
                 )
             if ctx.usage_completion is not None:
                 self.estimator.observe_output(ctx.model, ctx.usage_completion)
+        self._account_tenant(ctx)
         m = self.metrics
         m.count_request(model_label, ctx.outcome)
         ttft = None
@@ -637,6 +710,35 @@ class Pipeline:
                 m.itl.observe((ctx.last_event_at - ctx.first_byte_at) / (ctx.events - 1))
         if access_log_enabled():  # the line is built only when someone reads it
             log_access(self._access_fields(ctx, ttft))
+
+    def _account_tenant(self, ctx: RequestContext) -> None:
+        """Settle the rate charge (the engine's usage, or a refund if never admitted) and
+        count the tenant's outcome, tokens and SLO attainment."""
+        now = self._loop.time()
+        charge = ctx.rate_charge
+        if charge is not None:
+            if ctx.admitted_at is None:
+                self.tenants.refund(charge, now)
+            elif ctx.usage_prompt is not None or ctx.usage_completion is not None:
+                true = (ctx.usage_prompt or 0) + (ctx.usage_completion or 0)
+                self.tenants.correct(charge, true, now)
+        m = self.metrics
+        tenant = ctx.tenant
+        m.tenant_request(tenant, ctx.outcome)
+        if ctx.usage_prompt is not None:
+            m.tenant_tokens(tenant, "prompt", ctx.usage_prompt)
+        completion = ctx.usage_completion if ctx.usage_completion is not None else ctx.generated
+        if completion:
+            m.tenant_tokens(tenant, "completion", completion)
+        policy = self.tenants.tenants.get(tenant)
+        if policy is None or (
+            policy.ttft_s is None and policy.itl_s is None and policy.e2e_s is None
+        ):
+            return
+        ok = ctx.outcome == "ok"
+        if not ok and ctx.status < 500:
+            return  # the client's own error or limit: not a latency the gateway missed
+        _slo(m, policy, ctx, ok, now)
 
     def _access_fields(self, ctx: RequestContext, ttft: float | None) -> dict[str, object]:
         completion = ctx.usage_completion if ctx.usage_completion is not None else ctx.generated
@@ -715,9 +817,17 @@ class Pipeline:
 
 
 def _admission_request(
-    ctx: RequestContext, rid: str, *, arrival: float, deadline: float, priority: int = 0
+    ctx: RequestContext,
+    rid: str,
+    *,
+    arrival: float,
+    deadline: float,
+    priority: int = 0,
+    targets: TenantState | None = None,
 ) -> AdmissionRequest:
     """What admission needs to know of a request, from its context."""
+    ttft_target = targets.ttft_s if targets is not None else None
+    itl_target = targets.itl_s if targets is not None else None
     return AdmissionRequest(
         request_id=rid,
         model=ctx.model,
@@ -737,7 +847,60 @@ def _admission_request(
         max_tokens_given=ctx.max_tokens_given,
         prefix_hashes=ctx.prefix_hashes,
         session=ctx.session,
+        ttft_target_s=ttft_target,
+        itl_target_s=itl_target,
     )
+
+
+def _go(seconds: float) -> str:
+    return go_duration(seconds)
+
+
+def _rate_limited(
+    policy: TenantState, limit: str, tokens: int, wait: float, now: float
+) -> ApiError:
+    """The 429 of a requests- or tokens-per-minute limit, worded as OpenAI words it."""
+    g = policy.rpm if limit == "requests" else policy.tpm
+    assert g is not None
+    label = "requests per min (RPM)" if limit == "requests" else "tokens per min (TPM)"
+    cap = math.floor(g.limit)
+    requested = 1 if limit == "requests" else tokens
+    if not math.isfinite(wait):
+        return ApiError(
+            429,
+            f"Request too large for tenant {policy.name} on {label}: Limit {cap}, "
+            f"Requested {requested}. Reduce the prompt or max_tokens.",
+            code="rate_limit_exceeded",
+            param=None,
+            outcome=f"rate_limited_{limit}",
+        )
+    used = cap - g.remaining(now)
+    return ApiError(
+        429,
+        f"Rate limit reached for tenant {policy.name} on {label}: Limit {cap}, Used "
+        f"{used}, Requested {requested}. Please try again in {_go(wait)}.",
+        code="rate_limit_exceeded",
+        retry_after=wait,
+        outcome=f"rate_limited_{limit}",
+    )
+
+
+def _slo(m: GatewayMetrics, policy: TenantState, ctx: RequestContext, ok: bool, now: float) -> None:
+    """Count the request against each of its tenant's targets it can be judged on (TTFT
+    and ITL: streams; end to end: all): a failed request (5xx, shed) misses them."""
+    tenant = ctx.tenant
+    if policy.e2e_s is not None:
+        m.tenant_slo(tenant, "e2e", ok and now - ctx.arrival <= policy.e2e_s)
+    if policy.ttft_s is not None and ctx.stream:
+        ttft = ctx.first_byte_at - ctx.arrival if ctx.first_byte_at is not None else None
+        m.tenant_slo(tenant, "ttft", ok and ttft is not None and ttft <= policy.ttft_s)
+    if policy.itl_s is not None and ctx.stream:
+        itl = None
+        if ctx.events > 1 and ctx.first_byte_at is not None and ctx.last_event_at is not None:
+            itl = (ctx.last_event_at - ctx.first_byte_at) / (ctx.events - 1)
+        if ok and itl is None:
+            return  # one event: no gap to judge
+        m.tenant_slo(tenant, "itl", ok and itl is not None and itl <= policy.itl_s)
 
 
 def _seconds(value: str, header: str) -> float:

@@ -57,6 +57,7 @@ def _builtins() -> None:
         _loaded = True
         import routing.plugins  # noqa: F401  (registers the built-in plugins)
         import routing.prefix  # noqa: F401
+        import routing.slo  # noqa: F401
 
 
 def names(kind: str) -> list[str]:

@@ -51,7 +51,7 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
     Replica-level keyword arguments (``pool_tokens``, ``max_running``, ``engine``...) apply
     to every replica; ``replicas=[...]`` gives the list explicitly. Other sections
     (``admission``, ``upstream``, ``auth``, ``limits``, ``discovery``, ``counting``,
-    ``routing``) are merged over
+    ``routing``, ``tenants``) are merged over
     test defaults: short upstream timeouts and fast discovery.
     """
     made: list[tuple[Gateway, list[Any]]] = []
@@ -67,6 +67,7 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
         counting: dict[str, Any] | None = None,
         tokenizers: dict[str, str] | None = None,
         routing: dict[str, Any] | None = None,
+        tenants: list[dict[str, Any]] | None = None,
         **replica_fields: Any,
     ) -> Gateway:
         if replicas is None:
@@ -90,6 +91,7 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
             "logging": {"access_log": False},
             "tokenizers": tokenizers or {},
             "routing": routing or {},
+            "tenants": tenants or [],
         }
         gw = Gateway(config_from_mapping(data, env={}), host="127.0.0.1", port=0)
         await gw.start()

@@ -1,0 +1,44 @@
+"""The lease arithmetic, as one pure function (`grant`). `MemoryBackend` calls it;
+``lease.lua`` is the same arithmetic for Redis, and the contract tests run both.
+
+Policy (see the package docstring): a holder counts as holding the larger of its grant
+and its reported use, since a slice cannot be taken back from requests already running
+on it. Entitlements are max-min fair (water-filling): holders are taken in order of want
+(then name), and each is entitled to the smaller of its want and an equal split of what
+the earlier ones left. So a holder that wants little gets it all, the rest share the
+remainder equally, and when every want fits, each gets its want. The grant is the
+entitlement within what the others do not hold, so the sum over holders never exceeds
+the total; a holder above its entitlement shrinks on its own next renewal, and the
+others then grow into what it freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def grant(
+    total: int, want: int, others: Iterable[tuple[str, int, int, int]], holder: str = ""
+) -> tuple[int, int, int]:
+    """(granted, holders, others_used) for `holder` wanting `want` of `total` while the
+    other live holders hold ``(name, granted, want, used)`` each."""
+    total = max(0, total)
+    want = max(0, want)
+    held = 0
+    used_sum = 0
+    wants: list[tuple[int, str]] = [(want, holder)]
+    for name, g, w, u in others:
+        held += max(g, u)
+        used_sum += u
+        wants.append((max(w, u), name))
+    wants.sort()
+    n = len(wants)
+    remaining = total
+    entitled = 0
+    for i, (w, name) in enumerate(wants):
+        share = min(w, remaining // (n - i))
+        remaining -= share
+        if name == holder and w == want:
+            entitled = share
+    entitled += remaining // n  # what nobody wants, split equally
+    return max(0, min(entitled, total - held)), n, used_sum

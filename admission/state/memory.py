@@ -1,0 +1,79 @@
+"""The in-process backend: the default for a single gateway process (no Redis).
+
+It keeps the same records as the Redis backend, so a process sharing nothing gets the
+whole of every resource (it is the only holder), and tests can share one instance
+between gateways in one process to exercise the policy without a server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from admission.state.base import (
+    HolderRecord,
+    Lease,
+    LeaseRequest,
+    RenewResult,
+    SharedLimit,
+    StateBackend,
+)
+from admission.state.lease import grant
+
+
+class MemoryBackend(StateBackend):
+    name = "memory"
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        # resource -> holder -> [granted, want, used, expires_at]
+        self._leases: dict[str, dict[str, list[float]]] = {}
+        self._procs: dict[str, float] = {}
+        self._limits: dict[str, SharedLimit] = {}
+        self._version = 0
+
+    def _live(self, resource: str, now: float) -> dict[str, list[float]]:
+        records = self._leases.setdefault(resource, {})
+        for h in [h for h, r in records.items() if r[3] <= now]:
+            del records[h]
+        return records
+
+    async def renew(
+        self, holder: str, requests: Sequence[LeaseRequest], ttl_s: float
+    ) -> RenewResult:
+        now = self._clock()
+        self._procs[holder] = now + ttl_s
+        for h in [h for h, exp in self._procs.items() if exp <= now]:
+            del self._procs[h]
+        leases = []
+        for req in requests:
+            records = self._live(req.resource, now)
+            others = [
+                (h, int(r[0]), int(r[1]), int(r[2])) for h, r in records.items() if h != holder
+            ]
+            granted, n, others_used = grant(req.total, req.want, others, holder)
+            records[holder] = [granted, max(0, req.want), max(0, req.used), now + ttl_s]
+            leases.append(Lease(req.resource, granted, n, others_used))
+        return RenewResult(len(self._procs), leases)
+
+    async def release(self, holder: str, resources: Sequence[str] | None = None) -> None:
+        names = list(self._leases) if resources is None else resources
+        for name in names:
+            self._leases.get(name, {}).pop(holder, None)
+        if resources is None:
+            self._procs.pop(holder, None)
+
+    async def holders(self, resource: str) -> dict[str, HolderRecord]:
+        now = self._clock()
+        return {
+            h: HolderRecord(int(r[0]), int(r[1]), int(r[2]), r[3] - now)
+            for h, r in self._live(resource, now).items()
+        }
+
+    async def publish_limit(self, replica: str, value: float, reason: str) -> int:
+        self._version += 1
+        self._limits[replica] = SharedLimit(value, self._version, reason)
+        return self._version
+
+    async def limits(self) -> dict[str, SharedLimit]:
+        return dict(self._limits)

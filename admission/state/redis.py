@@ -1,0 +1,153 @@
+"""The Redis backend (redis-py asyncio): leases and limits shared by every gateway
+process that uses the same Redis and key prefix.
+
+One renewal is one round trip: a Lua script (``lease.lua``) heartbeats the process and
+re-leases all its resources atomically, on the Redis server's clock. Keys share one hash
+tag (``{prefix}``) so the scripts also run on a Redis Cluster. Scripts are sent by SHA
+and reloaded by redis-py when a restarted server has forgotten them.
+
+Timeouts are short and redis-py's own retries are off: a renewal that fails is the lease
+loop's business (it applies ``on_unreachable`` and tries again next round), and the
+request path never waits on Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from admission.state.base import (
+    HolderRecord,
+    Lease,
+    LeaseRequest,
+    RenewResult,
+    SharedLimit,
+    StateBackend,
+    StateUnavailable,
+)
+
+_LEASE_LUA = (Path(__file__).parent / "lease.lua").read_text(encoding="utf-8")
+_PUBLISH_LUA = """
+local v = redis.call('INCR', KEYS[2])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. v .. ' ' .. ARGV[3])
+return v
+"""
+_HOLDERS_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {now}
+local flat = redis.call('HGETALL', KEYS[1])
+for j = 1, #flat do out[#out + 1] = flat[j] end
+return out
+"""
+
+
+class RedisBackend(StateBackend):
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        password: str | None = None,
+        prefix: str = "kvgate",
+        timeout_s: float = 1.0,
+    ) -> None:
+        self.url = url
+        self.prefix = prefix
+        self._tag = "{" + prefix + "}"
+        self._r = aioredis.from_url(
+            url,
+            password=password,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=True,
+        )
+        self._lease = self._r.register_script(_LEASE_LUA)
+        self._publish = self._r.register_script(_PUBLISH_LUA)
+        self._holders = self._r.register_script(_HOLDERS_LUA)
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self._tag, *parts))
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    async def ping(self) -> None:
+        try:
+            await self._r.ping()
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+
+    async def renew(
+        self, holder: str, requests: Sequence[LeaseRequest], ttl_s: float
+    ) -> RenewResult:
+        keys = [self._key("procs")] + [self._key("lease", r.resource) for r in requests]
+        args: list[str | int] = [holder, max(1, round(ttl_s * 1000))]
+        for r in requests:
+            args += [max(0, int(r.total)), max(0, int(r.want)), max(0, int(r.used))]
+        try:
+            out = await self._lease(keys=keys, args=args)
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+        leases = [
+            Lease(r.resource, int(out[1 + 3 * i]), int(out[2 + 3 * i]), int(out[3 + 3 * i]))
+            for i, r in enumerate(requests)
+        ]
+        return RenewResult(int(out[0]), leases)
+
+    async def release(self, holder: str, resources: Sequence[str] | None = None) -> None:
+        try:
+            if resources is None:
+                keys = [k async for k in self._r.scan_iter(match=self._key("lease", "*"))]
+            else:
+                keys = [self._key("lease", r) for r in resources]
+            async with self._r.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    pipe.hdel(k, holder)
+                if resources is None:
+                    pipe.zrem(self._key("procs"), holder)
+                await pipe.execute()
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+
+    async def holders(self, resource: str) -> dict[str, HolderRecord]:
+        try:
+            out = await self._holders(keys=[self._key("lease", resource)])
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+        now = int(out[0])
+        records: dict[str, HolderRecord] = {}
+        for j in range(1, len(out), 2):
+            g, w, u, e = (int(x) for x in out[j + 1].split())
+            if e > now:
+                records[out[j]] = HolderRecord(g, w, u, (e - now) / 1000.0)
+        return records
+
+    async def publish_limit(self, replica: str, value: float, reason: str) -> int:
+        try:
+            return int(
+                await self._publish(
+                    keys=[self._key("limits"), self._key("limits", "version")],
+                    args=[replica, repr(float(value)), reason or "shared"],
+                )
+            )
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+
+    async def limits(self) -> dict[str, SharedLimit]:
+        try:
+            raw = await self._r.hgetall(self._key("limits"))
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+        out: dict[str, SharedLimit] = {}
+        for replica, text in raw.items():
+            value, version, reason = text.split(" ", 2)
+            out[replica] = SharedLimit(float(value), int(version), reason)
+        return out

@@ -1,0 +1,432 @@
+"""The lease loop: keeps this process's slices of shared replicas (admission/state).
+
+Several gateway processes (``--workers N``, or several hosts on one Redis) front the
+same replicas. Each holds a lease on a slice of every replica's effective KV pool and of
+its running limit, and the admission controller admits from the slice
+(`AdmissionController.set_pool_share`): the request path never waits on Redis.
+
+Renewal
+    Every ``renew_interval_s``, and within 50 ms when requests queue here (demand this
+    process's slice cannot meet), one round trip renews every lease: each asks for what
+    the process holds and has queued, and reports what it holds (its *truth*); the
+    backend's arithmetic (admission/state/lease.py) decides the slice. Learned running
+    limits are shared first: a limit this process changed is published, one another
+    process published later is adopted (`RunningLimit.adopt`), and a new process seeds
+    its limits from the shared ones; the running lease then splits the shared limit.
+
+Tenant budgets
+    A tenant's rpm, tpm and concurrency are leased the same way, as a fraction of the
+    tenant's totals (resource ``tenant:<name>``, in units of 1/10,000): a process asks
+    for its current fraction scaled by how much of it its rate limits have in use, plus
+    a quarter for growth (and at least a quarter of an equal split, so that an idle
+    process keeps room for its next request), so a busy process's fraction grows while
+    an idle one's decays,
+    and the limiter scales this process's limits to the granted fraction
+    (`TenantLimiter.set_share`). The fractions of all processes sum to at most 1.
+
+Redis unreachable (``on_unreachable``)
+    ``fail-open``: the process keeps admitting from its slices, each cut to at most 1/N of
+    the replica's pool and running limit (N: the processes alive at the last good
+    renewal, at least ``--workers``; a running slice keeps at least one request). While
+    every process is cut off, their slices sum to at most the pool, so nothing is
+    over-admitted; a process cut off alone while others still reach Redis can exceed the
+    pool by at most its 1/N while its old lease expires (the documented share).
+    ``fail-closed``: new requests get 503 with Retry-After until Redis answers again.
+    Either way ``kvgate_state_backend_up`` drops to 0, ``kvgate_state_backend_errors_total``
+    counts the failed round trips, and one warning is logged per outage (and one line
+    when it ends).
+
+Reconnect
+    The first good renewal re-registers every lease from the process's own holdings, one
+    record per (resource, process): a Redis that restarted empty is rebuilt without
+    double counting, and records of processes that died meanwhile expire by TTL. Until
+    every process seen before the outage has re-registered (or a TTL has passed: the
+    missing ones are dead, or cut off and within their own 1/N), a slice stays within
+    the fail-open 1/N: a process that reconnects first must not take what the others
+    still run on.
+
+Shutdown
+    The loop stops and the process returns its slices at once (best effort: if Redis is
+    unreachable they expire by TTL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import socket
+from collections.abc import Callable, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from admission.controller import AdmissionController, PoolDemand
+from admission.state import LeaseRequest, StateBackend, StateUnavailable
+from admission.tenants import TenantLimiter, TenantState
+from gateway.admitter import AdmissionBridge
+from gateway.config import StateConfig
+from gateway.errors import ApiError
+
+log = logging.getLogger("kvgate.state")
+
+_DEMAND_CHECK_S = 0.05  # how soon a renewal follows requests queueing behind a slice
+TENANT_UNITS = 10_000  # a tenant's budget in lease units (a fraction in 1/10,000)
+_TENANT_GROWTH = 0.25  # what a tenant lease asks beyond what is in use, of its fraction
+
+
+def tenant_usage(st: TenantState, now: float) -> float:
+    """How much of this process's fraction of a tenant's budget is in use, in [0, 1]:
+    the fuller of its rpm and tpm buckets (cells charged and not yet refilled)."""
+    used = 0.0
+    for g in (st.rpm, st.tpm):
+        if g is not None and g.limit > 0:
+            used = max(used, 1.0 - g.remaining(now) / g.limit)
+    return min(1.0, max(0.0, used))
+
+
+def _limited(st: TenantState) -> bool:
+    return st.rpm is not None or st.tpm is not None or st.total_concurrent is not None
+
+
+def make_backend(config: StateConfig) -> StateBackend | None:
+    """The configured backend, or None for ``memory`` (one process shares nothing, so
+    there is nothing to lease)."""
+    if config.backend != "redis":
+        return None
+    from admission.state.redis import RedisBackend
+
+    assert config.redis_url is not None  # the config validator requires it
+    return RedisBackend(
+        config.redis_url,
+        password=config.redis_password,
+        prefix=config.key_prefix,
+        timeout_s=config.timeout_s,
+    )
+
+
+def holder_id() -> str:
+    """This process's name in the shared state: host, PID and a random tag (a restarted
+    process with a recycled PID is a new holder)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
+
+
+class StateSync:
+    """Leases this process's slices of every replica and shares learned limits."""
+
+    def __init__(
+        self,
+        config: StateConfig,
+        backend: StateBackend,
+        controller: AdmissionController,
+        bridge: AdmissionBridge,
+        *,
+        holder: str | None = None,
+        workers_hint: int = 1,
+        tenants: TenantLimiter | None = None,
+        set_tenant_share: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.tenants = tenants
+        # Applies a tenant fraction (GatewayState.set_tenant_share: the limiter, then a
+        # pump of the queue); defaults to the limiter alone.
+        self._set_tenant_share = set_tenant_share
+        self.backend = backend
+        self.controller = controller
+        self.bridge = bridge
+        self.holder = holder or holder_id()
+        self.workers_hint = max(1, workers_hint)
+        self.up = False
+        self.errors = 0
+        self.renewals = 0
+        self.processes = 1
+        self._outage_logged = False
+        self._ever_up = False
+        self._limit_seen: dict[str, tuple[float, int]] = {}  # replica -> (value, version)
+        self._task: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        self._last = -math.inf
+        # After an outage: until when (and until how many processes re-registered) the
+        # slices stay within the fail-open 1/N (module docstring, Reconnect).
+        self._rebuild_until = -math.inf
+        self._rebuild_n = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """One renewal before the app serves (the slices exist from the first request),
+        then the background loop."""
+        await self.renew()
+        self._task = self._loop.create_task(self._run(), name="kvgate-state")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        try:
+            async with asyncio.timeout(self.config.timeout_s * 2):
+                await self.backend.release(self.holder)
+        except (StateUnavailable, TimeoutError):
+            log.info("state: leases left to expire by TTL (backend unreachable at shutdown)")
+        with contextlib.suppress(Exception):
+            await self.backend.close()
+
+    def gate(self) -> ApiError | None:
+        """The error new requests get while the backend is unreachable under
+        ``fail-closed`` (None: admit)."""
+        if self.up or self.config.on_unreachable != "fail-closed":
+            return None
+        return ApiError(
+            503,
+            "kvgate cannot reach its shared state (Redis) and is configured fail-closed; "
+            "retry the request.",
+            code="state_unavailable",
+            retry_after=max(1.0, self.config.renew_interval_s),
+            outcome="shed_state_unavailable",
+        )
+
+    async def _run(self) -> None:
+        interval = self.config.renew_interval_s
+        while True:
+            await asyncio.sleep(min(interval, _DEMAND_CHECK_S))
+            now = self._loop.time()
+            queued = self.controller.queue_depth() > 0
+            if now - self._last >= interval or (queued and now - self._last >= _DEMAND_CHECK_S):
+                try:
+                    await self.renew()
+                except Exception:  # a bug here must not stop the leases for good
+                    log.exception("state: renewal failed")
+
+    # ---------------------------------------------------------------- one round
+    def _demands(self) -> list[PoolDemand]:
+        out = []
+        for name in self.controller.replica_names():
+            d = self.controller.pool_demand(name)
+            if d is not None and d.effective > 0:
+                out.append(d)
+        return out
+
+    async def renew(self) -> None:
+        self._last = self._loop.time()
+        try:
+            await self._sync_limits()
+            demands = self._demands()
+            requests: list[LeaseRequest] = []
+            for d in demands:
+                requests.append(
+                    LeaseRequest(
+                        f"pool:{d.replica}", d.effective, d.reserved + d.queued_tokens, d.reserved
+                    )
+                )
+                if d.running_limit is not None:
+                    requests.append(
+                        LeaseRequest(
+                            f"run:{d.replica}", d.running_limit, d.running + d.queued, d.running
+                        )
+                    )
+            tenants = self._tenant_states()
+            now = self._loop.time()
+            floor = 1.0 / (4 * max(self.processes, self.workers_hint))
+            for st in tenants:
+                want = max(floor, st.share * (tenant_usage(st, now) + _TENANT_GROWTH))
+                requests.append(
+                    LeaseRequest(
+                        f"tenant:{st.name}",
+                        TENANT_UNITS,
+                        min(TENANT_UNITS, math.ceil(want * TENANT_UNITS)),
+                        0,
+                    )
+                )
+            result = await self.backend.renew(self.holder, requests, self.config.lease_ttl_s)
+        except StateUnavailable as e:
+            self._unreachable(e)
+            return
+        leases = {lease.resource: lease for lease in result.leases}
+        now = self._loop.time()
+        if not self.up and self._outage_logged:  # back from an outage: rebuild
+            self._rebuild_until = now + self.config.lease_ttl_s
+            self._rebuild_n = max(self.processes, self.workers_hint)
+        rebuilding = now < self._rebuild_until and result.processes < self._rebuild_n
+        n = max(self._rebuild_n, 1)
+        for d in demands:
+            pool = leases.get(f"pool:{d.replica}")
+            run = leases.get(f"run:{d.replica}")
+            tokens = pool.granted if pool is not None else None
+            running = run.granted if run is not None else None
+            if rebuilding:
+                tokens = None if tokens is None else min(tokens, d.effective // n)
+                if running is not None and d.running_limit is not None:
+                    running = min(running, max(1, d.running_limit // n))
+            self.bridge.resolve(
+                self.controller.set_pool_share(
+                    d.replica,
+                    tokens,
+                    now,
+                    running=running,
+                    others_running=run.others_used if run is not None else 0,
+                )
+            )
+        for st in tenants:
+            lease = leases.get(f"tenant:{st.name}")
+            if lease is not None:
+                units = lease.granted
+                if rebuilding:
+                    units = min(units, TENANT_UNITS // n)
+                self._tenant_share(st, units / TENANT_UNITS)
+        self.processes = result.processes
+        self.renewals += 1
+        if not self.up:
+            self.up = True
+            if self._outage_logged:
+                log.warning(
+                    "state: backend %s reachable again; leases re-registered from local "
+                    "holdings (%d processes)",
+                    self.backend.name,
+                    self.processes,
+                    extra={"fields": {"processes": self.processes}},
+                )
+            self._outage_logged = False
+            self._ever_up = True
+
+    def _tenant_states(self) -> list[TenantState]:
+        if self.tenants is None:
+            return []
+        return [st for st in self.tenants.tenants.values() if _limited(st)]
+
+    def _tenant_share(self, st: TenantState, fraction: float) -> None:
+        fraction = min(1.0, max(0.0, fraction))
+        if fraction == st.share:
+            return
+        if self._set_tenant_share is not None:
+            self._set_tenant_share(st.name, fraction)
+        elif self.tenants is not None:
+            self.tenants.set_share(st.name, fraction, self._loop.time())
+
+    async def _sync_limits(self) -> None:
+        """Publish the learned limits this process changed; adopt newer ones."""
+        shared = await self.backend.limits()
+        now = self._loop.time()
+        for name in self.controller.replica_names():
+            lim = self.controller.limit_of(name)
+            if lim is None:
+                continue
+            seen = self._limit_seen.get(name)
+            remote = shared.get(name)
+            if seen is None and remote is not None:  # a new process starts from the shared
+                lim.adopt(remote.value, now, remote.reason)
+                self._limit_seen[name] = (lim.value, remote.version)
+            elif seen is None or lim.value != seen[0]:
+                version = await self.backend.publish_limit(name, lim.value, lim.reason)
+                self._limit_seen[name] = (lim.value, version)
+            elif remote is not None and remote.version > seen[1]:
+                lim.adopt(remote.value, now, remote.reason)
+                self._limit_seen[name] = (lim.value, remote.version)
+
+    def _unreachable(self, err: Exception) -> None:
+        self.errors += 1
+        self.up = False
+        n = max(self.processes, self.workers_hint, 1)
+        policy = self.config.on_unreachable
+        if not self._outage_logged:
+            self._outage_logged = True
+            log.warning(
+                "state: backend %s unreachable (%s); %s",
+                self.backend.name,
+                err,
+                f"fail-open: each replica's slice cut to at most 1/{n}"
+                if policy == "fail-open"
+                else "fail-closed: new requests get 503",
+                extra={"fields": {"policy": policy, "processes": n}},
+            )
+        if policy != "fail-open":
+            return
+        now = self._loop.time()
+        for d in self._demands():
+            pool = d.effective // n
+            if d.share_tokens is not None and self._ever_up:
+                pool = min(pool, d.share_tokens)
+            running = None
+            if d.running_limit is not None:
+                running = max(1, d.running_limit // n)
+                if d.share_running is not None and self._ever_up:
+                    running = min(running, max(1, d.share_running))
+            self.bridge.resolve(
+                self.controller.set_pool_share(d.replica, pool, now, running=running)
+            )
+        for st in self._tenant_states():
+            fraction = 1.0 / n
+            if self._ever_up:
+                fraction = min(fraction, st.share)
+            self._tenant_share(st, fraction)
+
+    # ---------------------------------------------------------------- observation
+    def snapshot(self) -> dict[str, object]:
+        replicas = {}
+        for name in self.controller.replica_names():
+            d = self.controller.pool_demand(name)
+            if d is None:
+                continue
+            replicas[name] = {
+                "effective_tokens": d.effective,
+                "share_tokens": d.share_tokens,
+                "reserved_tokens": d.reserved,
+                "running_limit": d.running_limit,
+                "share_running": d.share_running,
+                "running": d.running,
+            }
+        tenants = {st.name: {"share": st.share} for st in self._tenant_states()}
+        return {
+            "tenants": tenants,
+            "backend": self.backend.name,
+            "holder": self.holder,
+            "up": self.up,
+            "on_unreachable": self.config.on_unreachable,
+            "processes": self.processes,
+            "errors": self.errors,
+            "renewals": self.renewals,
+            "replicas": replicas,
+        }
+
+
+class StateCollector(Collector):
+    """The shared-state metrics, read at scrape time."""
+
+    def __init__(
+        self, backend_name: str, sync: StateSync | None, controller: AdmissionController
+    ) -> None:
+        self._name = backend_name
+        self._sync = sync
+        self._controller = controller
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._sync
+        up = GaugeMetricFamily(
+            "kvgate_state_backend_up",
+            "1 while the shared-state backend answers (memory: always)",
+            labels=["backend"],
+        )
+        up.add_metric([self._name], 1 if s is None or s.up else 0)
+        errors = CounterMetricFamily(
+            "kvgate_state_backend_errors",
+            "Round trips to the shared-state backend that failed",
+            labels=["backend"],
+        )
+        errors.add_metric([self._name], s.errors if s is not None else 0)
+        procs = GaugeMetricFamily(
+            "kvgate_state_processes", "Gateway processes sharing the state, as last seen"
+        )
+        procs.add_metric([], s.processes if s is not None else 1)
+        share = GaugeMetricFamily(
+            "kvgate_replica_pool_share_tokens",
+            "The slice of the replica's effective KV pool this process leased",
+            labels=["replica"],
+        )
+        for name in self._controller.replica_names():  # memory: the whole pool
+            d = self._controller.pool_demand(name)
+            if d is not None:
+                value = d.share_tokens if d.share_tokens is not None else d.effective
+                share.add_metric([name], value)
+        return [up, errors, procs, share]

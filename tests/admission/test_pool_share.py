@@ -1,0 +1,85 @@
+"""`set_pool_share`: a replica's pool and running limit capped at this process's lease
+(shared state), without changing what can ever fit there."""
+
+from __future__ import annotations
+
+from admission.config import AdmissionConfig
+from admission.controller import AdmissionController
+from admission.limit import LimitSettings, RunningLimit
+from admission.types import Admit, Queued
+from tests.admission.helpers import controller, replica, request
+
+
+def test_a_share_caps_admission_and_growing_it_admits_the_queue() -> None:
+    c = controller()
+    c.upsert_replica(replica("r1", 1000), 0.0)
+    assert c.set_pool_share("r1", 300, 0.0) == []
+    assert isinstance(c.submit(request("a", 100, 100), 0.0), Admit)
+    # 200 of the 300-token slice are held: the next 200 do not fit the slice...
+    assert isinstance(c.submit(request("b", 100, 100), 0.0), Queued)
+    d = c.pool_demand("r1")
+    assert d is not None
+    assert (d.effective, d.reserved, d.queued_tokens, d.share_tokens) == (1000, 200, 200, 300)
+    # ...until the lease grows.
+    admitted = c.set_pool_share("r1", 400, 1.0)
+    assert [a.request_id for a in admitted] == ["b"]
+    c.release("a", 2.0)
+    c.release("b", 2.0)
+    assert c.reserved_tokens() == 0
+
+
+def test_a_request_larger_than_the_share_waits_and_is_never_refused() -> None:
+    c = controller()
+    c.upsert_replica(replica("r1", 1000), 0.0)
+    c.set_pool_share("r1", 100, 0.0)
+    v = c.submit(request("big", 400, 400), 0.0)
+    assert isinstance(v, Queued)  # fits the pool, not the slice: it waits for the lease
+    admitted = c.set_pool_share("r1", None, 1.0)  # no cap: the whole pool
+    assert [a.request_id for a in admitted] == ["big"]
+    c.release("big", 2.0)
+
+
+def test_a_shrunk_share_keeps_reservations_and_admits_nothing_more() -> None:
+    c = controller()
+    c.upsert_replica(replica("r1", 1000), 0.0)
+    assert isinstance(c.submit(request("a", 200, 200), 0.0), Admit)
+    c.set_pool_share("r1", 100, 1.0)
+    assert c.reserved_tokens("r1") == 400
+    assert isinstance(c.submit(request("b", 1, 1), 1.0), Queued)
+    c.release("a", 2.0)
+    assert c.reservation("b") is not None  # admitted once a freed its slice
+    c.release("b", 3.0)
+
+
+def test_a_running_share_caps_the_running_count() -> None:
+    c = controller()
+    c.upsert_replica(replica("r1", 10_000, max_running=8), 0.0)
+    c.set_pool_share("r1", None, 0.0, running=2)
+    assert isinstance(c.submit(request("a", 10, 10), 0.0), Admit)
+    assert isinstance(c.submit(request("b", 10, 10), 0.0), Admit)
+    assert isinstance(c.submit(request("c", 10, 10), 0.0), Queued)
+    d = c.pool_demand("r1")
+    assert d is not None and (d.running_limit, d.share_running, d.queued) == (8, 2, 1)
+    assert [a.request_id for a in c.set_pool_share("r1", None, 1.0, running=3)] == ["c"]
+    for rid in "abc":
+        c.release(rid, 2.0)
+
+
+def test_the_learned_limit_judges_every_process_load() -> None:
+    c = AdmissionController(AdmissionConfig(learn_limit=True, initial_limit=4), seed=1)
+    c.upsert_replica(replica("r1", 100_000), 0.0)
+    c.set_pool_share("r1", None, 0.0, others_running=5)
+    lim = c.limit_of("r1")
+    assert lim is not None and lim.others == 5
+    assert isinstance(c.submit(request("a", 10, 10), 0.0), Admit)
+    assert lim._running == 1  # this process's own count; the area integrates both
+    c.release("a", 1.0)
+    assert lim._area == 6.0  # (1 here + 5 elsewhere) x 1 s
+
+
+def test_adopt_takes_a_shared_value_and_restarts_the_window() -> None:
+    lim = RunningLimit(LimitSettings(initial=2.0), 0.0)
+    lim.adopt(7.5, 10.0, "knee")
+    assert (lim.value, lim.reason, lim.allowed(None), lim.allowed(5)) == (7.5, "knee", 7, 5)
+    lim.adopt(0.5, 11.0)  # below one request: not a limit
+    assert lim.value == 7.5

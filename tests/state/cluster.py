@@ -1,0 +1,136 @@
+"""Helpers for the multi-process tests: real ``kvgate serve`` processes sharing one
+Redis, a load client, and readers of Redis and ``/admin/state``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from admission.state.redis import RedisBackend
+from tests.state.conftest import ROOT, free_port
+
+MODEL = "tiny-llm"
+ADMIN = "admin-secret"
+BODY = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "count to sixty four"}],
+    "max_tokens": 64,
+    "ignore_eos": True,
+}
+
+
+@dataclass
+class Node:
+    proc: asyncio.subprocess.Process
+    url: str
+    log: Path
+
+
+def config(
+    redis_url: str, prefix: str, replicas: list[dict[str, Any]], **state: Any
+) -> dict[str, Any]:
+    return {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "replicas": replicas,
+        "admission": {"queue_timeout_s": 20.0, "learn_limit": False},
+        "discovery": {"refresh_interval_s": 0.2, "probe_timeout_s": 0.5},
+        "auth": {"admin_token": ADMIN},
+        "logging": {"access_log": False},
+        "shutdown": {"drain_grace_s": 5.0},
+        "state": {
+            "backend": "redis",
+            "redis_url": redis_url,
+            "key_prefix": prefix,
+            "lease_ttl_s": 1.5,
+            "renew_interval_s": 0.25,
+            "timeout_s": 0.3,
+            **state,
+        },
+    }
+
+
+async def start(tmp_path: Path, cfg: dict[str, Any], name: str, *extra: str) -> Node:
+    port = free_port()
+    cfg = {**cfg, "listen": {"host": "127.0.0.1", "port": port}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = tmp_path / f"{name}.log"
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway.cli", "serve", "-c", str(path), *extra,
+            cwd=ROOT, stdout=out, stderr=out,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as s:
+        for _ in range(400):
+            with contextlib.suppress(aiohttp.ClientError):
+                async with s.get(url + "/ready") as r:
+                    if r.status == 200:
+                        return Node(proc, url, log)
+            if proc.returncode is not None:
+                break
+            await asyncio.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await proc.wait()
+    pytest.fail(f"kvgate serve {name} did not become ready: " + log.read_text())
+
+
+async def stop(node: Node) -> int | None:
+    if node.proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            node.proc.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(15):
+                return await node.proc.wait()
+        except TimeoutError:
+            node.proc.kill()
+            await node.proc.wait()
+            return None
+    return node.proc.returncode
+
+
+async def admin_state(s: aiohttp.ClientSession, node: Node) -> dict[str, Any]:
+    async with s.get(node.url + "/admin/state", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+        assert r.status == 200
+        return await r.json()
+
+
+@dataclass
+class Load:
+    """Closed-loop clients spread over the nodes; counts every answer by status."""
+
+    statuses: dict[int, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)  # connection errors, by node
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def client(self, s: aiohttp.ClientSession, node: Node, limit: int) -> None:
+        for _ in range(limit):
+            if self.stop.is_set():
+                return
+            try:
+                async with s.post(node.url + "/v1/chat/completions", json=BODY) as r:
+                    await r.read()
+                    self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
+                    if r.status == 503:  # shed: back off as told
+                        await asyncio.sleep(min(1.0, float(r.headers.get("Retry-After", 1))))
+            except (TimeoutError, aiohttp.ClientError):
+                self.errors[node.url] = self.errors.get(node.url, 0) + 1
+                return  # its node is gone
+
+
+async def lease_records(redis_url: str, prefix: str, resource: str) -> dict[str, Any]:
+    b = RedisBackend(redis_url, prefix=prefix)
+    try:
+        return await b.holders(resource)
+    finally:
+        await b.close()

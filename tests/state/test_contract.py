@@ -1,0 +1,220 @@
+"""One contract, two backends: the lease arithmetic, TTL expiry, release, heartbeats and
+shared limits behave the same on `MemoryBackend` and on a real Redis (`RedisBackend`).
+
+Expiry is driven by each backend's clock: the memory backend's is advanced by hand, the
+Redis server's is real, so the Redis runs use a short TTL and wait for the condition."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from admission.state import LeaseRequest, MemoryBackend, StateBackend, StateUnavailable
+from admission.state.lease import grant
+from admission.state.redis import RedisBackend
+
+
+@dataclass
+class Rig:
+    backend: StateBackend
+    advance: Callable[[float], Awaitable[None]]  # let at least this much backend time pass
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def rig(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Rig]:
+    if request.param == "memory":
+        clock = [1000.0]
+
+        async def advance_mem(s: float) -> None:
+            clock[0] += s
+
+        yield Rig(MemoryBackend(clock=lambda: clock[0]), advance_mem)
+        return
+    url = request.getfixturevalue("redis_url")
+    backend = RedisBackend(url, prefix=prefix)
+
+    async def advance_real(s: float) -> None:
+        await asyncio.sleep(s)
+
+    try:
+        yield Rig(backend, advance_real)
+    finally:
+        await backend.close()
+
+
+TTL = 0.3
+
+
+def req(total: int, want: int, used: int = 0, resource: str = "pool:r0") -> list[LeaseRequest]:
+    return [LeaseRequest(resource, total, want, used)]
+
+
+async def test_a_lone_holder_gets_the_whole(rig: Rig) -> None:
+    b = rig.backend
+    r = await b.renew("a", req(1000, 300), 10)
+    assert r.processes == 1
+    assert (r.leases[0].granted, r.leases[0].holders) == (1000, 1)
+    r = await b.renew("a", req(1000, 5000), 10)
+    assert r.leases[0].granted == 1000
+
+
+async def test_what_nobody_wants_is_split_equally(rig: Rig) -> None:
+    b = rig.backend
+    await b.renew("a", req(1000, 100), 10)  # alone: the whole
+    assert (await b.renew("b", req(1000, 100), 10)).leases[0].granted == 0  # a holds it all
+    assert (await b.renew("a", req(1000, 100), 10)).leases[0].granted == 500
+    assert (await b.renew("b", req(1000, 100), 10)).leases[0].granted == 500
+
+
+async def test_the_sum_of_grants_never_exceeds_the_total(rig: Rig) -> None:
+    b = rig.backend
+    total = 1000
+    wants = {"a": 900, "b": 700, "c": 50}
+    for _ in range(4):  # a few rounds of renewals in turn converge
+        for h, w in wants.items():
+            await b.renew(h, req(total, w), 10)
+            held = await b.holders("pool:r0")
+            assert sum(max(x.granted, x.used) for x in held.values()) <= total
+    held = await b.holders("pool:r0")
+    grants = {h: x.granted for h, x in held.items()}
+    # c wants less than an equal split and gets it; a and b split the rest equally.
+    assert grants == {"a": 475, "b": 475, "c": 50}
+
+
+async def test_one_busy_holder_uses_most_of_the_pool_while_others_idle(rig: Rig) -> None:
+    b = rig.backend
+    for _ in range(2):  # the first idle one held the whole until the others came
+        await b.renew("idle1", req(1200, 50), 10)
+        await b.renew("idle2", req(1200, 50), 10)
+        r = await b.renew("busy", req(1200, 5000), 10)
+    assert r.leases[0].granted == 1100
+    assert r.leases[0].holders == 3
+
+
+async def test_a_holder_over_its_share_shrinks_and_the_others_grow(rig: Rig) -> None:
+    b = rig.backend
+    assert (await b.renew("a", req(1000, 1000), 10)).leases[0].granted == 1000
+    # b arrives wanting everything: a holds it all, so b gets nothing yet...
+    assert (await b.renew("b", req(1000, 1000), 10)).leases[0].granted == 0
+    # ...a renews, still using 200, and shrinks to its fair share...
+    assert (await b.renew("a", req(1000, 1000, used=200), 10)).leases[0].granted == 500
+    # ...and b grows into what a freed.
+    assert (await b.renew("b", req(1000, 1000), 10)).leases[0].granted == 500
+
+
+async def test_use_above_a_shrunk_grant_still_counts(rig: Rig) -> None:
+    b = rig.backend
+    await b.renew("a", req(1000, 1000), 10)
+    await b.renew("b", req(1000, 1000), 10)
+    # a still runs 800 tokens of requests admitted under its old grant.
+    r = await b.renew("a", req(1000, 1000, used=800), 10)
+    assert r.leases[0].granted == 500
+    r = await b.renew("b", req(1000, 1000), 10)
+    assert r.leases[0].granted == 200  # what a's running requests leave
+    assert r.leases[0].others_used == 800
+
+
+async def test_a_dead_holders_slice_returns_within_the_ttl(rig: Rig) -> None:
+    b = rig.backend
+    await b.renew("dead", req(1000, 1000), TTL)
+    assert (await b.renew("live", req(1000, 1000), 10)).leases[0].granted == 0
+    held = await b.holders("pool:r0")
+    assert 0 < held["dead"].expires_in_s <= TTL
+    await rig.advance(TTL + 0.05)
+    r = await b.renew("live", req(1000, 1000), 10)
+    assert r.leases[0].granted == 1000
+    assert r.processes == 1
+    assert set(await b.holders("pool:r0")) == {"live"}
+
+
+async def test_release_returns_slices_at_once(rig: Rig) -> None:
+    b = rig.backend
+    await b.renew("a", req(1000, 600) + req(10, 4, resource="run:r0"), 10)
+    await b.release("a", ["pool:r0"])
+    assert set(await b.holders("pool:r0")) == set()
+    assert set(await b.holders("run:r0")) == {"a"}
+    await b.release("a")
+    assert await b.holders("run:r0") == {}
+    assert (await b.renew("b", req(1000, 1000), 10)).processes == 1
+
+
+async def test_re_registering_is_idempotent(rig: Rig) -> None:
+    """A backend rebuilt from each process's own truth counts every slice once."""
+    b = rig.backend
+    for _ in range(3):
+        await b.renew("a", req(1000, 400, used=300), 10)
+    held = await b.holders("pool:r0")
+    assert list(held) == ["a"]
+    assert (held["a"].granted, held["a"].want, held["a"].used) == (1000, 400, 300)
+
+
+async def test_resources_are_independent(rig: Rig) -> None:
+    b = rig.backend
+    r = await b.renew(
+        "a", req(1000, 2000) + req(8, 3, resource="run:r0") + req(500, 9, resource="pool:r1"), 10
+    )
+    assert [x.granted for x in r.leases] == [1000, 8, 500]
+
+
+async def test_a_shrinking_total_grants_nothing_more(rig: Rig) -> None:
+    b = rig.backend
+    await b.renew("a", req(1000, 600, used=600), 10)
+    r = await b.renew("b", req(400, 400), 10)  # b sees a smaller pool than a used
+    assert r.leases[0].granted == 0
+
+
+async def test_shared_limits_carry_the_latest_version(rig: Rig) -> None:
+    b = rig.backend
+    v1 = await b.publish_limit("r0", 6.5, "probe")
+    v2 = await b.publish_limit("r0", 4.0, "latency")
+    v3 = await b.publish_limit("r1", 9.0, "knee")
+    assert v1 < v2 < v3
+    limits = await b.limits()
+    assert (limits["r0"].value, limits["r0"].version, limits["r0"].reason) == (4.0, v2, "latency")
+    assert limits["r1"].value == 9.0
+
+
+@pytest.mark.parametrize(
+    "total,want,others",
+    [
+        (1000, 300, []),
+        (1000, 100, [("o0", 300, 200, 100), ("o1", 100, 50, 50)]),
+        (1000, 900, [("o0", 500, 900, 100)]),
+        (1000, 100, [("o0", 0, 900, 0), ("o1", 0, 900, 0)]),
+        (90, 90, [("o0", 30, 30, 30), ("o1", 10, 60, 40)]),
+        (7, 7, [("o0", 2, 7, 2), ("o1", 2, 7, 2), ("o2", 1, 1, 1)]),
+        (10, 7, [("o0", 0, 7, 0), ("o1", 0, 7, 0)]),
+        (0, 10, [("o0", 0, 5, 0)]),
+    ],
+)
+async def test_lua_and_python_arithmetic_agree(
+    total: int, want: int, others: list[tuple[str, int, int, int]], redis_url: str, prefix: str
+) -> None:
+    b = RedisBackend(redis_url, prefix=prefix)
+    try:
+        for i, (_name, g, w, u) in enumerate(others):
+            # Write each other holder's record as it stands (granted, want, used).
+            key = f"{{{prefix}}}:lease:pool:r0"
+            await b._r.hset(key, f"o{i}", f"{g} {w} {u} 99999999999999")
+        r = await b.renew("me", req(total, want), 10)
+        assert (r.leases[0].granted, r.leases[0].holders, r.leases[0].others_used) == grant(
+            total, want, others, "me"
+        )
+    finally:
+        await b.close()
+
+
+async def test_an_unreachable_redis_raises_state_unavailable(prefix: str) -> None:
+    from tests.state.conftest import free_port
+
+    b = RedisBackend(f"redis://127.0.0.1:{free_port()}/0", prefix=prefix, timeout_s=0.5)
+    try:
+        with pytest.raises(StateUnavailable):
+            await b.renew("a", req(10, 1), 1)
+        with pytest.raises(StateUnavailable):
+            await b.limits()
+    finally:
+        await b.close()

@@ -1,0 +1,443 @@
+"""Several real ``kvgate serve`` processes sharing one Redis, in front of an enginesim
+replica, under concurrent load.
+
+- The replica's pool and running cap hold across the three: every atomic snapshot of the
+  lease records in Redis sums to at most the effective pool and the cap, and the engine
+  never runs more requests than the cap at any sampled instant.
+- SIGKILL of one process mid-load: its leases expire within the TTL and the survivors
+  take the replica over; every request to a survivor succeeds; nothing stays reserved.
+- Redis stopped mid-load and restarted (fail-open): no 500, each process within 1/N of
+  the replica while Redis is away, the leases rebuilt once per process afterwards, and
+  nothing leaked. Fail-closed answers 503 with Retry-After meanwhile.
+- ``--workers N``: N processes on one port, a supervisor that forwards SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from admission.state.redis import RedisBackend
+from tests.gateway.conftest import wait_for
+from tests.state.cluster import (
+    ADMIN,
+    BODY,
+    Load,
+    Node,
+    admin_state,
+    config,
+    start,
+    stop,
+)
+from tests.state.conftest import RedisServer, free_port
+
+CAP = 4  # the replica's running cap, split across the processes
+POOL = 480  # its pinned pool: effective floor(480 * 0.95) = 456 tokens
+EFFECTIVE = 456
+TTL = 1.5
+
+
+@pytest.fixture
+async def replica(enginesim_server: Callable[..., Awaitable[Any]]) -> Any:
+    return await enginesim_server("tiny", speed=20.0)
+
+
+def replicas(srv: Any) -> list[dict[str, Any]]:
+    return [{"name": "r0", "url": srv.url, "pool_tokens": POOL, "max_running": CAP}]
+
+
+@pytest.fixture
+async def nodes() -> AsyncIterator[list[Node]]:
+    made: list[Node] = []
+    yield made
+    for n in made:
+        await stop(n)
+
+
+class Watch:
+    """Samples the engine and the lease records until stopped; records the worst seen."""
+
+    def __init__(self, srv: Any, backend: RedisBackend | None) -> None:
+        self.srv = srv
+        self.backend = backend
+        self.max_engine_running = 0
+        self.max_pool_held = 0
+        self.max_run_held = 0
+        self.samples = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        from admission.state import StateUnavailable
+
+        while True:
+            self.max_engine_running = max(
+                self.max_engine_running, self.srv.core.stats().num_running
+            )
+            if self.backend is not None:
+                with contextlib.suppress(StateUnavailable):
+                    pool = await self.backend.holders("pool:r0")
+                    run = await self.backend.holders("run:r0")
+                    self.max_pool_held = max(
+                        self.max_pool_held, sum(max(h.granted, h.used) for h in pool.values())
+                    )
+                    self.max_run_held = max(
+                        self.max_run_held, sum(max(h.granted, h.used) for h in run.values())
+                    )
+            self.samples += 1
+            await asyncio.sleep(0.005)
+
+    def __enter__(self) -> Watch:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+async def settled(s: aiohttp.ClientSession, nodes: list[Node], srv: Any) -> None:
+    """Every live process holds nothing and the engine runs nothing."""
+
+    async def idle() -> bool:
+        for n in nodes:
+            st = await admin_state(s, n)
+            if st["replicas"]["r0"]["reserved_tokens"] or st["replicas"]["r0"]["running"]:
+                return False
+        return srv.core.stats().blocks_in_use == 0 and srv.core.stats().num_running == 0
+
+    for _ in range(500):
+        if await idle():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("capacity still held after the load ended")
+
+
+async def test_three_processes_share_one_replica_within_its_pool_and_cap(
+    tmp_path: Path, redis_url: str, prefix: str, replica: Any, nodes: list[Node]
+) -> None:
+    cfg = config(redis_url, prefix, replicas(replica))
+    for i in range(3):
+        nodes.append(await start(tmp_path, cfg, f"gw{i}"))
+    backend = RedisBackend(redis_url, prefix=prefix)
+    load = Load()
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(100):  # every process has seen the other two
+                states = [await admin_state(s, n) for n in nodes]
+                if all(st["processes"] == 3 for st in states):
+                    break
+                await asyncio.sleep(0.05)
+            assert all(st["processes"] == 3 for st in states)
+            with Watch(replica, backend) as w:
+                clients = [load.client(s, nodes[i % 3], 12) for i in range(12)]
+                await asyncio.gather(*clients)
+            assert load.statuses == {200: 144} and not load.errors
+            assert w.samples > 10
+            assert w.max_engine_running <= CAP
+            assert w.max_engine_running >= 2  # the load did press on the replica
+            assert 0 < w.max_pool_held <= EFFECTIVE
+            assert 0 < w.max_run_held <= CAP
+            await settled(s, nodes, replica)
+            # Once idle, what nobody wants is split equally; each holder reports nothing used.
+            for _ in range(100):
+                pool = await backend.holders("pool:r0")
+                if len(pool) == 3 and all(h.used == 0 for h in pool.values()):
+                    break
+                await asyncio.sleep(0.05)
+            assert len(pool) == 3 and all(h.used == 0 for h in pool.values())
+            assert sum(h.granted for h in pool.values()) <= EFFECTIVE
+    finally:
+        await backend.close()
+
+
+async def test_sigkill_returns_a_dead_process_capacity_within_the_ttl(
+    tmp_path: Path, redis_url: str, prefix: str, replica: Any, nodes: list[Node]
+) -> None:
+    cfg = config(redis_url, prefix, replicas(replica))
+    for i in range(3):
+        nodes.append(await start(tmp_path, cfg, f"gw{i}"))
+    backend = RedisBackend(redis_url, prefix=prefix)
+    load = Load()
+    try:
+        async with aiohttp.ClientSession() as s:
+            victim = nodes[2]
+            dead = (await admin_state(s, victim))["holder"]
+            with Watch(replica, backend) as w:
+                clients = [asyncio.create_task(load.client(s, nodes[i % 3], 12)) for i in range(12)]
+                assert await wait_for(lambda: load.statuses.get(200, 0) >= 30, within=30)
+                record = (await backend.holders("pool:r0"))[dead]
+                assert record.expires_in_s <= TTL  # renewed, never held longer than the TTL
+                victim.proc.send_signal(signal.SIGKILL)
+                await victim.proc.wait()
+                await asyncio.gather(*clients)
+            assert w.max_engine_running <= CAP and w.max_pool_held <= EFFECTIVE
+            # Only the dead process's clients lost their connection; the rest succeeded.
+            assert set(load.errors) <= {victim.url}
+            assert set(load.statuses) == {200}
+            survivors = nodes[:2]
+            # The dead lease expires (it is gone from the records) and the survivors hold
+            # the whole replica between them.
+            for _ in range(200):
+                pool = await backend.holders("pool:r0")
+                if dead not in pool:
+                    break
+                await asyncio.sleep(0.05)
+            assert dead not in pool
+            assert len(pool) == 2
+            await settled(s, survivors, replica)
+            for _ in range(100):
+                pool = await backend.holders("pool:r0")
+                if sum(h.granted for h in pool.values()) >= EFFECTIVE - 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert EFFECTIVE - 1 <= sum(h.granted for h in pool.values()) <= EFFECTIVE
+            # One more request through each survivor still works.
+            for n in survivors:
+                async with s.post(n.url + "/v1/chat/completions", json=BODY) as r:
+                    assert r.status == 200
+    finally:
+        await backend.close()
+
+
+async def test_redis_stopped_and_restarted_mid_load_fail_open(
+    tmp_path: Path, prefix: str, replica: Any, nodes: list[Node], own_redis: RedisServer
+) -> None:
+    cfg = config(own_redis.url, prefix, replicas(replica), on_unreachable="fail-open")
+    for i in range(3):
+        nodes.append(await start(tmp_path, cfg, f"gw{i}"))
+    load = Load()
+    async with aiohttp.ClientSession() as s:
+        with Watch(replica, None) as w:
+            clients = [asyncio.create_task(load.client(s, nodes[i % 3], 20)) for i in range(12)]
+            assert await wait_for(lambda: load.statuses.get(200, 0) >= 20, within=30)
+            own_redis.stop()
+            for _ in range(200):
+                states = [await admin_state(s, n) for n in nodes]
+                if not any(st["up"] for st in states):
+                    break
+                await asyncio.sleep(0.05)
+            assert not any(st["up"] for st in states)
+            # Within the documented share: at most 1/N of the pool and of the cap each.
+            for st in states:
+                r0 = st["replicas"]["r0"]
+                assert r0["share_tokens"] is not None and r0["share_tokens"] <= EFFECTIVE // 3
+                assert r0["share_running"] is not None and r0["share_running"] <= max(1, CAP // 3)
+            during = load.statuses.get(200, 0)
+            assert await wait_for(lambda: load.statuses.get(200, 0) >= during + 15, within=30)
+            own_redis.start()  # empty: the leases must be rebuilt
+            await asyncio.gather(*clients)
+        assert w.max_engine_running <= CAP
+        assert not load.errors
+        assert all(code in (200, 503) for code in load.statuses), load.statuses
+        assert load.statuses.get(200, 0) >= 200
+        await settled(s, nodes, replica)
+        backend = RedisBackend(own_redis.url, prefix=prefix)
+        try:
+            for _ in range(100):
+                states = [await admin_state(s, n) for n in nodes]
+                pool = await backend.holders("pool:r0")
+                if (
+                    all(st["up"] for st in states)
+                    and len(pool) == 3
+                    and all(h.used == 0 for h in pool.values())
+                ):
+                    break
+                await asyncio.sleep(0.05)
+            assert all(st["up"] for st in states)
+            # One record per process (no double counting), nothing left in use.
+            assert sorted(pool) == sorted(st["holder"] for st in states)
+            assert all(h.used == 0 for h in pool.values())
+            assert sum(h.granted for h in pool.values()) <= EFFECTIVE
+        finally:
+            await backend.close()
+        # Each process logged the outage and the return once.
+        for n in nodes:
+            text = n.log.read_text()
+            assert text.count("unreachable") == 1 and "reachable again" in text
+        async with s.get(nodes[0].url + "/metrics") as r:
+            metrics = await r.text()
+        assert 'kvgate_state_backend_up{backend="redis"} 1.0' in metrics
+        errors = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("kvgate_state_backend_errors_total")
+        ]
+        assert errors and float(errors[0].split()[-1]) >= 1
+
+
+async def test_fail_closed_answers_503_while_redis_is_away(
+    tmp_path: Path, prefix: str, replica: Any, nodes: list[Node], own_redis: RedisServer
+) -> None:
+    cfg = config(own_redis.url, prefix, replicas(replica), on_unreachable="fail-closed")
+    nodes.append(await start(tmp_path, cfg, "gw0"))
+    node = nodes[0]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(node.url + "/v1/chat/completions", json=BODY) as r:
+            assert r.status == 200
+        own_redis.stop()
+        for _ in range(200):
+            if not (await admin_state(s, node))["up"]:
+                break
+            await asyncio.sleep(0.05)
+        async with s.post(node.url + "/v1/chat/completions", json=BODY) as r:
+            assert r.status == 503
+            assert r.headers["Retry-After"] and r.headers["retry-after-ms"]
+            body = await r.json()
+            assert body["error"]["code"] == "state_unavailable"
+            assert set(body["error"]) == {"message", "type", "param", "code"}
+        async with s.get(node.url + "/metrics") as r:
+            assert 'kvgate_state_backend_up{backend="redis"} 0.0' in await r.text()
+        own_redis.start()
+        for _ in range(200):
+            if (await admin_state(s, node))["up"]:
+                break
+            await asyncio.sleep(0.05)
+        async with s.post(node.url + "/v1/chat/completions", json=BODY) as r:
+            assert r.status == 200
+        assert "fail-closed: new requests get 503" in node.log.read_text()
+
+
+async def test_workers_run_on_one_port_and_stop_with_the_supervisor(
+    tmp_path: Path, redis_url: str, prefix: str, replica: Any
+) -> None:
+    import yaml
+
+    port = free_port()
+    cfg = config(redis_url, prefix, replicas(replica))
+    cfg["listen"] = {"host": "127.0.0.1", "port": port}
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = tmp_path / "workers.log"
+    import sys
+
+    from tests.state.conftest import ROOT
+
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway.cli", "serve", "-c", str(path), "--workers", "2",
+            cwd=ROOT, stdout=out, stderr=out,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        # A new connection per request: the kernel spreads connections over the workers.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            holders: set[str] = set()
+            for _ in range(600):  # both workers answer on the one port
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with s.get(
+                        url + "/admin/state",
+                        headers={"Authorization": f"Bearer {ADMIN}"},
+                    ) as r:
+                        if r.status == 200:
+                            st = await r.json()
+                            holders.add(st["holder"])
+                            if len(holders) == 2 and st["processes"] == 2:
+                                break
+                await asyncio.sleep(0.02)
+            assert len(holders) == 2
+            for _ in range(10):
+                async with s.post(url + "/v1/chat/completions", json=BODY) as r:
+                    assert r.status == 200
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            code = await proc.wait()
+        assert code == 0
+        with contextlib.suppress(ConnectionRefusedError, OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            raise AssertionError("a worker still listens after the supervisor exited")
+        # Both workers returned their leases on the way out.
+        backend = RedisBackend(redis_url, prefix=prefix)
+        try:
+            assert await backend.holders("pool:r0") == {}
+        finally:
+            await backend.close()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_workers_need_the_redis_backend(tmp_path: Path, replica: Any) -> None:
+    import sys
+
+    import yaml
+
+    from tests.state.conftest import ROOT
+
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(
+        yaml.safe_dump({"listen": {"port": free_port()}, "replicas": replicas(replica)})
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "serve", "-c", str(path), "--workers", "3",
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    _, err = await proc.communicate()
+    assert proc.returncode == 2
+    assert b"state.backend" in err and b"redis" in err
+
+
+async def test_a_tenant_rpm_limit_holds_across_three_processes(
+    tmp_path: Path, redis_url: str, prefix: str, replica: Any, nodes: list[Node]
+) -> None:
+    """Each process leases a fraction of the tenant's budget; with all three pressed, the
+    requests the three admit together in a steady window match the tenant's rpm within
+    5% (the burst a fresh bucket allows is spent first, as in one process)."""
+    from admission.tenants import hash_key
+
+    rpm = 600  # 10 a second for the tenant, across every process
+    cfg = config(redis_url, prefix, [{"name": "r0", "url": replica.url}], lease_ttl_s=3.0)
+    cfg["tenants"] = [{"name": "team-a", "keys_sha256": [hash_key("sk-team-a")], "rpm": rpm}]
+    for i in range(3):
+        nodes.append(await start(tmp_path, cfg, f"gw{i}"))
+    body = {**BODY, "max_tokens": 2}
+    headers = {"Authorization": "Bearer sk-team-a"}
+    ok_at: list[float] = []
+    limited = [0]
+    loop = asyncio.get_running_loop()
+    stop_at = [float("inf")]
+
+    async def client(s: aiohttp.ClientSession, node: Node) -> None:
+        for _ in range(5000):
+            if loop.time() >= stop_at[0]:
+                return
+            async with s.post(node.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                await r.read()
+                if r.status == 200:
+                    ok_at.append(loop.time())
+                else:
+                    assert r.status == 429, r.status
+                    assert (await r.json())["error"]["code"] == "rate_limit_exceeded"
+                    assert "retry-after-ms" in r.headers, await admin_state(s, node)
+                    limited[0] += 1
+                    await asyncio.sleep(min(0.2, int(r.headers["retry-after-ms"]) / 1000))
+
+    async with aiohttp.ClientSession() as s:
+        for _ in range(100):  # the three hold equal fractions before the load
+            states = [await admin_state(s, n) for n in nodes]
+            shares = [st["tenants"]["team-a"]["share"] for st in states]
+            if all(st["processes"] == 3 for st in states) and max(shares) <= 0.34:
+                break
+            await asyncio.sleep(0.05)
+        assert sum(shares) <= 1.0 + 1e-9
+        warm, window = 6.0, 12.0
+        start_t = loop.time()
+        stop_at[0] = start_t + warm + window
+        await asyncio.gather(*(client(s, nodes[i % 3]) for i in range(9)))
+        states = [await admin_state(s, n) for n in nodes]
+    assert limited[0] > 0  # the limit was pressed throughout
+    steady = [t for t in ok_at if start_t + warm <= t < start_t + warm + window]
+    expected = rpm * window / 60.0
+    assert abs(len(steady) - expected) <= 0.05 * expected, (len(steady), expected)
+    # Every process served its part (the fractions follow demand, none starves).
+    assert all(st["tenants"]["team-a"]["share"] > 0.2 for st in states)
+    assert sum(st["tenants"]["team-a"]["share"] for st in states) <= 1.0 + 1e-9

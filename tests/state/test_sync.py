@@ -1,0 +1,258 @@
+"""The lease loop (`gateway.sharing.StateSync`) over two admission controllers, as two
+gateway processes would run it, on both backends: slices follow demand and never sum
+past the pool; learned limits are shared; an unreachable backend cuts each slice to 1/N
+(fail-open) or closes the gate (fail-closed); a backend that comes back is rebuilt from
+each process's own holdings."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from admission.config import AdmissionConfig
+from admission.controller import AdmissionController
+from admission.state import MemoryBackend, StateBackend
+from admission.state.redis import RedisBackend
+from admission.types import AdmissionRequest, Admit
+from gateway.admitter import AdmissionBridge
+from gateway.config import StateConfig
+from gateway.sharing import StateSync
+from tests.admission.helpers import replica, request
+from tests.state.conftest import RedisServer, free_port
+
+POOL = 1000
+
+
+def ctrl(**overrides: object) -> AdmissionController:
+    settings: dict[str, object] = {"headroom": 0.0, "learn_limit": False}
+    settings.update(overrides)
+    c = AdmissionController(AdmissionConfig(**settings), seed=3)
+    c.upsert_replica(replica("r1", POOL, max_running=10), 0.0)
+    return c
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def backend(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[StateBackend]:
+    if request.param == "memory":
+        yield MemoryBackend()
+        return
+    b = RedisBackend(request.getfixturevalue("redis_url"), prefix=prefix)
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+def sync(backend: StateBackend, c: AdmissionController, name: str, **cfg: object) -> StateSync:
+    config = StateConfig(lease_ttl_s=5.0, renew_interval_s=0.5, **cfg)  # type: ignore[arg-type]
+    return StateSync(config, backend, c, AdmissionBridge(c), holder=name)
+
+
+async def queue(s: StateSync, req: AdmissionRequest) -> asyncio.Task[object]:
+    """Submit through the process's bridge, as a request handler does; the task ends with
+    the verdict once the request leaves the queue."""
+    task = asyncio.create_task(s.bridge.admit(req))
+    await asyncio.sleep(0)
+    assert s.controller.queue_depth() > 0
+    return task  # type: ignore[return-value]
+
+
+def shares(*cs: AdmissionController) -> list[int | None]:
+    out = []
+    for c in cs:
+        d = c.pool_demand("r1")
+        assert d is not None
+        out.append(d.share_tokens)
+    return out
+
+
+async def test_slices_follow_demand_and_never_sum_past_the_pool(backend: StateBackend) -> None:
+    a, b = ctrl(), ctrl()
+    sa, sb = sync(backend, a, "a"), sync(backend, b, "b")
+    await sa.renew()
+    assert shares(a) == [POOL]  # alone: the whole pool
+    await sb.renew()
+    await sa.renew()
+    await sb.renew()
+    assert shares(a, b) == [500, 500]  # both idle: an equal split
+    # a gets busy: 400 admitted, 600 more queued behind its slice.
+    assert isinstance(a.submit(request("x", 200, 200), 0.0), Admit)
+    y = await queue(sa, request("y", 300, 300))
+    await sa.renew()
+    await sb.renew()
+    await sa.renew()
+    sa_share, sb_share = shares(a, b)
+    assert sa_share is not None and sb_share is not None
+    assert sa_share + sb_share <= POOL
+    assert sa_share == POOL  # b wants nothing: a may use the whole pool
+    assert isinstance((await y)[0], Admit)  # admitted by the grown slice
+    # b gets a request while a still runs: b waits, as a's running requests hold it all...
+    z = await queue(sb, request("z", 200, 200))
+    for s in (sb, sa, sb):
+        await s.renew()
+        assert sum(s or 0 for s in shares(a, b)) <= POOL
+    assert not z.done()
+    # ...and once they end, the slices rebalance within a renewal each.
+    a.release("x", 1.0)
+    a.release("y", 1.0)
+    for s in (sa, sb):
+        await s.renew()
+    assert isinstance((await z)[0], Admit)
+    assert sum(s or 0 for s in shares(a, b)) <= POOL
+    b.release("z", 2.0)
+
+
+async def test_learned_limits_are_shared(backend: StateBackend) -> None:
+    a = ctrl(learn_limit=True, initial_limit=2)
+    b = ctrl(learn_limit=True, initial_limit=2)
+    sa, sb = sync(backend, a, "a"), sync(backend, b, "b")
+    await sa.renew()
+    await sb.renew()
+    la, lb = a.limit_of("r1"), b.limit_of("r1")
+    assert la is not None and lb is not None
+    la.adopt(6.0, 1.0, "probe")  # as if a learned it
+    await sa.renew()  # publishes
+    await sb.renew()  # adopts
+    assert (lb.value, lb.reason) == (6.0, "probe")
+    c = ctrl(learn_limit=True, initial_limit=2)  # a new process seeds from the shared
+    sc = sync(backend, c, "c")
+    await sc.renew()
+    lc = c.limit_of("r1")
+    assert lc is not None and lc.value == 6.0
+    # The running limit is split by lease: the three slices sum to at most the limit.
+    await sa.renew()
+    await sb.renew()
+    running = [x.pool_demand("r1").share_running for x in (a, b, c)]  # type: ignore[union-attr]
+    assert all(r is not None for r in running)
+    assert sum(r or 0 for r in running) <= 6
+
+
+async def test_fail_open_cuts_each_slice_to_one_nth(prefix: str) -> None:
+    server = RedisServer()
+    server.start()
+    try:
+        backends = [RedisBackend(server.url, prefix=prefix, timeout_s=0.3) for _ in range(3)]
+        cs = [ctrl() for _ in range(3)]
+        syncs = [sync(b, c, f"p{i}") for i, (b, c) in enumerate(zip(backends, cs, strict=True))]
+        for _ in range(2):
+            for s in syncs:
+                await s.renew()
+        assert all(s.up and s.processes == 3 for s in syncs)
+        # p0 is busy and holds most of the pool.
+        assert isinstance(cs[0].submit(request("busy", 150, 150), 0.0), Admit)
+        more = await queue(syncs[0], request("more", 200, 200))
+        for _ in range(2):
+            for s in syncs:
+                await s.renew()
+        assert isinstance((await more)[0], Admit)
+        server.stop()
+        for s in syncs:
+            await s.renew()
+        assert not any(s.up for s in syncs)
+        assert all(s.errors == 1 for s in syncs)
+        got = shares(*cs)
+        assert all(g is not None and g <= POOL // 3 for g in got)
+        assert sum(g or 0 for g in got) <= POOL
+        # What p0 already runs stays; nothing more is admitted there meanwhile.
+        late = await queue(syncs[0], request("late", 10, 10))
+        # Redis returns empty: leases are rebuilt from each process's holdings.
+        server.start()
+        cs[0].release("busy", 1.0)
+        for _ in range(2):
+            for s in syncs:
+                await s.renew()
+        assert all(s.up for s in syncs)
+        await syncs[0].renew()  # reports what the last renewal admitted
+        held = await backends[1].holders("pool:r1")
+        assert sorted(held) == ["p0", "p1", "p2"]
+        assert held["p0"].used == cs[0].reserved_tokens("r1")
+        assert sum(max(h.granted, h.used) for h in held.values()) <= POOL
+        assert isinstance((await late)[0], Admit)
+        for rid in ("more", "late"):
+            cs[0].release(rid, 2.0)
+        for b in backends:
+            await b.close()
+    finally:
+        server.stop()
+
+
+async def test_fail_closed_answers_503_until_redis_answers(prefix: str) -> None:
+    port = free_port()
+    c = ctrl()
+    s = sync(
+        RedisBackend(f"redis://127.0.0.1:{port}/0", prefix=prefix, timeout_s=0.3),
+        c,
+        "a",
+        on_unreachable="fail-closed",
+    )
+    await s.renew()
+    err = s.gate()
+    assert err is not None and err.status == 503 and err.retry_after is not None
+    assert shares(c) == [None]  # fail-closed leaves the slices alone: nothing is admitted
+    server = RedisServer(port)
+    server.start()
+    try:
+        await s.renew()
+        assert s.up and s.gate() is None
+        await s.stop()
+    finally:
+        server.stop()
+
+
+async def test_fail_open_never_seen_uses_the_workers_hint(prefix: str) -> None:
+    c = ctrl()
+    config = StateConfig(lease_ttl_s=5.0, renew_interval_s=0.5)
+    s = StateSync(
+        config,
+        RedisBackend(f"redis://127.0.0.1:{free_port()}/0", prefix=prefix, timeout_s=0.3),
+        c,
+        AdmissionBridge(c),
+        workers_hint=4,
+    )
+    await s.renew()
+    assert s.gate() is None
+    assert shares(c) == [POOL // 4]
+    d = c.pool_demand("r1")
+    assert d is not None and d.share_running == 10 // 4
+
+
+async def test_tenant_fractions_follow_demand_and_sum_to_at_most_one(
+    backend: StateBackend,
+) -> None:
+    from admission.tenants import TenantConfig, TenantLimiter
+
+    cfg = [TenantConfig(name="t", rpm=600)]
+    limiters = [TenantLimiter.from_config(cfg) for _ in range(3)]
+    cs = [ctrl() for _ in range(3)]
+    syncs = [
+        StateSync(
+            StateConfig(lease_ttl_s=5.0, renew_interval_s=0.5),
+            backend,
+            c,
+            AdmissionBridge(c),
+            holder=f"p{i}",
+            tenants=lim,
+        )
+        for i, (c, lim) in enumerate(zip(cs, limiters, strict=True))
+    ]
+    for _ in range(5):
+        for s in syncs:
+            await s.renew()
+    fractions = [lim.get("t").share for lim in limiters]
+    assert sum(fractions) <= 1.0 + 1e-9
+    assert all(abs(f - 1 / 3) < 0.01 for f in fractions), fractions  # idle: an equal split
+    # p0 spends its whole fraction: its lease grows, the idle ones' shrink.
+    loop = asyncio.get_running_loop()
+    for _ in range(6):
+        st = limiters[0].get("t")
+        assert st.rpm is not None
+        while st.rpm.wait(1, loop.time()) == 0:
+            limiters[0].charge("t", 0, loop.time())
+        for s in syncs:
+            await s.renew()
+        fractions = [lim.get("t").share for lim in limiters]
+        assert sum(fractions) <= 1.0 + 1e-9
+        assert all(f > 0 for f in fractions), fractions
+    assert fractions[0] > 0.6 and all(f >= 1 / 12 - 0.01 for f in fractions[1:]), fractions
