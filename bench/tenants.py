@@ -5,7 +5,7 @@ Rig: two `seed2-8b-16gb` replicas (enginesim, vLLM flavour, clock x`--speed`) be
 `kvgate serve`; every time below is in the replica's simulated seconds. Three tenants,
 each with its own hashed key, all streaming with ``stream_options.include_usage``:
 
-- ``interactive``: weight 3, 32 closed-loop clients, prompts ~600 tokens, 120 out;
+- ``interactive``: weight 3, 96 closed-loop clients, prompts ~600 tokens, 120 out;
   SLO: TTFT 10 s, ITL 0.1 s (10 tokens/s per user), end to end 30 s.
 - ``batch``: weight 1, 64 closed-loop clients, prompts ~2,000 tokens, 200 out; SLO:
   end to end 300 s only.
@@ -83,7 +83,7 @@ class TenantSpec:
 
 TENANTS = (
     TenantSpec(
-        "interactive", 3.0, 32, 600, 120, 0.0, {"ttft_s": 10.0, "itl_s": 0.1, "e2e_s": 30.0}
+        "interactive", 3.0, 96, 600, 120, 0.0, {"ttft_s": 10.0, "itl_s": 0.1, "e2e_s": 30.0}
     ),
     TenantSpec("batch", 1.0, 64, 2000, 200, 0.0, {"e2e_s": 300.0}),
     TenantSpec("trickle", 1.0, 2, 300, 60, 10.0, {"ttft_s": 5.0, "e2e_s": 20.0}),
