@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import math
+import os
 import shutil
 import signal
 import socket
@@ -107,9 +109,30 @@ async def wait_ok(url: str, proc: Proc, limit_s: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not answer 200 within {limit_s:.0f} s")
 
 
+# Two tenants with SLO targets (the attainment panel), each user sending with one key.
+TENANTS = {
+    "team-a": {"key": "sk-live-team-a", "slo": {"ttft_s": 1.0, "e2e_s": 10.0}},
+    "team-b": {"key": "sk-live-team-b", "slo": {"ttft_s": 0.05}},
+}
+
+
 def gateway_config(replicas: dict[str, str], port: int) -> dict:
+    # Shared state on Redis when the suite provides one (scripts/test.sh does), under a
+    # key prefix of this run's own.
+    redis_url = os.environ.get("KVGATE_REDIS_URL")
+    state = (
+        {"backend": "redis", "redis_url": redis_url, "key_prefix": f"kvgate-live-{port}"}
+        if redis_url
+        else {"backend": "memory"}
+    )
     return {
         "listen": {"host": "127.0.0.1", "port": port},
+        "state": state,
+        "tenants": [
+            {"name": name, "keys_sha256": [hashlib.sha256(t["key"].encode()).hexdigest()]}
+            | {"slo": t["slo"]}
+            for name, t in TENANTS.items()
+        ],
         "replicas": [{"name": n, "url": u} for n, u in replicas.items()],
         "discovery": {"refresh_interval_s": 0.5, "probe_timeout_s": 1.0},
         "outlier": {
@@ -211,9 +234,13 @@ async def drive_load(gateway: str, seconds: float, concurrency: int = 12) -> Loa
     """Closed-loop streaming clients; a short queue timeout lets kvgate shed some."""
     res = LoadResult()
     end = time.monotonic() + seconds
-    headers = {"x-kvgate-queue-timeout": "0.3"}
+    keys = [t["key"] for t in TENANTS.values()]
 
     async def user(i: int, s: aiohttp.ClientSession) -> None:
+        headers = {
+            "x-kvgate-queue-timeout": "0.3",
+            "Authorization": f"Bearer {keys[i % len(keys)]}",
+        }
         n = 0
         while time.monotonic() < end and n < 10_000:
             n += 1
