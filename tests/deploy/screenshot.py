@@ -161,7 +161,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path("docs/dashboard.png"))
     ap.add_argument("--load", type=float, default=40.0)
-    ap.add_argument("--height", type=int, default=1800)
+    ap.add_argument("--height", type=int, default=1990)
     args = ap.parse_args()
     summary = asyncio.run(capture(args.out.resolve(), args.load, args.height))
     shrink(args.out)
