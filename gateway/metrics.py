@@ -10,6 +10,7 @@ Prometheus scrapes, so the hot path pays nothing for them and they are never sta
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -151,6 +152,26 @@ class _EngineCollector(Collector):
         return [usage, running, waiting, preempt]
 
 
+class _WorkerLabelled:
+    """The registry as one worker of ``kvgate serve --workers N`` exposes it: every sample
+    with a ``worker`` label. The workers share one port, so each scrape reaches one of
+    them; without the label their counters would interleave in one series (each switch
+    read as a reset). With it each worker's series stays monotonic and ``sum without
+    (worker)`` adds them up."""
+
+    def __init__(self, registry: CollectorRegistry, worker: str) -> None:
+        self._registry = registry
+        self._worker = worker
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [
+                s._replace(labels={**s.labels, "worker": self._worker}) for s in family.samples
+            ]
+            yield out
+
+
 class GatewayMetrics:
     """The gateway's metric families and cached label children."""
 
@@ -159,8 +180,14 @@ class GatewayMetrics:
         usage: Callable[[], list[ReplicaUsage]],
         queue_depths: Callable[[], dict[str, int]],
         topup_failures: Callable[[], int],
+        worker: str | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        # Set by `kvgate serve --workers N` in each worker process (its index).
+        worker = os.environ.get("KVGATE_WORKER") if worker is None else worker
+        self._exposed: CollectorRegistry | _WorkerLabelled = (
+            _WorkerLabelled(self.registry, worker) if worker else self.registry
+        )
         r = self.registry
         self.requests = Counter(
             "kvgate_requests", "Requests by model and outcome", ["model", "outcome"], registry=r
@@ -310,4 +337,4 @@ class GatewayMetrics:
         self.prompt_counts.labels(how).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)  # type: ignore[arg-type]
