@@ -28,7 +28,7 @@ fi
 
 # pip inside the build trusts the host's CA bundle (a TLS-intercepting proxy's CA is in
 # it where there is one); the Dockerfile itself needs nothing of the host.
-podman build --format docker --network host \
+podman build --runtime runc --format docker --network host \
   -v /etc/ssl/certs:/etc/ssl/host-certs:ro \
   --env PIP_CERT=/etc/ssl/host-certs/ca-certificates.crt \
   --build-arg BASE="$BASE_IMAGE" -t "$IMAGE" .
