@@ -56,4 +56,29 @@ code=$("${PODMAN[@]}" inspect "$name" --format '{{.State.ExitCode}}' 2>/dev/null
 echo "SIGTERM exit: $code"
 test "$code" = 0
 "${PODMAN[@]}" logs "$name" 2>&1 | grep -c '"kvgate shutting down"' >/dev/null
+
+# As the compose stack runs it: two workers on one port, shared state in Redis
+# (REDIS_URL, default the local one), a request through each of several connections.
+REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
+printf 'replicas:\n  - {name: r0, url: "http://127.0.0.1:%s"}\nstate: {backend: redis, key_prefix: smoke-%s}\n' \
+  "$P" "$$" >"$work/kvgate-workers.yaml"
+chmod 644 "$work/kvgate-workers.yaml"
+"${PODMAN[@]}" rm -f "$name" >/dev/null 2>&1
+"${PODMAN[@]}" run -d --name "$name" "${RUN_OPTS[@]}" \
+  -v "$work/kvgate-workers.yaml:/etc/kvgate/kvgate.yaml:ro" -e "KVGATE_LISTEN=127.0.0.1:$G" \
+  -e "KVGATE_REDIS_URL=$REDIS_URL" "$IMAGE" serve --config /etc/kvgate/kvgate.yaml --workers 2 >/dev/null
+for _ in $(seq 1 50); do curl -sf "http://127.0.0.1:$G/ready" >/dev/null && break; sleep 0.2; done
+sleep 1
+ok=0
+for _ in $(seq 1 10); do
+  curl -sf "http://127.0.0.1:$G/v1/chat/completions" -H 'content-type: application/json' \
+    -d '{"model":"tiny-llm","messages":[{"role":"user","content":"hi"}],"max_tokens":3}' >/dev/null && ok=$((ok + 1))
+done
+workers=$(for _ in $(seq 1 20); do curl -sf "http://127.0.0.1:$G/metrics" | grep -o 'worker="[0-9]*"' | head -1; done | sort -u | tr '\n' ' ')
+echo "--workers 2: $ok/10 completions, metrics from: $workers"
+test "$ok" = 10
+"${PODMAN[@]}" stop -t 30 "$name" >/dev/null 2>&1
+code=$("${PODMAN[@]}" inspect "$name" --format '{{.State.ExitCode}}' 2>/dev/null)
+echo "--workers 2 SIGTERM exit: $code"
+test "$code" = 0
 echo "image smoke test passed"
