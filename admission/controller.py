@@ -346,7 +346,8 @@ class AdmissionController:
         self._pending: list[Admit] = []  # admitted by expire(); handed out by the next call
         self._returning = ReturningBacklog()  # shed requests expected back
         # Entries a full queue gave up for another tenant's newcomer (fair share of the
-        # queue): handed out by the next `expire`, which `next_deadline` makes due now.
+        # queue): handed out by `take_displaced` (the shell calls it after each submit),
+        # else by the next `expire`, which `next_deadline` makes due at once.
         self._displaced: list[Shed] = []
         self._rng = random.Random(seed)  # Retry-After jitter
         self._now = 0.0
@@ -724,6 +725,12 @@ class AdmissionController:
         if shed or overdue:
             self._pending.extend(self._settle(now))
         return shed
+
+    def take_displaced(self) -> list[Shed]:
+        """Queued requests a full queue shed for another tenant's newcomer since the last
+        call (module docstring, Queue order); the caller answers them."""
+        out, self._displaced = self._displaced, []
+        return out
 
     def pump(self, now: float) -> list[Admit]:
         """Re-examine the queue and hand out any pending admissions (addition to the API)."""

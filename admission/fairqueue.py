@@ -304,11 +304,12 @@ class FairQueue:
             own = lanes.get(tenant)
             if own is not None:
                 i = bisect.bisect_left(own.keys, entry.key)
-                if i == len(own.entries):
-                    own_tokens_all = own.tokens
+                mine = 1 if entry.queued else 0  # `entry` itself, when it is in the lane
+                if i + mine == len(own.entries):  # behind all its own: the common case
+                    own_tokens_all = own.tokens - mine * entry.raw
                     if own.model_tokens is not None and own.model_count is not None:
-                        tokens += own.model_tokens.get(model, 0)
-                        count += own.model_count.get(model, 0)
+                        tokens += own.model_tokens.get(model, 0) - mine * entry.raw
+                        count += own.model_count.get(model, 0) - mine
                 else:
                     for e in own.entries[:i]:
                         own_tokens_all += e.raw

@@ -188,14 +188,13 @@ class Gcra:
         return _WINDOW_S / limit if limit > 0 else math.inf
 
     def wait(self, cost: float, now: float) -> float:
-        """Seconds until `cost` cells would pass (0: now; inf: never)."""
+        """Seconds until `cost` cells would pass (0: now; inf: never). A cost over this
+        process's share but within the configured total waits for the share to grow: a
+        minute, the window (shares are leased for much less)."""
+        if cost > self.total:
+            return math.inf
         if cost > self.limit:
-            if cost > self.total:
-                return math.inf
-            # Within the whole budget but over this process's share of it (shared state:
-            # the share is renewed within a second or so): not never; the time the whole
-            # budget takes to refill `cost` cells.
-            return _WINDOW_S * cost / self.total
+            return _WINDOW_S
         t = self._interval()
         excess = max(self.tat, now) + cost * t - now - _WINDOW_S
         return max(0.0, excess)

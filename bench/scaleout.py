@@ -19,7 +19,8 @@ CPU and noise.
 
 The machine's core count bounds what more processes can buy: with 2 cores, the client
 (wrk), the upstream (nginx) and the workers share them. Medians of the rounds go to
-``bench/results/scaleout.json`` and a Markdown table on stdout. Every process this
+``bench/results/scaleout.json`` and a Markdown table on stdout (the committed
+``bench/results/scaleout.txt`` is that stdout). Every process this
 starts is stopped by PID.
 
     .venv/bin/python bench/scaleout.py [--rounds 3] [--seconds 5] [--rate 500]
@@ -207,7 +208,6 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))
-    (args.out.with_suffix(".txt")).write_text("\n".join(lines) + "\n")
     print()
     print("\n".join(lines))
     return 0

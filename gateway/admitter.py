@@ -77,6 +77,8 @@ class AdmissionBridge:
         """
         now = self._loop.time()
         verdict = self.controller.submit(req, now)
+        # A full queue may have given another tenant's entry up for this one.
+        self.resolve(self.controller.take_displaced())
         if not isinstance(verdict, Queued):
             return verdict, False
         fut: asyncio.Future[Admit | Shed] = self._loop.create_future()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import os
 import signal
@@ -128,6 +129,8 @@ def serve_main(argv: Sequence[str]) -> int:
         return _supervise(list(argv), args.workers)
     configure_logging(config.logging.level, access=config.logging.access_log)
     worker = os.environ.get(_WORKER_ENV) is not None
+    if worker and not _die_with_supervisor():
+        return 1
     workers = int(os.environ.get(_WORKERS_ENV, "1") or 1) if worker else 1
 
     try:
@@ -186,6 +189,21 @@ _WORKER_ENV = "KVGATE_WORKER"  # set by the supervisor in each worker: its index
 _WORKERS_ENV = "KVGATE_WORKERS"  # and the number of workers
 
 
+_SUPERVISOR_ENV = "KVGATE_SUPERVISOR_PID"
+
+
+def _die_with_supervisor() -> bool:
+    """A worker gets SIGTERM when its supervisor dies, even by SIGKILL (Linux
+    ``PR_SET_PDEATHSIG``), so no worker outlives it holding the port. False when the
+    supervisor is already gone."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    expected = os.environ.get(_SUPERVISOR_ENV)
+    return expected is None or str(os.getppid()) == expected
+
+
 def _supervise(argv: list[str], workers: int) -> int:
     """Run `workers` gateway processes on one port (SO_REUSEPORT: the kernel spreads
     connections over them) and stay until they end.
@@ -193,7 +211,8 @@ def _supervise(argv: list[str], workers: int) -> int:
     Each worker is ``kvgate serve`` with the same arguments (less ``--workers``), told its
     index and the worker count through the environment; they share state through Redis.
     SIGTERM and SIGINT are forwarded to every worker (each drains as a single process
-    does). A worker that exits on its own takes the others down (SIGTERM) and the
+    does); a worker dies with the supervisor, even one killed by SIGKILL (Linux). A
+    worker that exits on its own takes the others down (SIGTERM) and the
     supervisor exits with its status, so an orchestrator restarts the whole set instead
     of serving on with less capacity than it thinks. Returns the first non-zero status
     of a worker, else 0.
@@ -223,7 +242,12 @@ def _supervise(argv: list[str], workers: int) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     for i in range(workers):
-        env = {**os.environ, _WORKER_ENV: str(i), _WORKERS_ENV: str(workers)}
+        env = {
+            **os.environ,
+            _WORKER_ENV: str(i),
+            _WORKERS_ENV: str(workers),
+            _SUPERVISOR_ENV: str(os.getpid()),
+        }
         procs.append(
             subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", *args], env=env)
         )

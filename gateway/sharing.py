@@ -17,11 +17,12 @@ Renewal
 Tenant budgets
     A tenant's rpm, tpm and concurrency are leased the same way, as a fraction of the
     tenant's totals (resource ``tenant:<name>``, in units of 1/10,000): a process asks
-    for its current fraction scaled by how much of it its rate limits have in use, plus
+    for its current fraction scaled by how much of it is in use (the fuller of its rpm
+    and tpm buckets, or its running and queued requests against its concurrency), plus
     a quarter for growth (and at least a quarter of an equal split, so that an idle
     process keeps room for its next request), so a busy process's fraction grows while
-    an idle one's decays,
-    and the limiter scales this process's limits to the granted fraction
+    an idle one's decays, and the limiter scales this process's limits to the granted
+    fraction
     (`TenantLimiter.set_share`). The fractions of all processes sum to at most 1.
 
 Redis unreachable (``on_unreachable``)
@@ -231,7 +232,12 @@ class StateSync:
             now = self._loop.time()
             floor = 1.0 / (4 * max(self.processes, self.workers_hint))
             for st in tenants:
-                want = max(floor, st.share * (tenant_usage(st, now) + _TENANT_GROWTH))
+                used = tenant_usage(st, now)
+                if st.total_concurrent is not None:  # concurrency: running and queued here
+                    held = self.controller.tenant_running(st.name)
+                    held += self.controller.tenant_queued(st.name)
+                    used = max(used, min(1.0, held / max(1, st.max_concurrent or 0)))
+                want = max(floor, st.share * (used + _TENANT_GROWTH))
                 requests.append(
                     LeaseRequest(
                         f"tenant:{st.name}",

@@ -10,12 +10,16 @@ expiries; after every operation:
 * no replica that received an admission runs more requests than its cap;
 * every request is in exactly one state (admitted, queued, or finished);
 and at the end, releasing everything returns the ledger and the queue to zero (invariant 2).
+With tenants (weights, concurrency and queue caps, the fair order), the same, and every
+tenant's running and queued counts match what it was handed, its running never past its
+``max_concurrent``, and a request given up for another tenant's is answered at once.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -38,11 +42,28 @@ def _state(name: str, capacity: int, ready: bool = True):  # noqa: ANN202 - test
     )
 
 
+@dataclass
+class _Policy:
+    weight: float
+    max_concurrent: int | None
+    max_queued: int | None
+    queue_timeout_s: float | None = None
+
+
+@pytest.mark.parametrize("with_tenants", [False, True])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_operations_keep_ledger_invariants(seed: int) -> None:
+def test_random_operations_keep_ledger_invariants(seed: int, with_tenants: bool) -> None:
     rng = random.Random(seed)
     headroom = rng.choice([0.0, 0.05, 0.2])
     ctrl = controller(headroom=headroom, queue_max_per_model=rng.choice([0, 3, 20]))
+    policies = {
+        "a": _Policy(3.0, None, None),
+        "b": _Policy(1.0, 2, 4),
+        "c": _Policy(0.5, 1, 0),
+    }
+    tenant_of: dict[str, str] = {}
+    if with_tenants:
+        ctrl.set_tenants(policies.get)
     caps: dict[str, int | None] = {}
     capacity: dict[str, int] = {}
     now = 0.0
@@ -74,6 +95,7 @@ def test_random_operations_keep_ledger_invariants(seed: int) -> None:
         now += rng.expovariate(20.0)
         before = {n: ctrl.reserved_tokens(n) for n in REPLICAS}
         touched: set[str] = set()
+        held_before = set(held)
         op = rng.random()
         if op < 0.40:
             rid = f"q{seq}"
@@ -82,12 +104,18 @@ def test_random_operations_keep_ledger_invariants(seed: int) -> None:
             prompt = rng.randint(1, 900)
             out = rng.randint(1, 400)
             deadline = now + rng.choice([0.05, 0.5, 5.0, math.inf])
-            verdict = ctrl.submit(
-                request(
-                    rid, prompt, out, model=model, priority=rng.randint(0, 2), deadline=deadline
-                ),
-                now,
+            req = request(
+                rid, prompt, out, model=model, priority=rng.randint(0, 2), deadline=deadline
             )
+            if with_tenants:
+                req = replace(req, tenant=rng.choice(["a", "b", "c", "d"]))
+            tenant_of[rid] = req.tenant
+            verdict = ctrl.submit(req, now)
+            for shed in ctrl.take_displaced():  # given up for this one (fair queue share)
+                assert shed.request_id in queued and shed.status == 503
+                queued.remove(shed.request_id)
+                finished.add(shed.request_id)
+                seen["displaced"] = seen.get("displaced", 0) + 1
             seen[type(verdict).__name__.lower()] = seen.get(type(verdict).__name__.lower(), 0) + 1
             if isinstance(verdict, Admit):
                 held[rid] = (verdict.replica, verdict.reserved_tokens)
@@ -138,6 +166,7 @@ def test_random_operations_keep_ledger_invariants(seed: int) -> None:
             touched |= take_admits(ctrl.pump(now))
 
         # --- invariants after every operation ---
+        touched_ids = set(held) - held_before
         assert not (set(held) & queued)
         usage = {u.name: u for u in ctrl.replica_usage()}
         for name in REPLICAS:
@@ -153,6 +182,15 @@ def test_random_operations_keep_ledger_invariants(seed: int) -> None:
             else:
                 assert shadow <= max(effective(name), before[name])
         assert ctrl.queue_depth() == len(queued)
+        if with_tenants:
+            for t, policy in policies.items():
+                mine = sum(1 for r in held if tenant_of.get(r) == t)
+                assert ctrl.tenant_running(t) == mine
+                if policy.max_concurrent is not None and any(
+                    tenant_of.get(r) == t for r in touched_ids
+                ):
+                    assert mine <= policy.max_concurrent, (t, mine)
+                assert ctrl.tenant_queued(t) == sum(1 for r in queued if tenant_of[r] == t)
 
     # The run must have exercised every path, or the invariants above prove little.
     assert seen["admit"] > 50 and seen["shed"] > 0, seen

@@ -12,6 +12,7 @@ from admission.retries import RetryMemory
 from admission.tenants import (
     Gcra,
     KeyIndex,
+    RateVerdict,
     TenantConfig,
     TenantLimiter,
     go_duration,
@@ -176,6 +177,8 @@ def test_set_share_scales_rates_and_concurrency() -> None:
         assert lim.check("a", 1, 0.0).limit is None
         lim.charge("a", 1, 0.0)
     assert lim.check("a", 1, 0.0).limit == "requests"
+    # A request over this process's share but within the total: a minute, not never.
+    assert lim.check("a", 2000, 100.0) == RateVerdict("tokens", 60.0)
     lim.set_share("a", 1.0, 0.0)
     assert lim.get("a").max_concurrent == 8
     # What was used stays used: 15 of 60.

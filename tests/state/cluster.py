@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -58,6 +59,13 @@ def config(
     }
 
 
+def child_env() -> dict[str, str]:
+    """The environment for a ``kvgate serve`` child: without the state overrides that
+    scripts/test.sh exports (KVGATE_REDIS_URL would win over the test's own config)."""
+    drop = {"KVGATE_REDIS_URL", "KVGATE_REDIS_PASSWORD", "KVGATE_STATE_BACKEND"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 async def start(tmp_path: Path, cfg: dict[str, Any], name: str, *extra: str) -> Node:
     port = free_port()
     cfg = {**cfg, "listen": {"host": "127.0.0.1", "port": port}}
@@ -67,7 +75,7 @@ async def start(tmp_path: Path, cfg: dict[str, Any], name: str, *extra: str) -> 
     with log.open("wb") as out:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gateway.cli", "serve", "-c", str(path), *extra,
-            cwd=ROOT, stdout=out, stderr=out,
+            cwd=ROOT, stdout=out, stderr=out, env=child_env(),
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as s:

@@ -7,6 +7,7 @@ each process's own holdings."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
@@ -256,3 +257,44 @@ async def test_tenant_fractions_follow_demand_and_sum_to_at_most_one(
         assert sum(fractions) <= 1.0 + 1e-9
         assert all(f > 0 for f in fractions), fractions
     assert fractions[0] > 0.6 and all(f >= 1 / 12 - 0.01 for f in fractions[1:]), fractions
+
+
+async def test_a_tenant_concurrency_in_use_draws_its_fraction(backend: StateBackend) -> None:
+    from admission.tenants import TenantConfig, TenantLimiter
+
+    cfg = [TenantConfig(name="t", max_concurrent=8)]
+    limiters = [TenantLimiter.from_config(cfg) for _ in range(2)]
+    cs = []
+    for lim in limiters:
+        c = AdmissionController(
+            AdmissionConfig(headroom=0.0, learn_limit=False), seed=3, tenants=lim.tenants.get
+        )
+        c.upsert_replica(replica("r1", 100_000, max_running=100), 0.0)
+        cs.append(c)
+    syncs = [
+        StateSync(
+            StateConfig(lease_ttl_s=5.0, renew_interval_s=0.5),
+            backend,
+            c,
+            AdmissionBridge(c),
+            holder=f"p{i}",
+            tenants=lim,
+        )
+        for i, (c, lim) in enumerate(zip(cs, limiters, strict=True))
+    ]
+    for _ in range(3):
+        for s in syncs:
+            await s.renew()
+    assert [lim.get("t").max_concurrent for lim in limiters] == [4, 4]
+    # p0 runs its four; more wait: its fraction grows, p1's (idle) shrinks.
+    for i in range(4):
+        req = dataclasses.replace(request(f"a{i}", 10, 10), tenant="t")
+        assert isinstance(cs[0].submit(req, 0.0), Admit)
+    for _ in range(4):
+        for s in syncs:
+            await s.renew()
+    got = [lim.get("t").max_concurrent for lim in limiters]
+    assert got[0] is not None and got[1] is not None
+    assert got[0] > 4 and got[0] + got[1] <= 8, got
+    for i in range(4):
+        cs[0].release(f"a{i}", 1.0)
