@@ -2,8 +2,10 @@
 # dependencies); the simulator, the load tools and the demo harness are not in it.
 #
 #   docker build -t kvgate .            (or: podman build -t kvgate .)
-#   docker run -p 8080:8080 -v $PWD/kvgate.yaml:/etc/kvgate/kvgate.yaml:ro \
+#   docker run --stop-timeout 40 -p 8080:8080 -v $PWD/kvgate.yaml:/etc/kvgate/kvgate.yaml:ro \
 #       -e KVGATE_ADMIN_TOKEN=... kvgate
+# (SIGTERM drains running requests for shutdown.drain_grace_s, 25 s by default: the stop
+# timeout must be longer.)
 #
 # BASE is any Debian-based image with python3 (3.11+) and its venv module: the default is
 # the official slim Python image; deploy/image/build.sh builds on a base made with
@@ -39,7 +41,6 @@ EXPOSE 8080
 # The port is KVGATE_LISTEN's (the config's listen section is overridden by it).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
   CMD ["python3", "-c", "import os, sys, urllib.request as u; port = os.environ.get('KVGATE_LISTEN', ':8080').rpartition(':')[2]; sys.exit(u.urlopen(f'http://127.0.0.1:{port}/health', timeout=2).status != 200)"]
-# SIGTERM drains (shutdown.drain_grace_s); give the runtime's stop timeout more than it.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["kvgate"]
 CMD ["serve", "--config", "/etc/kvgate/kvgate.yaml"]
