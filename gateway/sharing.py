@@ -12,7 +12,9 @@ Renewal
     backend's arithmetic (admission/state/lease.py) decides the slice. Learned running
     limits are shared first: a limit this process changed is published, one another
     process published later is adopted (`RunningLimit.adopt`), and a new process seeds
-    its limits from the shared ones; the running lease then splits the shared limit.
+    its limits from the shared ones; the running lease then splits the shared limit (a
+    process alone on a replica is not capped by it, so its limit grows between
+    renewals as a single process's does).
 
 Tenant budgets
     A tenant's rpm, tpm and concurrency are leased the same way, as a fraction of the
@@ -262,6 +264,10 @@ class StateSync:
             run = leases.get(f"run:{d.replica}")
             tokens = pool.granted if pool is not None else None
             running = run.granted if run is not None else None
+            if run is not None and run.holders == 1 and not rebuilding:
+                # Alone on the replica: its record holds the whole, so the learned limit
+                # may grow between renewals without waiting for one.
+                running = None
             if rebuilding:
                 tokens = None if tokens is None else min(tokens, d.effective // n)
                 if running is not None and d.running_limit is not None:
