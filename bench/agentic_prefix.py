@@ -61,7 +61,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.demo import (  # noqa: E402
+from kvgate_demo.demo import (  # noqa: E402
     Process,
     engine_counter,
     free_port,

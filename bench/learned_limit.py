@@ -46,7 +46,7 @@ from enginesim.profiles import load_profile  # noqa: E402
 from enginesim.simulate import measure_decode, run_closed_loop  # noqa: E402
 from enginesim.types import Workload  # noqa: E402
 from enginesim.workloads import WorkItem, synthetic_items  # noqa: E402
-from gateway.demo import run_async, run_phase  # noqa: E402
+from kvgate_demo.demo import run_async, run_phase  # noqa: E402
 
 TIMEOUT_S = 45.0  # simulated seconds
 

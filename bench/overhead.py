@@ -68,7 +68,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gateway.demo import Process, free_port  # noqa: E402
+from kvgate_demo.demo import Process, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

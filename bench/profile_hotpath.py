@@ -35,7 +35,7 @@ from bench.overhead import (  # noqa: E402
     upstream_servers,
     wrk_rps,
 )
-from gateway.demo import Process, free_port  # noqa: E402
+from kvgate_demo.demo import Process, free_port  # noqa: E402
 
 
 def summarise(raw: Path, top: int) -> tuple[int, list[tuple[str, float]], list[tuple[str, float]]]:

@@ -59,7 +59,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.demo import Process, free_port, start_gateway, stopping, wait_http  # noqa: E402
+from kvgate_demo.demo import Process, free_port, start_gateway, stopping, wait_http  # noqa: E402
 
 MODEL = "tiny-llama"
 SLOTS, N_CTX = 4, 4096

@@ -51,7 +51,7 @@ from overhead import (  # noqa: E402
     wrk_rps,
 )
 
-from gateway.demo import Process, free_port  # noqa: E402
+from kvgate_demo.demo import Process, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

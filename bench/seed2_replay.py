@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from enginesim.profiles import load_profile  # noqa: E402
 from enginesim.workloads import seed2_workload  # noqa: E402
-from gateway.demo import DEFAULT_TIMEOUT_S, run_async, run_phase  # noqa: E402
+from kvgate_demo.demo import DEFAULT_TIMEOUT_S, run_async, run_phase  # noqa: E402
 
 PROFILE = "seed2-8b-16gb"
 

@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from admission.tenants import hash_key  # noqa: E402
 from enginesim.tokenizer import GEN_VOCAB  # noqa: E402
-from gateway.demo import (  # noqa: E402
+from kvgate_demo.demo import (  # noqa: E402
     gateway_config,
     run_async,
     start_gateway,

@@ -125,6 +125,7 @@ def build_app(
         if decisions is not None:
             choices = st.controller.ttft_choices
             st.metrics.watch_routing(lambda: {**decisions, **choices})
+        st.metrics.watch_engines(lambda: [w.state for w in st.discovery.watchers.values()])
         pipeline_ref: list[Pipeline] = []
         relay = Relay(
             session,

@@ -4,6 +4,12 @@ Subcommands are registered in `SUBCOMMANDS` as ``name -> "module:function"`` and
 only when chosen, so ``kvgate serve`` never imports the demo (and its load generators),
 and a new subcommand is one line. Each function takes the remaining argv and returns an
 exit status.
+
+The gateway (`gateway`, `admission`, `routing`) installs and runs alone: the simulator
+(`enginesim`), the load tools (`loadtests`) and the demo harness that drives both
+(`kvgate_demo`) live outside it, are never imported by it, and come with the extras
+``kvgate[sim]`` and ``kvgate[load]`` (a production image carries none of them). A
+subcommand whose module is missing says which extra to install and exits 2.
 """
 
 from __future__ import annotations
@@ -26,19 +32,46 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "print the SHA-256 of an API key read from stdin, for tenants[].keys_sha256 "
         "(--new: make a key)",
     ),
-    "demo": ("gateway.demo:main", "run the demo (simulated replicas, load through kvgate)"),
+    "demo": ("kvgate_demo.demo:main", "run the demo (simulated replicas, load through kvgate)"),
     # Locust patches the process with gevent: only these two commands import it.
     "sweep": ("loadtests.sweep:main", "find a target's ceiling: a concurrency staircase"),
     "showcase": (
-        "gateway.showcase:main",
+        "kvgate_demo.showcase:main",
         "the sweep straight at a simulated replica, then through kvgate",
     ),
 }
 
 
+# Top-level packages outside the gateway, and the extra that brings each (with the
+# third-party packages it needs).
+_EXTRA_OF = {
+    "enginesim": "sim",
+    "loadtests": "load",
+    "kvgate_demo": "sim,load",
+    "locust": "load",
+    "gevent": "load",
+    "openai": "load",
+    "matplotlib": "load",
+}
+
+
+class MissingExtra(RuntimeError):
+    """A subcommand needs a package this installation does not have."""
+
+
 def _resolve(target: str) -> Callable[[Sequence[str]], int | None]:
     module, _, func = target.partition(":")
-    return getattr(importlib.import_module(module), func)
+    try:
+        return getattr(importlib.import_module(module), func)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").partition(".")[0]
+        if top not in _EXTRA_OF:
+            raise
+        raise MissingExtra(
+            f"this command needs {top!r}, which this installation lacks: install "
+            f"'kvgate[{_EXTRA_OF[top]}]', or run it from the repository "
+            "(bash scripts/setup.sh installs everything)"
+        ) from e
 
 
 def serve_main(argv: Sequence[str]) -> int:
@@ -281,7 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     if argv[0] not in SUBCOMMANDS:
         parser.error(f"unknown command {argv[0]!r}")
-    rc = _resolve(SUBCOMMANDS[argv[0]][0])(argv[1:])
+    try:
+        command = _resolve(SUBCOMMANDS[argv[0]][0])
+    except MissingExtra as e:
+        print(f"kvgate {argv[0]}: {e}", file=sys.stderr)
+        return 2
+    rc = command(argv[1:])
     return int(rc or 0)
 
 

@@ -10,6 +10,7 @@ Prometheus scrapes, so the hot path pays nothing for them and they are never sta
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -17,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from admission.types import ReplicaUsage
+from routing.types import ReplicaState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -121,6 +123,74 @@ class _RoutingCollector(Collector):
         return [fam]
 
 
+# Engines whose adapters read a KV usage gauge (llama.cpp's server no longer exports one:
+# a 0 there would be a claim, not a measurement).
+_KV_USAGE_ENGINES = frozenset({"vllm", "sglang"})
+
+
+class _EngineCollector(Collector):
+    """Reads each replica's own load signals, as its engine last reported them in a
+    discovery round, at scrape time: what the dashboard sets beside kvgate's ledger (the
+    engine's KV usage against what kvgate reserved) and what the preemption alert reads,
+    without scraping every engine (an engine behind kvgate may not be reachable by
+    Prometheus at all). Names stay engine-neutral: the adapters map each engine's own."""
+
+    def __init__(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
+        self._states = states
+
+    def collect(self) -> Iterable[Metric]:
+        usage = GaugeMetricFamily(
+            "kvgate_replica_engine_kv_usage_ratio",
+            "The engine's own KV-cache usage (0-1) at its last discovery round",
+            labels=["replica"],
+        )
+        running = GaugeMetricFamily(
+            "kvgate_replica_engine_running",
+            "Requests the engine reported running at its last discovery round",
+            labels=["replica"],
+        )
+        waiting = GaugeMetricFamily(
+            "kvgate_replica_engine_waiting",
+            "Requests waiting inside the engine at its last discovery round",
+            labels=["replica"],
+        )
+        preempt = CounterMetricFamily(
+            "kvgate_replica_engine_preemptions",
+            "The engine's own preemption counter (vLLM recomputes, SGLang retracts): "
+            "a replica past its cliff",
+            labels=["replica"],
+        )
+        for st in self._states():
+            if st.running_seen_at is None or st.engine == "openai":  # no engine view yet
+                continue
+            if st.engine in _KV_USAGE_ENGINES:
+                usage.add_metric([st.name], st.kv_usage)
+            running.add_metric([st.name], st.engine_running)
+            waiting.add_metric([st.name], st.engine_waiting)
+            preempt.add_metric([st.name], st.preemptions_total)
+        return [usage, running, waiting, preempt]
+
+
+class _WorkerLabelled:
+    """The registry as one worker of ``kvgate serve --workers N`` exposes it: every sample
+    with a ``worker`` label. The workers share one port, so each scrape reaches one of
+    them; without the label their counters would interleave in one series (each switch
+    read as a reset). With it each worker's series stays monotonic and ``sum without
+    (worker)`` adds them up."""
+
+    def __init__(self, registry: CollectorRegistry, worker: str) -> None:
+        self._registry = registry
+        self._worker = worker
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [
+                s._replace(labels={**s.labels, "worker": self._worker}) for s in family.samples
+            ]
+            yield out
+
+
 class GatewayMetrics:
     """The gateway's metric families and cached label children."""
 
@@ -129,8 +199,14 @@ class GatewayMetrics:
         usage: Callable[[], list[ReplicaUsage]],
         queue_depths: Callable[[], dict[str, int]],
         topup_failures: Callable[[], int],
+        worker: str | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        # Set by `kvgate serve --workers N` in each worker process (its index).
+        worker = os.environ.get("KVGATE_WORKER") if worker is None else worker
+        self._exposed: CollectorRegistry | _WorkerLabelled = (
+            _WorkerLabelled(self.registry, worker) if worker else self.registry
+        )
         r = self.registry
         self.requests = Counter(
             "kvgate_requests", "Requests by model and outcome", ["model", "outcome"], registry=r
@@ -271,6 +347,10 @@ class GatewayMetrics:
         """Export the router's decisions by reason (read at scrape time)."""
         self.registry.register(_RoutingCollector(decisions))
 
+    def watch_engines(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
+        """Export the engines' own load signals (`_EngineCollector`) from `states`."""
+        self.registry.register(_EngineCollector(states))
+
     def count_request(self, model: str, outcome: str) -> None:
         key = (model, outcome)
         child = self._requests_children.get(key)
@@ -316,4 +396,4 @@ class GatewayMetrics:
         self.prompt_counts.labels(how).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)  # type: ignore[arg-type]

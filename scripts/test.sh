@@ -13,6 +13,16 @@ while IFS='=' read -r key value; do
   export "$key=$value"
 done <<<"$engine_env"
 
+# Debian tools the deploy tests run (tests/deploy): prometheus and promtool (the
+# dashboard and alert rules are checked by Prometheus itself) and docker-compose (its
+# `config` validates the compose file offline, with no engine).
+need=()
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}") >/dev/null
+fi
+
 redis_pid=""
 cleanup() { if [ -n "$redis_pid" ]; then kill "$redis_pid" 2>/dev/null || true; fi; }
 trap cleanup EXIT

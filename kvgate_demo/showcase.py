@@ -29,10 +29,10 @@ from pathlib import Path
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Locust (imported by loadtests.sweep) patches the process with gevent: it comes
-    # before anything that imports ssl (aiohttp, via gateway.demo).
+    # before anything that imports ssl (aiohttp, via kvgate_demo.demo).
     sw = importlib.import_module("loadtests.sweep")
     from enginesim.profiles import load_profile
-    from gateway import demo
+    from kvgate_demo import demo
     from loadtests.report import points_table
 
     ap = argparse.ArgumentParser(
