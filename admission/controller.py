@@ -129,7 +129,6 @@ from admission.types import (
     Shed,
     Verdict,
 )
-from routing.picker import MostHeadroomPicker
 from routing.types import Candidate, ReplicaState, Router, RouteRequest
 
 _POOL_MEMORY_S = 300.0  # how long a pool measured smaller than configured is kept
@@ -362,15 +361,16 @@ class AdmissionController:
     def __init__(
         self,
         config: AdmissionConfig,
-        picker: Router | None = None,
+        picker: Router,
         *,
         seed: int | None = None,
         tenants: Callable[[str], TenantLimits | None] | None = None,
     ) -> None:
         self.config = config
         # Where a request goes is routing's decision (routing.scheduler builds it from the
-        # config's profiles); admission only calls it and its hooks.
-        self._picker: Router = picker if picker is not None else MostHeadroomPicker(seed=seed)
+        # config's profiles, a test or bench hands one in); admission only calls it and its
+        # hooks, and imports routing's types, never its policies.
+        self._picker: Router = picker
         self._placed_hook = getattr(self._picker, "placed", None)
         self._released_hook = getattr(self._picker, "released", None)
         self._replicas: dict[str, _Replica] = {}

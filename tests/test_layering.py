@@ -1,0 +1,52 @@
+"""The layering of DESIGN.md, checked on the source: arrows point down only
+(gateway -> admission -> routing), admission takes routing's types but never its
+policies, and the simulator and the load tools stand apart from the gateway's packages."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imports(package: str) -> set[tuple[str, str]]:
+    """(file, imported module) for every import in `package`, at any depth."""
+    found: set[tuple[str, str]] = set()
+    for path in sorted((ROOT / package).rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found.update((path.name, alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add((path.name, node.module))
+    return found
+
+
+def ours(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_routing_imports_nothing_of_ours_above_it() -> None:
+    bad = {(f, m) for f, m in imports("routing") if ours(m) in {"admission", "gateway"}}
+    assert not bad
+
+
+def test_admission_takes_routing_types_only_and_never_the_gateway() -> None:
+    found = imports("admission")
+    assert not {(f, m) for f, m in found if ours(m) == "gateway"}
+    policies = {(f, m) for f, m in found if ours(m) == "routing" and m != "routing.types"}
+    assert not policies, policies
+    assert any(m == "routing.types" for _, m in found)  # the check sees real imports
+
+
+def test_the_gateway_packages_never_import_the_simulator_or_the_load_tools() -> None:
+    apart = {"enginesim", "loadtests", "kvgate_demo", "locust"}
+    for package in ("gateway", "admission", "routing"):
+        assert not {(f, m) for f, m in imports(package) if ours(m) in apart}, package
+
+
+def test_enginesim_stands_apart() -> None:
+    assert not {
+        (f, m) for f, m in imports("enginesim") if ours(m) in {"gateway", "admission", "routing"}
+    }
