@@ -10,7 +10,9 @@ from tests.gateway.test_ops import scrape
 
 
 async def test_engine_kv_usage_follows_the_engine(replica, gateway):
-    srv = await replica(speed=5.0)
+    # A stream that lasts several discovery rounds (ignore_eos: no early stop) at a real
+    # pace, so that a round sees the engine hold its KV even on a loaded machine.
+    srv = await replica(speed=1.0)
     gw = await gateway(srv)
     key = ("kvgate_replica_engine_kv_usage_ratio", (("replica", "r0"),))
     running = ("kvgate_replica_engine_running", (("replica", "r0"),))
@@ -22,6 +24,7 @@ async def test_engine_kv_usage_follows_the_engine(replica, gateway):
         "model": MODEL,
         "messages": [{"role": "user", "content": "word " * 200}],
         "max_tokens": 400,
+        "ignore_eos": True,
         "stream": True,
     }
     seen: dict = {}
@@ -42,7 +45,7 @@ async def test_engine_kv_usage_follows_the_engine(replica, gateway):
                 await wait_for(lambda: False, within=0.1)
             assert ok, seen.get(key)
             assert 0 < seen[key] <= 1
-            await r.read()
+        # Leaving the stream closes it: kvgate aborts the engine's request.
     assert await wait_for(lambda: srv.core.stats().blocks_in_use == 0)
     # The next rounds see the engine's pool empty again.
     for _ in range(50):
