@@ -22,8 +22,6 @@ import json
 import math
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,33 +33,13 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from kvgate_demo.demo import Process as Proc
+from kvgate_demo.demo import free_port
 from tests.deploy.panels import ROOT, Target, declared_families, targets
 
 MODEL = "tiny-llm"
 SCRAPE_S = 1
 RATE_INTERVAL = "10s"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    url: str
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
 
 
 @dataclass
