@@ -226,9 +226,11 @@ def start_kvgate(
     *,
     src: Path | None = None,
     workers: int | None = None,
+    redis_url: str | None = None,
 ) -> Process:
     """``kvgate serve`` from this checkout, or from `src` (another checkout's code on this
-    venv's packages)."""
+    venv's packages); with `workers`, N processes sharing state in the Redis at
+    `redis_url` (``kvgate serve --workers N`` needs the redis backend)."""
     ports = [upstream_ports] if isinstance(upstream_ports, int) else upstream_ports
     cfg = workdir / f"{name}.yaml"
     cfg.write_text(
@@ -246,6 +248,11 @@ def start_kvgate(
                     for i, p in enumerate(ports)
                 ],
                 "logging": {"level": "warning", "access_log": False},
+                **(
+                    {"state": {"backend": "redis", "redis_url": redis_url, "key_prefix": name}}
+                    if redis_url
+                    else {}
+                ),
             }
         )
     )
@@ -631,9 +638,27 @@ def setup_mode(
             lambda n, port, u: start_kvgate(workdir, n, port, u, src=args.baseline_src),
         )
     if args.workers:
+        # The workers share their state in a private Redis (one key prefix per target).
+        redis_port = free_port()
+        procs.append(
+            Process(
+                "redis",
+                subprocess.Popen(
+                    ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1"]
+                    + ["--save", "", "--appendonly", "no"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                ),
+                "",
+            )
+        )
+        _wait_port(redis_port)
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
         launch(
             f"kvgate-w{args.workers}",
-            lambda n, port, u: start_kvgate(workdir, n, port, u, workers=args.workers),
+            lambda n, port, u: start_kvgate(
+                workdir, n, port, u, workers=args.workers, redis_url=redis_url
+            ),
         )
     if routers_ok:
         for r in ("vllm-router", "sglang-router"):
