@@ -59,6 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 DEFAULT_TENANT = "default"
 _WINDOW_S = 60.0  # rpm and tpm are per minute
+_WANTED_S = 10.0  # how long a refused request's share stays demand (at least)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -171,12 +172,20 @@ class KeyIndex:
 class Gcra:
     """A GCRA limit of `limit` cells per minute, scaled by `share` (sans-IO)."""
 
-    __slots__ = ("total", "share", "tat")
+    __slots__ = ("total", "share", "tat", "wanted", "wanted_until", "share_wait_s")
 
     def __init__(self, limit: int) -> None:
         self.total = limit
         self.share = 1.0
         self.tat = -math.inf
+        # The largest cost (as a fraction of the total) refused because it exceeded this
+        # process's share, not the total: demand the share lease must see, or a request
+        # larger than an idle split would never pass here (gateway.sharing asks for it).
+        self.wanted = 0.0
+        self.wanted_until = -math.inf  # kept until the client has had time to come back
+        # How soon a share can grow: the lease renewal the shell runs (set by it; a
+        # minute, the window, when nothing renews shares).
+        self.share_wait_s = _WINDOW_S
 
     @property
     def limit(self) -> float:
@@ -189,15 +198,27 @@ class Gcra:
 
     def wait(self, cost: float, now: float) -> float:
         """Seconds until `cost` cells would pass (0: now; inf: never). A cost over this
-        process's share but within the configured total waits for the share to grow: a
-        minute, the window (shares are leased for much less)."""
+        process's share but within the configured total is recorded as wanted and waits
+        for the share to grow: at the next lease renewal at the soonest
+        (`share_wait_s`)."""
         if cost > self.total:
             return math.inf
         if cost > self.limit:
-            return _WINDOW_S
+            self.wanted = max(self.demand(now), cost / self.total)
+            # Kept while the client retries (after `share_wait_s`), so the share grown for
+            # it is still there when it comes back; then it is its use that holds it.
+            self.wanted_until = now + max(_WANTED_S, 4 * self.share_wait_s)
+            return self.share_wait_s
         t = self._interval()
         excess = max(self.tat, now) + cost * t - now - _WINDOW_S
         return max(0.0, excess)
+
+    def demand(self, now: float) -> float:
+        """The share a refused request asked for (a fraction of the total), while it is
+        expected back; 0 after."""
+        if now >= self.wanted_until:
+            self.wanted = 0.0
+        return self.wanted
 
     def charge(self, cost: float, now: float) -> None:
         t = self._interval()

@@ -240,6 +240,13 @@ class StateSync:
                     held += self.controller.tenant_queued(st.name)
                     used = max(used, min(1.0, held / max(1, st.max_concurrent or 0)))
                 want = max(floor, st.share * (used + _TENANT_GROWTH))
+                for g in (st.rpm, st.tpm):
+                    if g is None:
+                        continue
+                    # A request refused for this process's share alone: its cost is
+                    # demand, and the share can grow within a renewal or two.
+                    g.share_wait_s = 2 * self.config.renew_interval_s
+                    want = max(want, g.demand(now))
                 requests.append(
                     LeaseRequest(
                         f"tenant:{st.name}",

@@ -302,3 +302,47 @@ async def test_a_tenant_concurrency_in_use_draws_its_fraction(backend: StateBack
     assert got[0] > 4 and got[0] + got[1] <= 8, got
     for i in range(4):
         cs[0].release(f"a{i}", 1.0)
+
+
+async def test_a_request_larger_than_an_idle_split_grows_its_share(backend: StateBackend) -> None:
+    """Three idle processes split a tenant's tpm equally; a request larger than one third
+    (but within the total) is refused here for the share alone, with a wait of a couple
+    of renewals, not a minute: its cost is demand, the next renewals grow this process's
+    share to hold it, and then it passes. The shares never sum past the total."""
+    from admission.tenants import TenantConfig, TenantLimiter
+
+    cfg = [TenantConfig(name="t", tpm=3000)]
+    limiters = [TenantLimiter.from_config(cfg) for _ in range(3)]
+    cs = [ctrl() for _ in range(3)]
+    syncs = [
+        StateSync(
+            StateConfig(lease_ttl_s=5.0, renew_interval_s=0.5),
+            backend,
+            c,
+            AdmissionBridge(c),
+            holder=f"p{i}",
+            tenants=lim,
+        )
+        for i, (c, lim) in enumerate(zip(cs, limiters, strict=True))
+    ]
+    for _ in range(5):
+        for s in syncs:
+            await s.renew()
+    split = [lim.get("t").share for lim in limiters]
+    assert all(abs(f - 1 / 3) < 0.01 for f in split), split  # idle: an equal split
+    loop = asyncio.get_running_loop()
+    st = limiters[0].get("t")
+    assert st.tpm is not None
+    wait = st.tpm.wait(1500, loop.time())  # half the total: over a third
+    assert 0 < wait <= 1.0  # two renewals of 0.5 s, not the 60 s window
+    assert st.tpm.wait(1500, loop.time()) > 0
+    for _ in range(3):
+        for s in syncs:
+            await s.renew()
+    fractions = [lim.get("t").share for lim in limiters]
+    assert sum(fractions) <= 1.0 + 1e-9, fractions
+    assert fractions[0] >= 0.5, fractions
+    assert st.tpm.wait(1500, loop.time()) == 0  # it passes now
+    # The demand lasts while the client is expected back, then goes.
+    assert st.tpm.demand(loop.time()) == 0.5
+    assert st.tpm.demand(loop.time() + 60.0) == 0.0
