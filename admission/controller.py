@@ -262,12 +262,6 @@ class _Replica:
             return False
         return self.capacity is None or self.tokens_for(req) <= self.effective
 
-    def fits_now(self, req: AdmissionRequest) -> bool:
-        allowed = self.allowed
-        if allowed is not None and self.running >= allowed:
-            return False
-        return self.tokens_for(req) <= self.free
-
 
 @dataclass(slots=True, frozen=True)
 class _WaitContext:

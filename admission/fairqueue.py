@@ -41,6 +41,8 @@ from typing import Any, Protocol
 
 
 class _QEntry(Protocol):
+    """What the queue reads of an entry (admission.controller._Entry)."""
+
     key: tuple[int, int, float, float, int]
     raw: int
     deadline: float
@@ -54,7 +56,7 @@ class _QEntry(Protocol):
 class _Lane:
     """One tenant's entries in one priority class, by key."""
 
-    entries: list[Any]
+    entries: list[_QEntry]
     keys: list[tuple[int, int, float, float, int]]
     tokens: int = 0
     model_tokens: dict[str, int] | None = None
@@ -85,7 +87,7 @@ class FairQueue:
         self._backlog: dict[str, int] = {}  # tenant -> entries queued (all classes)
         self._floor = 0.0  # counter level where the last backlog ended
         self._n = 0
-        self._deadlines: list[tuple[float, int, Any]] = []
+        self._deadlines: list[tuple[float, int, _QEntry]] = []
         self._dseq = 0
         self._served: dict[str, _Served] = {}  # request id -> what it was charged
         self.running: dict[str, int] = {}  # tenant -> admitted, not yet released
@@ -108,7 +110,7 @@ class FairQueue:
         return w if w > 0 else 1.0
 
     # ------------------------------------------------------------------ insert / remove
-    def insert(self, entry: Any) -> None:
+    def insert(self, entry: _QEntry) -> None:
         req = entry.req
         tenant = req.tenant
         if not self._backlog.get(tenant):
@@ -132,7 +134,7 @@ class FairQueue:
         self._dseq += 1
         heapq.heappush(self._deadlines, (entry.deadline, self._dseq, entry))
 
-    def remove(self, entry: Any) -> None:
+    def remove(self, entry: _QEntry) -> None:
         req = entry.req
         tenant = req.tenant
         prio = req.priority
@@ -192,7 +194,7 @@ class FairQueue:
         return s.running_at_admit
 
     # ------------------------------------------------------------------ order
-    def visit(self, passed_over: Callable[[str], bool]) -> Iterator[Any]:
+    def visit(self, passed_over: Callable[[str], bool]) -> Iterator[_QEntry]:
         """Entries in service order for one scan; the caller may admit (remove) the entry
         it was given before asking for the next, and the order follows the counters.
         Tenants for which `passed_over` is true (at their concurrency cap) are skipped."""
@@ -222,7 +224,7 @@ class FairQueue:
                 else:
                     heapq.heappop(heap)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[_QEntry]:
         """The order projected without admissions: per class, each tenant's entries at
         the counter they would reach (counter + tokens before them / weight)."""
         for neg in list(self._prios):

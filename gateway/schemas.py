@@ -74,7 +74,7 @@ class ChatMessage:
 
 
 class _Common:
-    """The fields of both endpoints. Build with `from_body` (or `model_validate`)."""
+    """The fields of both endpoints. Build with the constructor (or `model_validate`)."""
 
     __slots__ = ("body", "model", "stream", "stream_options", "max_tokens", "n")
 
@@ -106,10 +106,6 @@ class _Common:
         if n is not None and (type(n) is not int or n != 1):
             raise BodyError("n", "Input should be 1")
         self.n: int | None = n
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> _Common:
-        return cls(body)
 
     # The name pydantic gave it, kept for callers and tests written against the models.
     @classmethod
@@ -163,21 +159,6 @@ class ChatCompletionRequest(_Common):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
-
-    def prompt_text(self) -> str:
-        """The text content of the messages, for character-based token estimation and
-        workload classification (never logged)."""
-        parts: list[str] = []
-        for m in self.messages:
-            c = m.content
-            if isinstance(c, str):
-                parts.append(c)
-            elif c:
-                for p in c:
-                    t = p.get("text")
-                    if isinstance(t, str):
-                        parts.append(t)
-        return "\n".join(parts)
 
 
 def _is_ints(v: list[Any]) -> bool:

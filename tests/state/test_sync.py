@@ -16,6 +16,7 @@ from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.state import MemoryBackend, StateBackend
 from admission.state.redis import RedisBackend
+from admission.tenants import TenantConfig, TenantLimiter
 from admission.types import AdmissionRequest, Admit
 from gateway.admitter import AdmissionBridge
 from gateway.config import StateConfig
@@ -47,9 +48,15 @@ async def backend(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[
         await b.close()
 
 
-def sync(backend: StateBackend, c: AdmissionController, name: str, **cfg: object) -> StateSync:
+def sync(
+    backend: StateBackend,
+    c: AdmissionController,
+    name: str,
+    tenants: TenantLimiter | None = None,
+    **cfg: object,
+) -> StateSync:
     config = StateConfig(lease_ttl_s=5.0, renew_interval_s=0.5, **cfg)  # type: ignore[arg-type]
-    return StateSync(config, backend, c, AdmissionBridge(c), holder=name)
+    return StateSync(config, backend, c, AdmissionBridge(c), holder=name, tenants=tenants)
 
 
 async def queue(s: StateSync, req: AdmissionRequest) -> asyncio.Task[object]:
@@ -223,21 +230,11 @@ async def test_fail_open_never_seen_uses_the_workers_hint(prefix: str) -> None:
 async def test_tenant_fractions_follow_demand_and_sum_to_at_most_one(
     backend: StateBackend,
 ) -> None:
-    from admission.tenants import TenantConfig, TenantLimiter
-
     cfg = [TenantConfig(name="t", rpm=600)]
     limiters = [TenantLimiter.from_config(cfg) for _ in range(3)]
     cs = [ctrl() for _ in range(3)]
     syncs = [
-        StateSync(
-            StateConfig(lease_ttl_s=5.0, renew_interval_s=0.5),
-            backend,
-            c,
-            AdmissionBridge(c),
-            holder=f"p{i}",
-            tenants=lim,
-        )
-        for i, (c, lim) in enumerate(zip(cs, limiters, strict=True))
+        sync(backend, c, f"p{i}", lim) for i, (c, lim) in enumerate(zip(cs, limiters, strict=True))
     ]
     for _ in range(5):
         for s in syncs:
@@ -261,8 +258,6 @@ async def test_tenant_fractions_follow_demand_and_sum_to_at_most_one(
 
 
 async def test_a_tenant_concurrency_in_use_draws_its_fraction(backend: StateBackend) -> None:
-    from admission.tenants import TenantConfig, TenantLimiter
-
     cfg = [TenantConfig(name="t", max_concurrent=8)]
     limiters = [TenantLimiter.from_config(cfg) for _ in range(2)]
     cs = []
@@ -276,15 +271,7 @@ async def test_a_tenant_concurrency_in_use_draws_its_fraction(backend: StateBack
         c.upsert_replica(replica("r1", 100_000, max_running=100), 0.0)
         cs.append(c)
     syncs = [
-        StateSync(
-            StateConfig(lease_ttl_s=5.0, renew_interval_s=0.5),
-            backend,
-            c,
-            AdmissionBridge(c),
-            holder=f"p{i}",
-            tenants=lim,
-        )
-        for i, (c, lim) in enumerate(zip(cs, limiters, strict=True))
+        sync(backend, c, f"p{i}", lim) for i, (c, lim) in enumerate(zip(cs, limiters, strict=True))
     ]
     for _ in range(3):
         for s in syncs:
@@ -309,21 +296,11 @@ async def test_a_request_larger_than_an_idle_split_grows_its_share(backend: Stat
     (but within the total) is refused here for the share alone, with a wait of a couple
     of renewals, not a minute: its cost is demand, the next renewals grow this process's
     share to hold it, and then it passes. The shares never sum past the total."""
-    from admission.tenants import TenantConfig, TenantLimiter
-
     cfg = [TenantConfig(name="t", tpm=3000)]
     limiters = [TenantLimiter.from_config(cfg) for _ in range(3)]
     cs = [ctrl() for _ in range(3)]
     syncs = [
-        StateSync(
-            StateConfig(lease_ttl_s=5.0, renew_interval_s=0.5),
-            backend,
-            c,
-            AdmissionBridge(c),
-            holder=f"p{i}",
-            tenants=lim,
-        )
-        for i, (c, lim) in enumerate(zip(cs, limiters, strict=True))
+        sync(backend, c, f"p{i}", lim) for i, (c, lim) in enumerate(zip(cs, limiters, strict=True))
     ]
     for _ in range(5):
         for s in syncs:
