@@ -83,14 +83,24 @@ class AdmissionBridge:
             return verdict, False
         return await self.wait_queued(req.request_id), True
 
-    async def wait_queued(self, request_id: str) -> Admit | Shed:
-        """Wait for the Admit or Shed of a request the controller just queued (its
-        `submit` answered Queued, with no await in between)."""
+    def expect(self, request_id: str) -> asyncio.Future[Admit | Shed]:
+        """Register the waiter of a request the controller just queued (its `submit`
+        answered Queued), before anything else can admit or shed it: a verdict for a
+        request nobody waits for is taken for a departed client's and given back."""
         fut: asyncio.Future[Admit | Shed] = self._loop.create_future()
         self._waiters[request_id] = fut
         first = self.controller.next_deadline()
         if first is not None and first < self._armed:
             self._wake.set()  # this entry may expire before what the task sleeps towards
+        return fut
+
+    async def wait_queued(
+        self, request_id: str, fut: asyncio.Future[Admit | Shed] | None = None
+    ) -> Admit | Shed:
+        """Wait for the Admit or Shed of a queued request: `fut` from `expect`, or
+        registered now (when nothing ran since its `submit`)."""
+        if fut is None:
+            fut = self.expect(request_id)
         try:
             return await fut
         finally:

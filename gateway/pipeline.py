@@ -693,6 +693,7 @@ class Pipeline:
         ctrl.mark_unready(failed, now)
         rid = f"{ctx.request_id}.{ctx.attempts}"
         ctx.admission_id = rid
+        waiter = None
         try:
             verdict = ctrl.submit(
                 # First arrival: ahead of the requests that came after it.
@@ -706,11 +707,15 @@ class Pipeline:
                 ),
                 now,
             )
+            self.bridge.resolve(ctrl.take_displaced())
+            if isinstance(verdict, Queued):
+                # Before the reinstatement below: it may admit this very entry.
+                waiter = self.bridge.expect(rid)
         finally:
             if kind != "connect":
                 self.discovery.reinstate(failed)
-        if isinstance(verdict, Queued):
-            verdict = await self.bridge.wait_queued(rid)
+        if waiter is not None:
+            verdict = await self.bridge.wait_queued(rid, waiter)
         if isinstance(verdict, Shed) and verdict.reason == "shutdown":
             raise self._shutting_down()
         if isinstance(verdict, Admit):
