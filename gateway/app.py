@@ -276,6 +276,19 @@ def build_app(
     return app
 
 
+_RUNNER_SHUTDOWN_S = 2.0
+_STUCK_REPORT_S = 10.0
+
+
+def _log_pending_tasks(current: asyncio.Task[Any] | None) -> None:
+    for task in asyncio.all_tasks():
+        if task is current or task.done():
+            continue
+        frames = task.get_stack(limit=6)
+        where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames))
+        log.warning("kvgate: stopping still waits on task %s at %s", task.get_name(), where)
+
+
 class Gateway:
     """An embeddable kvgate: ``async with Gateway(config) as gw: gw.url, gw.controller``."""
 
@@ -325,6 +338,10 @@ class Gateway:
             self.app,
             handler_cancellation=True,
             access_log=None,
+            # aiohttp's own wait for handlers at cleanup (default 60 s, twice over): ours
+            # has already drained and cut them by then (shutdown), so a handler that still
+            # runs is stuck and must not hold the process for minutes.
+            shutdown_timeout=_RUNNER_SHUTDOWN_S,
             **server_kwargs(self.config.limits),
         )
         await self._runner.setup()
@@ -399,7 +416,12 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(5.0):
                     await pipeline.idle.wait()
-        await self.stop()
+        # If stopping overruns, say what it waits for (the stacks of the tasks left).
+        report = loop.call_later(_STUCK_REPORT_S, _log_pending_tasks, asyncio.current_task())
+        try:
+            await self.stop()
+        finally:
+            report.cancel()
         return {"shed": shed, "cut": cut, "drained": drained}
 
     async def _close_listener_at(self, when: float, fast: asyncio.Event | None) -> None:

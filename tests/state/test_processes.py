@@ -347,9 +347,12 @@ async def test_workers_run_on_one_port_and_stop_with_the_supervisor(
                 async with s.post(url + "/v1/chat/completions", json=BODY) as r:
                     assert r.status == 200
         proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(20):
-            code = await proc.wait()
-        assert code == 0
+        try:
+            async with asyncio.timeout(20):
+                code = await proc.wait()
+        except TimeoutError:
+            raise AssertionError("the supervisor did not exit:\n" + log.read_text()) from None
+        assert code == 0, log.read_text()
         with contextlib.suppress(ConnectionRefusedError, OSError):
             _, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.close()
