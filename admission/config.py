@@ -168,6 +168,18 @@ class AdmissionConfig(BaseModel):
         "busy server not at all). Released earlier once the engine's running gauge shows it "
         "stopped. 0 releases at once.",
     )
+    share_prefix: bool = Field(
+        True,
+        description="Count a prompt prefix that running requests share once per replica, "
+        "as an engine with prefix caching holds it (vLLM, SGLang; admission/prefixshare.py), "
+        "instead of once per request.",
+    )
+    prefix_settle_s: float = Field(
+        2.0,
+        ge=0.0,
+        description="Until a replica's time to first token is learned: how long after its "
+        "admission a request's prompt blocks are taken to be computed and shareable.",
+    )
     itl_memory_s: float = Field(
         60.0,
         gt=0.0,

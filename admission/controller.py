@@ -23,6 +23,14 @@ Ledger
       ``max_tokens`` runs past the context (it stops at the context's end), so only a
       prompt that leaves no room to generate is refused there.
 
+    Shared prefixes: on an engine that keeps one copy of a prompt prefix its running
+    requests share (``ReplicaState.shares_prefix``: vLLM's prefix caching, SGLang's radix
+    cache), a reservation pins its prompt's block hash chain there and holds its need
+    less the prefix blocks already pinned and computed, which are counted once however
+    many pin them (admission/prefixshare.py states the bounds that keep this at or above
+    what the engine holds). A request admitted while another still computes the same
+    prefix pays for its whole prompt, as the engine computes its own copy.
+
     The sum of reservations on a replica never exceeds its effective pool
     ``floor(capacity * (1 - headroom))`` because of an admission or a top-up (invariant
     3); it can exceed it only when the pool itself shrinks, and then nothing more is
@@ -118,6 +126,7 @@ from admission.estimate import ServiceModel
 from admission.fairqueue import FairQueue
 from admission.itl import ItlModel
 from admission.limit import LatencyTargets, LimitSettings, RunningLimit, latency_ratio
+from admission.prefixshare import SharedPrefixes
 from admission.retries import ReturningBacklog
 from admission.types import (
     AdmissionRequest,
@@ -156,6 +165,9 @@ class _Replica:
     labels: dict[str, str] = field(default_factory=dict)
     preempts: bool = True  # see the module docstring, Ledger
     private_slots: bool = False
+    # The prompt prefixes its reservations pin (module docstring, Ledger); None when the
+    # engine does not share them. `reserved` includes their tokens.
+    prefixes: SharedPrefixes | None = None
     reserved: int = 0
     running: int = 0  # reservations, held ones included
     held: int = 0  # abandoned reservations waiting for the engine to stop
@@ -280,8 +292,10 @@ class _Reservation:
     request_id: str
     replica: str
     model: str
-    tokens: int
+    tokens: int  # its private part: the prefix blocks it pins are counted once, apart
     admitted_at: float
+    pins: tuple[int, ...] = ()  # the prefix block hashes it pins on its replica
+    covered: int = 0  # tokens of its need that those pinned blocks hold
     # Set by `abandon`: since when, until when at most, and what to learn on release.
     held_since: float | None = None
     held_until: float = math.inf
@@ -481,6 +495,11 @@ class AdmissionController:
         rep.view_at = state.updated_at
         rep.preempts = state.preempts
         rep.private_slots = state.private_slots
+        if state.shares_prefix and self.config.share_prefix and not rep.private_slots:
+            if rep.prefixes is None:
+                rep.prefixes = SharedPrefixes()
+        elif rep.prefixes is not None and not len(rep.prefixes):
+            rep.prefixes = None
         fresh = state.updated_at != rep.signals_at
         if fresh and rep.capacity is not None:
             self._check_pool(rep, state.kv_usage, now)
@@ -746,14 +765,14 @@ class AdmissionController:
             return False
         rep = self._replicas[res.replica]
         target = rep.need(total_tokens)
-        if target <= res.tokens:
+        if target <= res.tokens + res.covered:
             return True
-        extra = target - res.tokens
+        extra = target - res.tokens - res.covered
         if not rep.present or extra > rep.free:
             self.top_up_failures += 1
             return False
         rep.reserved += extra
-        res.tokens = target
+        res.tokens += extra
         self._touch(rep)
         return True
 
@@ -887,7 +906,7 @@ class AdmissionController:
     def reservation(self, request_id: str) -> Admit | None:
         """The current reservation of an admitted request (addition to the API)."""
         res = self._reservations.get(request_id)
-        return Admit(res.request_id, res.replica, res.tokens) if res else None
+        return Admit(res.request_id, res.replica, res.tokens + res.covered) if res else None
 
     def limit_of(self, replica: str) -> RunningLimit | None:
         """The learned running limit of `replica` (for tests, benches and the admin API)."""
@@ -971,9 +990,12 @@ class AdmissionController:
             if model is None:
                 model = rep.itl = ItlModel(memory_s=self.config.itl_memory_s)
             model.add(load, completion.itl_s, now)
-        rep.reserved -= res.tokens
+        freed = res.tokens
+        if res.pins and rep.prefixes is not None:
+            freed += rep.prefixes.unpin(res.pins)
+        rep.reserved -= freed
         rep.running -= 1
-        rep.drain.record(res.tokens, now)
+        rep.drain.record(freed, now)
         rep.drain.set_busy(rep.running > 0, now)
         if completion is not None:
             self._learn(rep, res, completion, now)
@@ -1068,7 +1090,12 @@ class AdmissionController:
             stream=c.ttft_s is not None,
         )
         rep.limit.completed(
-            now, res.admitted_at, ok=c.ok, work_tokens=work or res.tokens, ratio=ratio, cap=rep.cap
+            now,
+            res.admitted_at,
+            ok=c.ok,
+            work_tokens=work or res.tokens + res.covered,
+            ratio=ratio,
+            cap=rep.cap,
         )
 
     def _predict(self, req: AdmissionRequest, view: _View) -> float:
@@ -1267,19 +1294,31 @@ class AdmissionController:
                 full = any(not fit.get(name, True) for name in hinted)
             if full and self._wait_for_warm(req, route, rep, fit, now):
                 return _REJECTED  # waits for the warm replica without blocking anyone
-        tokens = rep.tokens_for(req)
+        tokens, shared = self._need(rep, req, now)
+        pins: tuple[int, ...] = ()
+        private = tokens
+        if rep.prefixes is not None and req.prefix_block_tokens > 0 and req.prefix_hashes:
+            pins, added = rep.prefixes.pin(
+                req.prefix_hashes,
+                shared,
+                req.prefix_block_tokens,
+                now + self._settle_time(rep, req, tokens),
+                tokens,
+            )
+            private = tokens - added
         rep.reserved += tokens
         rep.running += 1
         rep.drain.set_busy(True, now)
         if rep.limit is not None:
             rep.limit.running_changed(rep.running, now)
+        full = rep.tokens_for(req)  # its whole need, the shared part included
         self._reservations[req.request_id] = _Reservation(
-            req.request_id, rep.name, req.model, tokens, now
+            req.request_id, rep.name, req.model, private, now, pins, full - private
         )
         self._touch(rep)
         if self._placed_hook is not None:
             self._placed_hook(route, rep.cand, now)
-        return Admit(req.request_id, rep.name, tokens)
+        return Admit(req.request_id, rep.name, full)
 
     def _wait_for_warm(
         self,
@@ -1314,7 +1353,7 @@ class AdmissionController:
             return False
         tok_rate, req_rate = w.drain.rates(now)
         wait = 0.0
-        deficit = w.tokens_for(req) - w.free
+        deficit = self._need(w, req, now)[0] - w.free
         if deficit > 0:
             wait = deficit / tok_rate if tok_rate > 0 else math.inf
         allowed = w.allowed
@@ -1331,6 +1370,38 @@ class AdmissionController:
         return t_warm < t_cold
 
     @staticmethod
+    def _need(rep: _Replica, req: AdmissionRequest, now: float) -> tuple[int, int]:
+        """What admitting `req` to `rep` now adds to its ledger, and how many leading
+        prefix blocks it shares there with running requests (module docstring, Ledger):
+        its reservation less the shared blocks, which are counted once already, less a
+        margin for the partial blocks at the edge of the shared part."""
+        tokens = rep.tokens_for(req)
+        prefixes = rep.prefixes
+        w = req.prefix_block_tokens
+        if prefixes is None or w <= 0 or not req.prefix_hashes or not len(prefixes):
+            return tokens, 0
+        shared = prefixes.shareable(req.prefix_hashes, now)
+        credit = prefixes.credit(shared, w, rep.block_size + w)
+        if credit <= 0:
+            return tokens, shared
+        bs = rep.block_size
+        return max(bs, tokens - credit // bs * bs), shared
+
+    def _settle_time(self, rep: _Replica, req: AdmissionRequest, tokens: int) -> float:
+        """How long after admission the prompt blocks of `req` on `rep` are taken to be
+        computed (shareable): twice its predicted time to first token there (streams
+        teach it), else twice the predicted service of its prompt alone (every completion
+        teaches that: an upper bound of its prefill), or ``prefix_settle_s`` while neither
+        is learned."""
+        load = rep.allowed or rep.running + 1
+        prompt = max(1, req.prompt_tokens)
+        if len(rep.ttft):
+            return 2.0 * rep.ttft.predict(prompt, load)
+        if len(rep.service):
+            return 2.0 * rep.service.predict(prompt, load)
+        return self.config.prefix_settle_s
+
+    @staticmethod
     def _fits_now(rep: _Replica, req: AdmissionRequest, now: float) -> bool:
         """`rep` can take `req` now; if so its candidate is refreshed in place (the
         ledger now, the engine view's age)."""
@@ -1340,7 +1411,7 @@ class AdmissionController:
         if allowed is not None and rep.running >= allowed:
             return False
         free = rep.free
-        if rep.tokens_for(req) > free:
+        if AdmissionController._need(rep, req, now)[0] > free:
             return False
         c = rep.cand
         c.free_tokens = free
@@ -1609,7 +1680,10 @@ class AdmissionController:
             elif (allowed := rep.allowed) is not None and rep.running >= allowed:
                 learned = rep.cap is None or allowed < rep.cap
                 out[rep.name] = "latency" if learned else "running_cap"
-            elif rep.name in head_for and rep.tokens_for(head_for[rep.name].req) > rep.free:
+            elif (
+                rep.name in head_for
+                and self._need(rep, head_for[rep.name].req, self._now)[0] > rep.free
+            ):
                 out[rep.name] = "kv_capacity"
             elif rep.free < rep.block_size:
                 out[rep.name] = "kv_capacity"

@@ -128,6 +128,15 @@ class TokenEstimator:
                 target, stats.chars_per_token * (1.0 + cfg.max_chars_per_token_growth)
             )
 
+    def most_chars_per_token(self, model: str) -> float | None:
+        """The most characters per token seen in the model's recent prompts (None before
+        ``min_prompt_samples``): what bounds the tokens a stretch of text holds from
+        below, where `prompt_tokens` bounds them from above."""
+        stats = self._models.get(model)
+        if stats is None or len(stats.prompt_ratios) < self._config.min_prompt_samples:
+            return None
+        return stats.prompt_ratios.quantile(1.0)
+
     # ----------------------------------------------------------------- output
     def learned_output(self, model: str) -> int | None:
         """The learned completion-length quantile, or None before enough samples."""

@@ -46,6 +46,10 @@ class AdmissionRequest:
     # once by the gateway when a profile reads it, and the client's session key.
     prefix_hashes: tuple[int, ...] = ()
     session: str | None = None
+    # Whole tokens each block of `prefix_hashes` holds at least (a lower bound, from the
+    # most characters per token seen for the model): what a prefix shared with running
+    # requests saves on a replica that caches prefixes (admission.prefixshare). 0: none.
+    prefix_block_tokens: int = 0
     # The tenant's SLO targets (seconds; None: none), for SLO-aware placement.
     ttft_target_s: float | None = None
     itl_target_s: float | None = None

@@ -391,6 +391,58 @@ async def kvgate_view(url: str) -> dict:
     return out
 
 
+async def sample_kvgate(url: str, every_s: float = 0.1) -> dict:
+    """What bound kvgate's replicas while the sessions ran, sampled from /metrics until
+    cancelled, in the samples with a queue: how often each ceiling held a replica
+    (`kvgate_replica_binding_ceiling`), and the ledger's reservations against what the
+    engines reported using (sums over replicas)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    binding: dict[str, int] = {}
+    n = queued = 0
+    reserved_sum = engine_sum = 0.0
+    try:
+        async with aiohttp.ClientSession() as s:
+            while True:
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with s.get(url + "/metrics") as r:
+                        text = await r.text()
+                    cap: dict[str, float] = {}
+                    res: dict[str, float] = {}
+                    use: dict[str, float] = {}
+                    depth = 0.0
+                    bound: list[str] = []
+                    for fam in text_string_to_metric_families(text):
+                        for sm in fam.samples:
+                            rep = sm.labels.get("replica")
+                            if sm.name == "kvgate_replica_binding_ceiling" and sm.value:
+                                bound.append(sm.labels["ceiling"])
+                            elif sm.name == "kvgate_replica_capacity_tokens" and rep:
+                                cap[rep] = sm.value
+                            elif sm.name == "kvgate_replica_reserved_tokens" and rep:
+                                res[rep] = sm.value
+                            elif sm.name == "kvgate_replica_engine_kv_usage_ratio" and rep:
+                                use[rep] = sm.value
+                            elif sm.name == "kvgate_queue_depth":
+                                depth += sm.value
+                    n += 1
+                    if depth > 0:
+                        queued += 1
+                        for c in bound:
+                            binding[c] = binding.get(c, 0) + 1
+                        reserved_sum += sum(res.values())
+                        engine_sum += sum(use.get(k, 0.0) * cap.get(k, 0.0) for k in res)
+                await asyncio.sleep(every_s)
+    except asyncio.CancelledError:
+        pass
+    return {
+        "samples": n,
+        "with_queue": queued,
+        "binding": binding,
+        "reserved_over_engine_used": reserved_sum / engine_sum if engine_sum else None,
+    }
+
+
 async def counters(urls: list[str]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"hits": [], "queries": [], "preemptions": []}
     for u in urls:
@@ -436,10 +488,21 @@ async def one_contender(
             before = await counters(urls)
             gate0 = await kvgate_view(front.url) if mode == "kvgate" and front else {}
             t0 = time.monotonic()
+            sampler = (
+                asyncio.ensure_future(sample_kvgate(front.url))
+                if mode == "kvgate" and front
+                else None
+            )
             outcome = await drive([front.url] if front else urls, mode, args, sessions, prefixes)
             wall = time.monotonic() - t0
+            samples = None
+            if sampler is not None:
+                sampler.cancel()
+                samples = await sampler
             after = await counters(urls)
             gate = await kvgate_view(front.url) if mode == "kvgate" and front else {}
+            if samples is not None:
+                gate["samples"] = samples
             if gate0:  # the measured part only (the warm-up excluded)
                 for key in ("queue_wait_sum_s", "queue_wait_count"):
                     gate[key] = gate.get(key, 0.0) - gate0.get(key, 0.0)

@@ -135,7 +135,11 @@ class EngineCore:
         self._reqs: dict[str, _Req] = {}
         self._waiting: deque[_Req] = deque()
         self._running: list[_Req] = []
-        self._stats = EngineStats(num_gpu_blocks=self.num_gpu_blocks, block_size=self.block_size)
+        self._stats = EngineStats(
+            num_gpu_blocks=self.num_gpu_blocks,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
         # Work accounting beyond the metrics (used by tests and calibration).
         self.total_prefill_tokens = 0  # prefill positions computed (recompute counted again)
         self.total_steps = 0

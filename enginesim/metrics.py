@@ -108,7 +108,15 @@ class _StatsCollector(Collector):
             ],
         )  # fmt: skip
         info.add_metric(
-            [str(s.block_size), "auto", "True", "0", "None", str(s.num_gpu_blocks), "sha256"],
+            [
+                str(s.block_size),
+                "auto",
+                str(s.enable_prefix_caching),
+                "0",
+                "None",
+                str(s.num_gpu_blocks),
+                "sha256",
+            ],  # fmt: skip
             1.0,
         )
         yield info

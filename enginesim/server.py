@@ -544,6 +544,7 @@ class EngineServer:
                 "context_length": p.max_model_len,
                 "chunked_prefill_size": p.max_num_batched_tokens,
                 "max_prefill_tokens": p.max_num_batched_tokens,
+                "disable_radix_cache": not self.core.enable_prefix_caching,
                 "speculative_algorithm": spec_algo,
                 # SGLang's server arguments: drafts verified per step (EAGLE: one chain).
                 "speculative_num_draft_tokens": (

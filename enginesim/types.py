@@ -120,6 +120,7 @@ class EngineStats:
     num_waiting: int = 0
     num_gpu_blocks: int = 0
     block_size: int = 16
+    enable_prefix_caching: bool = True
     blocks_in_use: int = 0  # blocks referenced by at least one request
     cached_free_blocks: int = 0  # blocks held only by the prefix cache (evictable)
     num_preemptions: int = 0

@@ -49,6 +49,7 @@ class RequestContext:
     workload: str = "chat"
     # route (routing.types.RouteRequest): prompt block hash chain, session key
     prefix_hashes: tuple[int, ...] = ()
+    prefix_block_tokens: int = 0  # AdmissionRequest.prefix_block_tokens
     session: str | None = None
     # admit
     deadline: float = float("inf")

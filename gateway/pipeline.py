@@ -97,6 +97,10 @@ _LOAD_FAILURES = frozenset({"timeout", "stream_error", "status_5xx"})
 # Upstream failures (raised before any byte reached the client) that count towards
 # outlier ejection: a refused connection, a 5xx answer, no first byte in time.
 _OUTLIER_FAILURES = frozenset({"connect", "status_5xx", "timeout"})
+# The most characters per token seen in whole prompts, times this, bounds a block's
+# characters per token for the shared-prefix credit (denser stretches than any prompt's
+# average: a system prompt of prose next to JSON schemas).
+_SHARED_CHARS_MARGIN = 1.25
 
 
 def _no_constant(name: str) -> object:
@@ -174,11 +178,11 @@ class Pipeline:
                 h["X-data-parallel-rank"] = str(rc.dp_rank)
             self._headers[rc.name] = h
         # Prefix block hashes are computed once per request, only when a routing profile
-        # reads them.
+        # reads them or admission counts shared prefixes once (admission.prefixshare).
         routing = config.routing
         self._prefix = (
             (routing.block_chars, routing.max_prefix_blocks)
-            if getattr(controller.router, "needs_prefix", False)
+            if getattr(controller.router, "needs_prefix", False) or config.admission.share_prefix
             else None
         )
         self._ids = itertools.count(1)
@@ -433,6 +437,12 @@ class Pipeline:
         (when a profile needs it) and the session key (``x-session-id``, else ``user``)."""
         if self._prefix is not None:
             ctx.prefix_hashes = block_hashes(text, *self._prefix)
+            if ctx.prefix_hashes and self.config.admission.share_prefix:
+                # A lower bound on the tokens of a block: the most characters per token
+                # seen, with a margin for text denser than any whole prompt seen.
+                most = self.estimator.most_chars_per_token(ctx.model)
+                if most is not None:
+                    ctx.prefix_block_tokens = int(self._prefix[0] / (most * _SHARED_CHARS_MARGIN))
         session = request.headers.get(H_SESSION)
         if not session and ctx.body is not None:
             user = ctx.body.get("user")
@@ -903,6 +913,7 @@ def _admission_request(
         retry_key=ctx.retry_key,
         max_tokens_given=ctx.max_tokens_given,
         prefix_hashes=ctx.prefix_hashes,
+        prefix_block_tokens=ctx.prefix_block_tokens,
         session=ctx.session,
         ttft_target_s=ttft_target,
         itl_target_s=itl_target,

@@ -35,6 +35,9 @@ class ReplicaState:
     # Each running request owns a private slot of `max_model_len` tokens (llama.cpp's
     # per-slot KV): the pool cannot be overrun, so admission keeps no headroom in it.
     private_slots: bool = False
+    # Running requests with a common prompt prefix hold one copy of its KV (vLLM prefix
+    # caching, SGLang's radix cache): admission counts a shared prefix once.
+    shares_prefix: bool = False
     # Live load as the engine reports it.
     engine_running: int = 0
     engine_waiting: int = 0

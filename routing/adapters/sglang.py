@@ -68,6 +68,9 @@ class SGLangAdapter:
             context = _lookup(info, "context_length")
             if context is not None:
                 state.max_model_len = context
+            # The radix cache shares a common prefix between running requests, unless
+            # the server runs with --disable-radix-cache.
+            state.shares_prefix = info.get("disable_radix_cache") is False
             algo = info.get("speculative_algorithm")
             state.speculative = isinstance(algo, str) and algo.upper() not in ("", "NONE")
             # SGLang counts the positions verified per step (drafts + the bonus token).

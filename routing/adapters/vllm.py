@@ -19,6 +19,9 @@ and recomputed later, which costs time, not the request; so admission may reserv
 learned quantile of the output and top it up as the stream grows, and the learned
 running limit watches the preemptions (``vllm:num_preemptions_total``).
 
+Prefix caching: the ``enable_prefix_caching`` label of ``vllm:cache_config_info`` says
+whether running requests share a common prefix's blocks (``shares_prefix``).
+
 Routing reads the prefix cache counters (``vllm:prefix_cache_queries_total`` /
 ``vllm:prefix_cache_hits_total``, in tokens) and speculation's draft / accepted token
 counters (``vllm:spec_decode_num_draft_tokens_total`` /
@@ -86,7 +89,10 @@ class VLLMAdapter:
         direct = total(samples, "vllm:kv_cache_size_tokens")
         per_engine: dict[str, int] = {}
         block_size: int | None = None
+        shares = False
         for s in samples.get("vllm:cache_config_info", []):
+            # Prefix caching shares a common prefix's blocks between running requests.
+            shares = shares or s.labels.get("enable_prefix_caching", "").lower() == "true"
             bs = as_int(s.labels.get("block_size"))
             if bs is not None:
                 block_size = bs
@@ -97,6 +103,7 @@ class VLLMAdapter:
                     tokens = blocks * bs
             if tokens is not None:
                 per_engine[s.labels.get("engine", "0")] = tokens
+        state.shares_prefix = shares
         if block_size is not None:
             state.block_size = block_size
         if direct is not None and direct > 0:

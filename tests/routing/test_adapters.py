@@ -76,6 +76,7 @@ SGLANG_SERVER_INFO = json.dumps(
         "mem_fraction_static": 0.88,
         "chunked_prefill_size": 8192,
         "schedule_policy": "fcfs",
+        "disable_radix_cache": False,
         "tp_size": 1,
         "max_total_num_tokens": 308608,
         "max_req_input_len": 32762,
@@ -190,6 +191,11 @@ def test_vllm_cache_config_load_and_models() -> None:
     assert st.kv_usage == pytest.approx(0.4123)
     assert st.preemptions_total == 3.0
     assert st.updated_at == 5.0
+    assert st.shares_prefix is True  # enable_prefix_caching="True"
+    off = state("vllm")
+    metrics = VLLM_METRICS.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"')
+    adapter.apply(off, {"/metrics": (200, metrics), "/v1/models": (200, VLLM_MODELS)}, 5.0)
+    assert off.shares_prefix is False
 
 
 def test_vllm_kv_cache_size_tokens_and_data_parallel_engines() -> None:
@@ -247,6 +253,7 @@ def test_sglang_server_info_metrics_and_models() -> None:
     assert st.models == ["Qwen/Qwen2.5-7B-Instruct"]
     assert (st.engine_running, st.engine_waiting) == (54, 11)
     assert st.kv_usage == pytest.approx(0.93)
+    assert st.shares_prefix is True  # the radix cache is on
 
 
 def test_sglang_explicit_server_args_and_metric_fallback() -> None:
@@ -264,6 +271,7 @@ def test_sglang_explicit_server_args_and_metric_fallback() -> None:
     assert st.capacity_tokens == 308608  # from sglang:max_total_num_tokens
     assert (st.max_running, st.block_size, st.max_model_len) == (64, 16, 4096)
     assert st.ready is True
+    assert st.shares_prefix is False  # not stated: no credit
 
 
 def _slots(*held: int, busy: int = 0, prompts: list[str] | None = None) -> str:
