@@ -361,6 +361,7 @@ class _View:
     ttft: PredictMax
     service: PredictMax
     dirty: set[str]  # replicas whose predicted lines are to be refreshed
+    shares_prefix: bool  # some replica counts shared prefixes (admission.prefixshare)
 
 
 class AdmissionController:
@@ -967,6 +968,11 @@ class AdmissionController:
             share_running=rep.share_running,
         )
 
+    def shares_prefix(self, model: str) -> bool:
+        """Whether a replica of `model` counts prompt prefixes that running requests
+        share once (its requests then carry their block hash chain)."""
+        return self._view(model).shares_prefix
+
     def replica_names(self) -> list[str]:
         """Every replica the ledger knows (present, or gone with reservations left)."""
         return list(self._replicas)
@@ -1152,6 +1158,7 @@ class AdmissionController:
             PredictMax(),
             PredictMax(),
             {r.name for r in present},
+            any(r.prefixes is not None for r in present),
         )
         for r in present:
             self._order(view, r)
@@ -1183,7 +1190,7 @@ class AdmissionController:
         """After a replica's view, readiness or presence may have changed: rebuild the
         model views when what they group it by did, else just follow its ledger. Any
         code that changes a replica's pool (`effective`), readiness or models calls it."""
-        sig = (rep.present, rep.usable, rep.models, rep.shape())
+        sig = (rep.present, rep.usable, rep.models, rep.shape(), rep.prefixes is not None)
         if sig != rep.sig:
             rep.sig = sig
             self._views.clear()

@@ -178,11 +178,13 @@ class Pipeline:
                 h["X-data-parallel-rank"] = str(rc.dp_rank)
             self._headers[rc.name] = h
         # Prefix block hashes are computed once per request, only when a routing profile
-        # reads them or admission counts shared prefixes once (admission.prefixshare).
+        # reads them or a replica of the model counts shared prefixes once
+        # (admission.prefixshare).
         routing = config.routing
+        self._route_prefix = bool(getattr(controller.router, "needs_prefix", False))
         self._prefix = (
             (routing.block_chars, routing.max_prefix_blocks)
-            if getattr(controller.router, "needs_prefix", False) or config.admission.share_prefix
+            if self._route_prefix or config.admission.share_prefix
             else None
         )
         self._ids = itertools.count(1)
@@ -435,7 +437,9 @@ class Pipeline:
     def classify(self, request: web.Request, ctx: RequestContext, text: str) -> None:
         """Workload class, and what routing reads of the prompt: its block hash chain
         (when a profile needs it) and the session key (``x-session-id``, else ``user``)."""
-        if self._prefix is not None:
+        if self._prefix is not None and (
+            self._route_prefix or self.controller.shares_prefix(ctx.model)
+        ):
             ctx.prefix_hashes = block_hashes(text, *self._prefix)
             if ctx.prefix_hashes and self.config.admission.share_prefix:
                 # A lower bound on the tokens of a block: the most characters per token

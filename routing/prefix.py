@@ -50,6 +50,12 @@ def block_hashes(text: str, block_chars: int = 64, max_blocks: int = 512) -> tup
     n = min(len(text) // block_chars, max_blocks)
     out = []
     parent = 0
+    if text.isascii():  # one encoding of the whole text: characters are bytes
+        data = memoryview(text[: n * block_chars].encode("ascii"))
+        for i in range(0, n * block_chars, block_chars):
+            parent = _xxh(data[i : i + block_chars], parent)
+            out.append(parent)
+        return tuple(out)
     for i in range(n):
         parent = _xxh(
             text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "replace"), parent

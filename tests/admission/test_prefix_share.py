@@ -122,6 +122,15 @@ def test_no_credit_on_a_replica_that_does_not_share_or_without_a_bound() -> None
         assert ctrl.reserved_tokens() == 0
 
 
+def test_the_model_view_says_whether_a_replica_shares() -> None:
+    ctrl = controller()
+    ctrl.upsert_replica(sharing_replica("r1", shares=False), 0.0)
+    assert not ctrl.shares_prefix("m")
+    ctrl.upsert_replica(sharing_replica("r2", shares=True), 0.0)
+    assert ctrl.shares_prefix("m") and not ctrl.shares_prefix("other")
+    assert not controller(share_prefix=False).shares_prefix("m")
+
+
 def test_disabled_by_config() -> None:
     ctrl = controller(prefix_settle_s=0.0, share_prefix=False)
     ctrl.upsert_replica(sharing_replica(capacity=1000), 0.0)
