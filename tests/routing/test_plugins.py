@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from routing.config import RoutingConfig
@@ -69,6 +71,25 @@ def test_block_hashes_chain_covers_the_parent() -> None:
     assert a[1] != b[1]  # same block, different parent
     assert block_hashes("x" * 8 + "y" * 8 + "q" * 8, 8)[:2] == a
     assert len(block_hashes("a" * 800, 8, max_blocks=10)) == 10
+
+
+_TEXTS = st.one_of(st.text(st.characters(max_codepoint=127), max_size=400), st.text(max_size=400))
+
+
+@given(_TEXTS, st.integers(1, 40), st.integers(0, 30))
+@settings(max_examples=200, deadline=None)
+def test_block_hashes_are_the_same_whatever_the_text(text: str, block: int, most: int) -> None:
+    """The one-encoding path for ASCII text gives the chain of hashing each block's
+    characters, as any other text gets."""
+    import xxhash
+
+    expect = []
+    parent = 0
+    for i in range(min(len(text) // block, most)):
+        chunk = text[i * block : (i + 1) * block].encode("utf-8", "replace")
+        parent = xxhash.xxh3_64_intdigest(chunk, parent)
+        expect.append(parent)
+    assert block_hashes(text, block, most) == tuple(expect)
 
 
 def test_prefix_index_walk_stops_at_first_miss() -> None:
