@@ -429,12 +429,20 @@ async def test_a_tenant_rpm_limit_holds_across_three_processes(
                     await asyncio.sleep(min(1.0, int(r.headers["retry-after-ms"]) / 1000))
 
     async with aiohttp.ClientSession() as s:
-        for _ in range(100):  # the three hold equal fractions before the load
+        for _ in range(200):  # the three hold equal fractions before the load
             states = [await admin_state(s, n) for n in nodes]
             shares = [st["tenants"]["team-a"]["share"] for st in states]
-            if all(st["processes"] == 3 for st in states) and max(shares) <= 0.34:
+            # Equal: none above a third, and none still near 0 (a process whose lease is
+            # not granted yet refuses while the others' demand grows their fractions into
+            # its part; giving it back later puts them in debt for a while).
+            if (
+                all(st["processes"] == 3 for st in states)
+                and 0.32 <= min(shares) <= max(shares) <= 0.34
+            ):
                 break
             await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"the fractions did not settle to a third each: {shares}")
         assert sum(shares) <= 1.0 + 1e-9
         warm, window = 6.0, 12.0
         start_t = loop.time()
