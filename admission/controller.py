@@ -197,6 +197,9 @@ class _Replica:
     # which sets everything else it reads): one decision asks it several times.
     memo_key: tuple[int, int, int, bool] | None = None
     memo_tokens: int = 0
+    # The last `_need` answer of a fit check (request id, time, tokens, shared blocks):
+    # the admission that follows in the same decision reuses it.
+    need_memo: tuple[str, float, int, int] | None = None
     # What the per-model views (`_View`) group and filter this replica by; a change
     # rebuilds them (`_replica_changed`).
     sig: tuple[object, ...] | None = None
@@ -1301,7 +1304,11 @@ class AdmissionController:
                 full = any(not fit.get(name, True) for name in hinted)
             if full and self._wait_for_warm(req, route, rep, fit, now):
                 return _REJECTED  # waits for the warm replica without blocking anyone
-        tokens, shared = self._need(rep, req, now)
+        memo = rep.need_memo
+        if memo is not None and memo[0] == req.request_id and memo[1] == now:
+            tokens, shared = memo[2], memo[3]
+        else:
+            tokens, shared = self._need(rep, req, now)
         pins: tuple[int, ...] = ()
         private = tokens
         if rep.prefixes is not None and req.prefix_block_tokens > 0 and req.prefix_hashes:
@@ -1418,8 +1425,10 @@ class AdmissionController:
         if allowed is not None and rep.running >= allowed:
             return False
         free = rep.free
-        if AdmissionController._need(rep, req, now)[0] > free:
+        need, shared = AdmissionController._need(rep, req, now)
+        if need > free:
             return False
+        rep.need_memo = (req.request_id, now, need, shared)
         c = rep.cand
         c.free_tokens = free
         c.effective_capacity = rep.effective

@@ -60,7 +60,16 @@ class SharedPrefixes:
     def shareable(self, hashes: Sequence[int], now: float) -> int:
         """Leading blocks of `hashes` pinned here whose KV is there to share at `now`."""
         pins = self._pins
-        lo, hi = 0, len(hashes)  # invariant: the first `lo` blocks are shareable
+        n = len(hashes)
+        if not n:
+            return 0
+        p = pins.get(hashes[0])
+        if p is None or p[1] > now:  # the common miss: another tenant's prompt
+            return 0
+        p = pins.get(hashes[-1])
+        if p is not None and p[1] <= now:  # the whole chain
+            return n
+        lo, hi = 1, n - 1  # invariant: the first `lo` blocks are shareable
         while lo < hi:
             mid = (lo + hi + 1) // 2
             p = pins.get(hashes[mid - 1])
@@ -120,11 +129,13 @@ class SharedPrefixes:
         if shared:
             ready = max(ready, pins[hashes[shared - 1]][1])
         before = len(pins)
-        for h in hashes[:upto]:
+        for h in hashes[:shared]:  # pinned already
+            pins[h][0] += 1
+        for h in hashes[shared:upto]:  # not pinned (the chain beyond is not either)
             p = pins.get(h)
             if p is None:
                 pins[h] = [1, ready]
-            else:
+            else:  # a repeated hash within one chain
                 p[0] += 1
         return tuple(hashes[:upto]), (len(pins) - before) * worth
 

@@ -15,7 +15,9 @@ decisions pay for cold caches and the first dict growths), then times ``--decisi
 Each configuration runs ``--runs`` times; the medians of the per-run p50 and p99 are
 reported, with ratios to 4 replicas side by side. ``--label`` tags the rows (e.g. the
 commit measured) and ``--out`` names the result file, so a before / after pair can be
-measured with this same script over two checkouts. Results go to
+measured with this same script over two checkouts. ``--in-flight K`` keeps K requests
+running (the oldest released after each decision) and ``--share`` has the replicas count
+shared prefixes once, so fit checks walk the chains the running requests pin. Results go to
 ``bench/results/decision_cost.json`` and a Markdown table on stdout.
 
     .venv/bin/python bench/decision_cost.py [--runs 5] [--decisions 3000]
@@ -67,7 +69,13 @@ def chains(seed: int) -> list[tuple[int, ...]]:
 
 
 def one_run(
-    n: int, profile: str, decisions: int, seed: int, warmup: int = 200
+    n: int,
+    profile: str,
+    decisions: int,
+    seed: int,
+    warmup: int = 200,
+    in_flight: int = 0,
+    share: bool = False,
 ) -> tuple[float, float, int]:
     router = build_router(PROFILES[profile], seed=seed)
     ctl = AdmissionController(AdmissionConfig(learn_limit=False), router, seed=seed)
@@ -80,6 +88,7 @@ def one_run(
             capacity_tokens=1_000_000,
             max_running=256,
             updated_at=0.0,
+            shares_prefix=share,
         )
         ctl.upsert_replica(state, 0.0)
     sessions = chains(seed)
@@ -100,6 +109,7 @@ def one_run(
             k += 1
         indexed = prefix.indexed_blocks()
     times: list[int] = []
+    running: list[str] = []
     gc.collect()
     gc.disable()
     try:
@@ -112,6 +122,7 @@ def one_run(
                 expected_output=200,
                 max_tokens=400,
                 prefix_hashes=sessions[s],
+                prefix_block_tokens=10 if share else 0,
                 session=f"s{s}",
             )
             now = 1.0 + (d + warmup) * 1e-3
@@ -121,7 +132,9 @@ def one_run(
             assert isinstance(verdict, Admit), verdict
             if d >= 0:
                 times.append(t1 - t0)
-            ctl.release(req.request_id, now)
+            running.append(req.request_id)
+            if len(running) > in_flight:  # the oldest leaves (at once with 0 in flight)
+                ctl.release(running.pop(0), now)
     finally:
         gc.enable()
     times.sort()
@@ -137,17 +150,29 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, nargs="+", default=[4, 64, 256])
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--label", default="")
+    ap.add_argument(
+        "--in-flight", type=int, default=0, help="requests kept running (0: each released at once)"
+    )
+    ap.add_argument(
+        "--share",
+        action="store_true",
+        help="replicas count shared prefixes once (admission.prefixshare): pinned chains "
+        "are walked on every fit check",
+    )
     ap.add_argument("--out", default="decision_cost.json")
     args = ap.parse_args()
     rows = []
     for profile in PROFILES:
         for n in args.replicas:
             runs = [
-                one_run(n, profile, args.decisions, seed, args.warmup) for seed in range(args.runs)
+                one_run(n, profile, args.decisions, seed, args.warmup, args.in_flight, args.share)
+                for seed in range(args.runs)
             ]
             rows.append(
                 {
                     "label": args.label,
+                    "in_flight": args.in_flight,
+                    "share": args.share,
                     "profile": profile,
                     "replicas": n,
                     "indexed_blocks": runs[0][2],
