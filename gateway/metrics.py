@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -328,6 +329,7 @@ class GatewayMetrics:
             registry=r,
         )
         self._workload_children: dict[tuple[str, str], Counter] = {}
+        self._children: dict[tuple[object, ...], Any] = {}  # `_child`
         self._workload_ttft_children: dict[str, Histogram] = {}
 
     def count_workload(self, workload: str, outcome: str) -> None:
@@ -368,24 +370,33 @@ class GatewayMetrics:
     def _tenant(self, tenant: str) -> str:
         return tenant if tenant in self._tenant_names else "other"
 
+    def _child(self, family: Any, *values: str) -> Any:
+        """`family.labels(*values)`, kept: ``labels()`` validates and locks on every
+        call, a cost per request. Values are bounded (tenants: `_tenant`), so is this."""
+        key = (id(family), *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*values)
+        return child
+
     def tenant_request(self, tenant: str, outcome: str) -> None:
-        self.tenant_requests.labels(self._tenant(tenant), outcome).inc()
+        self._child(self.tenant_requests, self._tenant(tenant), outcome).inc()
 
     def tenant_tokens(self, tenant: str, kind: str, n: int) -> None:
         if n > 0:
-            self.tenant_tokens_total.labels(self._tenant(tenant), kind).inc(n)
+            self._child(self.tenant_tokens_total, self._tenant(tenant), kind).inc(n)
 
     def tenant_queue_wait(self, tenant: str, seconds: float) -> None:
-        self.tenant_queue_wait_seconds.labels(self._tenant(tenant)).observe(seconds)
+        self._child(self.tenant_queue_wait_seconds, self._tenant(tenant)).observe(seconds)
 
     def tenant_slo(self, tenant: str, target: str, met: bool) -> None:
         t = self._tenant(tenant)
-        self.tenant_slo_total.labels(t, target).inc()
+        self._child(self.tenant_slo_total, t, target).inc()
         if met:
-            self.tenant_slo_met.labels(t, target).inc()
+            self._child(self.tenant_slo_met, t, target).inc()
 
     def tenant_rate_limited(self, tenant: str, limit: str) -> None:
-        self.tenant_rate_limited_total.labels(self._tenant(tenant), limit).inc()
+        self._child(self.tenant_rate_limited_total, self._tenant(tenant), limit).inc()
 
     def observe_prompt_estimate(self, estimated: int, actual: int, exact: bool) -> None:
         """How far the prompt count admission used was from what the engine counted."""
@@ -393,7 +404,7 @@ class GatewayMetrics:
             self._ratio_children[exact].observe(estimated / actual)
 
     def count_prompt_count(self, how: str) -> None:
-        self.prompt_counts.labels(how).inc()
+        self._child(self.prompt_counts, how).inc()
 
     def render(self) -> bytes:
         return generate_latest(self._exposed)  # type: ignore[arg-type]
