@@ -168,6 +168,7 @@ class _Replica:
     # The prompt prefixes its reservations pin (module docstring, Ledger); None when the
     # engine does not share them. `reserved` includes their tokens.
     prefixes: SharedPrefixes | None = None
+    sharing: bool = False  # its engine shares prefixes now (new requests get the credit)
     reserved: int = 0
     running: int = 0  # reservations, held ones included
     held: int = 0  # abandoned reservations waiting for the engine to stop
@@ -499,11 +500,11 @@ class AdmissionController:
         rep.view_at = state.updated_at
         rep.preempts = state.preempts
         rep.private_slots = state.private_slots
-        if state.shares_prefix and self.config.share_prefix and not rep.private_slots:
-            if rep.prefixes is None:
-                rep.prefixes = SharedPrefixes()
-        elif rep.prefixes is not None and not len(rep.prefixes):
-            rep.prefixes = None
+        rep.sharing = state.shares_prefix and self.config.share_prefix and not rep.private_slots
+        if rep.sharing and rep.prefixes is None:
+            rep.prefixes = SharedPrefixes()
+        elif not rep.sharing and rep.prefixes is not None and not len(rep.prefixes):
+            rep.prefixes = None  # pins left are released with their reservations
         fresh = state.updated_at != rep.signals_at
         if fresh and rep.capacity is not None:
             self._check_pool(rep, state.kv_usage, now)
@@ -1161,7 +1162,7 @@ class AdmissionController:
             PredictMax(),
             PredictMax(),
             {r.name for r in present},
-            any(r.prefixes is not None for r in present),
+            any(r.sharing for r in present),
         )
         for r in present:
             self._order(view, r)
@@ -1193,7 +1194,7 @@ class AdmissionController:
         """After a replica's view, readiness or presence may have changed: rebuild the
         model views when what they group it by did, else just follow its ledger. Any
         code that changes a replica's pool (`effective`), readiness or models calls it."""
-        sig = (rep.present, rep.usable, rep.models, rep.shape(), rep.prefixes is not None)
+        sig = (rep.present, rep.usable, rep.models, rep.shape(), rep.sharing)
         if sig != rep.sig:
             rep.sig = sig
             self._views.clear()
@@ -1311,12 +1312,17 @@ class AdmissionController:
             tokens, shared = self._need(rep, req, now)
         pins: tuple[int, ...] = ()
         private = tokens
-        if rep.prefixes is not None and req.prefix_block_tokens > 0 and req.prefix_hashes:
+        if (
+            rep.sharing
+            and rep.prefixes is not None
+            and req.prefix_block_tokens > 0
+            and req.prefix_hashes
+        ):
             pins, added = rep.prefixes.pin(
                 req.prefix_hashes,
                 shared,
                 req.prefix_block_tokens,
-                now + self._settle_time(rep, req, tokens),
+                now + self._settle_time(rep, req),
                 tokens,
             )
             private = tokens - added
@@ -1392,7 +1398,13 @@ class AdmissionController:
         tokens = rep.tokens_for(req)
         prefixes = rep.prefixes
         w = req.prefix_block_tokens
-        if prefixes is None or w <= 0 or not req.prefix_hashes or not len(prefixes):
+        if (
+            prefixes is None
+            or not rep.sharing
+            or w <= 0
+            or not req.prefix_hashes
+            or not len(prefixes)
+        ):
             return tokens, 0
         shared = prefixes.shareable(req.prefix_hashes, now)
         credit = prefixes.credit(shared, w, rep.block_size + w)
@@ -1401,7 +1413,7 @@ class AdmissionController:
         bs = rep.block_size
         return max(bs, tokens - credit // bs * bs), shared
 
-    def _settle_time(self, rep: _Replica, req: AdmissionRequest, tokens: int) -> float:
+    def _settle_time(self, rep: _Replica, req: AdmissionRequest) -> float:
         """How long after admission the prompt blocks of `req` on `rep` are taken to be
         computed (shareable): twice its predicted time to first token there (streams
         teach it), else twice the predicted service of its prompt alone (every completion

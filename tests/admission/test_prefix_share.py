@@ -131,6 +131,20 @@ def test_the_model_view_says_whether_a_replica_shares() -> None:
     assert not controller(share_prefix=False).shares_prefix("m")
 
 
+def test_a_replica_that_stops_sharing_gives_no_credit_and_its_pins_are_released() -> None:
+    ctrl = controller(prefix_settle_s=0.0)
+    ctrl.upsert_replica(sharing_replica(capacity=2000), 0.0)
+    prefix = chain("tenant", 40)
+    ctrl.submit(agentic("a", prefix, 500, 100), 0.0)
+    ctrl.upsert_replica(sharing_replica(capacity=2000, shares=False), 0.5)  # restarted so
+    b = ctrl.submit(agentic("b", prefix, 500, 100), 1.0)
+    assert isinstance(b, Admit) and ctrl.reserved_tokens("r1") == 1200  # no credit
+    assert not ctrl.shares_prefix("m")
+    ctrl.release("a", 2.0)
+    ctrl.release("b", 2.0)
+    assert ctrl.reserved_tokens() == 0
+
+
 def test_disabled_by_config() -> None:
     ctrl = controller(prefix_settle_s=0.0, share_prefix=False)
     ctrl.upsert_replica(sharing_replica(capacity=1000), 0.0)
