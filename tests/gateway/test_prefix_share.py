@@ -58,14 +58,18 @@ async def burst(gw: Any, srv: Any, n: int) -> tuple[int, int]:
 
     async with aiohttp.ClientSession() as s:
 
+        started = asyncio.Event()
+
         async def one(i: int, max_tokens: int = 160) -> None:
             async with s.post(gw.url + "/v1/chat/completions", json=body(i, max_tokens)) as r:
                 assert r.status == 200, await r.text()
+                await r.content.readany()  # its first event: its prompt is computed
+                started.set()
                 await r.read()
 
         sampler = asyncio.ensure_future(sample())
         leader = asyncio.ensure_future(one(0, 400))
-        await asyncio.sleep(0.15)
+        await started.wait()
         await asyncio.gather(leader, *(one(i) for i in range(1, n + 1)))
         done.set()
         await sampler
