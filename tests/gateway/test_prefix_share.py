@@ -57,7 +57,6 @@ async def burst(gw: Any, srv: Any, n: int) -> tuple[int, int]:
             await asyncio.sleep(0.002)
 
     async with aiohttp.ClientSession() as s:
-
         started = asyncio.Event()
 
         async def one(i: int, max_tokens: int = 160) -> None:
