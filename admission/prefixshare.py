@@ -25,8 +25,9 @@ what it shares (`margin`): an engine shares whole blocks of its own block size o
 Only KV that exists is shared. vLLM registers a block for reuse once it is computed, so
 a request admitted while another is still prefilling the same prefix computes its own
 copy. A newly pinned block is therefore shared only from ``ready_at`` on (its pinner's
-admission plus the predicted time to its first token); until then a newcomer pins
-nothing it would find there and pays for its whole prompt. ``ready_at`` never decreases
+admission plus a margin over its predicted prefill: the controller's `_settle_time`);
+until then a newcomer pins only the part that is ready, and pays for the rest of its
+prompt as its own copy. ``ready_at`` never decreases
 along a chain, and a pinned block's parent is pinned (each pinner pins a chain from its
 root), so "pinned and ready" holds for a leading run of any chain: `shareable` finds its
 end by bisection, in O(log n) lookups.
