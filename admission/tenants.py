@@ -170,13 +170,20 @@ class KeyIndex:
 
 # ---------------------------------------------------------------------- GCRA
 class Gcra:
-    """A GCRA limit of `limit` cells per minute, scaled by `share` (sans-IO)."""
+    """A GCRA limit of `limit` cells per minute, scaled by `share` (sans-IO).
 
-    __slots__ = ("total", "share", "tat", "wanted", "wanted_until", "share_wait_s")
+    Several processes each hold a `share` of a tenant's budget. Spent cells refill at
+    `refill` (a share at least `share`): when a process's share shrank below what it had
+    spent, it admits nothing until it is back within its share, while the cells it spent
+    refill at the rate it held when it spent them (the lease gives that rate back to the
+    others as they refill), so the budget stays in use in the meantime."""
+
+    __slots__ = ("total", "share", "refill", "tat", "wanted", "wanted_until", "share_wait_s")
 
     def __init__(self, limit: int) -> None:
         self.total = limit
         self.share = 1.0
+        self.refill = 1.0
         self.tat = -math.inf
         # The largest cost (as a fraction of the total) refused because it exceeded this
         # process's share, not the total: demand the share lease must see, or a request
@@ -193,8 +200,13 @@ class Gcra:
         return self.total * self.share
 
     def _interval(self) -> float:
-        limit = self.limit
-        return _WINDOW_S / limit if limit > 0 else math.inf
+        """Seconds per cell refilled."""
+        rate = self.total * self.refill
+        return _WINDOW_S / rate if rate > 0 else math.inf
+
+    def _tolerance(self, t: float) -> float:
+        """Seconds of refill the bucket holds: the limit's cells at the refill rate."""
+        return self.limit * t if math.isfinite(t) else 0.0
 
     def wait(self, cost: float, now: float) -> float:
         """Seconds until `cost` cells would pass (0: now; inf: never). A cost over this
@@ -210,7 +222,9 @@ class Gcra:
             self.wanted_until = now + max(_WANTED_S, 4 * self.share_wait_s)
             return self.share_wait_s
         t = self._interval()
-        excess = max(self.tat, now) + cost * t - now - _WINDOW_S
+        if not math.isfinite(t):
+            return self.share_wait_s  # nothing refills here until the share grows
+        excess = max(self.tat, now) + cost * t - now - self._tolerance(t)
         return max(0.0, excess)
 
     def demand(self, now: float) -> float:
@@ -230,18 +244,25 @@ class Gcra:
         if math.isfinite(t):
             self.tat = max(self.tat, now) - cost * t
 
+    def used(self, now: float) -> float:
+        """Cells spent and not yet refilled (more than the limit while in debt)."""
+        t = self._interval()
+        return (self.tat - now) / t if self.tat > now and math.isfinite(t) else 0.0
+
     def remaining(self, now: float) -> int:
-        used = max(0.0, self.tat - now) / self._interval() if self.tat > now else 0.0
-        return max(0, math.floor(self.limit - used + 1e-9))
+        return max(0, math.floor(self.limit - self.used(now) + 1e-9))
 
     def reset(self, now: float) -> float:
         """Seconds until the bucket is full again."""
         return max(0.0, self.tat - now)
 
-    def set_share(self, fraction: float, now: float) -> None:
-        """Scale the rate; what was used stays used (in cells)."""
-        used = max(0.0, self.tat - now) / self._interval() if self.tat > now else 0.0
+    def set_share(self, fraction: float, now: float, refill: float | None = None) -> None:
+        """Scale the limit to `fraction` and the refill to `refill` (at least the
+        fraction; by default the fraction); what was spent stays spent (in cells)."""
+        t = self._interval()
+        used = (self.tat - now) / t if self.tat > now and math.isfinite(t) else 0.0
         self.share = fraction
+        self.refill = max(fraction, fraction if refill is None else refill)
         t = self._interval()
         self.tat = now + used * t if used > 0 and math.isfinite(t) else self.tat
 
@@ -426,9 +447,12 @@ class TenantLimiter:
         return out
 
     # ------------------------------------------------------------------ shares
-    def set_share(self, tenant: str, fraction: float, now: float = 0.0) -> None:
+    def set_share(
+        self, tenant: str, fraction: float, now: float = 0.0, refill: float | None = None
+    ) -> None:
         """Scale this process's rpm, tpm and concurrency of `tenant` to `fraction` of
-        its configured totals (1.0: all of it). The shell pumps the admission queue
+        its configured totals (1.0: all of it), its rpm and tpm refilling at `refill`
+        (`Gcra`; by default the fraction). The shell pumps the admission queue
         afterwards (a larger concurrency may admit waiting requests)."""
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"share must be within [0, 1], got {fraction}")
@@ -436,7 +460,7 @@ class TenantLimiter:
         st.share = fraction
         for g in (st.rpm, st.tpm):
             if g is not None:
-                g.set_share(fraction, now)
+                g.set_share(fraction, now, refill)
         if st.total_concurrent is not None:
             st.max_concurrent = math.floor(st.total_concurrent * fraction)
         if st.total_queued is not None:

@@ -71,11 +71,12 @@ class GatewayState:
         self.metrics: GatewayMetrics
         self.sync: StateSync | None = None  # the lease loop (shared state), if any
 
-    def set_tenant_share(self, tenant: str, fraction: float) -> None:
+    def set_tenant_share(self, tenant: str, fraction: float, refill: float | None = None) -> None:
         """This process's share of a tenant's rpm, tpm and concurrency (the shared-state
-        backend leases it); a larger share may admit waiting requests at once."""
+        backend leases it), and the rate its spent rpm and tpm refill at (`Gcra`); a
+        larger share may admit waiting requests at once."""
         now = asyncio.get_running_loop().time()
-        self.tenants.set_share(tenant, fraction, now)
+        self.tenants.set_share(tenant, fraction, now, refill)
         self.bridge.resolve(self.controller.pump(now))
 
     def queue_depths(self) -> dict[str, int]:
@@ -281,12 +282,17 @@ _STUCK_REPORT_S = 10.0
 
 
 def _log_pending_tasks(current: asyncio.Task[Any] | None) -> None:
-    for task in asyncio.all_tasks():
-        if task is current or task.done():
-            continue
-        frames = task.get_stack(limit=6)
-        where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames))
-        log.warning("kvgate: stopping still waits on task %s at %s", task.get_name(), where)
+    """Where the stopping task waits (its whole await chain), then every other task."""
+    tasks = [current] if current is not None else []
+    tasks += [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    for task in tasks:
+        frames = task.get_stack()
+        where = " -> ".join(
+            f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_code.co_name}:{f.f_lineno}"
+            for f in frames
+        )
+        role = "stopping" if task is current else "pending"
+        log.warning("kvgate: %s task %s at %s", role, task.get_name(), where)
 
 
 class Gateway:

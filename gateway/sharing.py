@@ -90,6 +90,18 @@ def tenant_usage(st: TenantState, now: float) -> float:
     return min(1.0, max(0.0, used))
 
 
+def tenant_held(st: TenantState, now: float) -> float:
+    """The fraction of a tenant's whole budget this process has spent and not yet
+    refilled (the fuller of rpm and tpm). Reported as the lease's use: spent cells are
+    spent for every process, so the others are not granted them again before they
+    refill (here, at the rate they were granted at: `Lease.rate`)."""
+    held = 0.0
+    for g in (st.rpm, st.tpm):
+        if g is not None and g.total > 0:
+            held = max(held, g.used(now) / g.total)
+    return min(1.0, held)
+
+
 def _limited(st: TenantState) -> bool:
     return st.rpm is not None or st.tpm is not None or st.total_concurrent is not None
 
@@ -129,7 +141,7 @@ class StateSync:
         holder: str | None = None,
         workers_hint: int = 1,
         tenants: TenantLimiter | None = None,
-        set_tenant_share: Callable[[str, float], None] | None = None,
+        set_tenant_share: Callable[[str, float, float], None] | None = None,
     ) -> None:
         self.config = config
         self.tenants = tenants
@@ -252,7 +264,7 @@ class StateSync:
                         f"tenant:{st.name}",
                         TENANT_UNITS,
                         min(TENANT_UNITS, math.ceil(want * TENANT_UNITS)),
-                        0,
+                        min(TENANT_UNITS, math.ceil(tenant_held(st, now) * TENANT_UNITS)),
                     )
                 )
             result = await self.backend.renew(self.holder, requests, self.config.lease_ttl_s)
@@ -291,10 +303,11 @@ class StateSync:
         for st in tenants:
             lease = leases.get(f"tenant:{st.name}")
             if lease is not None:
-                units = lease.granted
+                units, refill = lease.granted, lease.refill()
                 if rebuilding:
                     units = min(units, TENANT_UNITS // n)
-                self._tenant_share(st, units / TENANT_UNITS)
+                    refill = min(refill, TENANT_UNITS // n)
+                self._tenant_share(st, units / TENANT_UNITS, refill / TENANT_UNITS)
         self.processes = result.processes
         self.renewals += 1
         if not self.up:
@@ -315,14 +328,15 @@ class StateSync:
             return []
         return [st for st in self.tenants.tenants.values() if _limited(st)]
 
-    def _tenant_share(self, st: TenantState, fraction: float) -> None:
+    def _tenant_share(self, st: TenantState, fraction: float, refill: float | None = None) -> None:
         fraction = min(1.0, max(0.0, fraction))
-        if fraction == st.share:
+        refill = fraction if refill is None else min(1.0, max(fraction, refill))
+        if fraction == st.share and all(g is None or g.refill == refill for g in (st.rpm, st.tpm)):
             return
         if self._set_tenant_share is not None:
-            self._set_tenant_share(st.name, fraction)
+            self._set_tenant_share(st.name, fraction, refill)
         elif self.tenants is not None:
-            self.tenants.set_share(st.name, fraction, self._loop.time())
+            self.tenants.set_share(st.name, fraction, self._loop.time(), refill)
 
     async def _sync_limits(self) -> None:
         """Publish the learned limits this process changed; adopt newer ones."""

@@ -31,6 +31,12 @@ class Lease:
     granted: int
     holders: int
     others_used: int
+    # A rate-limited holder's refill slice (lease.grant): at least `granted`, more while
+    # it has spent more than its grant.
+    rate: int = -1
+
+    def refill(self) -> int:
+        return self.granted if self.rate < 0 else self.rate
 
 
 @dataclass(frozen=True, slots=True)

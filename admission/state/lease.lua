@@ -2,7 +2,8 @@
 -- KEYS[1]: the process heartbeat zset; KEYS[2..]: one lease hash per resource.
 -- ARGV[1]: holder; ARGV[2]: TTL in ms; then (total, want, used) per resource.
 -- A lease record is "granted want used expires_ms"; time is the Redis server's, so the
--- hosts' clocks do not matter. Returns {processes, granted, holders, others_used, ...}.
+-- hosts' clocks do not matter. Returns {processes, granted, holders, others_used, rate,
+-- ...}.
 local holder = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local t = redis.call('TIME')
@@ -13,7 +14,7 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('PEXPIRE', KEYS[1], ttl * 2)
 local out = {redis.call('ZCARD', KEYS[1])}
 for i = 2, #KEYS do
-  local base = 3 + (i - 2) * 3
+  local base = 3 + (i - 2) * 3  -- arguments: three per resource
   local total = math.max(0, tonumber(ARGV[base]))
   local want = math.max(0, tonumber(ARGV[base + 1]))
   local used = math.max(0, tonumber(ARGV[base + 2]))
@@ -49,10 +50,13 @@ for i = 2, #KEYS do
   end
   entitled = entitled + math.floor(remaining / n)  -- what nobody wants, split equally
   local granted = math.max(0, math.min(entitled, total - held))
+  -- the refill rate of a rate-limited holder: its entitlement or its use, if larger
+  local rate = math.max(0, math.min(math.max(entitled, used), total - held))
   redis.call('HSET', KEYS[i], holder, string.format('%d %d %d %d', granted, want, used, exp))
   redis.call('PEXPIRE', KEYS[i], ttl * 2)
   out[#out + 1] = granted
   out[#out + 1] = n
   out[#out + 1] = used_sum
+  out[#out + 1] = rate
 end
 return out

@@ -9,7 +9,9 @@ the earlier ones left. So a holder that wants little gets it all, the rest share
 remainder equally, and when every want fits, each gets its want. The grant is the
 entitlement within what the others do not hold, so the sum over holders never exceeds
 the total; a holder above its entitlement shrinks on its own next renewal, and the
-others then grow into what it freed.
+others then grow into what it freed. A rate-limited holder also gets a refill `rate`:
+what it spent and has not refilled is its use, which the others are not granted, and it
+refills at the larger of its entitlement and that use (within what the others hold).
 """
 
 from __future__ import annotations
@@ -18,12 +20,24 @@ from collections.abc import Iterable
 
 
 def grant(
-    total: int, want: int, others: Iterable[tuple[str, int, int, int]], holder: str = ""
-) -> tuple[int, int, int]:
-    """(granted, holders, others_used) for `holder` wanting `want` of `total` while the
-    other live holders hold ``(name, granted, want, used)`` each."""
+    total: int,
+    want: int,
+    others: Iterable[tuple[str, int, int, int]],
+    holder: str = "",
+    used: int = 0,
+) -> tuple[int, int, int, int]:
+    """(granted, holders, others_used, rate) for `holder` wanting `want` of `total` and
+    using `used` while the other live holders hold ``(name, granted, want, used)`` each.
+
+    `rate` is the slice at which a rate-limited holder's spent budget refills: the
+    larger of its entitlement and its use, within what the others do not hold. A holder
+    whose grant fell below what it spent admits nothing new until it is back within the
+    grant, while its spent cells refill at the rate they were granted at, and the others
+    grow into what refills; without it the spent cells would refill at the smaller
+    grant's rate and the budget would go partly unused meanwhile."""
     total = max(0, total)
     want = max(0, want)
+    used = max(0, used)
     held = 0
     used_sum = 0
     wants: list[tuple[int, str]] = [(want, holder)]
@@ -41,4 +55,5 @@ def grant(
         if name == holder and w == want:
             entitled = share
     entitled += remaining // n  # what nobody wants, split equally
-    return max(0, min(entitled, total - held)), n, used_sum
+    free = total - held
+    return max(0, min(entitled, free)), n, used_sum, max(0, min(max(entitled, used), free))

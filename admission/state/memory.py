@@ -51,9 +51,9 @@ class MemoryBackend(StateBackend):
             others = [
                 (h, int(r[0]), int(r[1]), int(r[2])) for h, r in records.items() if h != holder
             ]
-            granted, n, others_used = grant(req.total, req.want, others, holder)
+            granted, n, others_used, rate = grant(req.total, req.want, others, holder, req.used)
             records[holder] = [granted, max(0, req.want), max(0, req.used), now + ttl_s]
-            leases.append(Lease(req.resource, granted, n, others_used))
+            leases.append(Lease(req.resource, granted, n, others_used, rate))
         return RenewResult(len(self._procs), leases)
 
     async def release(self, holder: str, resources: Sequence[str] | None = None) -> None:

@@ -97,7 +97,13 @@ class RedisBackend(StateBackend):
         except (RedisError, OSError) as e:
             raise StateUnavailable(str(e)) from e
         leases = [
-            Lease(r.resource, int(out[1 + 3 * i]), int(out[2 + 3 * i]), int(out[3 + 3 * i]))
+            Lease(
+                r.resource,
+                int(out[1 + 4 * i]),
+                int(out[2 + 4 * i]),
+                int(out[3 + 4 * i]),
+                int(out[4 + 4 * i]),
+            )
             for i, r in enumerate(requests)
         ]
         return RenewResult(int(out[0]), leases)

@@ -83,6 +83,25 @@ def test_gcra_allows_the_limit_per_minute_then_says_exactly_when() -> None:
     assert g.wait(61, 100.0) == math.inf  # more than the whole budget never passes
 
 
+def test_gcra_spent_cells_refill_at_the_refill_rate_after_the_share_shrinks() -> None:
+    g = Gcra(600)  # ten a second
+    g.charge(300, 0.0)  # spent half the minute's budget with the whole share
+    g.set_share(0.25, 0.0, refill=0.5)  # now a quarter, the spent cells refill at half
+    assert g.limit == 150 and g.remaining(0.0) == 0
+    # 300 spent refill at 5 a second; it may admit again once under 150: after 30 s,
+    # plus one cell's 0.2 s.
+    assert g.wait(1, 0.0) == pytest.approx(30.2)
+    assert g.used(30.2) == pytest.approx(149.0)
+    # Refilling at the share alone (2.5 a second) would have taken twice as long.
+    h = Gcra(600)
+    h.charge(300, 0.0)
+    h.set_share(0.25, 0.0)
+    assert h.wait(1, 0.0) == pytest.approx(60.4)
+    # The refill is never below the share.
+    g.set_share(0.5, 40.0, refill=0.1)
+    assert g.refill == 0.5
+
+
 def test_gcra_refund_and_correction() -> None:
     g = Gcra(600)
     g.charge(500, 0.0)

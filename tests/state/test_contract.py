@@ -178,20 +178,28 @@ async def test_shared_limits_carry_the_latest_version(rig: Rig) -> None:
 
 
 @pytest.mark.parametrize(
-    "total,want,others",
+    "total,want,used,others",
     [
-        (1000, 300, []),
-        (1000, 100, [("o0", 300, 200, 100), ("o1", 100, 50, 50)]),
-        (1000, 900, [("o0", 500, 900, 100)]),
-        (1000, 100, [("o0", 0, 900, 0), ("o1", 0, 900, 0)]),
-        (90, 90, [("o0", 30, 30, 30), ("o1", 10, 60, 40)]),
-        (7, 7, [("o0", 2, 7, 2), ("o1", 2, 7, 2), ("o2", 1, 1, 1)]),
-        (10, 7, [("o0", 0, 7, 0), ("o1", 0, 7, 0)]),
-        (0, 10, [("o0", 0, 5, 0)]),
+        (1000, 300, 0, []),
+        (1000, 100, 0, [("o0", 300, 200, 100), ("o1", 100, 50, 50)]),
+        (1000, 900, 0, [("o0", 500, 900, 100)]),
+        (1000, 100, 0, [("o0", 0, 900, 0), ("o1", 0, 900, 0)]),
+        (90, 90, 0, [("o0", 30, 30, 30), ("o1", 10, 60, 40)]),
+        (7, 7, 0, [("o0", 2, 7, 2), ("o1", 2, 7, 2), ("o2", 1, 1, 1)]),
+        (10, 7, 0, [("o0", 0, 7, 0), ("o1", 0, 7, 0)]),
+        (0, 10, 0, [("o0", 0, 5, 0)]),
+        # A holder that spent more than its fair part: it refills at what it spent.
+        (1000, 1000, 800, [("o0", 100, 1000, 100), ("o1", 100, 1000, 100)]),
+        (1000, 1000, 900, [("o0", 300, 1000, 300)]),
     ],
 )
 async def test_lua_and_python_arithmetic_agree(
-    total: int, want: int, others: list[tuple[str, int, int, int]], redis_url: str, prefix: str
+    total: int,
+    want: int,
+    used: int,
+    others: list[tuple[str, int, int, int]],
+    redis_url: str,
+    prefix: str,
 ) -> None:
     b = RedisBackend(redis_url, prefix=prefix)
     try:
@@ -199,10 +207,10 @@ async def test_lua_and_python_arithmetic_agree(
             # Write each other holder's record as it stands (granted, want, used).
             key = f"{{{prefix}}}:lease:pool:r0"
             await b._r.hset(key, f"o{i}", f"{g} {w} {u} 99999999999999")
-        r = await b.renew("me", req(total, want), 10)
-        assert (r.leases[0].granted, r.leases[0].holders, r.leases[0].others_used) == grant(
-            total, want, others, "me"
-        )
+        r = await b.renew("me", req(total, want, used), 10)
+        lease = r.leases[0]
+        expect = grant(total, want, others, "me", used)
+        assert (lease.granted, lease.holders, lease.others_used, lease.rate) == expect
     finally:
         await b.close()
 

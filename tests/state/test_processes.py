@@ -462,6 +462,59 @@ async def test_a_tenant_rpm_limit_holds_across_three_processes(
     assert sum(st["tenants"]["team-a"]["share"] for st in states) <= 1.0 + 1e-9
 
 
+async def test_a_tenant_rpm_limit_holds_after_one_process_spent_most_of_it(
+    tmp_path: Path, redis_url: str, prefix: str, replica: Any, nodes: list[Node]
+) -> None:
+    """One process alone first: its fraction grows to most of the tenant's budget and it
+    spends it. Then all three are pressed: its fraction shrinks below what it spent, and
+    the others are granted what refills, as it refills (at the rate it was spent at), so
+    together they keep admitting at the tenant's rate, neither over it nor far under."""
+    from admission.tenants import hash_key
+
+    rpm = 600
+    cfg = config(redis_url, prefix, [{"name": "r0", "url": replica.url}], lease_ttl_s=3.0)
+    cfg["tenants"] = [{"name": "team-a", "keys_sha256": [hash_key("sk-team-a")], "rpm": rpm}]
+    for i in range(3):
+        nodes.append(await start(tmp_path, cfg, f"gw{i}"))
+    body = {**BODY, "max_tokens": 2}
+    headers = {"Authorization": "Bearer sk-team-a"}
+    ok_at: list[float] = []
+    loop = asyncio.get_running_loop()
+    stop_at = [float("inf")]
+
+    async def client(s: aiohttp.ClientSession, node: Node, until: list[float]) -> None:
+        for _ in range(5000):
+            if loop.time() >= until[0]:
+                return
+            async with s.post(node.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                await r.read()
+                if r.status == 200:
+                    ok_at.append(loop.time())
+                else:
+                    assert r.status == 429, r.status
+                    await asyncio.sleep(min(1.0, int(r.headers["retry-after-ms"]) / 1000))
+
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):
+            states = [await admin_state(s, n) for n in nodes]
+            if all(st["processes"] == 3 for st in states):
+                break
+            await asyncio.sleep(0.05)
+        alone_until = [loop.time() + 4.0]
+        await asyncio.gather(*(client(s, nodes[0], alone_until) for _ in range(3)))
+        alone_share = (await admin_state(s, nodes[0]))["tenants"]["team-a"]["share"]
+        warm, window = 4.0, 12.0
+        start_t = loop.time()
+        stop_at[0] = start_t + warm + window
+        await asyncio.gather(*(client(s, nodes[i % 3], stop_at) for i in range(9)))
+        states = [await admin_state(s, n) for n in nodes]
+    assert alone_share > 0.6  # the lone process grew into most of the budget
+    steady = [t for t in ok_at if start_t + warm <= t < start_t + warm + window]
+    expected = rpm * window / 60.0
+    assert len(steady) <= 1.05 * expected, (len(steady), expected)
+    assert len(steady) >= 0.75 * expected, (len(steady), expected, states)
+
+
 async def test_workers_die_with_a_killed_supervisor(
     tmp_path: Path, redis_url: str, prefix: str, replica: Any
 ) -> None:
