@@ -278,7 +278,27 @@ def build_app(
 
 
 _RUNNER_SHUTDOWN_S = 2.0
-_STUCK_REPORT_S = 10.0
+_STUCK_REPORT_S = 6.0  # a stop this long logs where it waits
+_STOP_LIMIT_S = 10.0  # and this long is given up on
+
+
+def _await_chain(task: asyncio.Task[Any]) -> str:
+    """Where `task` waits: its coroutines from the outermost to the innermost (a task's
+    own stack shows only the outermost), then what the innermost awaits."""
+    out: list[str] = []
+    obj: Any = task.get_coro()
+    for _ in range(64):
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
+        if frame is None:
+            out.append(type(obj).__name__)  # a future or a task: it waits on that
+            break
+        code = frame.f_code
+        out.append(f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}:{frame.f_lineno}")
+        nxt = getattr(obj, "cr_await", None) or getattr(obj, "gi_yieldfrom", None)
+        if nxt is None:
+            break
+        obj = nxt
+    return " -> ".join(out)
 
 
 def _log_pending_tasks(current: asyncio.Task[Any] | None) -> None:
@@ -286,13 +306,8 @@ def _log_pending_tasks(current: asyncio.Task[Any] | None) -> None:
     tasks = [current] if current is not None else []
     tasks += [t for t in asyncio.all_tasks() if t is not current and not t.done()]
     for task in tasks:
-        frames = task.get_stack()
-        where = " -> ".join(
-            f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_code.co_name}:{f.f_lineno}"
-            for f in frames
-        )
         role = "stopping" if task is current else "pending"
-        log.warning("kvgate: %s task %s at %s", role, task.get_name(), where)
+        log.warning("kvgate: %s task %s at %s", role, task.get_name(), _await_chain(task))
 
 
 class Gateway:
@@ -422,10 +437,15 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(5.0):
                     await pipeline.idle.wait()
-        # If stopping overruns, say what it waits for (the stacks of the tasks left).
+        # Every request is answered by now. If stopping overruns, say what it waits for
+        # (the stacks of the tasks left), and give up on it after a bound: a cleanup that
+        # hangs must not keep a drained process from exiting.
         report = loop.call_later(_STUCK_REPORT_S, _log_pending_tasks, asyncio.current_task())
         try:
-            await self.stop()
+            async with asyncio.timeout(_STOP_LIMIT_S):
+                await self.stop()
+        except TimeoutError:
+            log.error("kvgate: stopping took over %.1f s; exiting without it", _STOP_LIMIT_S)
         finally:
             report.cancel()
         return {"shed": shed, "cut": cut, "drained": drained}

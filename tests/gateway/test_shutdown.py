@@ -186,6 +186,52 @@ async def test_embedded_shutdown_drains_a_request_that_ends_within_the_grace(rep
     assert gw.controller.reserved_tokens() == 0
 
 
+async def test_a_cleanup_that_hangs_does_not_keep_a_drained_gateway_from_stopping(
+    replica, monkeypatch
+):
+    """Every request answered, a cleanup step that never ends: shutdown gives up on it
+    after its bound and returns (the process then exits), having said where it waited."""
+    import logging
+
+    import gateway.app as app_module
+    from gateway.app import Gateway
+    from gateway.config import config_from_mapping
+
+    srv = await replica(speed=5.0)
+    monkeypatch.setattr(app_module, "_STUCK_REPORT_S", 0.2)
+    monkeypatch.setattr(app_module, "_STOP_LIMIT_S", 0.5)
+    cfg = config_from_mapping(
+        {
+            "replicas": [{"name": "r0", "url": srv.url}],
+            "shutdown": {"drain_grace_s": 1.0, "listen_grace_s": 0.0},
+            "logging": {"access_log": False},
+        },
+        env={},
+    )
+    gw = Gateway(cfg, host="127.0.0.1", port=0)
+    hang = asyncio.Event()
+
+    async def stuck(app: Any) -> None:
+        await hang.wait()  # never set
+
+    gw.app.on_cleanup.append(stuck)
+    await gw.start()
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("kvgate").addHandler(handler)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.url + "/v1/chat/completions", json=SHORT) as r:
+                assert r.status == 200
+        result = await asyncio.wait_for(gw.shutdown(), 5.0)
+    finally:
+        logging.getLogger("kvgate").removeHandler(handler)
+    assert result["drained"] is True
+    assert any("stopping task" in m and "stuck" in m for m in seen), seen
+    assert any("exiting without it" in m for m in seen), seen
+
+
 async def _refused(port: int) -> bool:
     try:
         _r, w = await asyncio.open_connection("127.0.0.1", port)
