@@ -443,6 +443,10 @@ class Gateway:
         report = loop.call_later(_STUCK_REPORT_S, _log_pending_tasks, asyncio.current_task())
         try:
             async with asyncio.timeout(_STOP_LIMIT_S):
+                if self.state.sync is not None:
+                    # Leases first (bounded by the backend's timeout), so the others get
+                    # this process's slices at once even if the rest of the stop hangs.
+                    await self.state.sync.stop()
                 await self.stop()
         except TimeoutError:
             log.error("kvgate: stopping took over %.1f s; exiting without it", _STOP_LIMIT_S)

@@ -161,6 +161,7 @@ class StateSync:
         self._ever_up = False
         self._limit_seen: dict[str, tuple[float, int]] = {}  # replica -> (value, version)
         self._task: asyncio.Task[None] | None = None
+        self._stopped = False
         self._loop = asyncio.get_running_loop()
         self._last = -math.inf
         # After an outage: until when (and until how many processes re-registered) the
@@ -176,6 +177,11 @@ class StateSync:
         self._task = self._loop.create_task(self._run(), name="kvgate-state")
 
     async def stop(self) -> None:
+        """Stop renewing and return this process's leases (idempotent: the shutdown
+        returns them before aiohttp's own cleanup, which calls this again)."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
