@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,63 @@ async def admin_state(s: aiohttp.ClientSession, node: Node) -> dict[str, Any]:
     async with s.get(node.url + "/admin/state", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
         assert r.status == 200
         return await r.json()
+
+
+async def states_when(
+    s: aiohttp.ClientSession,
+    nodes: list[Node],
+    ok: Callable[[list[dict[str, Any]]], bool],
+    what: str,
+    tries: int = 200,
+) -> list[dict[str, Any]]:
+    """Poll every node's /admin/state until `ok` holds of them all; they are returned.
+    AssertionError naming `what` (and the last states) if it never does."""
+    states: list[dict[str, Any]] = []
+    for _ in range(tries):
+        states = [await admin_state(s, n) for n in nodes]
+        if ok(states):
+            return states
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{what}: {states}")
+
+
+def all_see(count: int) -> Callable[[list[dict[str, Any]]], bool]:
+    """`states_when` condition: every node counts `count` live processes."""
+    return lambda states: all(st["processes"] == count for st in states)
+
+
+@dataclass
+class RpmPress:
+    """Clients of a rate-limited tenant that come back exactly when a 429 says (at most a
+    second later), until `until`; the times of the answers that passed, by node."""
+
+    body: dict[str, Any]
+    headers: dict[str, str]
+    ok_at: list[float] = field(default_factory=list)
+    per_node: dict[str, int] = field(default_factory=dict)
+    limited: int = 0
+
+    async def client(self, s: aiohttp.ClientSession, node: Node, until: float) -> None:
+        loop = asyncio.get_running_loop()
+        url = node.url + "/v1/chat/completions"
+        for _ in range(5000):
+            if loop.time() >= until:
+                return
+            async with s.post(url, json=self.body, headers=self.headers) as r:
+                await r.read()
+                if r.status == 200:
+                    self.ok_at.append(loop.time())
+                    self.per_node[node.url] = self.per_node.get(node.url, 0) + 1
+                else:
+                    assert r.status == 429, r.status
+                    assert (await r.json())["error"]["code"] == "rate_limit_exceeded"
+                    assert "retry-after-ms" in r.headers, await admin_state(s, node)
+                    self.limited += 1
+                    # Back exactly when it would pass, as a well-behaved client is.
+                    await asyncio.sleep(min(1.0, int(r.headers["retry-after-ms"]) / 1000))
+
+    def within(self, start: float, end: float) -> int:
+        return sum(1 for t in self.ok_at if start <= t < end)
 
 
 @dataclass

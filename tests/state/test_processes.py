@@ -31,10 +31,13 @@ from tests.state.cluster import (
     BODY,
     Load,
     Node,
+    RpmPress,
     admin_state,
+    all_see,
     child_env,
     config,
     start,
+    states_when,
     stop,
 )
 from tests.state.conftest import RedisServer, free_port
@@ -130,12 +133,8 @@ async def test_three_processes_share_one_replica_within_its_pool_and_cap(
     load = Load()
     try:
         async with aiohttp.ClientSession() as s:
-            for _ in range(100):  # every process has seen the other two
-                states = [await admin_state(s, n) for n in nodes]
-                if all(st["processes"] == 3 for st in states):
-                    break
-                await asyncio.sleep(0.05)
-            assert all(st["processes"] == 3 for st in states)
+            # every process has seen the other two
+            await states_when(s, nodes, all_see(3), "not every process sees three", 100)
             with Watch(replica, backend) as w:
                 clients = [load.client(s, nodes[i % 3], 12) for i in range(12)]
                 await asyncio.gather(*clients)
@@ -396,70 +395,50 @@ async def test_a_tenant_rpm_limit_holds_across_three_processes(
     """Each process leases a fraction of the tenant's budget; with all three pressed, the
     requests the three admit together in a steady window stay within 5% of the tenant's
     rpm (the burst a fresh bucket allows is spent first, as in one process)."""
+    rpm = 600  # 10 a second for the tenant, across every process
+    await _start_rpm_tenant(tmp_path, redis_url, prefix, replica, nodes, rpm)
+    press = RpmPress({**BODY, "max_tokens": 2}, {"Authorization": "Bearer sk-team-a"})
+    loop = asyncio.get_running_loop()
+
+    def equal(states: list[dict[str, Any]]) -> bool:
+        # Equal: none above a third, and none still near 0 (a process whose lease is not
+        # granted yet refuses while the others' demand grows their fractions into its
+        # part; giving it back later puts them in debt for a while).
+        shares = [st["tenants"]["team-a"]["share"] for st in states]
+        return all_see(3)(states) and 0.32 <= min(shares) <= max(shares) <= 0.34
+
+    async with aiohttp.ClientSession() as s:
+        # the three hold equal fractions before the load
+        states = await states_when(s, nodes, equal, "the fractions did not settle to a third each")
+        assert sum(st["tenants"]["team-a"]["share"] for st in states) <= 1.0 + 1e-9
+        warm, window = 6.0, 12.0
+        start_t = loop.time()
+        until = start_t + warm + window
+        await asyncio.gather(*(press.client(s, nodes[i % 3], until) for i in range(9)))
+        states = [await admin_state(s, n) for n in nodes]
+    assert press.limited > 0  # the limit was pressed throughout
+    steady = press.within(start_t + warm, start_t + warm + window)
+    expected = rpm * window / 60.0
+    # Never more than the tenant's rate (5% for the window's edges)...
+    assert steady <= 1.05 * expected, (steady, expected)
+    # ...and the limit was what bound it: the clients lose a round trip per retry (they
+    # come back when told, then wait for the answer), so they get a little less.
+    assert steady >= 0.75 * expected, (steady, expected, press.per_node, states)
+    # Every process served its part (the fractions follow demand, none starves).
+    assert all(st["tenants"]["team-a"]["share"] > 0.2 for st in states)
+    assert sum(st["tenants"]["team-a"]["share"] for st in states) <= 1.0 + 1e-9
+
+
+async def _start_rpm_tenant(
+    tmp_path: Path, redis_url: str, prefix: str, replica: Any, nodes: list[Node], rpm: int
+) -> None:
+    """Three processes on one replica, with tenant team-a (key sk-team-a) at `rpm`."""
     from admission.tenants import hash_key
 
-    rpm = 600  # 10 a second for the tenant, across every process
     cfg = config(redis_url, prefix, [{"name": "r0", "url": replica.url}], lease_ttl_s=3.0)
     cfg["tenants"] = [{"name": "team-a", "keys_sha256": [hash_key("sk-team-a")], "rpm": rpm}]
     for i in range(3):
         nodes.append(await start(tmp_path, cfg, f"gw{i}"))
-    body = {**BODY, "max_tokens": 2}
-    headers = {"Authorization": "Bearer sk-team-a"}
-    ok_at: list[float] = []
-    per_node: dict[str, int] = {}
-    limited = [0]
-    loop = asyncio.get_running_loop()
-    stop_at = [float("inf")]
-
-    async def client(s: aiohttp.ClientSession, node: Node) -> None:
-        for _ in range(5000):
-            if loop.time() >= stop_at[0]:
-                return
-            async with s.post(node.url + "/v1/chat/completions", json=body, headers=headers) as r:
-                await r.read()
-                if r.status == 200:
-                    ok_at.append(loop.time())
-                    per_node[node.url] = per_node.get(node.url, 0) + 1
-                else:
-                    assert r.status == 429, r.status
-                    assert (await r.json())["error"]["code"] == "rate_limit_exceeded"
-                    assert "retry-after-ms" in r.headers, await admin_state(s, node)
-                    limited[0] += 1
-                    # Back exactly when it would pass, as a well-behaved client is.
-                    await asyncio.sleep(min(1.0, int(r.headers["retry-after-ms"]) / 1000))
-
-    async with aiohttp.ClientSession() as s:
-        for _ in range(200):  # the three hold equal fractions before the load
-            states = [await admin_state(s, n) for n in nodes]
-            shares = [st["tenants"]["team-a"]["share"] for st in states]
-            # Equal: none above a third, and none still near 0 (a process whose lease is
-            # not granted yet refuses while the others' demand grows their fractions into
-            # its part; giving it back later puts them in debt for a while).
-            if (
-                all(st["processes"] == 3 for st in states)
-                and 0.32 <= min(shares) <= max(shares) <= 0.34
-            ):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError(f"the fractions did not settle to a third each: {shares}")
-        assert sum(shares) <= 1.0 + 1e-9
-        warm, window = 6.0, 12.0
-        start_t = loop.time()
-        stop_at[0] = start_t + warm + window
-        await asyncio.gather(*(client(s, nodes[i % 3]) for i in range(9)))
-        states = [await admin_state(s, n) for n in nodes]
-    assert limited[0] > 0  # the limit was pressed throughout
-    steady = [t for t in ok_at if start_t + warm <= t < start_t + warm + window]
-    expected = rpm * window / 60.0
-    # Never more than the tenant's rate (5% for the window's edges)...
-    assert len(steady) <= 1.05 * expected, (len(steady), expected)
-    # ...and the limit was what bound it: the clients lose a round trip per retry (they
-    # come back when told, then wait for the answer), so they get a little less.
-    assert len(steady) >= 0.75 * expected, (len(steady), expected, per_node, states)
-    # Every process served its part (the fractions follow demand, none starves).
-    assert all(st["tenants"]["team-a"]["share"] > 0.2 for st in states)
-    assert sum(st["tenants"]["team-a"]["share"] for st in states) <= 1.0 + 1e-9
 
 
 async def test_a_tenant_rpm_limit_holds_after_one_process_spent_most_of_it(
@@ -469,50 +448,25 @@ async def test_a_tenant_rpm_limit_holds_after_one_process_spent_most_of_it(
     spends it. Then all three are pressed: its fraction shrinks below what it spent, and
     the others are granted what refills, as it refills (at the rate it was spent at), so
     together they keep admitting at the tenant's rate, neither over it nor far under."""
-    from admission.tenants import hash_key
-
     rpm = 600
-    cfg = config(redis_url, prefix, [{"name": "r0", "url": replica.url}], lease_ttl_s=3.0)
-    cfg["tenants"] = [{"name": "team-a", "keys_sha256": [hash_key("sk-team-a")], "rpm": rpm}]
-    for i in range(3):
-        nodes.append(await start(tmp_path, cfg, f"gw{i}"))
-    body = {**BODY, "max_tokens": 2}
-    headers = {"Authorization": "Bearer sk-team-a"}
-    ok_at: list[float] = []
+    await _start_rpm_tenant(tmp_path, redis_url, prefix, replica, nodes, rpm)
+    press = RpmPress({**BODY, "max_tokens": 2}, {"Authorization": "Bearer sk-team-a"})
     loop = asyncio.get_running_loop()
-    stop_at = [float("inf")]
-
-    async def client(s: aiohttp.ClientSession, node: Node, until: list[float]) -> None:
-        for _ in range(5000):
-            if loop.time() >= until[0]:
-                return
-            async with s.post(node.url + "/v1/chat/completions", json=body, headers=headers) as r:
-                await r.read()
-                if r.status == 200:
-                    ok_at.append(loop.time())
-                else:
-                    assert r.status == 429, r.status
-                    await asyncio.sleep(min(1.0, int(r.headers["retry-after-ms"]) / 1000))
-
     async with aiohttp.ClientSession() as s:
-        for _ in range(200):
-            states = [await admin_state(s, n) for n in nodes]
-            if all(st["processes"] == 3 for st in states):
-                break
-            await asyncio.sleep(0.05)
-        alone_until = [loop.time() + 4.0]
-        await asyncio.gather(*(client(s, nodes[0], alone_until) for _ in range(3)))
+        await states_when(s, nodes, all_see(3), "not every process sees three")
+        alone_until = loop.time() + 4.0
+        await asyncio.gather(*(press.client(s, nodes[0], alone_until) for _ in range(3)))
         alone_share = (await admin_state(s, nodes[0]))["tenants"]["team-a"]["share"]
         warm, window = 4.0, 12.0
         start_t = loop.time()
-        stop_at[0] = start_t + warm + window
-        await asyncio.gather(*(client(s, nodes[i % 3], stop_at) for i in range(9)))
+        until = start_t + warm + window
+        await asyncio.gather(*(press.client(s, nodes[i % 3], until) for i in range(9)))
         states = [await admin_state(s, n) for n in nodes]
     assert alone_share > 0.6  # the lone process grew into most of the budget
-    steady = [t for t in ok_at if start_t + warm <= t < start_t + warm + window]
+    steady = press.within(start_t + warm, start_t + warm + window)
     expected = rpm * window / 60.0
-    assert len(steady) <= 1.05 * expected, (len(steady), expected)
-    assert len(steady) >= 0.75 * expected, (len(steady), expected, states)
+    assert steady <= 1.05 * expected, (steady, expected)
+    assert steady >= 0.75 * expected, (steady, expected, states)
 
 
 async def test_workers_die_with_a_killed_supervisor(
