@@ -259,8 +259,7 @@ class Gcra:
     def set_share(self, fraction: float, now: float, refill: float | None = None) -> None:
         """Scale the limit to `fraction` and the refill to `refill` (at least the
         fraction; by default the fraction); what was spent stays spent (in cells)."""
-        t = self._interval()
-        used = (self.tat - now) / t if self.tat > now and math.isfinite(t) else 0.0
+        used = self.used(now)
         self.share = fraction
         self.refill = max(fraction, fraction if refill is None else refill)
         t = self._interval()

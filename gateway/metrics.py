@@ -273,7 +273,6 @@ class GatewayMetrics:
             registry=r,
         )
         r.register(_LedgerCollector(usage, queue_depths, topup_failures))
-        self._requests_children: dict[tuple[str, str], Counter] = {}
         # Per tenant (label values: configured tenant names, "default", else "other").
         self._tenant_names: frozenset[str] = frozenset({"default"})
         self.tenant_requests = Counter(
@@ -328,22 +327,13 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self._workload_children: dict[tuple[str, str], Counter] = {}
         self._children: dict[tuple[object, ...], Any] = {}  # `_child`
-        self._workload_ttft_children: dict[str, Histogram] = {}
 
     def count_workload(self, workload: str, outcome: str) -> None:
-        key = (workload, outcome)
-        child = self._workload_children.get(key)
-        if child is None:
-            child = self._workload_children[key] = self.workload_requests.labels(*key)
-        child.inc()
+        self._child(self.workload_requests, workload, outcome).inc()
 
     def observe_workload_ttft(self, workload: str, seconds: float) -> None:
-        child = self._workload_ttft_children.get(workload)
-        if child is None:
-            child = self._workload_ttft_children[workload] = self.workload_ttft.labels(workload)
-        child.observe(seconds)
+        self._child(self.workload_ttft, workload).observe(seconds)
 
     def watch_routing(self, decisions: Callable[[], dict[str, int]]) -> None:
         """Export the router's decisions by reason (read at scrape time)."""
@@ -354,13 +344,9 @@ class GatewayMetrics:
         self.registry.register(_EngineCollector(states))
 
     def count_request(self, model: str, outcome: str) -> None:
-        key = (model, outcome)
-        child = self._requests_children.get(key)
-        if child is None:
-            # The pipeline passes "_unknown" for models no replica serves, so clients
-            # cannot create unbounded label cardinality.
-            child = self._requests_children[key] = self.requests.labels(model, outcome)
-        child.inc()
+        # The pipeline passes "_unknown" for models no replica serves, so clients cannot
+        # create unbounded label cardinality.
+        self._child(self.requests, model, outcome).inc()
 
     # ------------------------------------------------------------------ tenants
     def set_tenant_names(self, names: Iterable[str]) -> None:
