@@ -25,7 +25,6 @@ from aiohttp import web
 
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
-from admission.state import StateBackend
 from admission.tenants import TenantLimiter
 from gateway.admin import replicas_snapshot, require_admin
 from gateway.admitter import AdmissionBridge
@@ -40,6 +39,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
 from gateway.relay import Relay
 from gateway.sharing import StateCollector, StateSync, make_backend
+from gateway.state import StateBackend
 from gateway.tokenizers import load_token_counters
 from gateway.upstream import make_session
 from routing.scheduler import build_router

@@ -243,7 +243,7 @@ class LoggingConfig(_Strict):
 
 
 class StateConfig(_Strict):
-    """Where several gateway processes keep what they share (admission/state): the
+    """Where several gateway processes keep what they share (gateway/state): the
     per-replica pool and running-limit leases and the learned limits.
 
     ``memory`` (the default) shares nothing: one process owns every replica. ``redis``

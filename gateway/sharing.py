@@ -1,4 +1,4 @@
-"""The lease loop: keeps this process's slices of shared replicas (admission/state).
+"""The lease loop: keeps this process's slices of shared replicas (gateway/state).
 
 Several gateway processes (``--workers N``, or several hosts on one Redis) front the
 same replicas. Each holds a lease on a slice of every replica's effective KV pool and of
@@ -9,7 +9,7 @@ Renewal
     Every ``renew_interval_s``, and within 50 ms when requests queue here (demand this
     process's slice cannot meet), one round trip renews every lease: each asks for what
     the process holds and has queued, and reports what it holds (its *truth*); the
-    backend's arithmetic (admission/state/lease.py) decides the slice. Learned running
+    backend's arithmetic (admission/lease.py) decides the slice. Learned running
     limits are shared first: a limit this process changed is published, one another
     process published later is adopted (`RunningLimit.adopt`), and a new process seeds
     its limits from the shared ones; the running lease then splits the shared limit (a
@@ -67,11 +67,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from admission.controller import AdmissionController, PoolDemand
-from admission.state import LeaseRequest, StateBackend, StateUnavailable
 from admission.tenants import TenantLimiter, TenantState
 from gateway.admitter import AdmissionBridge
 from gateway.config import StateConfig
 from gateway.errors import ApiError
+from gateway.state import LeaseRequest, StateBackend, StateUnavailable
 
 log = logging.getLogger("kvgate.state")
 
@@ -111,7 +111,7 @@ def make_backend(config: StateConfig) -> StateBackend | None:
     there is nothing to lease)."""
     if config.backend != "redis":
         return None
-    from admission.state.redis import RedisBackend
+    from gateway.state.redis import RedisBackend
 
     assert config.redis_url is not None  # the config validator requires it
     return RedisBackend(

@@ -50,3 +50,27 @@ def test_enginesim_stands_apart() -> None:
     assert not {
         (f, m) for f, m in imports("enginesim") if ours(m) in {"gateway", "admission", "routing"}
     }
+
+
+# The sans-IO cores: no event loop, no sockets or HTTP, no Redis, no wall clock. Time comes
+# in as `now`; IO is the gateway's (DESIGN.md, "Sans-IO cores").
+_IO = {"asyncio", "aiohttp", "redis", "socket", "time", "datetime", "threading", "uvloop"}
+
+
+def test_the_sans_io_cores_do_no_io_and_read_no_clock() -> None:
+    for package in ("admission", "routing"):
+        found = imports(package)
+        assert any(ours(m) in {"admission", "routing"} for _, m in found)  # sees real imports
+        bad = {(f, m) for f, m in found if ours(m) in _IO}
+        assert not bad, (package, bad)
+
+
+def test_the_io_check_sees_io() -> None:
+    found = imports("gateway")
+    assert {"asyncio", "redis", "time"} <= {ours(m) for _, m in found}
+
+
+def test_the_shared_state_backends_live_in_the_gateway() -> None:
+    assert not list((ROOT / "admission").glob("state/*.py"))
+    assert (ROOT / "gateway" / "state" / "lease.lua").is_file()
+    assert (ROOT / "admission" / "lease.py").is_file()

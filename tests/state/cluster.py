@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 import yaml
 
-from admission.state.redis import RedisBackend
+from gateway.state.redis import RedisBackend
 from tests.state.conftest import ROOT, free_port
 
 MODEL = "tiny-llm"

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from admission.state import LeaseRequest, MemoryBackend, StateBackend, StateUnavailable
-from admission.state.lease import grant
-from admission.state.redis import RedisBackend
+from admission.lease import grant
+from gateway.state import LeaseRequest, MemoryBackend, StateBackend, StateUnavailable
+from gateway.state.redis import RedisBackend
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from admission.state.redis import RedisBackend
+from gateway.state.redis import RedisBackend
 from tests.gateway.conftest import wait_for
 from tests.state.cluster import (
     ADMIN,
@@ -78,7 +78,7 @@ class Watch:
         self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
-        from admission.state import StateUnavailable
+        from gateway.state import StateUnavailable
 
         while True:
             self.max_engine_running = max(

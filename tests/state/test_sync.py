@@ -14,13 +14,13 @@ import pytest
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.state import MemoryBackend, StateBackend
-from admission.state.redis import RedisBackend
 from admission.tenants import TenantConfig, TenantLimiter
 from admission.types import AdmissionRequest, Admit
 from gateway.admitter import AdmissionBridge
 from gateway.config import StateConfig
 from gateway.sharing import StateSync
+from gateway.state import MemoryBackend, StateBackend
+from gateway.state.redis import RedisBackend
 from routing.picker import MostHeadroomPicker
 from tests.admission.helpers import replica, request
 from tests.state.conftest import RedisServer, free_port

@@ -1,7 +1,9 @@
-"""The lease arithmetic, as one pure function (`grant`). `MemoryBackend` calls it;
-``lease.lua`` is the same arithmetic for Redis, and the contract tests run both.
+"""Shared leases, the pure part: what a process asks for and is granted, and the
+arithmetic that decides it (`grant`). The backends that keep the records live in the
+gateway (`gateway.state`): `MemoryBackend` calls `grant`, ``gateway/state/lease.lua`` is
+the same arithmetic for Redis, and the contract tests run both.
 
-Policy (see the package docstring): a holder counts as holding the larger of its grant
+Policy (the reasons: docs/shared-state.md): a holder counts as holding the larger of its grant
 and its reported use, since a slice cannot be taken back from requests already running
 on it. Entitlements are max-min fair (water-filling): holders are taken in order of want
 (then name), and each is entitled to the smaller of its want and an equal split of what
@@ -17,6 +19,55 @@ refills at the larger of its entitlement and that use (within what the others ho
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRequest:
+    """Ask for a slice of `resource` (e.g. ``pool:r0``), whose whole is `total`; the process
+    holds `used` of it now and wants `want`."""
+
+    resource: str
+    total: int
+    want: int
+    used: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The slice granted, how many processes hold `resource`, and what the others use."""
+
+    resource: str
+    granted: int
+    holders: int
+    others_used: int
+    # A rate-limited holder's refill slice (lease.grant): at least `granted`, more while
+    # it has spent more than its grant.
+    rate: int = -1
+
+    def refill(self) -> int:
+        return self.granted if self.rate < 0 else self.rate
+
+
+@dataclass(frozen=True, slots=True)
+class RenewResult:
+    processes: int  # processes alive (heartbeat within the TTL), this one included
+    leases: list[Lease]
+
+
+@dataclass(frozen=True, slots=True)
+class HolderRecord:
+    granted: int
+    want: int
+    used: int
+    expires_in_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SharedLimit:
+    value: float
+    version: int
+    reason: str
 
 
 def grant(

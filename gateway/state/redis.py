@@ -21,15 +21,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from admission.state.base import (
-    HolderRecord,
-    Lease,
-    LeaseRequest,
-    RenewResult,
-    SharedLimit,
-    StateBackend,
-    StateUnavailable,
-)
+from admission.lease import HolderRecord, Lease, LeaseRequest, RenewResult, SharedLimit
+from gateway.state.backend import StateBackend, StateUnavailable
 
 _LEASE_LUA = (Path(__file__).parent / "lease.lua").read_text(encoding="utf-8")
 _PUBLISH_LUA = """

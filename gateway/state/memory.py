@@ -10,15 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from admission.state.base import (
-    HolderRecord,
-    Lease,
-    LeaseRequest,
-    RenewResult,
-    SharedLimit,
-    StateBackend,
-)
-from admission.state.lease import grant
+from admission.lease import HolderRecord, Lease, LeaseRequest, RenewResult, SharedLimit, grant
+from gateway.state.backend import StateBackend
 
 
 class MemoryBackend(StateBackend):

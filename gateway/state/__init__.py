@@ -11,7 +11,7 @@ They do so by *leases*, as Google's Doorman divides a global rate limit:
 - A background loop in the gateway shell (`gateway.sharing`) renews the slices every
   ``renew_interval_s`` (and at once when requests queue behind a slice). A slice asks
   for what the process holds and has queued plus a little spare (its *want*).
-- The arithmetic (`admission.state.lease.grant`) runs atomically in the backend (a Lua
+- The arithmetic (`admission.lease.grant`) runs atomically in the backend (a Lua
   script on Redis): expired holders are dropped; when the wants fit the total, each gets
   its want and what nobody wants is split equally (a lone process holds the whole);
   when they do not, the shares are max-min fair (an equal split, and more where others
@@ -35,16 +35,9 @@ process learned for a replica is published with a version; the others adopt it.
 
 from __future__ import annotations
 
-from admission.state.base import (
-    HolderRecord,
-    Lease,
-    LeaseRequest,
-    RenewResult,
-    SharedLimit,
-    StateBackend,
-    StateUnavailable,
-)
-from admission.state.memory import MemoryBackend
+from admission.lease import HolderRecord, Lease, LeaseRequest, RenewResult, SharedLimit
+from gateway.state.backend import StateBackend, StateUnavailable
+from gateway.state.memory import MemoryBackend
 
 __all__ = [
     "HolderRecord",

@@ -1,63 +1,17 @@
-"""The shared-state interface (see the package docstring for the policy)."""
+"""The shared-state interface: what a backend keeping leases must do (the policy: this
+package's docstring; the arithmetic: `admission.lease`)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedLimit
 
 
 class StateUnavailable(Exception):
     """The backend could not be reached (or answered with an error); the caller applies
     its ``on_unreachable`` policy."""
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseRequest:
-    """Ask for a slice of `resource` (e.g. ``pool:r0``), whose whole is `total`; the process
-    holds `used` of it now and wants `want`."""
-
-    resource: str
-    total: int
-    want: int
-    used: int
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """The slice granted, how many processes hold `resource`, and what the others use."""
-
-    resource: str
-    granted: int
-    holders: int
-    others_used: int
-    # A rate-limited holder's refill slice (lease.grant): at least `granted`, more while
-    # it has spent more than its grant.
-    rate: int = -1
-
-    def refill(self) -> int:
-        return self.granted if self.rate < 0 else self.rate
-
-
-@dataclass(frozen=True, slots=True)
-class RenewResult:
-    processes: int  # processes alive (heartbeat within the TTL), this one included
-    leases: list[Lease]
-
-
-@dataclass(frozen=True, slots=True)
-class HolderRecord:
-    granted: int
-    want: int
-    used: int
-    expires_in_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class SharedLimit:
-    value: float
-    version: int
-    reason: str
 
 
 class StateBackend(ABC):
