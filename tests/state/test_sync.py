@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
+from admission.lease import LeaseRequest, RenewResult
 from admission.tenants import TenantConfig, TenantLimiter
 from admission.types import AdmissionRequest, Admit
 from gateway.admitter import AdmissionBridge
@@ -323,3 +324,52 @@ async def test_a_request_larger_than_an_idle_split_grows_its_share(backend: Stat
     # The demand lasts while the client is expected back, then goes.
     assert st.tpm.demand(loop.time()) == 0.5
     assert st.tpm.demand(loop.time() + 60.0) == 0.0
+
+
+class _SwallowsOneCancel(MemoryBackend):
+    """A backend whose renewal, once armed, loses the cancellation that lands in it (as a
+    client library's timeout handling can) and then answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.in_renew = asyncio.Event()
+        self.swallowed = False
+        self.released = False
+        self.renewals_after_release = 0
+
+    async def renew(
+        self, holder: str, requests: Sequence[LeaseRequest], ttl_s: float
+    ) -> RenewResult:
+        if self.released:
+            self.renewals_after_release += 1
+        if self.armed and not self.in_renew.is_set():
+            self.in_renew.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.swallowed = True  # lost: the caller goes on as if nothing happened
+        return await super().renew(holder, requests, ttl_s)
+
+    async def release(self, holder: str, resources: Sequence[str] | None = None) -> None:
+        self.released = True
+        await super().release(holder, resources)
+
+
+async def test_a_stop_whose_cancellation_is_lost_still_ends_the_loop_and_returns_the_leases() -> (
+    None
+):
+    backend = _SwallowsOneCancel()
+    s = sync(backend, ctrl(), "a", timeout_s=0.2)
+    await s.start()
+    assert await backend.holders("pool:r1")
+    backend.armed = True
+    await asyncio.wait_for(backend.in_renew.wait(), 5)  # the loop's next round is in renew
+    stopping = asyncio.create_task(s.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=5)  # not wait_for: its cancel ends it
+    assert done, "the stop hangs on a lease loop that lost its cancellation"
+    assert backend.swallowed and backend.released
+    assert await backend.holders("pool:r1") == {}
+    await asyncio.sleep(0.6)  # the loop, had it gone on, would have renewed by now
+    assert backend.renewals_after_release == 0
+    assert await backend.holders("pool:r1") == {}
