@@ -15,6 +15,7 @@ from routing.scorers import (
     engine_kv_usage,
     engine_queue,
     kv_headroom,
+    label_match,
     prefix_cache,
     running_headroom,
     session_affinity,
@@ -32,5 +33,6 @@ PLUGINS: tuple[tuple[str, str, Factory], ...] = (
     ("scorer", "prefix_cache", prefix_cache.factory),
     ("scorer", "session_affinity", session_affinity.factory),
     ("scorer", "speculation", speculation.factory),
+    ("scorer", "label_match", label_match.factory),
     ("picker", "max_score", max_score.factory),
 )

@@ -78,3 +78,18 @@ def test_headroom_score_is_clamped_to_unit_interval() -> None:
     assert scorer.score(REQ, cand("a", -50, 1000)) == 0.0
     assert scorer.score(REQ, cand("a", 10, 0)) == 0.0
     assert scorer.score(REQ, cand("a", 2000, 1000)) == 1.0
+
+
+def test_a_factory_that_builds_no_scorer_is_a_config_error() -> None:
+    from pydantic import ValidationError
+
+    from routing.config import RoutingConfig
+    from routing.registry import register
+
+    class NoScore:
+        def rank(self, req: RouteRequest, candidate: Candidate) -> float:
+            return 1.0
+
+    register("scorer", "test_no_score")(lambda params, env: NoScore())
+    with pytest.raises(ValidationError, match="NoScore is no Scorer"):
+        RoutingConfig.model_validate({"default_profile": {"scorers": [{"name": "test_no_score"}]}})
