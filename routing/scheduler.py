@@ -34,6 +34,8 @@ from routing.types import Candidate, RouteRequest
 
 
 class Profile:
+    """One filter -> score -> pick pipeline (module docstring), and its plugins' hooks."""
+
     def __init__(
         self,
         name: str,

@@ -19,6 +19,7 @@ from routing.plugin import (
     HintHook,
     PlacementHook,
     PluginEnv,
+    PrefixReader,
     Scorer,
     WarmHook,
     params_of,
@@ -27,7 +28,7 @@ from routing.prefix import PrefixIndex
 from routing.types import Candidate, RouteRequest
 
 
-class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook):
+class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, PrefixReader):
     """Expected cached-prefix fraction of the prompt on each replica (module docstring)."""
 
     name = "prefix_cache"
