@@ -25,8 +25,8 @@ class LabelMatchScorer(Scorer):
         self.wanted = tuple(wanted.items())
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
-        labels = candidate.labels
-        return sum(labels.get(k) == v for k, v in self.wanted) / len(self.wanted)
+        matched = sum(candidate.labels.get(k) == v for k, v in self.wanted)
+        return matched / len(self.wanted)
 
 
 def factory(params: Mapping[str, Any], env: PluginEnv) -> LabelMatchScorer:
