@@ -28,7 +28,7 @@ from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
 from enginesim.types import EventKind, SimRequest
 from enginesim.workloads import WorkItem
-from routing.picker import MostHeadroomPicker
+from routing.scheduler import default_profile
 from routing.types import ReplicaState
 
 REPLICA = "r0"
@@ -107,7 +107,7 @@ def run(
     prof = load_profile(profile)
     core = EngineCore(prof, seed=seed)
     cfg = config if config is not None else AdmissionConfig()
-    ctrl = AdmissionController(cfg, MostHeadroomPicker(seed=seed), seed=seed)
+    ctrl = AdmissionController(cfg, default_profile(seed=seed), seed=seed)
     est = TokenEstimator(cfg)
     model = prof.served_model_name
     state = ReplicaState(

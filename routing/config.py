@@ -1,6 +1,6 @@
 """Validated routing settings: profiles of named plugins, per model and a default.
 
-Plugin names are checked against `routing.registry` and each entry is built once at
+Plugin names are checked against `routing.registry` (the wiring list, `routing.wiring`) and each entry is built once at
 validation, so an unknown name or a bad param is a config error that names the field
 (e.g. ``routing.default_profile.scorers.1.name``).
 """
@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from routing import registry
+from routing.plugin import PluginEnv
 
 
 class _PluginRef(BaseModel):
@@ -34,7 +35,7 @@ class _PluginRef(BaseModel):
     def _buildable(self) -> _PluginRef:
         kind = self.kind
         try:
-            registry.build(kind, self.name, self.params, registry.PluginEnv())
+            registry.build(kind, self.name, self.params, PluginEnv())
         except (ValueError, TypeError) as e:
             raise ValueError(f"{kind} {self.name!r} params: {e}") from None
         return self

@@ -8,26 +8,40 @@ replica look free: room is the ledger's call), and lets its picker choose. Filte
 leave nothing return None: admission keeps the request queued without holding anything up.
 
 `SchedulingRouter` picks the profile of the request's model (else the default) and
-forwards admission's ``placed`` / ``released`` hooks to the plugins that define them.
+forwards admission's ``placed`` / ``released`` (and ``hints``, ``warm``) to the plugins
+that take those hooks (routing.plugin).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from routing.config import ProfileConfig, RoutingConfig
-from routing.registry import PluginEnv, build
+from routing.plugin import (
+    ExplainHook,
+    Filter,
+    HintHook,
+    Picker,
+    PlacementHook,
+    PluginEnv,
+    ReleaseHook,
+    Scorer,
+    WarmHook,
+    reads_prefix,
+)
+from routing.registry import build
 from routing.types import Candidate, RouteRequest
 
 
 class Profile:
+    """One filter -> score -> pick pipeline (module docstring), and its plugins' hooks."""
+
     def __init__(
         self,
         name: str,
-        filters: Sequence[Any],
-        scorers: Sequence[tuple[Any, float]],
-        picker: Any,
+        filters: Sequence[Filter],
+        scorers: Sequence[tuple[Scorer, float]],
+        picker: Picker,
         *,
         stale_after_s: float = float("inf"),
         stale_factor: float = 0.5,
@@ -38,13 +52,15 @@ class Profile:
         self.picker = picker
         self.stale_after_s = stale_after_s
         self.stale_factor = stale_factor
-        plugins = [*self.filters, *(s for s, _ in self.scorers), picker]
-        self.placed_hooks = tuple(p.placed for p in plugins if hasattr(p, "placed"))
-        self.released_hooks = tuple(p.released for p in plugins if hasattr(p, "released"))
-        self.hint_hooks = tuple(p.hints for p in plugins if hasattr(p, "hints"))
-        self.explain_hooks = tuple(p.explain for p in plugins if hasattr(p, "explain"))
-        self.warm_hooks = tuple(p.warm for p in plugins if hasattr(p, "warm"))
-        self.needs_prefix = any(getattr(p, "needs_prefix", False) for p in plugins)
+        # Each hook's bound methods, sorted out once here: a request pays only for the
+        # hooks its profile's plugins take.
+        plugins: list[object] = [*self.filters, *(s for s, _ in self.scorers), picker]
+        self.placed_hooks = tuple(p.placed for p in plugins if isinstance(p, PlacementHook))
+        self.released_hooks = tuple(p.released for p in plugins if isinstance(p, ReleaseHook))
+        self.hint_hooks = tuple(p.hints for p in plugins if isinstance(p, HintHook))
+        self.explain_hooks = tuple(p.explain for p in plugins if isinstance(p, ExplainHook))
+        self.warm_hooks = tuple(p.warm for p in plugins if isinstance(p, WarmHook))
+        self.needs_prefix = any(reads_prefix(p) for p in plugins)
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
         total = 0.0
@@ -137,7 +153,12 @@ class SchedulingRouter:
 
 
 def build_profile(
-    name: str, cfg: ProfileConfig, env: PluginEnv, *, stale_after_s: float, stale_factor: float
+    name: str,
+    cfg: ProfileConfig,
+    env: PluginEnv,
+    *,
+    stale_after_s: float = float("inf"),
+    stale_factor: float = 0.5,
 ) -> Profile:
     return Profile(
         name,
@@ -164,3 +185,10 @@ def build_router(
         build_profile("default", cfg.default_profile, env, **kw),
         {m: build_profile(m, p, env, **kw) for m, p in cfg.profiles.items()},
     )
+
+
+def default_profile(seed: int | None = None) -> Profile:
+    """The profile of an empty routing config (most free KV fraction, seeded ties) on its
+    own: no staleness penalty and no hooks. A test or a bench hands it to admission as
+    its router."""
+    return build_profile("default", ProfileConfig(), PluginEnv(seed=seed))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.types import AdmissionRequest
-from routing.picker import MostHeadroomPicker
+from routing.scheduler import default_profile
 from routing.types import ReplicaState
 
 
@@ -57,7 +57,7 @@ def controller(**overrides: object) -> AdmissionController:
     # Retry-After exactly as computed (jitter has its own test).
     settings: dict[str, object] = {"headroom": 0.0, "learn_limit": False, "retry_jitter": 0.0}
     settings.update(overrides)
-    return AdmissionController(AdmissionConfig(**settings), MostHeadroomPicker(seed=7), seed=7)
+    return AdmissionController(AdmissionConfig(**settings), default_profile(seed=7), seed=7)
 
 
 def warm_drain(ctrl: AdmissionController, tokens: int, rate: float, *, start: float = 0.0) -> float:

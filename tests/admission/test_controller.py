@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.types import Admit, Queued, Refuse, Shed
-from routing.picker import Picker
+from routing.types import Router
 from tests.admission.helpers import controller, replica, request, warm_drain
 
 
@@ -410,7 +410,7 @@ def test_custom_picker_sees_the_request_and_may_decline() -> None:
     assert isinstance(ctrl.submit(request("b", 10, 10), 1.0), Queued)  # picker declined r1
 
 
-def controller_with(picker: Picker) -> AdmissionController:
+def controller_with(picker: Router) -> AdmissionController:
     return AdmissionController(AdmissionConfig(headroom=0.0), picker)
 
 

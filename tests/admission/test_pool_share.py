@@ -7,7 +7,7 @@ from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.limit import LimitSettings, RunningLimit
 from admission.types import Admit, Queued
-from routing.picker import MostHeadroomPicker
+from routing.scheduler import default_profile
 from tests.admission.helpers import controller, replica, request
 
 
@@ -68,7 +68,7 @@ def test_a_running_share_caps_the_running_count() -> None:
 
 def test_the_learned_limit_judges_every_process_load() -> None:
     c = AdmissionController(
-        AdmissionConfig(learn_limit=True, initial_limit=4), MostHeadroomPicker(seed=1), seed=1
+        AdmissionConfig(learn_limit=True, initial_limit=4), default_profile(seed=1), seed=1
     )
     c.upsert_replica(replica("r1", 100_000), 0.0)
     c.set_pool_share("r1", None, 0.0, others_running=5)

@@ -6,7 +6,7 @@ from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.retries import RetryMemory
 from admission.types import AdmissionRequest, Admit, Queued
-from routing.picker import MostHeadroomPicker
+from routing.scheduler import default_profile
 from routing.types import ReplicaState
 
 
@@ -41,7 +41,7 @@ def test_forget_and_bounds() -> None:
 
 def test_an_older_arrival_is_queued_and_admitted_first() -> None:
     ctrl = AdmissionController(
-        AdmissionConfig(headroom=0.0, queue_timeout_s=100.0), MostHeadroomPicker(seed=1), seed=1
+        AdmissionConfig(headroom=0.0, queue_timeout_s=100.0), default_profile(seed=1), seed=1
     )
     ctrl.upsert_replica(
         ReplicaState(

@@ -21,7 +21,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.prompt import chat_shape
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizers import load_token_counters
-from routing.picker import MostHeadroomPicker
+from routing.scheduler import default_profile
 from routing.types import ReplicaState
 
 CALL = {
@@ -162,7 +162,7 @@ def test_estimate_wrong_by_2x_either_way_refuses_nothing_wrongly(
     cfg = config_from_mapping({"admission": {"initial_chars_per_token": true_cpt * guess_error}})
     est = TokenEstimator(cfg.admission)
     counter = PromptCounter(cfg, est, _discovery([_replica(2048, 4096)]), _metrics())
-    ctrl = AdmissionController(cfg.admission, MostHeadroomPicker(seed=1), seed=1)
+    ctrl = AdmissionController(cfg.admission, default_profile(seed=1), seed=1)
     ctrl.upsert_replica(
         ReplicaState(
             "r0", "http://r0", models=["m"], ready=True, capacity_tokens=4096, max_model_len=2048

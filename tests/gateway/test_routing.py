@@ -10,7 +10,8 @@ from typing import Any
 
 import aiohttp
 
-from routing.registry import PluginEnv, register
+from routing.plugin import PluginEnv
+from routing.registry import register
 from routing.types import Candidate, RouteRequest
 from tests.gateway.conftest import MODEL, wait_for
 

@@ -11,10 +11,14 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from routing.config import RoutingConfig
-from routing.picker import MostHeadroomPicker
-from routing.prefix import PrefixCacheScorer, PrefixIndex, SessionAffinityScorer, block_hashes
-from routing.registry import PluginEnv, build
-from routing.scheduler import build_router
+from routing.pickers.max_score import MaxScorePicker
+from routing.plugin import PluginEnv
+from routing.prefix import PrefixIndex, block_hashes
+from routing.registry import build
+from routing.scheduler import Profile, build_router
+from routing.scorers.kv_headroom import KVHeadroomScorer
+from routing.scorers.prefix_cache import PrefixCacheScorer
+from routing.scorers.session_affinity import SessionAffinityScorer
 from routing.types import Candidate, RouteRequest
 
 
@@ -177,7 +181,7 @@ def test_session_affinity_with_ttl() -> None:
 # ------------------------------------------------------------------ profiles from config
 def test_default_profile_reproduces_most_headroom_with_seeded_ties() -> None:
     router = build_router(seed=42)
-    legacy = MostHeadroomPicker(seed=42)
+    legacy = Profile("legacy", [], [(KVHeadroomScorer(), 1.0)], MaxScorePicker(seed=42))
     tied = [cand(n, 500) for n in "abcd"]
     ours = [router.pick(req(), tied).name for _ in range(200)]  # type: ignore[union-attr]
     theirs = [legacy.pick(req(), tied).name for _ in range(200)]  # type: ignore[union-attr]

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from routing.config import RoutingConfig
-from routing.registry import PluginEnv, build
+from routing.plugin import PluginEnv
+from routing.registry import build
 from routing.scheduler import build_router
-from routing.speculation import SpeculationScorer, gain_factor
+from routing.scorers.speculation import SpeculationScorer, gain_factor
 from routing.types import Candidate, RouteRequest
 
 

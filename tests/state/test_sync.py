@@ -22,7 +22,7 @@ from gateway.config import StateConfig
 from gateway.sharing import StateSync
 from gateway.state import MemoryBackend, StateBackend
 from gateway.state.redis import RedisBackend
-from routing.picker import MostHeadroomPicker
+from routing.scheduler import default_profile
 from tests.admission.helpers import replica, request
 from tests.state.conftest import RedisServer, free_port
 
@@ -32,7 +32,7 @@ POOL = 1000
 def ctrl(**overrides: object) -> AdmissionController:
     settings: dict[str, object] = {"headroom": 0.0, "learn_limit": False}
     settings.update(overrides)
-    c = AdmissionController(AdmissionConfig(**settings), MostHeadroomPicker(seed=3), seed=3)
+    c = AdmissionController(AdmissionConfig(**settings), default_profile(seed=3), seed=3)
     c.upsert_replica(replica("r1", POOL, max_running=10), 0.0)
     return c
 
@@ -265,7 +265,7 @@ async def test_a_tenant_concurrency_in_use_draws_its_fraction(backend: StateBack
     for lim in limiters:
         c = AdmissionController(
             AdmissionConfig(headroom=0.0, learn_limit=False),
-            MostHeadroomPicker(seed=3),
+            default_profile(seed=3),
             seed=3,
             tenants=lim.tenants.get,
         )

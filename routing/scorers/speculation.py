@@ -54,7 +54,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from routing.registry import PluginEnv, params_of, register
+from routing.plugin import ExplainHook, HintHook, PlacementHook, PluginEnv, Scorer, params_of
 from routing.types import Candidate, RouteRequest
 
 # Verification steps a window needs before its acceptance replaces the last one.
@@ -82,7 +82,7 @@ class _Replica:
         self.batch = 0
 
 
-class SpeculationScorer:
+class SpeculationScorer(Scorer, PlacementHook, HintHook, ExplainHook):
     """Coding to speculating replicas below their crossover (module docstring)."""
 
     name = "speculation"
@@ -205,8 +205,7 @@ def _fit(points: deque[tuple[float, float]]) -> tuple[float, float] | None:
     return my - slope * mx, slope
 
 
-@register("scorer", "speculation")
-def _speculation(params: Mapping[str, Any], env: PluginEnv) -> SpeculationScorer:
+def factory(params: Mapping[str, Any], env: PluginEnv) -> SpeculationScorer:
     params_of(
         params,
         {

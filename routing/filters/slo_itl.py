@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from routing.registry import PluginEnv, params_of, register
+from routing.plugin import Filter, PluginEnv, params_of
 from routing.types import Candidate, RouteRequest
 
 
-class SloItlFilter:
+class SloItlFilter(Filter):
     """Keeps candidates whose predicted ITL is unknown or within the request's target."""
 
     name = "slo_itl"
@@ -38,8 +38,7 @@ class SloItlFilter:
         return [c for c in candidates if c.predicted_itl_s is None or c.predicted_itl_s <= bound]
 
 
-@register("filter", "slo_itl")
-def _slo_itl(params: Mapping[str, Any], env: PluginEnv) -> SloItlFilter:
+def factory(params: Mapping[str, Any], env: PluginEnv) -> SloItlFilter:
     params_of(params, {"slack": (int, float)})
     slack = float(params.get("slack", 1.0))
     if slack <= 0:

@@ -1,0 +1,1 @@
+"""Pickers: one per module, each with its ``factory`` beside it, listed in `routing.wiring`."""
