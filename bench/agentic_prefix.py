@@ -33,7 +33,7 @@ their ``vllm:prefix_cache_*`` counters), TTFT p50/p90/p99 over all turns and ove
 after the first, end-to-end p90, completions, retries and give-ups, and the replicas'
 preemptions (``vllm:num_preemptions_total``: a replica driven past its KV limit
 preempts). kvgate's profile was set before any run of this bench (weights 2/1/1 as in
-the README's example); nothing here is tuned on its results.
+docs/routing.md's example); nothing here is tuned on its results.
 
     .venv/bin/python bench/agentic_prefix.py [--runs 3] [--speed 10]
 

@@ -76,7 +76,7 @@ def _resolve(target: str) -> Callable[[Sequence[str]], int | None]:
 
 def serve_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvgate serve", description="Run the kvgate gateway.")
-    parser.add_argument("--config", "-c", help="YAML config file (see README)", default=None)
+    parser.add_argument("--config", "-c", help="YAML config (docs/configuration.md)", default=None)
     parser.add_argument("--check", action="store_true", help="validate the config and exit")
     parser.add_argument(
         "--workers",

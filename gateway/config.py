@@ -84,7 +84,7 @@ class ReplicaConfig(_Strict):
     # from the metrics labelled engine="k"), and every request is pinned to the rank it
     # was admitted on with vLLM's `X-data-parallel-rank` header. `pool_tokens` and
     # `max_running` apply to each rank. Left at 1 on a DP server, the ranks' pools are
-    # summed and vLLM's own balancer picks the rank (see README, data parallel).
+    # summed and vLLM's own balancer picks the rank (see docs/admission.md, data parallel).
     data_parallel_size: Annotated[int, Field(ge=1)] = 1
     # The engine rank this replica entry addresses (set by the expansion above, or by
     # hand to address one rank of a DP server); None: the whole server.

@@ -81,7 +81,7 @@ _SCHEMAS: dict[Kind, type[ChatCompletionRequest] | type[CompletionRequest]] = {
     "completion": CompletionRequest,
 }
 
-# Client headers kvgate reads (documented in the README).
+# Client headers kvgate reads (documented in docs/api.md).
 H_QUEUE_TIMEOUT = "x-kvgate-queue-timeout"  # seconds the client is willing to wait in queue
 H_PRIORITY = "x-kvgate-priority"  # integer, higher is admitted first
 H_SESSION = "x-session-id"  # session affinity key (else the body's `user`)

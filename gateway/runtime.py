@@ -11,7 +11,7 @@ counting, not by the cyclic collector. At CPython's default a young collection r
 few requests, and each older collection walked every long-lived object. In paired wrk
 rounds (non-stream, nginx upstream, this branch with and without the tuning, 5 rounds of
 4 s on the shared 2-core machine) the tuned process served 1.2x-1.3x the requests/s; the
-machine's noise is large, see the README's hot-path section. The cost is memory: cyclic
+machine's noise is large, see docs/benchmarks-cost.md. The cost is memory: cyclic
 garbage (an exception's traceback, a cancelled task) waits longer to be freed, bounded
 by the threshold.
 """

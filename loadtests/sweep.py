@@ -328,7 +328,7 @@ def add_sweep_arguments(ap: argparse.ArgumentParser) -> None:
         help="fixed:N | uniform:LO,HI | lognormal:MEDIAN,SIGMA[,LO,HI]",
     )
     ap.add_argument("--output-tokens", default="", help="same forms")
-    ap.add_argument("--prompt-file", default="", help="JSONL of real requests (see README)")
+    ap.add_argument("--prompt-file", default="", help="JSONL of real requests (docs/loadtests.md)")
     ap.add_argument("--system-tokens", type=int, default=3000, help="agentic: shared system prompt")
     ap.add_argument("--max-context", type=int, default=8192, help="agentic: longest history")
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")

@@ -1,4 +1,4 @@
-"""A real monitoring stack on loopback, for the deploy tests and the README's screenshot.
+"""A real monitoring stack on loopback, for the deploy tests and docs/deploy.md's screenshot.
 
 Starts two `enginesim` replicas (tiny profile) and a third that answers every
 completion with a 500 (so upstream errors and outlier ejections happen), `kvgate serve`

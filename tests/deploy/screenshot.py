@@ -1,4 +1,4 @@
-"""The README's dashboard picture: every Grafana panel drawn by Prometheus itself.
+"""The dashboard picture in docs/deploy.md: every Grafana panel drawn by Prometheus itself.
 
 Grafana cannot be installed here (no Debian package, no registry), so the panels are
 shown as Prometheus graphs: this writes a Prometheus console template (Prometheus's own
@@ -136,7 +136,7 @@ def screenshot(url: str, out: Path, height: int) -> None:
 
 
 def shrink(png: Path) -> None:
-    """Quantise to a small palette: a chart needs few colours, the README a small file."""
+    """Quantise to a small palette: a chart needs few colours, the docs a small file."""
     from PIL import Image
 
     with Image.open(png) as im:

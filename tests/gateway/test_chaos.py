@@ -5,7 +5,7 @@ streamed and non-streamed requests. Once the run is warm, r0 crashes mid-run (af
 few more tokens: streams are cut mid-flight) and r1 hangs (accepts connections, answers
 nothing, its running streams stall); r2 stays healthy so there is somewhere to retry.
 
-What must hold (README, "Failure behaviour"):
+What must hold (docs/failure-behaviour.md):
 
 - every request is accounted for, in exactly one of: completed (a stream with its
   ``[DONE]``, or a JSON completion), a stream cut with a final OpenAI error event and no

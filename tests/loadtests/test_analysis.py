@@ -17,7 +17,7 @@ def step(c: int, tok_s: float, *, ok: int = 100, ended: int = 100, per_user: flo
     )  # fmt: skip
 
 
-# Seed 001's straight sweep (README bench, tokens/s and latencies): flat from 8, gone at 32.
+# Seed 001's straight sweep (docs/benchmarks.md, tokens/s and latencies): flat from 8, gone at 32.
 SEED2 = [
     step(1, 700, p50=3.5, mx=7.6, per_user=36),
     step(2, 983, p50=4.9, mx=13.0, per_user=30),
@@ -34,7 +34,7 @@ def test_seed_001s_sweep_reads_as_seed_001_found_it() -> None:
     assert rd.slo is not None and rd.slo.concurrency == 16
     assert rd.failure is not None and rd.failure.concurrency == 16
     # The spread holds (2.2x -> 2.8x at c=8; c=16 and up are cut off by timeouts): the
-    # T4's compute-bound prefill, as the README's bench says.
+    # T4's compute-bound prefill, as docs/benchmarks.md says.
     assert rd.kind == "compute" and rd.spread_at == 8
     assert "compute ceiling" in rd.sentence()
 
