@@ -18,7 +18,6 @@ from admission.estimate import TokenEstimator
 from admission.tenants import TenantLimiter, TenantState
 from admission.types import Completion
 from gateway.context import RequestContext
-from gateway.discovery import Discovery
 from gateway.logging import access_log_enabled, log_access
 from gateway.metrics import GatewayMetrics
 
@@ -85,16 +84,18 @@ class Accounting:
         estimator: TokenEstimator,
         tenants: TenantLimiter,
         metrics: GatewayMetrics,
-        discovery: Discovery,
+        known_models: set[str],
     ) -> None:
         self.estimator = estimator
         self.tenants = tenants
         self.metrics = metrics
-        self.discovery = discovery
+        # The models some replica serves (discovery fills the set in place); any other
+        # name is counted as "_unknown", so clients cannot grow the label set.
+        self.known_models = known_models
 
     def account(self, ctx: RequestContext, now: float) -> None:
         """Learn from the engine's usage, count the outcome, write the access line."""
-        model_label = ctx.model if ctx.model in self.discovery.known_models else "_unknown"
+        model_label = ctx.model if ctx.model in self.known_models else "_unknown"
         if ctx.outcome == "ok":
             self._learn(ctx)
         self._account_tenant(ctx, now)

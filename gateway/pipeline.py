@@ -147,7 +147,7 @@ class Pipeline:
         self._loop = asyncio.get_running_loop()
         self.in_flight = InFlight(config)
         self.idle = self.in_flight.idle  # set while no request is in flight
-        self.accounting = Accounting(estimator, self.tenants, metrics, discovery)
+        self.accounting = Accounting(estimator, self.tenants, metrics, discovery.known_models)
         self.failover = Failover(
             config, controller, bridge, discovery, metrics, self.tenants, self.release
         )
