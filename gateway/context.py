@@ -1,7 +1,9 @@
 """Per-request state carried through the pipeline stages.
 
 Each stage reads what earlier stages filled in and adds its own part; the account and
-release stages at the end read all of it. A plain slotted dataclass: one allocation per
+release stages at the end read all of it. `admission_request` is what admission is told
+of a request (at its first admission and at a retry's), `RequestContext.admitted` what
+an admission writes back. A plain slotted dataclass: one allocation per
 request, attribute access without dict lookups.
 """
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from admission.tenants import TenantState
+from admission.types import AdmissionRequest, Admit
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 Kind = Literal["chat", "completion"]
@@ -80,3 +84,48 @@ class RequestContext:
     # outcome
     status: int = 0
     outcome: str = "unknown"
+
+    def admitted(self, a: Admit, now: float) -> None:
+        """Record the admission `a` (the first, or a retry's on another replica)."""
+        self.admission_id = a.request_id
+        self.replica = a.replica
+        self.reserved = a.reserved_tokens
+        self.topup_at = a.reserved_tokens
+        self.admitted_at = now
+
+
+def admission_request(
+    ctx: RequestContext,
+    rid: str,
+    *,
+    arrival: float,
+    deadline: float,
+    priority: int = 0,
+    targets: TenantState | None = None,
+) -> AdmissionRequest:
+    """What admission needs to know of a request, from its context."""
+    ttft_target = targets.ttft_s if targets is not None else None
+    itl_target = targets.itl_s if targets is not None else None
+    return AdmissionRequest(
+        request_id=rid,
+        model=ctx.model,
+        prompt_tokens=ctx.prompt_tokens,
+        expected_output=ctx.expected_output,
+        max_tokens=ctx.max_tokens,
+        tenant=ctx.tenant,
+        priority=priority,
+        arrival=arrival,
+        deadline=deadline,
+        workload=ctx.workload,
+        prompt_exact=ctx.prompt_exact,
+        last_retry=ctx.last_retry,
+        latency_budget=ctx.latency_budget,
+        stream=ctx.stream,
+        retry_key=ctx.retry_key,
+        max_tokens_given=ctx.max_tokens_given,
+        prefix_hashes=ctx.prefix_hashes,
+        prefix_block_tokens=ctx.prefix_block_tokens,
+        session=ctx.session,
+        ttft_target_s=ttft_target,
+        itl_target_s=itl_target,
+    )

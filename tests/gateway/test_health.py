@@ -130,7 +130,7 @@ async def test_requests_reserved_on_an_ejected_replica_finish_and_release(replic
             assert r.status == 200
             await r.content.readany()  # the stream is running on r0
             assert gw.controller.reserved_tokens("r0") > 0
-            pipeline._outlier_failure("r0", "connect")  # as the request path reports it
+            pipeline.failover.ejection.failure("r0", "connect")  # as the request path reports it
             assert _usage(gw, "r0").ejected
             # Nothing new is admitted there...
             async with s.post(

@@ -1,0 +1,192 @@
+"""The account stage: what an ended request teaches and counts.
+
+`Accounting.account` runs in the pipeline's ``finally`` on every path: it teaches the
+token estimator from the engine's usage, settles the tenant's rate charge (corrected
+to the usage, or refunded when the request was never admitted), counts the outcome,
+tokens, latencies and the tenant's SLO attainment, and writes the access line.
+`completion` is what the ended request says about its replica's load, for the learned
+limit (`AdmissionBridge.release`).
+
+Latencies are measured on the event loop's clock: TTFT from arrival (what the client
+waited) for metrics and SLOs, from admission (what the replica took) for the learned
+limit; ITL is `inter_token_latency`, the one formula every reader uses.
+"""
+
+from __future__ import annotations
+
+from admission.estimate import TokenEstimator
+from admission.tenants import TenantLimiter, TenantState
+from admission.types import Completion
+from gateway.context import RequestContext
+from gateway.logging import access_log_enabled, log_access
+from gateway.metrics import GatewayMetrics
+
+# Upstream failures that say the replica could not serve its load: the learned limit
+# hears of them (a refused connection or a dropped one says the replica is down, not full).
+_LOAD_FAILURES = frozenset({"timeout", "stream_error", "status_5xx"})
+# A client that leaves this close to the timeout it declared left because of it.
+_BUDGET_SPENT = 0.9
+
+
+def inter_token_latency(ctx: RequestContext) -> float | None:
+    """The mean gap between a response's events after the first, or None when there is
+    no gap to measure (fewer than two events, or no first byte)."""
+    first, last = ctx.first_byte_at, ctx.last_event_at
+    if ctx.events < 2 or first is None or last is None:
+        return None
+    return (last - first) / (ctx.events - 1)
+
+
+def completion(ctx: RequestContext, now: float) -> Completion | None:
+    """What an ended request says about its replica's load, or None when it says
+    nothing (never admitted, client gone, errors that are not about load)."""
+    if ctx.admitted_at is None:
+        return None
+    budget = ctx.latency_budget
+    if ctx.outcome != "ok":
+        if ctx.upstream_error in _LOAD_FAILURES or ctx.outcome == "upstream_timeout":
+            # The replica failed it: slow, or (llama.cpp) out of KV mid-stream.
+            return Completion(ok=False, latency_budget=budget)
+        if (
+            ctx.outcome == "client_disconnect"
+            and budget is not None
+            and now - ctx.arrival >= _BUDGET_SPENT * budget
+        ):
+            # The client left at the timeout it declared: the replica failed it.
+            return Completion(ok=False, latency_budget=budget)
+        return None
+    ttft = itl = None
+    if ctx.stream and ctx.first_byte_at is not None:
+        ttft = ctx.first_byte_at - ctx.admitted_at
+        itl = inter_token_latency(ctx)
+    return Completion(
+        ok=True,
+        service_s=now - ctx.admitted_at,
+        ttft_s=ttft,
+        itl_s=itl,
+        prompt_tokens=ctx.usage_prompt if ctx.usage_prompt is not None else ctx.prompt_tokens,
+        completion_tokens=_completion_tokens(ctx),
+        latency_budget=budget,
+    )
+
+
+def _completion_tokens(ctx: RequestContext) -> int:
+    """The engine's count of generated tokens, else the relay's own."""
+    return ctx.usage_completion if ctx.usage_completion is not None else ctx.generated
+
+
+class Accounting:
+    """The account stage and what it writes to: the estimator, the tenants' charges and
+    SLO counters, the request metrics and the access log."""
+
+    def __init__(
+        self,
+        estimator: TokenEstimator,
+        tenants: TenantLimiter,
+        metrics: GatewayMetrics,
+        known_models: set[str],
+    ) -> None:
+        self.estimator = estimator
+        self.tenants = tenants
+        self.metrics = metrics
+        # The models some replica serves (discovery fills the set in place); any other
+        # name is counted as "_unknown", so clients cannot grow the label set.
+        self.known_models = known_models
+
+    def account(self, ctx: RequestContext, now: float) -> None:
+        """Learn from the engine's usage, count the outcome, write the access line."""
+        model_label = ctx.model if ctx.model in self.known_models else "_unknown"
+        if ctx.outcome == "ok":
+            self._learn(ctx)
+        self._account_tenant(ctx, now)
+        m = self.metrics
+        m.count_request(model_label, ctx.outcome)
+        m.count_workload(ctx.workload, ctx.outcome)
+        ttft = None
+        if ctx.first_byte_at is not None:
+            ttft = ctx.first_byte_at - ctx.arrival
+            m.ttft.observe(ttft)
+            m.observe_workload_ttft(ctx.workload, ttft)
+            if (itl := inter_token_latency(ctx)) is not None:
+                m.itl.observe(itl)
+        if access_log_enabled():  # the line is built only when someone reads it
+            log_access(_access_fields(ctx, ttft, now))
+
+    def _learn(self, ctx: RequestContext) -> None:
+        """Teach the estimator a completed request's true prompt and output tokens."""
+        if ctx.usage_prompt is not None:
+            self.metrics.observe_prompt_estimate(
+                ctx.prompt_tokens, ctx.usage_prompt, ctx.prompt_exact
+            )
+            if not ctx.prompt_exact and ctx.prompt_chars and ctx.prompt_countable:
+                self.estimator.observe_prompt(
+                    ctx.model, ctx.prompt_chars, ctx.num_messages, ctx.usage_prompt
+                )
+        if ctx.usage_completion is not None:
+            self.estimator.observe_output(ctx.model, ctx.usage_completion)
+
+    def _account_tenant(self, ctx: RequestContext, now: float) -> None:
+        """Settle the rate charge (the engine's usage, or a refund if never admitted) and
+        count the tenant's outcome, tokens and SLO attainment."""
+        charge = ctx.rate_charge
+        if charge is not None:
+            if ctx.admitted_at is None:
+                self.tenants.refund(charge, now)
+            elif ctx.usage_prompt is not None or ctx.usage_completion is not None:
+                true = (ctx.usage_prompt or 0) + (ctx.usage_completion or 0)
+                self.tenants.correct(charge, true, now)
+        m = self.metrics
+        tenant = ctx.tenant
+        m.tenant_request(tenant, ctx.outcome)
+        if ctx.usage_prompt is not None:
+            m.tenant_tokens(tenant, "prompt", ctx.usage_prompt)
+        if completion_tokens := _completion_tokens(ctx):
+            m.tenant_tokens(tenant, "completion", completion_tokens)
+        policy = self.tenants.tenants.get(tenant)
+        if policy is None or (
+            policy.ttft_s is None and policy.itl_s is None and policy.e2e_s is None
+        ):
+            return
+        ok = ctx.outcome == "ok"
+        if not ok and ctx.status < 500:
+            return  # the client's own error or limit: not a latency the gateway missed
+        _slo(m, policy, ctx, ok, now)
+
+
+def _slo(m: GatewayMetrics, policy: TenantState, ctx: RequestContext, ok: bool, now: float) -> None:
+    """Count the request against each of its tenant's targets it can be judged on (TTFT
+    and ITL: streams; end to end: all): a failed request (5xx, shed) misses them."""
+    tenant = ctx.tenant
+    if policy.e2e_s is not None:
+        m.tenant_slo(tenant, "e2e", ok and now - ctx.arrival <= policy.e2e_s)
+    if policy.ttft_s is not None and ctx.stream:
+        ttft = ctx.first_byte_at - ctx.arrival if ctx.first_byte_at is not None else None
+        m.tenant_slo(tenant, "ttft", ok and ttft is not None and ttft <= policy.ttft_s)
+    if policy.itl_s is not None and ctx.stream:
+        itl = inter_token_latency(ctx)
+        if ok and itl is None:
+            return  # one event: no gap to judge
+        m.tenant_slo(tenant, "itl", ok and itl is not None and itl <= policy.itl_s)
+
+
+def _access_fields(ctx: RequestContext, ttft: float | None, now: float) -> dict[str, object]:
+    completion_tokens = _completion_tokens(ctx)
+    return {
+        "request_id": ctx.request_id,
+        "tenant": ctx.tenant,
+        "model": ctx.model or None,
+        "kind": ctx.kind,
+        "stream": ctx.stream,
+        "workload": ctx.workload,
+        "replica": ctx.replica,
+        "outcome": ctx.outcome,
+        "status": ctx.status,
+        "prompt_tokens": ctx.usage_prompt,
+        "prompt_tokens_est": ctx.prompt_tokens or None,
+        "completion_tokens": completion_tokens or None,
+        "reserved_tokens": ctx.reserved or None,
+        "queue_wait_s": round(ctx.admitted_at - ctx.arrival, 6) if ctx.admitted_at else None,
+        "ttft_s": round(ttft, 6) if ttft is not None else None,
+        "duration_s": round(now - ctx.arrival, 6),
+        "attempts": ctx.attempts + 1,
+    }

@@ -1,0 +1,93 @@
+"""The OpenAI error objects of the requests kvgate turns away before sending them on:
+a tenant's rate limit, a shed (429 for the tenant's own concurrency or queue cap, else
+503 with the capacity wording), and admission's refusals.
+
+429s are worded as OpenAI words its own (``rate_limit_exceeded``, the limit, what was
+used and requested, "Please try again in" a Go duration) so clients that parse them work.
+"""
+
+from __future__ import annotations
+
+import math
+
+from admission.tenants import TenantState, go_duration
+from admission.types import Refuse, Shed
+from gateway.context import RequestContext
+from gateway.errors import ApiError
+
+
+def rate_limited(policy: TenantState, limit: str, tokens: int, wait: float, now: float) -> ApiError:
+    """The 429 of a requests- or tokens-per-minute limit, worded as OpenAI words it."""
+    g = policy.rpm if limit == "requests" else policy.tpm
+    assert g is not None
+    label = "requests per min (RPM)" if limit == "requests" else "tokens per min (TPM)"
+    cap = math.floor(g.limit)
+    requested = 1 if limit == "requests" else tokens
+    if not math.isfinite(wait):
+        return ApiError(
+            429,
+            f"Request too large for tenant {policy.name} on {label}: Limit {cap}, "
+            f"Requested {requested}. Reduce the prompt or max_tokens.",
+            code="rate_limit_exceeded",
+            param=None,
+            outcome=f"rate_limited_{limit}",
+        )
+    used = cap - g.remaining(now)
+    return ApiError(
+        429,
+        f"Rate limit reached for tenant {policy.name} on {label}: Limit {cap}, Used "
+        f"{used}, Requested {requested}. Please try again in {go_duration(wait)}.",
+        code="rate_limit_exceeded",
+        retry_after=wait,
+        outcome=f"rate_limited_{limit}",
+    )
+
+
+def tenant_limit(shed: Shed) -> str:
+    """Which of its tenant's caps a 429 shed hit (the ``limit`` label of its metric)."""
+    return "concurrency" if shed.reason == "tenant_concurrency" else "queue"
+
+
+def shed_error(shed: Shed, ctx: RequestContext, policy: TenantState) -> ApiError:
+    """The answer of a shed request: a 429 naming the tenant's cap, else a 503."""
+    if shed.status == 429:
+        tenant = ctx.tenant
+        if tenant_limit(shed) == "concurrency":
+            what = (
+                f"Concurrency limit reached for tenant {tenant}: "
+                f"{policy.max_concurrent} requests running (max_concurrent) and "
+                f"{policy.max_queued} queued (max_queued)."
+            )
+        else:
+            what = (
+                f"Queue limit reached for tenant {tenant}: {policy.max_queued} "
+                "requests already waiting (max_queued)."
+            )
+        return ApiError(
+            429,
+            f"{what} Please try again in {go_duration(shed.retry_after)}.",
+            code="rate_limit_exceeded",
+            retry_after=shed.retry_after,
+            outcome=f"shed_{shed.reason}",
+        )
+    return ApiError(
+        shed.status,
+        f"All replicas serving {ctx.model} are at KV capacity ({shed.reason}); "
+        f"retry after {max(1, math.ceil(shed.retry_after))} s.",
+        code="overloaded",
+        retry_after=shed.retry_after,
+        outcome=f"shed_{shed.reason}",
+    )
+
+
+def refused_error(refuse: Refuse, ctx: RequestContext) -> ApiError:
+    """The answer of a request admission refused (it can never fit, no such model)."""
+    return ApiError(
+        refuse.status,
+        refuse.message,
+        code=refuse.code,
+        param="model"
+        if refuse.code == "model_not_found"
+        else ("messages" if ctx.kind == "chat" else "prompt"),
+        outcome=refuse.code,
+    )
