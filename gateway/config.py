@@ -336,7 +336,7 @@ class GatewayConfig(_Strict):
                     )
                 owner[d] = t.name
         # A tenant with an ITL target needs the slo_itl filter in every profile
-        # (routing/slo.py); it keeps everything for requests without a target.
+        # (routing/filters/slo_itl.py); it keeps everything for requests without a target.
         if any(t.slo.itl_s is not None for t in self.tenants):
             self.routing = self.routing.model_copy(
                 update={
