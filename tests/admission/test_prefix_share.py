@@ -255,13 +255,13 @@ def test_random_operations_keep_the_shared_ledger_exact_and_safe(seed: int) -> N
             ctrl.top_up(rid, res.reserved_tokens + rng.randint(0, 40), now)
         for a in ctrl.pump(now):
             admitted(a.request_id)
-        rep = ctrl._replicas["r1"]
-        private = sum(r.tokens for r in ctrl._reservations.values())
+        rep = ctrl._ledger.replicas["r1"]
+        private = sum(r.tokens for r in ctrl._ledger.reservations.values())
         pinned = rep.prefixes.tokens if rep.prefixes is not None else 0
         assert rep.reserved == private + pinned
         assert rep.reserved <= rep.effective
         assert rep.reserved >= engine.holds()  # never less than the engine holds
-        full = sum(r.tokens + r.covered for r in ctrl._reservations.values())
+        full = sum(r.tokens + r.covered for r in ctrl._ledger.reservations.values())
         shared_any = shared_any or rep.reserved < full
     assert shared_any  # the credit was exercised, not only the bookkeeping
     for rid in sorted(live):
