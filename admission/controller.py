@@ -16,6 +16,15 @@ Each concern lives in a module of its own, which states its rules:
 - admission/refusals.py: requests that can never fit (400, 404);
 - admission/learning.py: what completions and engine gauges teach;
 - admission/report.py: every read (`AdmissionController.report`).
+
+One output channel, as h11's `Connection`: every call that changes state returns its
+verdict and every event it caused. `submit` returns a `Decision` (its verdict, and the
+`Events` it settled for other requests: entries admitted in the same scan, an entry a
+full queue gave up for it); `release`, `abandon`, `upsert_replica`, `remove_replica`,
+`mark_unready`, `set_ejected`, `set_pool_share`, `adopt_limit` and `advance` return the
+`Events` they caused. `advance(now)` is time acting: expiries (deadlines passed, waits
+that no longer meet them, holds overdue) and the settling they and time allow;
+`next_deadline()` says when it is next due. Nothing is kept to hand out later.
 """
 
 from __future__ import annotations
@@ -25,24 +34,15 @@ from collections.abc import Callable
 from admission.config import AdmissionConfig
 from admission.learning import Learning
 from admission.ledger import Ledger, Reservation
-from admission.limit import RunningLimit
 from admission.placement import Placement
 from admission.refusals import refuse_or_clamp, unknown_model
-from admission.replica import round_up
-from admission.report import AdmissionReport, PoolDemand
+from admission.report import AdmissionReport
 from admission.settling import Settling, TenantLimits
 from admission.shedding import Shedding
-from admission.types import (
-    AdmissionRequest,
-    Admit,
-    Completion,
-    ReplicaUsage,
-    Shed,
-    Verdict,
-)
+from admission.types import AdmissionRequest, Admit, Completion, Decision, Events, Shed
 from routing.types import ReplicaState, Router
 
-__all__ = ["AdmissionController", "PoolDemand", "TenantLimits", "round_up"]
+__all__ = ["AdmissionController", "TenantLimits"]
 
 
 class AdmissionController:
@@ -63,12 +63,12 @@ class AdmissionController:
         self._queue = Settling(config, self._ledger, self._placement, tenants)
         self._shedding = Shedding(config, self._views, self._queue, seed)
         self._learning = Learning(config)
-        self.report = AdmissionReport(self._ledger, self._queue, self._shedding, self._placement)
-        self._pending: list[Admit] = []  # admitted by expire(); handed out by the next call
-        # Entries a full queue gave up for another tenant's newcomer (fair share of the
-        # queue): handed out by `take_displaced` (the shell calls it after each submit),
-        # else by the next `expire`, which `next_deadline` makes due at once.
-        self._displaced: list[Shed] = []
+        self._report = AdmissionReport(self._ledger, self._queue, self._shedding, self._placement)
+
+    @property
+    def report(self) -> AdmissionReport:
+        """Every read, for the shell, metrics, benches and tests."""
+        return self._report
 
     @property
     def router(self) -> Router:
@@ -88,13 +88,13 @@ class AdmissionController:
         *,
         pinned_capacity: int | None = None,
         max_running: int | None = None,
-    ) -> list[Admit]:
+    ) -> Events:
         """Add or refresh a replica from its adapter-maintained state.
 
         Capacity is `pinned_capacity` when given, else ``state.capacity_tokens``; the
         running cap is `max_running`, else the engine's ``state.max_running``, else
         ``default_max_running``. A replica that is not ready or whose capacity is unknown
-        receives nothing. Returns requests admitted from the queue because capacity grew.
+        receives nothing. Returns the queued requests admitted because capacity grew.
         """
         self._saw(now)
         ledger = self._ledger
@@ -111,9 +111,9 @@ class AdmissionController:
                 self._free(res, now, res.completion)
         self._learning.engine_view(rep, state, fresh, now)
         self._views.replica_changed(rep)
-        return self._flush(self._queue.settle(now))
+        return self._queue.settle(now)
 
-    def remove_replica(self, name: str, now: float) -> list[Admit]:
+    def remove_replica(self, name: str, now: float) -> Events:
         """Forget a replica. Its reservations stay in the ledger until released; queued
         requests are kept for the remaining replicas."""
         self._saw(now)
@@ -125,18 +125,20 @@ class AdmissionController:
             if rep.running == 0:
                 del self._ledger.replicas[name]
             self._views.replica_changed(rep)
-        return self._flush(self._queue.settle(now))
+        return self._queue.settle(now)
 
-    def mark_unready(self, name: str, now: float) -> None:
+    def mark_unready(self, name: str, now: float) -> Events:
         """Stop sending new requests to `name` (e.g. connection refused) until an upsert
-        says it is ready again. Existing reservations stay until released."""
+        says it is ready again. Existing reservations stay until released. Less room
+        admits nobody: its events are none, and are returned as every change's are."""
         self._saw(now)
         rep = self._ledger.replicas.get(name)
         if rep is not None:
             rep.ready = False
             self._views.replica_changed(rep)
+        return []
 
-    def set_ejected(self, name: str, ejected: bool, now: float) -> list[Admit]:
+    def set_ejected(self, name: str, ejected: bool, now: float) -> Events:
         """Eject `name` (outlier detection: no new requests, whatever discovery says) or
         return it to service. Its reservations stay until released, as their requests
         end. Returns requests admitted from the queue because a replica returned."""
@@ -146,7 +148,7 @@ class AdmissionController:
             return []
         rep.ejected = ejected
         self._views.replica_changed(rep)
-        return self._flush(self._queue.settle(now))
+        return self._queue.settle(now)
 
     def set_pool_share(
         self,
@@ -156,7 +158,7 @@ class AdmissionController:
         *,
         running: int | None = None,
         others_running: int = 0,
-    ) -> list[Admit]:
+    ) -> Events:
         """Cap `replica`'s effective pool at the `tokens` this process leased (None: no
         cap) and its running limit at `running` (None: no cap), when several gateway
         processes share the replica (admission/state). `others_running` is what the
@@ -166,17 +168,29 @@ class AdmissionController:
         self._saw(now)
         rep = self._ledger.replicas.get(replica)
         if rep is None:
-            return self._flush([])
+            return []
         rep.share_tokens = None if tokens is None else max(0, tokens)
         rep.share_running = None if running is None else max(0, running)
         if rep.limit is not None:
             rep.limit.others = max(0, others_running)
         self._views.replica_changed(rep)  # its free room and headroom moved: orders follow
-        return self._flush(self._queue.settle(now))
+        return self._queue.settle(now)
+
+    def adopt_limit(self, replica: str, value: float, reason: str, now: float) -> Events:
+        """Take the learned running limit another gateway process published for
+        `replica` (shared state); returns the queued requests a larger limit admits."""
+        self._saw(now)
+        rep = self._ledger.replicas.get(replica)
+        if rep is None or rep.limit is None:
+            return []
+        rep.limit.adopt(value, now, reason)
+        self._views.touch(rep)  # its running headroom moved: the orders follow
+        return self._queue.settle(now)
 
     # ------------------------------------------------------------------ requests
-    def submit(self, req: AdmissionRequest, now: float) -> Verdict:
-        """Decide one request: Admit now, Queue, Shed (503) or Refuse (400/404)."""
+    def submit(self, req: AdmissionRequest, now: float) -> Decision:
+        """Decide one request: Admit now, Queue, Shed (503/429) or Refuse (400/404); with
+        the events the decision caused for queued requests."""
         self._saw(now)
         rid = req.request_id
         queue = self._queue
@@ -186,53 +200,51 @@ class AdmissionController:
             self._shedding.returning.discard(req.model, req.retry_key)  # it is back
         view = self._views.view(req.model)
         if not view.present:
-            return unknown_model(req)
+            return Decision(unknown_model(req))
         # One replica per shape answers for all of that shape (admission/candidates.py).
         if view.known_shapes and not any(r.can_ever_fit(req) for r in view.known_shapes):
             answer = refuse_or_clamp(req, view.present)
             if not isinstance(answer, AdmissionRequest):
-                return answer
+                return Decision(answer)
             req = answer
         raw = 0
         for r in view.usable_shapes:
             if r.can_ever_fit(req):
                 raw = max(raw, r.tokens_for(req))
         if not raw:
-            return Shed(rid, "no_replica", self._shedding.clamp(None))
+            return Decision(Shed(rid, "no_replica", self._shedding.clamp(None)))
         predicted = self._views.predict(req, view) if req.latency_budget is not None else 0.0
         entry = queue.entry(req, raw, predicted, now)
+        events: Events = []
         if queue:
             # Queue it and scan in order: the fair order decides what comes before it,
             # and strict order per replica what it may pass.
             queue.enqueue(entry)
-            mine: Admit | None = None
+            mine: Admit | Shed | None = None  # settling returns admissions only
             for a in queue.settle(now):
                 if a.request_id == rid:
                     mine = a
                 else:
-                    self._pending.append(a)
+                    events.append(a)
             if mine is not None:
-                return mine
+                return Decision(mine, events)
         else:
             admit = queue.admit_alone(entry, now)
             if admit is not None:
-                return admit
+                return Decision(admit)
             queue.enqueue(entry)
         verdict, displaced = self._shedding.judge(entry, now)
-        self._displaced.extend(displaced)
-        return verdict
+        events.extend(displaced)
+        return Decision(verdict, events)
 
-    def release(
-        self, request_id: str, now: float, completion: Completion | None = None
-    ) -> list[Admit]:
+    def release(self, request_id: str, now: float, completion: Completion | None = None) -> Events:
         """Free the request's reservation, or drop it from the queue; idempotent.
 
         `completion` is what the request measured about its replica (latency, usage); the
         learned running limit of that replica feeds on it. None (client disconnect,
         queue exit) teaches nothing.
 
-        Returns the requests this admitted from the queue (plus any admitted by an
-        earlier `expire` that were not handed out yet).
+        Returns the queued requests this admitted.
         """
         self._saw(now)
         res = self._ledger.reservations.get(request_id)
@@ -242,11 +254,9 @@ class AdmissionController:
             entry = self._queue.queued.get(request_id)
             if entry is not None:
                 self._queue.dequeue(entry)
-        return self._flush(self._queue.settle(now))
+        return self._queue.settle(now)
 
-    def abandon(
-        self, request_id: str, now: float, completion: Completion | None = None
-    ) -> list[Admit]:
+    def abandon(self, request_id: str, now: float, completion: Completion | None = None) -> Events:
         """Hold the reservation of a request kvgate stopped waiting for while the engine
         may still be generating it (admission/ledger.py, Abandoned requests);
         `completion` is learned when it is released. Without a reservation (or with
@@ -256,7 +266,7 @@ class AdmissionController:
         if res is None or self.config.abandoned_hold_s <= 0:
             return self.release(request_id, now, completion)
         self._ledger.hold(res, now, completion)
-        return self._flush([])
+        return []
 
     def top_up(self, request_id: str, total_tokens: int, now: float) -> bool:
         """Grow a reservation to cover `total_tokens` (prompt + generated so far).
@@ -268,41 +278,23 @@ class AdmissionController:
         self._saw(now)
         return self._ledger.top_up(request_id, total_tokens)
 
-    def expire(self, now: float) -> list[Shed]:
-        """Shed queued requests past their deadline (``queue_timeout``) or whose estimated
-        wait can no longer meet it (``deadline``).
-
-        Removing entries can unblock others; those admissions are handed out by the next
-        `release` / `upsert_replica` / `remove_replica` / `pump` call.
-        """
+    def advance(self, now: float) -> Events:
+        """Let time act: shed queued requests past their deadline (``queue_timeout``) or
+        whose estimated wait can no longer meet it (``deadline``), release holds past
+        ``abandoned_hold_s``, then admit what that and the time now allow (prefixes
+        computed, routing's say retried). Returns the sheds, then the admissions."""
         self._saw(now)
-        shed: list[Shed] = self._displaced
-        self._displaced = []
-        shed.extend(self._shedding.expire(now))
-        overdue = self._ledger.overdue(now)
-        for res in overdue:
+        events: Events = []
+        events.extend(self._shedding.expire(now))
+        for res in self._ledger.overdue(now):
             self._free(res, now, res.completion)
-        if shed or overdue:
-            self._pending.extend(self._queue.settle(now))
-        return shed
-
-    def take_displaced(self) -> list[Shed]:
-        """Queued requests a full queue shed for another tenant's newcomer since the last
-        call (admission/shedding.py); the caller answers them."""
-        out, self._displaced = self._displaced, []
-        return out
-
-    def pump(self, now: float) -> list[Admit]:
-        """Re-examine the queue and hand out any pending admissions (addition to the API)."""
-        self._saw(now)
-        return self._flush(self._queue.settle(now))
+        events.extend(self._queue.settle(now))
+        return events
 
     def next_deadline(self) -> float | None:
         """The earliest deadline among queued requests and held reservations (when
-        `expire` should next run)."""
+        `advance` should next run)."""
         first = self._queue.queue.next_deadline()
-        if self._displaced:
-            return self._ledger.latest
         for res in self._ledger.held.values():  # in order of abandonment: first ends first
             return res.held_until if first is None else min(first, res.held_until)
         return first
@@ -310,67 +302,6 @@ class AdmissionController:
     def set_tenants(self, tenants: Callable[[str], TenantLimits | None]) -> None:
         """Tenant policies by name (weight, max_concurrent, max_queued, queue_timeout_s)."""
         self._queue.set_tenants(tenants)
-
-    # ------------------------------------------------------------------ reads (old API)
-    @property
-    def top_up_failures(self) -> int:
-        return self._ledger.top_up_failures
-
-    @top_up_failures.setter
-    def top_up_failures(self, value: int) -> None:
-        self._ledger.top_up_failures = value
-
-    @property
-    def ttft_choices(self) -> dict[str, int]:
-        return self._placement.ttft_choices
-
-    def replica_usage(self) -> list[ReplicaUsage]:
-        return self.report.replica_usage()
-
-    def reserved_tokens(self, replica: str | None = None) -> int:
-        return self.report.reserved_tokens(replica)
-
-    def queue_depth(self, model: str | None = None) -> int:
-        return self.report.queue_depth(model)
-
-    def models(self) -> set[str]:
-        return self.report.models()
-
-    def retry_after(self, model: str, need_tokens: int, now: float) -> float:
-        return self.report.retry_after(model, need_tokens, now)
-
-    def returning(self) -> int:
-        return self.report.returning()
-
-    def drain_rate(self, model: str, now: float) -> tuple[float, float] | None:
-        return self.report.drain_rate(model, now)
-
-    def reservation(self, request_id: str) -> Admit | None:
-        return self.report.reservation(request_id)
-
-    def limit_of(self, replica: str) -> RunningLimit | None:
-        return self.report.limit_of(replica)
-
-    def pool_demand(self, replica: str) -> PoolDemand | None:
-        return self.report.pool_demand(replica)
-
-    def shares_prefix(self, model: str) -> bool:
-        return self.report.shares_prefix(model)
-
-    def replica_names(self) -> list[str]:
-        return self.report.replica_names()
-
-    def held(self, replica: str | None = None) -> int:
-        return self.report.held(replica)
-
-    def tenant_running(self, tenant: str) -> int:
-        return self.report.tenant_running(tenant)
-
-    def tenant_queued(self, tenant: str) -> int:
-        return self.report.tenant_queued(tenant)
-
-    def predicted_itl(self, replica: str, running_after: int) -> float | None:
-        return self.report.predicted_itl(replica, running_after)
 
     # ------------------------------------------------------------------ internals
     def _free(self, res: Reservation, now: float, completion: Completion | None) -> None:
@@ -385,9 +316,3 @@ class AdmissionController:
         self._learning.released(rep, res, completion, now)
         self._placement.released(res.request_id, res.replica, now)
         self._ledger.forget_if_gone(rep)
-
-    def _flush(self, admits: list[Admit]) -> list[Admit]:
-        if self._pending:
-            admits = self._pending + admits
-            self._pending = []
-        return admits

@@ -36,7 +36,7 @@ from admission.config import AdmissionConfig
 from admission.fairqueue import FairQueue
 from admission.ledger import Ledger
 from admission.placement import REJECTED, Placement
-from admission.types import AdmissionRequest, Admit
+from admission.types import AdmissionRequest, Admit, Events
 
 
 @dataclass(slots=True)
@@ -172,8 +172,9 @@ class Settling:
         return None
 
     # ------------------------------------------------------------------ settling
-    def settle(self, now: float) -> list[Admit]:
-        """Admit queued entries in order until every usable replica is blocked.
+    def settle(self, now: float) -> Events:
+        """Admit queued entries in order until every usable replica is blocked; returns
+        the admissions (as the `Events` of the call that settled).
 
         An entry routing rejected on every replica that fits it waits without blocking
         them: it waits for routing's say, not for their capacity. Except for an ITL
@@ -186,7 +187,7 @@ class Settling:
         replicas = self._ledger.replicas
         usable = {r.name for r in replicas.values() if r.usable}
         blocked: set[str] = set()
-        admitted: list[Admit] = []
+        admitted: Events = []
         for entry in self.queue.visit(self.capped):
             if usable <= blocked:
                 break

@@ -17,8 +17,8 @@ out of the queue. `Queued.position` counts the entries of the same model expecte
 served before it (0 = head): higher classes, its own tenant's earlier entries, and what
 the other tenants' counters let through before its turn.
 
-Expiry (`expire`) sheds entries past their deadline (``queue_timeout``) or whose
-re-estimated wait no longer meets it (``deadline``).
+Expiry (`expire`, run by the controller's `advance`) sheds entries past their deadline
+(``queue_timeout``) or whose re-estimated wait no longer meets it (``deadline``).
 """
 
 from __future__ import annotations

@@ -45,17 +45,16 @@ from collections.abc import Callable
 import orjson
 from aiohttp import web
 
-from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.health import OutlierDetector
 from admission.retries import RetryMemory
 from admission.tenants import TenantLimiter, TenantState, go_duration
 from admission.types import AdmissionRequest, Admit, Completion, Queued, Refuse, Shed
-from gateway.admitter import AdmissionBridge
 from gateway.config import GatewayConfig
 from gateway.context import Kind, RequestContext
 from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
+from gateway.door import AdmissionDoor
 from gateway.errors import ApiError, invalid_request
 from gateway.logging import access_log_enabled, log_access
 from gateway.metrics import GatewayMetrics
@@ -131,9 +130,8 @@ class Pipeline:
     def __init__(
         self,
         config: GatewayConfig,
-        controller: AdmissionController,
         estimator: TokenEstimator,
-        bridge: AdmissionBridge,
+        bridge: AdmissionDoor,
         discovery: Discovery,
         relay: Relay,
         metrics: GatewayMetrics,
@@ -142,7 +140,7 @@ class Pipeline:
         tenants: TenantLimiter | None = None,
     ) -> None:
         self.config = config
-        self.controller = controller
+        self.report = bridge.report
         self.estimator = estimator
         self.bridge = bridge
         self.discovery = discovery
@@ -181,7 +179,7 @@ class Pipeline:
         # reads them or a replica of the model counts shared prefixes once
         # (admission.prefixshare).
         routing = config.routing
-        self._route_prefix = bool(getattr(controller.router, "needs_prefix", False))
+        self._route_prefix = bool(getattr(bridge.router, "needs_prefix", False))
         self._prefix = (
             (routing.block_chars, routing.max_prefix_blocks)
             if self._route_prefix or config.admission.share_prefix
@@ -273,7 +271,7 @@ class Pipeline:
             until - now,
             extra={"fields": {"replica": replica, "ejected_s": round(until - now, 3)}},
         )
-        self.bridge.resolve(self.controller.set_ejected(replica, True, now))
+        self.bridge.set_ejected(replica, True, now)
         self._eject_timers[replica] = self._loop.call_at(until, self._end_ejection, replica, until)
 
     def _end_ejection(self, replica: str, until: float) -> None:
@@ -282,7 +280,7 @@ class Pipeline:
         now = max(self._loop.time(), until)
         for name in self.outliers.expire(now):
             log.info("replica %s returns from ejection", name, extra={"fields": {"replica": name}})
-            self.bridge.resolve(self.controller.set_ejected(name, False, now))
+            self.bridge.set_ejected(name, False, now)
 
     # ================================================================== the chain
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
@@ -438,7 +436,7 @@ class Pipeline:
         """Workload class, and what routing reads of the prompt: its block hash chain
         (when a profile needs it) and the session key (``x-session-id``, else ``user``)."""
         if self._prefix is not None and (
-            self._route_prefix or self.controller.shares_prefix(ctx.model)
+            self._route_prefix or self.report.shares_prefix(ctx.model)
         ):
             ctx.prefix_hashes = block_hashes(text, *self._prefix)
             if ctx.prefix_hashes and self.config.admission.share_prefix:
@@ -653,7 +651,7 @@ class Pipeline:
                     # Every replica entry of that server (the engine ranks of a vLLM
                     # data-parallel server share its URL) is down with it.
                     for name in self._same_server[replica]:
-                        self.controller.mark_unready(name, self._loop.time())
+                        self.bridge.mark_unready(name, self._loop.time())
                         self.discovery.mark_down(name)
                 if (
                     f.retryable
@@ -669,7 +667,7 @@ class Pipeline:
                     answer = f.answer
                     answer.outcome = f"upstream_{f.kind}"
                     if answer.status in (429, 503) and answer.retry_after is None:
-                        answer.retry_after = self.controller.retry_after(
+                        answer.retry_after = self.report.retry_after(
                             ctx.model, ctx.reserved or ctx.prompt_tokens, self._loop.time()
                         )
                     raise answer from None
@@ -703,13 +701,12 @@ class Pipeline:
         ctx.attempts += 1
         self.release(ctx)
         now = self._loop.time()
-        ctrl = self.controller
-        ctrl.mark_unready(failed, now)
+        self.bridge.mark_unready(failed, now)
         rid = f"{ctx.request_id}.{ctx.attempts}"
         ctx.admission_id = rid
         waiter = None
         try:
-            verdict = ctrl.submit(
+            verdict = self.bridge.submit(
                 # First arrival: ahead of the requests that came after it.
                 _admission_request(
                     ctx,
@@ -721,7 +718,6 @@ class Pipeline:
                 ),
                 now,
             )
-            self.bridge.resolve(ctrl.take_displaced())
             if isinstance(verdict, Queued):
                 # Before the reinstatement below: it may admit this very entry.
                 waiter = self.bridge.expect(rid)
@@ -743,9 +739,8 @@ class Pipeline:
         """A stream outgrew its reservation: ask for more (never cuts the stream)."""
         total = ctx.prompt_tokens + ctx.generated
         want = total + max(16, total // 8)
-        ctrl = self.controller
-        if ctx.admission_id and ctrl.top_up(ctx.admission_id, want, self._loop.time()):
-            res = ctrl.reservation(ctx.admission_id)
+        if ctx.admission_id and self.bridge.top_up(ctx.admission_id, want, self._loop.time()):
+            res = self.report.reservation(ctx.admission_id)
             ctx.reserved = res.reserved_tokens if res else want
         ctx.topup_at = max(ctx.reserved, want)
 
