@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 
 class _QEntry(Protocol):
-    """What the queue reads of an entry (admission.controller._Entry)."""
+    """What the queue reads of an entry (admission.settling.Entry)."""
 
     key: tuple[int, int, float, float, int]
     raw: int

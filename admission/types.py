@@ -1,8 +1,10 @@
 """Public types of the sans-IO admission core.
 
 The gateway shell builds an `AdmissionRequest`, calls `AdmissionController.submit(req, now)`
-and acts on the verdict. Every method takes `now` (seconds, any monotonic origin); the
-controller never reads a clock, sleeps or does IO.
+and acts on the `Decision`: its verdict, and the `Events` it caused for queued requests.
+Every call that changes the controller returns what it caused, as h11's `Connection`
+does; nothing is handed out later. Every method takes `now` (seconds, any monotonic
+origin); the controller never reads a clock, sleeps or does IO.
 """
 
 from __future__ import annotations
@@ -110,6 +112,18 @@ class Refuse:
 
 
 Verdict = Admit | Queued | Shed | Refuse
+
+# Other requests' verdicts settled by one call: queued requests admitted, or shed (expired,
+# or given up by a full queue for another tenant's newcomer). Their waiters are answered.
+Events = list[Admit | Shed]
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """`submit`'s answer: the request's own verdict and the events it caused."""
+
+    verdict: Verdict
+    events: Events = field(default_factory=list)
 
 
 @dataclass(slots=True)

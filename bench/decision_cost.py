@@ -127,7 +127,7 @@ def one_run(
             )
             now = 1.0 + (d + warmup) * 1e-3
             t0 = time.perf_counter_ns()
-            verdict = ctl.submit(req, now)
+            verdict = ctl.submit(req, now).verdict
             t1 = time.perf_counter_ns()
             assert isinstance(verdict, Admit), verdict
             if d >= 0:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
-from admission.types import AdmissionRequest, Admit, Completion, Queued, Refuse, Shed
+from admission.types import AdmissionRequest, Admit, Completion, Events, Queued, Refuse, Shed
 from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
 from enginesim.types import EventKind, SimRequest
@@ -130,7 +130,7 @@ def run(
         heapq.heappush(heap, (t, next(seq), kind, data))
 
     def note_limit() -> None:
-        lim = ctrl.limit_of(REPLICA)
+        lim = ctrl.report.limit_of(REPLICA)
         if lim is None:
             return
         value = lim.allowed(max_running)
@@ -141,7 +141,7 @@ def run(
         for a in admits:
             att = live.get(a.request_id)
             if att is None or att.done:
-                ctrl.release(a.request_id, now)
+                handle(ctrl.release(a.request_id, now))
                 continue
             att.admitted_at = now
             p = len(att.item.prompt_token_ids)
@@ -155,7 +155,15 @@ def run(
                 ),
                 now,
             )
-        report.max_running = max(report.max_running, ctrl.replica_usage()[0].running)
+        report.max_running = max(report.max_running, ctrl.report.replica_usage()[0].running)
+
+    def handle(events: Events) -> None:
+        """Act on what a controller call settled for queued requests."""
+        for e in events:
+            if isinstance(e, Admit):
+                start_engine([e])
+            elif (att := live.get(e.request_id)) is not None:
+                shed(att, e)
 
     def finish(att: _Attempt) -> None:
         att.done = True
@@ -211,12 +219,14 @@ def run(
             retry_key=hash(item.request_id),
         )
         push(now + timeout_s, "timeout", rid)
-        handle_verdict(att, ctrl.submit(req, now))
+        decision = ctrl.submit(req, now)
+        handle_verdict(att, decision.verdict)
+        handle(decision.events)
 
-    def upsert() -> list[Admit]:
+    def upsert() -> Events:
         return ctrl.upsert_replica(state, now, pinned_capacity=pool_tokens, max_running=max_running)
 
-    start_engine(upsert())
+    handle(upsert())
     note_limit()
     for c in range(min(concurrency, len(pending))):
         push(0.0, "send", (c, pending.pop(), 0.0, 0))
@@ -241,8 +251,9 @@ def run(
             break
         t = min(candidates)
         if t > now and (live or pending):
-            usage = ctrl.replica_usage()[0]
-            if usage.limit is not None and usage.running < usage.limit and not ctrl.queue_depth():
+            usage = ctrl.report.replica_usage()[0]
+            idle = not ctrl.report.queue_depth()
+            if usage.limit is not None and usage.running < usage.limit and idle:
                 report.underfed_s += t - now
         now = max(now, t)
         if step_end is not None and step_end <= now:
@@ -286,16 +297,12 @@ def run(
                             (ev.completion_tokens - 1) / (now - att.first_token)
                         )
                     finish(att)
-                    start_engine(admits)
+                    handle(admits)
                     note_limit()
             continue
         nd = ctrl.next_deadline()
         if nd is not None and nd <= now:
-            for s in ctrl.expire(now):
-                att = live.get(s.request_id)
-                if att is not None:
-                    shed(att, s)
-            start_engine(ctrl.pump(now))
+            handle(ctrl.advance(now))
             continue
         _, _, kind, data = heapq.heappop(heap)
         if kind == "send":
@@ -319,7 +326,7 @@ def run(
                 gone = (
                     Completion(ok=False) if att.admitted_at is not None and send_timeout else None
                 )
-                start_engine(ctrl.release(att.rid, now, gone))
+                handle(ctrl.release(att.rid, now, gone))
                 finish(att)
         elif kind == "probe":
             st = core.stats()
@@ -328,7 +335,7 @@ def run(
             state.kv_usage = st.kv_usage
             state.preemptions_total = float(st.num_preemptions)
             state.updated_at = now
-            start_engine(upsert())
+            handle(upsert())
             note_limit()
             if live or pending:
                 push(now + probe_s, "probe", None)

@@ -5,7 +5,7 @@ token estimator from the engine's usage, settles the tenant's rate charge (corre
 to the usage, or refunded when the request was never admitted), counts the outcome,
 tokens, latencies and the tenant's SLO attainment, and writes the access line.
 `completion` is what the ended request says about its replica's load, for the learned
-limit (`AdmissionBridge.release`).
+limit (`AdmissionDoor.release`).
 
 Latencies are measured on the event loop's clock: TTFT from arrival (what the client
 waited) for metrics and SLOs, from admission (what the replica took) for the learned

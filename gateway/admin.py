@@ -15,20 +15,20 @@ from typing import Any
 
 from aiohttp import web
 
-from admission.controller import AdmissionController
 from admission.health import OutlierDetector
+from admission.report import AdmissionReport
 from gateway.discovery import Discovery
 from gateway.errors import ApiError
 
 
 def replicas_snapshot(
-    controller: AdmissionController,
+    report: AdmissionReport,
     discovery: Discovery,
     outliers: OutlierDetector | None = None,
     now: float = 0.0,
 ) -> dict[str, Any]:
-    usage = {u.name: u for u in controller.replica_usage()}
-    queue = {m: controller.queue_depth(m) for m in sorted(discovery.known_models)}
+    usage = {u.name: u for u in report.replica_usage()}
+    queue = {m: report.queue_depth(m) for m in sorted(discovery.known_models)}
     out = []
     for name, w in discovery.watchers.items():
         s = w.state

@@ -1,7 +1,7 @@
 """The aiohttp application and the embeddable `Gateway`.
 
 `build_app(config)` returns a `web.Application` whose start-up context creates, in
-order: the upstream session, the admission controller and its asyncio bridge, the relay
+order: the upstream session, the admission door (the only holder of the controller), the relay
 and pipeline, and discovery (whose first round completes before the app serves, so
 ``/ready`` is truthful from the first request). Shutdown undoes them in reverse.
 
@@ -25,12 +25,13 @@ from aiohttp import web
 
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
+from admission.report import AdmissionReport
 from admission.tenants import TenantLimiter
 from gateway.admin import replicas_snapshot, require_admin
-from gateway.admitter import AdmissionBridge
 from gateway.config import GatewayConfig
 from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
+from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
 from gateway.http import hide_server_version, server_kwargs
 from gateway.http import install as install_error_handler
@@ -60,13 +61,14 @@ class GatewayState:
         # Tenants (admission/tenants.py): the pipeline checks keys and rates, the
         # controller's queue reads weights and caps.
         self.tenants = TenantLimiter.from_config(config.tenants, config.auth.api_keys)
-        self.controller = AdmissionController(
-            config.admission, picker, tenants=self.tenants.tenants.get
+        # The door is the gateway's only holder of the controller: every change goes
+        # through it, every read through its report.
+        self.door = AdmissionDoor(
+            AdmissionController(config.admission, picker, tenants=self.tenants.tenants.get)
         )
         counters = load_token_counters(config.tokenizers)
         self.estimator = TokenEstimator(config.admission, tokenizer_for=counters.get)
         self.discovery: Discovery
-        self.bridge: AdmissionBridge
         self.pipeline: Pipeline
         self.metrics: GatewayMetrics
         self.sync: StateSync | None = None  # the lease loop (shared state), if any
@@ -77,10 +79,11 @@ class GatewayState:
         larger share may admit waiting requests at once."""
         now = asyncio.get_running_loop().time()
         self.tenants.set_share(tenant, fraction, now, refill)
-        self.bridge.resolve(self.controller.pump(now))
+        self.door.advance(now)
 
     def queue_depths(self) -> dict[str, int]:
-        return {m: self.controller.queue_depth(m) for m in self.discovery.known_models}
+        report = self.door.report
+        return {m: report.queue_depth(m) for m in self.discovery.known_models}
 
 
 STATE_KEY = web.AppKey("kvgate_state", GatewayState)
@@ -114,17 +117,17 @@ def build_app(
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         session = make_session(config.upstream)
-        st.bridge = AdmissionBridge(st.controller)
-        st.bridge.start()
-        st.discovery = Discovery(config.replicas, session, st.bridge, config.discovery)
+        st.door.start()
+        report = st.door.report
+        st.discovery = Discovery(config.replicas, session, st.door, config.discovery)
         st.metrics = GatewayMetrics(
-            st.controller.replica_usage,
+            report.replica_usage,
             st.queue_depths,
-            lambda: st.controller.top_up_failures,
+            lambda: report.top_up_failures,
         )
-        decisions = getattr(st.controller.router, "decisions", None)
+        decisions = getattr(st.door.router, "decisions", None)
         if decisions is not None:
-            choices = st.controller.ttft_choices
+            choices = report.ttft_choices
             st.metrics.watch_routing(lambda: {**decisions, **choices})
         st.metrics.watch_engines(lambda: [w.state for w in st.discovery.watchers.values()])
         pipeline_ref: list[Pipeline] = []
@@ -137,9 +140,8 @@ def build_app(
         counter = PromptCounter(config, st.estimator, st.discovery, st.metrics, session)
         st.pipeline = Pipeline(
             config,
-            st.controller,
             st.estimator,
-            st.bridge,
+            st.door,
             st.discovery,
             relay,
             st.metrics,
@@ -153,8 +155,7 @@ def build_app(
             st.sync = StateSync(
                 config.state,
                 backend,
-                st.controller,
-                st.bridge,
+                st.door,
                 workers_hint=workers_hint,
                 tenants=st.tenants,
                 set_tenant_share=st.set_tenant_share,
@@ -163,7 +164,7 @@ def build_app(
             st.pipeline.state_gate = st.sync.gate
         st.metrics.registry.register(
             StateCollector(
-                config.state.backend if backend is None else backend.name, st.sync, st.controller
+                config.state.backend if backend is None else backend.name, st.sync, report
             )
         )
         try:
@@ -173,7 +174,7 @@ def build_app(
             if st.sync is not None:
                 await st.sync.stop()
             await st.discovery.stop()
-            await st.bridge.stop()
+            await st.door.stop()
             await session.close()
 
     app.cleanup_ctx.append(lifecycle)
@@ -201,7 +202,7 @@ def build_app(
     async def models(request: web.Request) -> web.Response:
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "kvgate"}
-            for m in sorted(st.controller.models())
+            for m in sorted(st.door.report.models())
         ]
         return _json({"object": "list", "data": data})
 
@@ -212,7 +213,7 @@ def build_app(
     async def ready(request: web.Request) -> web.Response:
         if st.pipeline.draining:
             return _json({"ready": False, "draining": True, "replicas": []}, status=503)
-        ready = [u.name for u in st.controller.replica_usage() if u.ready]
+        ready = [u.name for u in st.door.report.replica_usage() if u.ready]
         return _json({"ready": bool(ready), "replicas": ready}, status=200 if ready else 503)
 
     async def metrics(request: web.Request) -> web.Response:
@@ -227,7 +228,7 @@ def build_app(
             return e.response()
         return _json(
             replicas_snapshot(
-                st.controller,
+                st.door.report,
                 st.discovery,
                 st.pipeline.outliers,
                 asyncio.get_running_loop().time(),
@@ -311,7 +312,7 @@ def _log_pending_tasks(current: asyncio.Task[Any] | None) -> None:
 
 
 class Gateway:
-    """An embeddable kvgate: ``async with Gateway(config) as gw: gw.url, gw.controller``."""
+    """An embeddable kvgate: ``async with Gateway(config) as gw: gw.url, gw.report``."""
 
     def __init__(
         self,
@@ -339,8 +340,20 @@ class Gateway:
         return self.app[STATE_KEY]
 
     @property
-    def controller(self) -> AdmissionController:
-        return self.state.controller
+    def door(self) -> AdmissionDoor:
+        """Where admission is changed (every change returns what it caused)."""
+        return self.state.door
+
+    @property
+    def report(self) -> AdmissionReport:
+        """Every read of admission: ledger, queue, learned limits."""
+        return self.state.door.report
+
+    @property
+    def controller(self) -> AdmissionReport:
+        """The report under its former name, for callers not yet moved to `report`
+        (tests/realengine); it only reads."""
+        return self.report
 
     @property
     def url(self) -> str:
@@ -390,7 +403,7 @@ class Gateway:
                 await self.state.pipeline.idle.wait()
                 # The sans-IO controller sets no event; holds end within a discovery
                 # round or abandoned_hold_s, so a short poll at shutdown is enough.
-                while self.controller.held():  # noqa: ASYNC110
+                while self.report.held():  # noqa: ASYNC110
                     await asyncio.sleep(0.02)
             return True
         except TimeoutError:

@@ -3,8 +3,8 @@
 One task per replica polls the engine adapter's probe paths (metrics, model list...)
 every ``discovery.refresh_interval_s``, lets the adapter map the answers onto the
 `ReplicaState` (only adapters know engine metric names), applies the pinned values from
-the config, and upserts the state into the admission controller. Capacity that grows (a
-replica becoming ready, a pool discovered) admits queued requests at once; the bridge
+the config, and upserts the state through the admission door. Capacity that grows (a
+replica becoming ready, a pool discovered) admits queued requests at once; the door
 hands those admissions to their waiters.
 
 The first round runs for all replicas before the gateway starts serving, so ``/ready``
@@ -29,8 +29,8 @@ import logging
 import aiohttp
 
 from admission.health import ProbeHysteresis
-from gateway.admitter import AdmissionBridge
 from gateway.config import DiscoveryConfig, ReplicaConfig
+from gateway.door import AdmissionDoor
 from routing.adapters import adapter_for
 from routing.types import ReplicaState
 
@@ -44,14 +44,14 @@ class ReplicaWatcher:
         self,
         rc: ReplicaConfig,
         session: aiohttp.ClientSession,
-        bridge: AdmissionBridge,
+        door: AdmissionDoor,
         cfg: DiscoveryConfig,
         known_models: set[str],
     ) -> None:
         self.config = rc
         self._known_models = known_models
         self._session = session
-        self._bridge = bridge
+        self._door = door
         self._cfg = cfg
         self._adapter = adapter_for(rc.engine, kv_layout=rc.kv_layout)
         self.state = ReplicaState(
@@ -122,15 +122,12 @@ class ReplicaWatcher:
             self._was_ready = state.ready
 
     def upsert(self) -> None:
-        """Push the current state (with pinned values) into the controller."""
-        bridge = self._bridge
-        bridge.resolve(
-            bridge.controller.upsert_replica(
-                self.state,
-                asyncio.get_running_loop().time(),
-                pinned_capacity=self.config.pool_tokens,
-                max_running=self.config.max_running,
-            )
+        """Push the current state (with pinned values) into admission."""
+        self._door.upsert_replica(
+            self.state,
+            asyncio.get_running_loop().time(),
+            pinned_capacity=self.config.pool_tokens,
+            max_running=self.config.max_running,
         )
 
     async def run(self) -> None:
@@ -150,13 +147,13 @@ class Discovery:
         self,
         replicas: list[ReplicaConfig],
         session: aiohttp.ClientSession,
-        bridge: AdmissionBridge,
+        door: AdmissionDoor,
         cfg: DiscoveryConfig,
     ) -> None:
         # Every model any replica ever served: bounds the model label of metrics.
         self.known_models: set[str] = set()
         self.watchers = {
-            rc.name: ReplicaWatcher(rc, session, bridge, cfg, self.known_models) for rc in replicas
+            rc.name: ReplicaWatcher(rc, session, door, cfg, self.known_models) for rc in replicas
         }
         self._tasks: list[asyncio.Task[None]] = []
 

@@ -24,14 +24,13 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from admission.controller import AdmissionController
 from admission.health import OutlierDetector
 from admission.tenants import TenantLimiter
 from admission.types import Admit, Queued, Shed
-from gateway.admitter import AdmissionBridge
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext, admission_request
 from gateway.discovery import Discovery
+from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.outliers import EjectionChange, OutlierEjection, report_ejections
@@ -47,15 +46,13 @@ class Failover:
     def __init__(
         self,
         config: GatewayConfig,
-        controller: AdmissionController,
-        bridge: AdmissionBridge,
+        bridge: AdmissionDoor,
         discovery: Discovery,
         metrics: GatewayMetrics,
         tenants: TenantLimiter,
         release: Callable[[RequestContext], None],
     ) -> None:
         self.config = config
-        self.controller = controller
         self.bridge = bridge
         self.discovery = discovery
         self.metrics = metrics
@@ -84,7 +81,7 @@ class Failover:
         self.ejection.close()
 
     def _tell_admission(self, change: EjectionChange) -> None:
-        self.bridge.resolve(self.controller.set_ejected(change.replica, change.ejected, change.at))
+        self.bridge.set_ejected(change.replica, change.ejected, change.at)
 
     def answered(self, ctx: RequestContext, replica: str) -> None:
         """The relay returned from `replica`: a failure after the stream had started is
@@ -121,7 +118,7 @@ class Failover:
         )
         if f.kind == "connect":
             for name in self._same_server[replica]:
-                self.controller.mark_unready(name, self._loop.time())
+                self.bridge.mark_unready(name, self._loop.time())
                 self.discovery.mark_down(name)
         return bool(
             f.retryable
@@ -139,7 +136,7 @@ class Failover:
             answer = f.answer
             answer.outcome = f"upstream_{f.kind}"
             if answer.status in (429, 503) and answer.retry_after is None:
-                answer.retry_after = self.controller.retry_after(
+                answer.retry_after = self.bridge.report.retry_after(
                     ctx.model, ctx.reserved or ctx.prompt_tokens, self._loop.time()
                 )
             return answer
@@ -173,13 +170,12 @@ class Failover:
         ctx.attempts += 1
         self._release(ctx)
         now = self._loop.time()
-        ctrl = self.controller
-        ctrl.mark_unready(failed, now)
+        self.bridge.mark_unready(failed, now)
         rid = f"{ctx.request_id}.{ctx.attempts}"
         ctx.admission_id = rid
         waiter = None
         try:
-            verdict = ctrl.submit(
+            verdict = self.bridge.submit(
                 # First arrival: ahead of the requests that came after it.
                 admission_request(
                     ctx,
@@ -191,7 +187,6 @@ class Failover:
                 ),
                 now,
             )
-            self.bridge.resolve(ctrl.take_displaced())
             if isinstance(verdict, Queued):
                 # Before the reinstatement below: it may admit this very entry.
                 waiter = self.bridge.expect(rid)

@@ -4,8 +4,8 @@ process, as in tests and the demo).
 Counters and histograms are updated on the request path through pre-bound label
 children (a dict lookup instead of prometheus_client's label resolution per call).
 Gauges that mirror the admission ledger (queue depth, capacity, reserved, running) are
-not updated per request at all: a custom collector reads them from the controller when
-Prometheus scrapes, so the hot path pays nothing for them and they are never stale.
+not updated per request at all: a custom collector reads them from the admission report
+when Prometheus scrapes, so the hot path pays nothing for them and they are never stale.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.
 
 
 class _LedgerCollector(Collector):
-    """Reads queue and replica gauges from the admission controller at scrape time."""
+    """Reads queue and replica gauges from the admission report at scrape time."""
 
     def __init__(
         self,

@@ -29,19 +29,18 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.retries import RetryMemory
 from admission.tenants import TenantLimiter
 from admission.types import Admit, Refuse, Shed
 from gateway.accounting import Accounting, completion
-from gateway.admitter import AdmissionBridge
 from gateway.body import loads, read_body
 from gateway.config import GatewayConfig
 from gateway.context import Kind, RequestContext, admission_request
 from gateway.counting import PromptCounter
 from gateway.denials import rate_limited, refused_error, shed_error, tenant_limit
 from gateway.discovery import Discovery
+from gateway.door import AdmissionDoor
 from gateway.errors import ApiError, invalid_request
 from gateway.failover import Failover
 from gateway.metrics import GatewayMetrics
@@ -90,9 +89,8 @@ class Pipeline:
     def __init__(
         self,
         config: GatewayConfig,
-        controller: AdmissionController,
         estimator: TokenEstimator,
-        bridge: AdmissionBridge,
+        bridge: AdmissionDoor,
         discovery: Discovery,
         relay: Relay,
         metrics: GatewayMetrics,
@@ -101,7 +99,7 @@ class Pipeline:
         tenants: TenantLimiter | None = None,
     ) -> None:
         self.config = config
-        self.controller = controller
+        self.report = bridge.report
         self.estimator = estimator
         self.bridge = bridge
         self.discovery = discovery
@@ -136,7 +134,7 @@ class Pipeline:
         # reads them or a replica of the model counts shared prefixes once
         # (admission.prefixshare).
         routing = config.routing
-        self._route_prefix = bool(getattr(controller.router, "needs_prefix", False))
+        self._route_prefix = bool(getattr(bridge.router, "needs_prefix", False))
         self._prefix = (
             (routing.block_chars, routing.max_prefix_blocks)
             if self._route_prefix or config.admission.share_prefix
@@ -148,9 +146,7 @@ class Pipeline:
         self.in_flight = InFlight(config)
         self.idle = self.in_flight.idle  # set while no request is in flight
         self.accounting = Accounting(estimator, self.tenants, metrics, discovery.known_models)
-        self.failover = Failover(
-            config, controller, bridge, discovery, metrics, self.tenants, self.release
-        )
+        self.failover = Failover(config, bridge, discovery, metrics, self.tenants, self.release)
         # The outlier detector (None: disabled), read by /admin/replicas.
         self.outliers = self.failover.outliers
 
@@ -304,7 +300,7 @@ class Pipeline:
         """Workload class, and what routing reads of the prompt: its block hash chain
         (when a profile needs it) and the session key (``x-session-id``, else ``user``)."""
         if self._prefix is not None and (
-            self._route_prefix or self.controller.shares_prefix(ctx.model)
+            self._route_prefix or self.report.shares_prefix(ctx.model)
         ):
             ctx.prefix_hashes = block_hashes(text, *self._prefix)
             if ctx.prefix_hashes and self.config.admission.share_prefix:
@@ -453,9 +449,8 @@ class Pipeline:
         """A stream outgrew its reservation: ask for more (never cuts the stream)."""
         total = ctx.prompt_tokens + ctx.generated
         want = total + max(16, total // 8)
-        ctrl = self.controller
-        if ctx.admission_id and ctrl.top_up(ctx.admission_id, want, self._loop.time()):
-            res = ctrl.reservation(ctx.admission_id)
+        if ctx.admission_id and self.bridge.top_up(ctx.admission_id, want, self._loop.time()):
+            res = self.report.reservation(ctx.admission_id)
             ctx.reserved = res.reserved_tokens if res else want
         ctx.topup_at = max(ctx.reserved, want)
 

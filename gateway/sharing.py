@@ -66,10 +66,10 @@ from collections.abc import Callable, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from admission.controller import AdmissionController, PoolDemand
+from admission.report import AdmissionReport, PoolDemand
 from admission.tenants import TenantLimiter, TenantState
-from gateway.admitter import AdmissionBridge
 from gateway.config import StateConfig
+from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
 from gateway.state import LeaseRequest, StateBackend, StateUnavailable
 
@@ -135,8 +135,7 @@ class StateSync:
         self,
         config: StateConfig,
         backend: StateBackend,
-        controller: AdmissionController,
-        bridge: AdmissionBridge,
+        door: AdmissionDoor,
         *,
         holder: str | None = None,
         workers_hint: int = 1,
@@ -146,11 +145,11 @@ class StateSync:
         self.config = config
         self.tenants = tenants
         # Applies a tenant fraction (GatewayState.set_tenant_share: the limiter, then a
-        # pump of the queue); defaults to the limiter alone.
+        # settling of the queue); defaults to the limiter alone.
         self._set_tenant_share = set_tenant_share
         self.backend = backend
-        self.controller = controller
-        self.bridge = bridge
+        self.door = door
+        self.report = door.report
         self.holder = holder or holder_id()
         self.workers_hint = max(1, workers_hint)
         self.up = False
@@ -218,7 +217,7 @@ class StateSync:
         while not self._stopped:
             await asyncio.sleep(min(interval, _DEMAND_CHECK_S))
             now = self._loop.time()
-            queued = self.controller.queue_depth() > 0
+            queued = self.report.queue_depth() > 0
             if now - self._last >= interval or (queued and now - self._last >= _DEMAND_CHECK_S):
                 try:
                     await self.renew()
@@ -228,8 +227,8 @@ class StateSync:
     # ---------------------------------------------------------------- one round
     def _demands(self) -> list[PoolDemand]:
         out = []
-        for name in self.controller.replica_names():
-            d = self.controller.pool_demand(name)
+        for name in self.report.replica_names():
+            d = self.report.pool_demand(name)
             if d is not None and d.effective > 0:
                 out.append(d)
         return out
@@ -260,8 +259,8 @@ class StateSync:
             for st in tenants:
                 used = tenant_usage(st, now)
                 if st.total_concurrent is not None:  # concurrency: running and queued here
-                    held = self.controller.tenant_running(st.name)
-                    held += self.controller.tenant_queued(st.name)
+                    held = self.report.tenant_running(st.name)
+                    held += self.report.tenant_queued(st.name)
                     used = max(used, min(1.0, held / max(1, st.max_concurrent or 0)))
                 want = max(floor, st.share * (used + _TENANT_GROWTH))
                 for g in (st.rpm, st.tpm):
@@ -303,14 +302,12 @@ class StateSync:
                 tokens = None if tokens is None else min(tokens, d.effective // n)
                 if running is not None and d.running_limit is not None:
                     running = min(running, max(1, d.running_limit // n))
-            self.bridge.resolve(
-                self.controller.set_pool_share(
-                    d.replica,
-                    tokens,
-                    now,
-                    running=running,
-                    others_running=run.others_used if run is not None else 0,
-                )
+            self.door.set_pool_share(
+                d.replica,
+                tokens,
+                now,
+                running=running,
+                others_running=run.others_used if run is not None else 0,
             )
         for st in tenants:
             lease = leases.get(f"tenant:{st.name}")
@@ -354,20 +351,20 @@ class StateSync:
         """Publish the learned limits this process changed; adopt newer ones."""
         shared = await self.backend.limits()
         now = self._loop.time()
-        for name in self.controller.replica_names():
-            lim = self.controller.limit_of(name)
+        for name in self.report.replica_names():
+            lim = self.report.limit_of(name)
             if lim is None:
                 continue
             seen = self._limit_seen.get(name)
             remote = shared.get(name)
             if seen is None and remote is not None:  # a new process starts from the shared
-                lim.adopt(remote.value, now, remote.reason)
+                self.door.adopt_limit(name, remote.value, remote.reason, now)
                 self._limit_seen[name] = (lim.value, remote.version)
             elif seen is None or lim.value != seen[0]:
                 version = await self.backend.publish_limit(name, lim.value, lim.reason)
                 self._limit_seen[name] = (lim.value, version)
             elif remote is not None and remote.version > seen[1]:
-                lim.adopt(remote.value, now, remote.reason)
+                self.door.adopt_limit(name, remote.value, remote.reason, now)
                 self._limit_seen[name] = (lim.value, remote.version)
 
     def _unreachable(self, err: Exception) -> None:
@@ -398,9 +395,7 @@ class StateSync:
                 running = max(1, d.running_limit // n)
                 if d.share_running is not None and self._ever_up:
                     running = min(running, max(1, d.share_running))
-            self.bridge.resolve(
-                self.controller.set_pool_share(d.replica, pool, now, running=running)
-            )
+            self.door.set_pool_share(d.replica, pool, now, running=running)
         for st in self._tenant_states():
             fraction = 1.0 / n
             if self._ever_up:
@@ -410,8 +405,8 @@ class StateSync:
     # ---------------------------------------------------------------- observation
     def snapshot(self) -> dict[str, object]:
         replicas = {}
-        for name in self.controller.replica_names():
-            d = self.controller.pool_demand(name)
+        for name in self.report.replica_names():
+            d = self.report.pool_demand(name)
             if d is None:
                 continue
             replicas[name] = {
@@ -439,12 +434,10 @@ class StateSync:
 class StateCollector(Collector):
     """The shared-state metrics, read at scrape time."""
 
-    def __init__(
-        self, backend_name: str, sync: StateSync | None, controller: AdmissionController
-    ) -> None:
+    def __init__(self, backend_name: str, sync: StateSync | None, report: AdmissionReport) -> None:
         self._name = backend_name
         self._sync = sync
-        self._controller = controller
+        self._report = report
 
     def collect(self) -> Iterable[Metric]:
         s = self._sync
@@ -469,8 +462,8 @@ class StateCollector(Collector):
             "The slice of the replica's effective KV pool this process leased",
             labels=["replica"],
         )
-        for name in self._controller.replica_names():  # memory: the whole pool
-            d = self._controller.pool_demand(name)
+        for name in self._report.replica_names():  # memory: the whole pool
+            d = self._report.pool_demand(name)
             if d is not None:
                 value = d.share_tokens if d.share_tokens is not None else d.effective
                 share.add_metric([name], value)

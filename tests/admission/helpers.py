@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.types import AdmissionRequest
+from admission.types import AdmissionRequest, Admit, Events, Shed
 from routing.scheduler import default_profile
 from routing.types import ReplicaState
 
@@ -52,6 +52,16 @@ def request(
     )
 
 
+def sheds(events: Events) -> list[Shed]:
+    """The sheds among a call's events."""
+    return [e for e in events if isinstance(e, Shed)]
+
+
+def admits(events: Events) -> list[Admit]:
+    """The admissions among a call's events."""
+    return [e for e in events if isinstance(e, Admit)]
+
+
 def controller(**overrides: object) -> AdmissionController:
     # The ledger and queue mechanics, without the learned limit (tests/admission/test_limit.py).
     # Retry-After exactly as computed (jitter has its own test).
@@ -66,7 +76,7 @@ def warm_drain(ctrl: AdmissionController, tokens: int, rate: float, *, start: fl
     now = start
     step = tokens / rate
     for i in range(ctrl.config.min_drain_samples + 2):
-        verdict = ctrl.submit(request(f"warm{i}", tokens // 2, tokens - tokens // 2), now)
+        verdict = ctrl.submit(request(f"warm{i}", tokens // 2, tokens - tokens // 2), now).verdict
         assert verdict.__class__.__name__ == "Admit", verdict
         now += step
         ctrl.release(f"warm{i}", now)

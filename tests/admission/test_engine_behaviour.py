@@ -29,23 +29,23 @@ def test_preempting_engine_reserves_the_learned_output() -> None:
     ctrl = controller()
     ctrl.upsert_replica(replica(capacity=4096, max_model_len=4096), 0.0)
     # expected_output (a learned quantile) 8, max_tokens 1500: 108 reserved.
-    assert ctrl.submit(request("a", 100, 8, max_tokens=1500), 0.0) == Admit("a", "r1", 108)
+    assert ctrl.submit(request("a", 100, 8, max_tokens=1500), 0.0).verdict == Admit("a", "r1", 108)
 
 
 def test_non_preempting_engine_reserves_prompt_plus_max_tokens() -> None:
     ctrl = controller()
     ctrl.upsert_replica(llama(), 0.0)
-    assert ctrl.submit(request("a", 1500, 8, max_tokens=300), 0.0) == Admit("a", "r1", 1800)
-    assert ctrl.submit(request("b", 1500, 8, max_tokens=300), 0.0) == Admit("b", "r1", 1800)
+    assert ctrl.submit(request("a", 1500, 8, max_tokens=300), 0.0).verdict == Admit("a", "r1", 1800)
+    assert ctrl.submit(request("b", 1500, 8, max_tokens=300), 0.0).verdict == Admit("b", "r1", 1800)
     # A third would overrun the shared 4,096 cells (5,400 > 4,096): it waits.
-    assert isinstance(ctrl.submit(request("c", 1500, 8, max_tokens=300), 0.0), Queued)
+    assert isinstance(ctrl.submit(request("c", 1500, 8, max_tokens=300), 0.0).verdict, Queued)
 
 
 def test_non_preempting_without_max_tokens_reserves_the_slot_context() -> None:
     ctrl = controller()
     ctrl.upsert_replica(llama(capacity=4096, max_model_len=1024, private=True), 0.0)
     req = replace(request("a", 100, 8, max_tokens=8), max_tokens_given=False)
-    assert ctrl.submit(req, 0.0) == Admit("a", "r1", 1024)
+    assert ctrl.submit(req, 0.0).verdict == Admit("a", "r1", 1024)
 
 
 def test_non_preempting_request_larger_than_the_pool_runs_alone() -> None:
@@ -54,8 +54,8 @@ def test_non_preempting_request_larger_than_the_pool_runs_alone() -> None:
     ctrl = controller(headroom=0.05)
     ctrl.upsert_replica(llama(), 0.0)
     unbounded = replace(request("a", 100, 8, max_tokens=8), max_tokens_given=False)
-    assert ctrl.submit(unbounded, 0.0) == Admit("a", "r1", 3891)
-    assert isinstance(ctrl.submit(request("b", 10, 1, max_tokens=1), 0.0), Queued)
+    assert ctrl.submit(unbounded, 0.0).verdict == Admit("a", "r1", 3891)
+    assert isinstance(ctrl.submit(request("b", 10, 1, max_tokens=1), 0.0).verdict, Queued)
     assert ctrl.release("a", 1.0) == [Admit("b", "r1", 11)]
 
 
@@ -65,9 +65,9 @@ def test_non_preempting_refuses_only_a_prompt_that_fills_the_slot() -> None:
     prompt of the slot's context or more, which the engine refuses too."""
     ctrl = controller()
     ctrl.upsert_replica(llama(capacity=4096, max_model_len=1024, private=True), 0.0)
-    assert ctrl.submit(request("a", 1000, 8, max_tokens=100), 0.0) == Admit("a", "r1", 1024)
-    assert ctrl.submit(request("b", 1023, 8, max_tokens=100), 0.0) == Admit("b", "r1", 1024)
-    verdict = ctrl.submit(request("c", 1024, 8, max_tokens=1), 0.0)
+    assert ctrl.submit(request("a", 1000, 8, max_tokens=100), 0.0).verdict == Admit("a", "r1", 1024)
+    assert ctrl.submit(request("b", 1023, 8, max_tokens=100), 0.0).verdict == Admit("b", "r1", 1024)
+    verdict = ctrl.submit(request("c", 1024, 8, max_tokens=1), 0.0).verdict
     assert isinstance(verdict, Refuse) and verdict.code == "context_length_exceeded"
     assert verdict.message.startswith("This model's maximum context length is 1024 tokens.")
     assert "your prompt has 1024 tokens" in verdict.message
@@ -77,12 +77,12 @@ def test_private_slots_keep_no_headroom() -> None:
     """Per-slot KV: 4 slots of 1,024 cannot be overrun, so all four run at full size."""
     ctrl = controller(headroom=0.05)
     ctrl.upsert_replica(llama(capacity=4096, max_model_len=1024, private=True), 0.0)
-    (usage,) = ctrl.replica_usage()
+    (usage,) = ctrl.report.replica_usage()
     assert usage.effective_capacity_tokens == 4096
     for i in range(4):
         req = replace(request(f"s{i}", 200, 8, max_tokens=8), max_tokens_given=False)
-        assert ctrl.submit(req, 0.0) == Admit(f"s{i}", "r1", 1024)
-    assert isinstance(ctrl.submit(request("s4", 10, 1), 0.0), Queued)  # 4 slots busy
+        assert ctrl.submit(req, 0.0).verdict == Admit(f"s{i}", "r1", 1024)
+    assert isinstance(ctrl.submit(request("s4", 10, 1), 0.0).verdict, Queued)  # 4 slots busy
 
 
 def test_estimated_prompt_over_the_slot_is_clamped_and_forwarded() -> None:
@@ -90,7 +90,7 @@ def test_estimated_prompt_over_the_slot_is_clamped_and_forwarded() -> None:
     ctrl = controller()
     ctrl.upsert_replica(llama(capacity=4096, max_model_len=1024, private=True), 0.0)
     req = replace(request("a", 1200, 8, max_tokens=100), prompt_exact=False)
-    assert ctrl.submit(req, 0.0) == Admit("a", "r1", 1024)
+    assert ctrl.submit(req, 0.0).verdict == Admit("a", "r1", 1024)
 
 
 def test_mixed_fleet_reserves_per_replica() -> None:
@@ -98,10 +98,12 @@ def test_mixed_fleet_reserves_per_replica() -> None:
     ctrl.upsert_replica(replica("vllm", 4096, max_model_len=4096), 0.0)
     ctrl.upsert_replica(llama(name="llama"), 0.0)
     ctrl.mark_unready("vllm", 0.0)
-    assert ctrl.submit(request("a", 100, 8, max_tokens=500), 0.0) == Admit("a", "llama", 600)
+    assert ctrl.submit(request("a", 100, 8, max_tokens=500), 0.0).verdict == Admit(
+        "a", "llama", 600
+    )
     ctrl.upsert_replica(replica("vllm", 4096, max_model_len=4096), 0.0)
     ctrl.mark_unready("llama", 0.0)
-    assert ctrl.submit(request("b", 100, 8, max_tokens=500), 0.0) == Admit("b", "vllm", 108)
+    assert ctrl.submit(request("b", 100, 8, max_tokens=500), 0.0).verdict == Admit("b", "vllm", 108)
 
 
 # ---------------------------------------------------------------------- abandoned requests
@@ -113,21 +115,21 @@ def test_abandoned_reservation_is_held_until_the_engine_stops_it() -> None:
     ctrl = controller()
     state = llama(capacity=1000, max_model_len=1000)
     ctrl.upsert_replica(state, 0.0)
-    assert isinstance(ctrl.submit(request("a", 400, 8, max_tokens=400), 0.0), Admit)
+    assert isinstance(ctrl.submit(request("a", 400, 8, max_tokens=400), 0.0).verdict, Admit)
     assert ctrl.abandon("a", 1.0) == []
-    assert (ctrl.held(), ctrl.reserved_tokens()) == (1, 800)
-    assert ctrl.replica_usage()[0].held == 1
-    assert isinstance(ctrl.submit(request("b", 400, 8, max_tokens=400), 1.0), Queued)
+    assert (ctrl.report.held(), ctrl.report.reserved_tokens()) == (1, 800)
+    assert ctrl.report.replica_usage()[0].held == 1
+    assert isinstance(ctrl.submit(request("b", 400, 8, max_tokens=400), 1.0).verdict, Queued)
     # A round that began before the abandonment says nothing about it.
     assert ctrl.upsert_replica(engine_view(state, 0, 0.9), 1.1) == []
     # One that began after it and still sees it running: held.
     assert ctrl.upsert_replica(engine_view(state, 1, 1.5), 1.6) == []
-    assert ctrl.held() == 1
+    assert ctrl.report.held() == 1
     # The next shows the engine idle: released, and the queue moves.
     assert ctrl.upsert_replica(engine_view(state, 0, 2.5), 2.6) == [Admit("b", "r1", 800)]
-    assert ctrl.held() == 0
+    assert ctrl.report.held() == 0
     ctrl.release("b", 3.0)
-    assert ctrl.reserved_tokens() == 0
+    assert ctrl.report.reserved_tokens() == 0
 
 
 def test_held_reservation_counts_live_requests_against_the_gauge() -> None:
@@ -135,54 +137,54 @@ def test_held_reservation_counts_live_requests_against_the_gauge() -> None:
     state = llama(capacity=4000, max_model_len=1000)
     ctrl.upsert_replica(state, 0.0)
     for rid in ("a", "b", "c"):
-        assert isinstance(ctrl.submit(request(rid, 100, 8, max_tokens=100), 0.0), Admit)
+        assert isinstance(ctrl.submit(request(rid, 100, 8, max_tokens=100), 0.0).verdict, Admit)
     ctrl.abandon("a", 1.0)
     ctrl.abandon("b", 1.2)
     # Engine runs 2: live "c" and one of the held (the older one is released first).
     ctrl.upsert_replica(engine_view(state, 2, 2.0), 2.1)
-    assert ctrl.held() == 1 and ctrl.reservation("a") is None
+    assert ctrl.report.held() == 1 and ctrl.report.reservation("a") is None
     # A request admitted after that round cannot be in its count: the view is not reused.
-    assert isinstance(ctrl.submit(request("d", 100, 8, max_tokens=100), 2.2), Admit)
+    assert isinstance(ctrl.submit(request("d", 100, 8, max_tokens=100), 2.2).verdict, Admit)
     ctrl.upsert_replica(engine_view(state, 2, 2.0), 2.3)
-    assert ctrl.held() == 1
+    assert ctrl.report.held() == 1
     ctrl.upsert_replica(engine_view(state, 2, 3.0), 3.1)  # c and d: b has stopped
-    assert ctrl.held() == 0
+    assert ctrl.report.held() == 0
     for rid in ("c", "d"):
         ctrl.release(rid, 4.0)
-    assert ctrl.reserved_tokens() == 0
+    assert ctrl.report.reserved_tokens() == 0
 
 
 def test_held_reservation_is_released_after_the_grace_and_learns_then() -> None:
     ctrl = controller(abandoned_hold_s=5.0, learn_limit=True)
     state = llama()
     ctrl.upsert_replica(state, 0.0)
-    assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=100), 0.0), Admit)
+    assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=100), 0.0).verdict, Admit)
     ctrl.abandon("a", 1.0, Completion(ok=False, latency_budget=1.0))
     assert ctrl.next_deadline() == 6.0
     ctrl.upsert_replica(engine_view(state, 1, 2.0), 2.0)  # still running (or someone else)
-    assert ctrl.expire(5.9) == [] and ctrl.held() == 1
-    assert ctrl.expire(6.0) == [] and ctrl.held() == 0
-    assert ctrl.reserved_tokens() == 0 and ctrl.next_deadline() is None
+    assert ctrl.advance(5.9) == [] and ctrl.report.held() == 1
+    assert ctrl.advance(6.0) == [] and ctrl.report.held() == 0
+    assert ctrl.report.reserved_tokens() == 0 and ctrl.next_deadline() is None
     assert ctrl.abandon("a", 7.0) == []  # idempotent: already gone
 
 
 def test_release_of_a_held_reservation_and_no_gauge() -> None:
     ctrl = controller()
     ctrl.upsert_replica(llama(), 0.0)  # no running gauge (running_seen_at None)
-    assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=100), 0.0), Admit)
+    assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=100), 0.0).verdict, Admit)
     ctrl.abandon("a", 1.0)
     ctrl.upsert_replica(llama(), 2.0)
-    assert ctrl.held() == 1  # only the grace can end it
+    assert ctrl.report.held() == 1  # only the grace can end it
     ctrl.release("a", 2.5)  # an explicit release always works
-    assert (ctrl.held(), ctrl.reserved_tokens()) == (0, 0)
+    assert (ctrl.report.held(), ctrl.report.reserved_tokens()) == (0, 0)
 
 
 def test_no_hold_when_disabled() -> None:
     ctrl = controller(abandoned_hold_s=0.0)
     ctrl.upsert_replica(llama(), 0.0)
-    assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=100), 0.0), Admit)
+    assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=100), 0.0).verdict, Admit)
     ctrl.abandon("a", 1.0)
-    assert (ctrl.held(), ctrl.reserved_tokens()) == (0, 0)
+    assert (ctrl.report.held(), ctrl.report.reserved_tokens()) == (0, 0)
 
 
 def test_a_held_request_waiting_inside_the_engine_is_still_held() -> None:
@@ -190,9 +192,9 @@ def test_a_held_request_waiting_inside_the_engine_is_still_held() -> None:
     ctrl = controller()
     state = replica(capacity=4096, max_model_len=4096)
     ctrl.upsert_replica(state, 0.0)
-    assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=100), 0.0), Admit)
+    assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=100), 0.0).verdict, Admit)
     ctrl.abandon("a", 1.0)
     ctrl.upsert_replica(replace(engine_view(state, 0, 2.0), engine_waiting=1), 2.0)
-    assert ctrl.held() == 1
+    assert ctrl.report.held() == 1
     ctrl.upsert_replica(engine_view(state, 0, 3.0), 3.0)
-    assert ctrl.held() == 0 and ctrl.reserved_tokens() == 0
+    assert ctrl.report.held() == 0 and ctrl.report.reserved_tokens() == 0

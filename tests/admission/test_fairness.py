@@ -12,10 +12,10 @@ import pytest
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.types import AdmissionRequest, Admit, Completion, Queued, Shed
+from admission.types import AdmissionRequest, Admit, Completion, Events, Queued, Shed
 from routing.config import RoutingConfig
 from routing.scheduler import build_router
-from tests.admission.helpers import controller, replica
+from tests.admission.helpers import controller, replica, sheds
 
 
 @dataclass
@@ -103,33 +103,40 @@ def simulate(
         res.ttfts.setdefault(tenant, []).append(now - arrival[a.request_id] + prefill_s)
         heapq.heappush(events, (now + service_s, next(seq), "done", a.request_id))
 
+    def settled(happened: Events, now: float) -> None:
+        for e in happened:
+            if isinstance(e, Admit):
+                started(e, now)
+            else:
+                res.shed[e.request_id.split("-")[0]] = (
+                    res.shed.get(e.request_id.split("-")[0], 0) + 1
+                )
+
     while events:
         now, _, kind, rid = heapq.heappop(events)
         tenant = rid.split("-")[0]
-        for s in ctrl.expire(now):
-            res.shed[s.request_id.split("-")[0]] = res.shed.get(s.request_id.split("-")[0], 0) + 1
+        settled(ctrl.advance(now), now)  # expiries, and what they unblocked
         if kind == "arrive":
             arrival.setdefault(rid, now)
             r = req(rid, "default" if one_tenant else tenant, arrival=arrival[rid])
-            v = ctrl.submit(r, now)
+            decision = ctrl.submit(r, now)
+            v = decision.verdict
             if isinstance(v, Admit):
                 started(v, now)
             elif isinstance(v, Shed):
                 res.shed[tenant] = res.shed.get(tenant, 0) + 1
                 if tenant in closed and now < seconds:
                     heapq.heappush(events, (now + v.retry_after, next(seq), "arrive", rid))
-            for a in ctrl.pump(now):
-                started(a, now)
+            settled(decision.events + ctrl.advance(now), now)
         else:
             res.completed[tenant] = res.completed.get(tenant, 0) + 1
             if now <= seconds:  # the share while all were sending (not the drain after)
                 res.served[tenant] = res.served.get(tenant, 0) + 100
             done = Completion(ok=True, prompt_tokens=50, completion_tokens=50)
-            for a in ctrl.release(rid, now, done):
-                started(a, now)
+            settled(ctrl.release(rid, now, done), now)
             if tenant in closed and now < seconds:
                 heapq.heappush(events, (now, next(seq), "arrive", f"{tenant}-c{next(counter)}"))
-    assert ctrl.reserved_tokens() == 0
+    assert ctrl.report.reserved_tokens() == 0
     return res
 
 
@@ -165,10 +172,10 @@ def test_counters_count_true_usage_not_estimates() -> None:
     used: the other tenant goes next."""
     ctrl = controller()
     ctrl.upsert_replica(replica(capacity=100), 0.0)
-    assert isinstance(ctrl.submit(req("a-0", "a", 40, 40), 0.0), Admit)  # 20 free
-    assert isinstance(ctrl.submit(req("b-0", "b", 10, 10), 0.0), Admit)
-    assert isinstance(ctrl.submit(req("a-1", "a", 40, 40), 1.0), Queued)
-    assert isinstance(ctrl.submit(req("b-1", "b", 40, 40), 1.0), Queued)
+    assert isinstance(ctrl.submit(req("a-0", "a", 40, 40), 0.0).verdict, Admit)  # 20 free
+    assert isinstance(ctrl.submit(req("b-0", "b", 10, 10), 0.0).verdict, Admit)
+    assert isinstance(ctrl.submit(req("a-1", "a", 40, 40), 1.0).verdict, Queued)
+    assert isinstance(ctrl.submit(req("b-1", "b", 40, 40), 1.0).verdict, Queued)
     # b-0 used 400 tokens, not 20: b is now far ahead in tokens served.
     ctrl.release("b-0", 2.0, Completion(ok=True, prompt_tokens=10, completion_tokens=390))
     got = ctrl.release("a-0", 3.0, Completion(ok=True, prompt_tokens=40, completion_tokens=40))
@@ -180,9 +187,9 @@ def test_counters_count_true_usage_not_estimates() -> None:
 def test_priority_classes_come_before_fair_sharing() -> None:
     ctrl = controller()
     ctrl.upsert_replica(replica(capacity=100), 0.0)
-    assert isinstance(ctrl.submit(req("x-0", "x", 50, 50), 0.0), Admit)
+    assert isinstance(ctrl.submit(req("x-0", "x", 50, 50), 0.0).verdict, Admit)
     for rid, tenant, prio in [("a-0", "a", 0), ("b-0", "b", 5), ("a-1", "a", 5)]:
-        assert isinstance(ctrl.submit(req(rid, tenant, 50, 50, priority=prio), 1.0), Queued)
+        assert isinstance(ctrl.submit(req(rid, tenant, 50, 50, priority=prio), 1.0).verdict, Queued)
     order = []
     current = "x-0"
     for t in range(2, 6):
@@ -198,9 +205,9 @@ def test_priority_classes_come_before_fair_sharing() -> None:
 def test_earliest_deadline_first_within_a_tenant() -> None:
     ctrl = controller()
     ctrl.upsert_replica(replica(capacity=100), 0.0)
-    assert isinstance(ctrl.submit(req("a-0", "a", 50, 50), 0.0), Admit)
-    assert isinstance(ctrl.submit(req("a-late", "a", 50, 50, deadline=20.0), 1.0), Queued)
-    assert isinstance(ctrl.submit(req("a-soon", "a", 50, 50, deadline=5.0), 2.0), Queued)
+    assert isinstance(ctrl.submit(req("a-0", "a", 50, 50), 0.0).verdict, Admit)
+    assert isinstance(ctrl.submit(req("a-late", "a", 50, 50, deadline=20.0), 1.0).verdict, Queued)
+    assert isinstance(ctrl.submit(req("a-soon", "a", 50, 50, deadline=5.0), 2.0).verdict, Queued)
     got = ctrl.release("a-0", 3.0)
     assert [a.request_id for a in got] == ["a-soon"]
     ctrl.release("a-soon", 3.5)
@@ -212,16 +219,16 @@ def test_a_retry_keeps_its_place_only_within_its_tenant() -> None:
     not before another tenant that has been served less."""
     ctrl = controller()
     ctrl.upsert_replica(replica(capacity=100), 0.0)
-    assert isinstance(ctrl.submit(req("a-0", "a", 50, 50, arrival=0.0), 0.0), Admit)
-    assert isinstance(ctrl.submit(req("a-1", "a", 50, 50, arrival=1.0), 1.0), Queued)
+    assert isinstance(ctrl.submit(req("a-0", "a", 50, 50, arrival=0.0), 0.0).verdict, Admit)
+    assert isinstance(ctrl.submit(req("a-1", "a", 50, 50, arrival=1.0), 1.0).verdict, Queued)
     # b is lifted to a's counter: a tie, which the earlier head (a-1) wins.
-    assert isinstance(ctrl.submit(req("b-0", "b", 50, 50, arrival=1.0), 1.0), Queued)
+    assert isinstance(ctrl.submit(req("b-0", "b", 50, 50, arrival=1.0), 1.0).verdict, Queued)
     got = ctrl.release("a-0", 2.0)
     assert [a.request_id for a in got] == ["a-1"]
     # a has now been served 100 tokens more than b.
-    assert isinstance(ctrl.submit(req("a-new", "a", 50, 50, arrival=2.5), 2.5), Queued)
+    assert isinstance(ctrl.submit(req("a-new", "a", 50, 50, arrival=2.5), 2.5).verdict, Queued)
     # A retry of a request a first sent at 0.5, before b-0 arrived.
-    assert isinstance(ctrl.submit(req("a-retry", "a", 50, 50, arrival=0.5), 3.0), Queued)
+    assert isinstance(ctrl.submit(req("a-retry", "a", 50, 50, arrival=0.5), 3.0).verdict, Queued)
     order = []
     current = "a-1"
     for t in range(4, 8):
@@ -232,40 +239,40 @@ def test_a_retry_keeps_its_place_only_within_its_tenant() -> None:
         order.append(current)
     assert order == ["b-0", "a-retry", "a-new"]
     ctrl.release(current, 9.0)
-    assert ctrl.queue_depth() == 0 and ctrl.reserved_tokens() == 0
+    assert ctrl.report.queue_depth() == 0 and ctrl.report.reserved_tokens() == 0
 
 
 def test_tenant_concurrency_cap_waits_without_blocking_others() -> None:
     ctrl = controller()
     ctrl.set_tenants({"a": Policy(max_concurrent=1)}.get)
     ctrl.upsert_replica(replica(capacity=1000), 0.0)
-    assert isinstance(ctrl.submit(req("a-0", "a"), 0.0), Admit)
-    assert isinstance(ctrl.submit(req("a-1", "a"), 0.0), Queued)  # room, but a is capped
-    assert isinstance(ctrl.submit(req("b-0", "b"), 0.0), Admit)  # a's entry blocks nobody
-    assert ctrl.tenant_running("a") == 1 and ctrl.tenant_queued("a") == 1
+    assert isinstance(ctrl.submit(req("a-0", "a"), 0.0).verdict, Admit)
+    assert isinstance(ctrl.submit(req("a-1", "a"), 0.0).verdict, Queued)  # room, but a is capped
+    assert isinstance(ctrl.submit(req("b-0", "b"), 0.0).verdict, Admit)  # a's entry blocks nobody
+    assert ctrl.report.tenant_running("a") == 1 and ctrl.report.tenant_queued("a") == 1
     got = ctrl.release("a-0", 1.0)
     assert [a.request_id for a in got] == ["a-1"]
     ctrl.release("a-1", 2.0)
     ctrl.release("b-0", 2.0)
-    assert ctrl.reserved_tokens() == 0
+    assert ctrl.report.reserved_tokens() == 0
 
 
 def test_tenant_queue_cap_is_a_429_naming_the_limit() -> None:
     ctrl = controller()
     ctrl.set_tenants({"a": Policy(max_concurrent=1, max_queued=1)}.get)
     ctrl.upsert_replica(replica(capacity=1000), 0.0)
-    assert isinstance(ctrl.submit(req("a-0", "a"), 0.0), Admit)
-    assert isinstance(ctrl.submit(req("a-1", "a"), 0.0), Queued)
-    v = ctrl.submit(req("a-2", "a"), 0.0)
+    assert isinstance(ctrl.submit(req("a-0", "a"), 0.0).verdict, Admit)
+    assert isinstance(ctrl.submit(req("a-1", "a"), 0.0).verdict, Queued)
+    v = ctrl.submit(req("a-2", "a"), 0.0).verdict
     assert isinstance(v, Shed) and v.status == 429 and v.reason == "tenant_concurrency"
     assert v.retry_after > 0
-    assert ctrl.tenant_queued("a") == 1
+    assert ctrl.report.tenant_queued("a") == 1
     # Not capped by concurrency, only the queue: the reason says so.
     ctrl2 = controller()
     ctrl2.set_tenants({"a": Policy(max_queued=0)}.get)
     ctrl2.upsert_replica(replica(capacity=100), 0.0)
-    assert isinstance(ctrl2.submit(req("a-0", "a", 50, 50), 0.0), Admit)
-    v2 = ctrl2.submit(req("a-1", "a", 50, 50), 0.0)
+    assert isinstance(ctrl2.submit(req("a-0", "a", 50, 50), 0.0).verdict, Admit)
+    v2 = ctrl2.submit(req("a-1", "a", 50, 50), 0.0).verdict
     assert isinstance(v2, Shed) and (v2.status, v2.reason) == (429, "tenant_queue")
     ctrl.release("a-0", 1.0)
     ctrl.release("a-1", 1.0)
@@ -276,11 +283,11 @@ def test_tenant_queue_timeout_replaces_the_default() -> None:
     ctrl = controller(queue_timeout_s=30.0)
     ctrl.set_tenants({"a": Policy(queue_timeout_s=2.0)}.get)
     ctrl.upsert_replica(replica(capacity=100), 0.0)
-    assert isinstance(ctrl.submit(req("a-0", "a", 50, 50), 0.0), Admit)
-    assert isinstance(ctrl.submit(req("a-1", "a", 50, 50), 0.0), Queued)
-    assert isinstance(ctrl.submit(req("b-1", "b", 50, 50), 0.0), Queued)
+    assert isinstance(ctrl.submit(req("a-0", "a", 50, 50), 0.0).verdict, Admit)
+    assert isinstance(ctrl.submit(req("a-1", "a", 50, 50), 0.0).verdict, Queued)
+    assert isinstance(ctrl.submit(req("b-1", "b", 50, 50), 0.0).verdict, Queued)
     assert ctrl.next_deadline() == 2.0
-    shed = ctrl.expire(2.0)
+    shed = sheds(ctrl.advance(2.0))
     assert [s.request_id for s in shed] == ["a-1"]
     ctrl.release("a-0", 3.0)
     ctrl.release("b-1", 3.0)
@@ -289,17 +296,17 @@ def test_tenant_queue_timeout_replaces_the_default() -> None:
 def test_position_counts_what_the_fair_order_serves_first() -> None:
     ctrl = controller()
     ctrl.upsert_replica(replica(capacity=100), 0.0)
-    assert isinstance(ctrl.submit(req("x-0", "x", 50, 50), 0.0), Admit)
+    assert isinstance(ctrl.submit(req("x-0", "x", 50, 50), 0.0).verdict, Admit)
     for i in range(5):
-        assert isinstance(ctrl.submit(req(f"a-{i}", "a", 50, 50), 0.0), Queued)
-    b = ctrl.submit(req("b-0", "b", 50, 50), 0.0)
+        assert isinstance(ctrl.submit(req(f"a-{i}", "a", 50, 50), 0.0).verdict, Queued)
+    b = ctrl.submit(req("b-0", "b", 50, 50), 0.0).verdict
     # b's first request goes next to a's head, not behind all five.
     assert isinstance(b, Queued) and b.position <= 1
-    a = ctrl.submit(req("a-5", "a", 50, 50), 0.0)
+    a = ctrl.submit(req("a-5", "a", 50, 50), 0.0).verdict
     assert isinstance(a, Queued) and a.position == 6
     for rid in ["x-0", *(f"a-{i}" for i in range(6)), "b-0"]:
         ctrl.release(rid, 1.0)
-    assert ctrl.queue_depth() == 0 and ctrl.reserved_tokens() == 0
+    assert ctrl.report.queue_depth() == 0 and ctrl.report.reserved_tokens() == 0
 
 
 def _slo_controller() -> AdmissionController:
@@ -319,8 +326,8 @@ def _teach(ctrl: AdmissionController, itl: dict[str, float], n: int = 6) -> None
     filler takes one replica; the stream goes to the other (the most headroom)."""
     seen = dict.fromkeys(itl, 0)
     for i in range(60):
-        filler = ctrl.submit(req(f"f-{i}", "z", 5000, 10), 0.0)
-        v = ctrl.submit(req(f"t-{i}", "z", 50, 50), 0.0)
+        filler = ctrl.submit(req(f"f-{i}", "z", 5000, 10), 0.0).verdict
+        v = ctrl.submit(req(f"t-{i}", "z", 50, 50), 0.0).verdict
         assert isinstance(filler, Admit) and isinstance(v, Admit)
         assert v.replica != filler.replica
         ctrl.release(f"t-{i}", 1.0, Completion(ok=True, ttft_s=0.1, itl_s=itl[v.replica]))
@@ -334,23 +341,23 @@ def _teach(ctrl: AdmissionController, itl: dict[str, float], n: int = 6) -> None
 def test_itl_target_goes_to_a_replica_that_meets_it_or_waits() -> None:
     ctrl = _slo_controller()
     _teach(ctrl, {"slow": 0.2, "fast": 0.02})
-    assert ctrl.predicted_itl("slow", 1) == pytest.approx(0.2)
-    assert ctrl.predicted_itl("fast", 1) == pytest.approx(0.02)
+    assert ctrl.report.predicted_itl("slow", 1) == pytest.approx(0.2)
+    assert ctrl.report.predicted_itl("fast", 1) == pytest.approx(0.02)
     # Seen only alone, a gap is read as growing in proportion to the batch: with a
     # target of 0.05 s, "fast" holds it for up to 2 running, "slow" never.
     for i in range(2):
-        v = ctrl.submit(req(f"s-{i}", "t", 50, 50, itl_target=0.05), 1.0)
+        v = ctrl.submit(req(f"s-{i}", "t", 50, 50, itl_target=0.05), 1.0).verdict
         assert isinstance(v, Admit) and v.replica == "fast"
-    waiting = ctrl.submit(req("s-2", "t", 50, 50, itl_target=0.05), 1.0)
+    waiting = ctrl.submit(req("s-2", "t", 50, 50, itl_target=0.05), 1.0).verdict
     assert isinstance(waiting, Queued)  # room everywhere, but no replica meets the target
     # A request without a target is not held up by it.
-    free = ctrl.submit(req("n-0", "u", 50, 50), 1.0)
+    free = ctrl.submit(req("n-0", "u", 50, 50), 1.0).verdict
     assert isinstance(free, Admit) and free.replica == "slow"
     got = ctrl.release("s-0", 2.0)
     assert [(a.request_id, a.replica) for a in got] == [("s-2", "fast")]
     for rid in ("s-1", "s-2", "n-0"):
         ctrl.release(rid, 3.0)
-    assert ctrl.reserved_tokens() == 0
+    assert ctrl.report.reserved_tokens() == 0
 
 
 def test_an_itl_target_a_lighter_load_would_meet_holds_the_replicas_for_it() -> None:
@@ -359,18 +366,18 @@ def test_an_itl_target_a_lighter_load_would_meet_holds_the_replicas_for_it() -> 
     ctrl = _slo_controller()
     _teach(ctrl, {"slow": 0.02, "fast": 0.02})
     for i in range(4):
-        v = ctrl.submit(req(f"s-{i}", "t", 50, 50, itl_target=0.05), 1.0)
+        v = ctrl.submit(req(f"s-{i}", "t", 50, 50, itl_target=0.05), 1.0).verdict
         assert isinstance(v, Admit)
-    held = ctrl.submit(req("s-4", "t", 50, 50, itl_target=0.05), 1.0)
+    held = ctrl.submit(req("s-4", "t", 50, 50, itl_target=0.05), 1.0).verdict
     assert isinstance(held, Queued)
-    behind = ctrl.submit(req("n-0", "u", 50, 50), 1.1)
+    behind = ctrl.submit(req("n-0", "u", 50, 50), 1.1).verdict
     assert isinstance(behind, Queued)  # room, but the replicas are draining for s-4
     # One running less: s-4 fits its target, and once it is in, the hold ends.
     got = ctrl.release("s-0", 2.0)
     assert [a.request_id for a in got] == ["s-4", "n-0"]
     for rid in ("s-1", "s-2", "s-3", "s-4", "n-0"):
         ctrl.release(rid, 3.0)
-    assert ctrl.reserved_tokens() == 0 and ctrl.queue_depth() == 0
+    assert ctrl.report.reserved_tokens() == 0 and ctrl.report.queue_depth() == 0
 
 
 def test_itl_model_fits_gap_against_running_and_keeps_light_load_evidence() -> None:

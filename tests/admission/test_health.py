@@ -91,21 +91,21 @@ def test_max_ejection_percent_keeps_enough_replicas() -> None:
 def test_controller_ejected_replica_takes_nothing_new_and_releases() -> None:
     ctrl = controller()
     ctrl.upsert_replica(replica("r1", 1000), 0.0)
-    first = ctrl.submit(request("x", 100, 100), 0.0)
+    first = ctrl.submit(request("x", 100, 100), 0.0).verdict
     assert isinstance(first, Admit)
     assert ctrl.set_ejected("r1", True, 1.0) == []
     # An upsert (discovery says ready) does not end the ejection.
     ctrl.upsert_replica(replica("r1", 1000), 1.5)
-    usage = ctrl.replica_usage()[0]
+    usage = ctrl.report.replica_usage()[0]
     assert usage.ejected and not usage.ready and usage.binding_ceiling == "ejected"
-    verdict = ctrl.submit(request("y", 100, 100, deadline=100.0), 2.0)
+    verdict = ctrl.submit(request("y", 100, 100, deadline=100.0), 2.0).verdict
     assert isinstance(verdict, Shed | Queued)
     # The reservation made before the ejection is released as its request ends.
     ctrl.release("x", 3.0)
-    assert ctrl.reserved_tokens("r1") == 0
+    assert ctrl.report.reserved_tokens("r1") == 0
     admits = ctrl.set_ejected("r1", False, 4.0)
     if isinstance(verdict, Queued):
         assert [a.request_id for a in admits] == ["y"]
         ctrl.release("y", 5.0)
-    assert ctrl.reserved_tokens() == 0 and ctrl.queue_depth() == 0
-    assert not ctrl.replica_usage()[0].ejected
+    assert ctrl.report.reserved_tokens() == 0 and ctrl.report.queue_depth() == 0
+    assert not ctrl.report.replica_usage()[0].ejected

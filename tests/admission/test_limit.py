@@ -196,11 +196,11 @@ def test_the_learned_limit_never_admits_past_the_kv_ceiling() -> None:
     ctrl.upsert_replica(replica(capacity=4096, block_size=16), 0.0)
     admitted = 0
     for i in range(40):
-        if type(ctrl.submit(request(f"r{i}", 900, 100), 0.0)).__name__ == "Admit":
+        if type(ctrl.submit(request(f"r{i}", 900, 100), 0.0).verdict).__name__ == "Admit":
             admitted += 1
     assert admitted == 4  # 4 x 1008 tokens fit 4096; the limit of 64 does not matter
-    assert ctrl.reserved_tokens() <= 4096
-    (usage,) = ctrl.replica_usage()
+    assert ctrl.report.reserved_tokens() <= 4096
+    (usage,) = ctrl.report.replica_usage()
     assert usage.binding_ceiling == "kv_capacity"
 
 
@@ -239,17 +239,17 @@ def test_the_pool_bound_needs_two_rounds_and_is_forgotten_without_evidence() -> 
     ctrl = controller()
     state = replica(capacity=2000)
     ctrl.upsert_replica(state, 0.0)
-    assert type(ctrl.submit(request("a", 500, 500), 0.0)).__name__ == "Admit"
+    assert type(ctrl.submit(request("a", 500, 500), 0.0).verdict).__name__ == "Admit"
     # The engine says the 1,000 reserved tokens fill its whole pool.
     for t, expect in ((1.0, 2000), (2.0, 1000)):
         state.kv_usage = 1.0
         state.updated_at = t
         ctrl.upsert_replica(state, t)
-        assert ctrl.replica_usage()[0].effective_capacity_tokens == expect
-    assert type(ctrl.submit(request("b", 1, 1), 2.0)).__name__ == "Queued"
+        assert ctrl.report.replica_usage()[0].effective_capacity_tokens == expect
+    assert type(ctrl.submit(request("b", 1, 1), 2.0).verdict).__name__ == "Queued"
     ctrl.release("a", 3.0)
     ctrl.release("b", 3.0)
     state.kv_usage = 0.0
     state.updated_at = 400.0
     ctrl.upsert_replica(state, 400.0)  # nothing confirmed it for 300 s: trusted again
-    assert ctrl.replica_usage()[0].effective_capacity_tokens == 2000
+    assert ctrl.report.replica_usage()[0].effective_capacity_tokens == 2000

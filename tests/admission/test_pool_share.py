@@ -15,10 +15,10 @@ def test_a_share_caps_admission_and_growing_it_admits_the_queue() -> None:
     c = controller()
     c.upsert_replica(replica("r1", 1000), 0.0)
     assert c.set_pool_share("r1", 300, 0.0) == []
-    assert isinstance(c.submit(request("a", 100, 100), 0.0), Admit)
+    assert isinstance(c.submit(request("a", 100, 100), 0.0).verdict, Admit)
     # 200 of the 300-token slice are held: the next 200 do not fit the slice...
-    assert isinstance(c.submit(request("b", 100, 100), 0.0), Queued)
-    d = c.pool_demand("r1")
+    assert isinstance(c.submit(request("b", 100, 100), 0.0).verdict, Queued)
+    d = c.report.pool_demand("r1")
     assert d is not None
     assert (d.effective, d.reserved, d.queued_tokens, d.share_tokens) == (1000, 200, 200, 300)
     # ...until the lease grows.
@@ -26,14 +26,14 @@ def test_a_share_caps_admission_and_growing_it_admits_the_queue() -> None:
     assert [a.request_id for a in admitted] == ["b"]
     c.release("a", 2.0)
     c.release("b", 2.0)
-    assert c.reserved_tokens() == 0
+    assert c.report.reserved_tokens() == 0
 
 
 def test_a_request_larger_than_the_share_waits_and_is_never_refused() -> None:
     c = controller()
     c.upsert_replica(replica("r1", 1000), 0.0)
     c.set_pool_share("r1", 100, 0.0)
-    v = c.submit(request("big", 400, 400), 0.0)
+    v = c.submit(request("big", 400, 400), 0.0).verdict
     assert isinstance(v, Queued)  # fits the pool, not the slice: it waits for the lease
     admitted = c.set_pool_share("r1", None, 1.0)  # no cap: the whole pool
     assert [a.request_id for a in admitted] == ["big"]
@@ -43,12 +43,12 @@ def test_a_request_larger_than_the_share_waits_and_is_never_refused() -> None:
 def test_a_shrunk_share_keeps_reservations_and_admits_nothing_more() -> None:
     c = controller()
     c.upsert_replica(replica("r1", 1000), 0.0)
-    assert isinstance(c.submit(request("a", 200, 200), 0.0), Admit)
+    assert isinstance(c.submit(request("a", 200, 200), 0.0).verdict, Admit)
     c.set_pool_share("r1", 100, 1.0)
-    assert c.reserved_tokens("r1") == 400
-    assert isinstance(c.submit(request("b", 1, 1), 1.0), Queued)
+    assert c.report.reserved_tokens("r1") == 400
+    assert isinstance(c.submit(request("b", 1, 1), 1.0).verdict, Queued)
     c.release("a", 2.0)
-    assert c.reservation("b") is not None  # admitted once a freed its slice
+    assert c.report.reservation("b") is not None  # admitted once a freed its slice
     c.release("b", 3.0)
 
 
@@ -56,10 +56,10 @@ def test_a_running_share_caps_the_running_count() -> None:
     c = controller()
     c.upsert_replica(replica("r1", 10_000, max_running=8), 0.0)
     c.set_pool_share("r1", None, 0.0, running=2)
-    assert isinstance(c.submit(request("a", 10, 10), 0.0), Admit)
-    assert isinstance(c.submit(request("b", 10, 10), 0.0), Admit)
-    assert isinstance(c.submit(request("c", 10, 10), 0.0), Queued)
-    d = c.pool_demand("r1")
+    assert isinstance(c.submit(request("a", 10, 10), 0.0).verdict, Admit)
+    assert isinstance(c.submit(request("b", 10, 10), 0.0).verdict, Admit)
+    assert isinstance(c.submit(request("c", 10, 10), 0.0).verdict, Queued)
+    d = c.report.pool_demand("r1")
     assert d is not None and (d.running_limit, d.share_running, d.queued) == (8, 2, 1)
     assert [a.request_id for a in c.set_pool_share("r1", None, 1.0, running=3)] == ["c"]
     for rid in "abc":
@@ -72,9 +72,9 @@ def test_the_learned_limit_judges_every_process_load() -> None:
     )
     c.upsert_replica(replica("r1", 100_000), 0.0)
     c.set_pool_share("r1", None, 0.0, others_running=5)
-    lim = c.limit_of("r1")
+    lim = c.report.limit_of("r1")
     assert lim is not None and lim.others == 5
-    assert isinstance(c.submit(request("a", 10, 10), 0.0), Admit)
+    assert isinstance(c.submit(request("a", 10, 10), 0.0).verdict, Admit)
     assert lim._running == 1  # this process's own count; the area integrates both
     c.release("a", 1.0)
     assert lim._area == 6.0  # (1 here + 5 elsewhere) x 1 s

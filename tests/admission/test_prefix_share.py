@@ -20,7 +20,7 @@ from dataclasses import replace
 import pytest
 
 from admission.prefixshare import SharedPrefixes
-from admission.types import AdmissionRequest, Admit, Queued
+from admission.types import AdmissionRequest, Admit, Events, Queued
 from tests.admission.helpers import controller, replica, request
 
 
@@ -91,23 +91,23 @@ def test_a_request_sharing_a_computed_prefix_reserves_its_need_less_that_prefix(
     ctrl = controller(prefix_settle_s=1.0)
     ctrl.upsert_replica(sharing_replica(capacity=1000), 0.0)
     prefix = chain("tenant", 40)  # 40 blocks x 10 tokens bound: 400 tokens
-    a = ctrl.submit(agentic("a", prefix, 500, 100), 0.0)
+    a = ctrl.submit(agentic("a", prefix, 500, 100), 0.0).verdict
     assert isinstance(a, Admit) and a.reserved_tokens == 600
-    assert ctrl.reserved_tokens("r1") == 600
+    assert ctrl.report.reserved_tokens("r1") == 600
     # Before the prefix is computed a second request pays for its whole prompt: 600 more
     # do not fit in 1000.
-    assert isinstance(ctrl.submit(agentic("b", prefix, 500, 100), 0.5), Queued)
+    assert isinstance(ctrl.submit(agentic("b", prefix, 500, 100), 0.5).verdict, Queued)
     # Once computed (prefix_settle_s), it shares 40 blocks: 600 - (400 - margin 11), the
     # margin being a block of the engine (1) and one of the prefix (10).
-    admits = ctrl.pump(1.0)
+    admits = ctrl.advance(1.0)
     assert [x.request_id for x in admits] == ["b"]
-    assert ctrl.reserved_tokens("r1") == 600 + 211
+    assert ctrl.report.reserved_tokens("r1") == 600 + 211
     # Release in either order: the pinned prefix leaves with its last holder.
     ctrl.release("a", 2.0)
     # b's private part (with its margin) and the prefix it still pins.
-    assert ctrl.reserved_tokens("r1") == 211 + 400
+    assert ctrl.report.reserved_tokens("r1") == 211 + 400
     ctrl.release("b", 3.0)
-    assert ctrl.reserved_tokens("r1") == 0
+    assert ctrl.report.reserved_tokens("r1") == 0
 
 
 def test_no_credit_on_a_replica_that_does_not_share_or_without_a_bound() -> None:
@@ -115,20 +115,20 @@ def test_no_credit_on_a_replica_that_does_not_share_or_without_a_bound() -> None
         ctrl = controller(prefix_settle_s=0.0)
         ctrl.upsert_replica(sharing_replica(capacity=1000, shares=shares), 0.0)
         prefix = chain("tenant", 40)
-        assert isinstance(ctrl.submit(agentic("a", prefix, 500, 100, w), 0.0), Admit)
-        assert isinstance(ctrl.submit(agentic("b", prefix, 500, 100, w), 1.0), Queued)
+        assert isinstance(ctrl.submit(agentic("a", prefix, 500, 100, w), 0.0).verdict, Admit)
+        assert isinstance(ctrl.submit(agentic("b", prefix, 500, 100, w), 1.0).verdict, Queued)
         ctrl.release("a", 2.0)
         ctrl.release("b", 2.0)
-        assert ctrl.reserved_tokens() == 0
+        assert ctrl.report.reserved_tokens() == 0
 
 
 def test_the_model_view_says_whether_a_replica_shares() -> None:
     ctrl = controller()
     ctrl.upsert_replica(sharing_replica("r1", shares=False), 0.0)
-    assert not ctrl.shares_prefix("m")
+    assert not ctrl.report.shares_prefix("m")
     ctrl.upsert_replica(sharing_replica("r2", shares=True), 0.0)
-    assert ctrl.shares_prefix("m") and not ctrl.shares_prefix("other")
-    assert not controller(share_prefix=False).shares_prefix("m")
+    assert ctrl.report.shares_prefix("m") and not ctrl.report.shares_prefix("other")
+    assert not controller(share_prefix=False).report.shares_prefix("m")
 
 
 def test_a_replica_that_stops_sharing_gives_no_credit_and_its_pins_are_released() -> None:
@@ -137,20 +137,20 @@ def test_a_replica_that_stops_sharing_gives_no_credit_and_its_pins_are_released(
     prefix = chain("tenant", 40)
     ctrl.submit(agentic("a", prefix, 500, 100), 0.0)
     ctrl.upsert_replica(sharing_replica(capacity=2000, shares=False), 0.5)  # restarted so
-    b = ctrl.submit(agentic("b", prefix, 500, 100), 1.0)
-    assert isinstance(b, Admit) and ctrl.reserved_tokens("r1") == 1200  # no credit
-    assert not ctrl.shares_prefix("m")
+    b = ctrl.submit(agentic("b", prefix, 500, 100), 1.0).verdict
+    assert isinstance(b, Admit) and ctrl.report.reserved_tokens("r1") == 1200  # no credit
+    assert not ctrl.report.shares_prefix("m")
     ctrl.release("a", 2.0)
     ctrl.release("b", 2.0)
-    assert ctrl.reserved_tokens() == 0
+    assert ctrl.report.reserved_tokens() == 0
 
 
 def test_disabled_by_config() -> None:
     ctrl = controller(prefix_settle_s=0.0, share_prefix=False)
     ctrl.upsert_replica(sharing_replica(capacity=1000), 0.0)
     prefix = chain("tenant", 40)
-    assert isinstance(ctrl.submit(agentic("a", prefix, 500, 100), 0.0), Admit)
-    assert isinstance(ctrl.submit(agentic("b", prefix, 500, 100), 1.0), Queued)
+    assert isinstance(ctrl.submit(agentic("a", prefix, 500, 100), 0.0).verdict, Admit)
+    assert isinstance(ctrl.submit(agentic("b", prefix, 500, 100), 1.0).verdict, Queued)
 
 
 def test_a_top_up_counts_the_shared_part_as_held() -> None:
@@ -158,16 +158,16 @@ def test_a_top_up_counts_the_shared_part_as_held() -> None:
     ctrl.upsert_replica(sharing_replica(capacity=2000), 0.0)
     prefix = chain("tenant", 40)
     ctrl.submit(agentic("a", prefix, 500, 100), 0.0)
-    b = ctrl.submit(agentic("b", prefix, 500, 100), 1.0)
+    b = ctrl.submit(agentic("b", prefix, 500, 100), 1.0).verdict
     assert isinstance(b, Admit) and b.reserved_tokens == 600
-    before = ctrl.reserved_tokens("r1")
+    before = ctrl.report.reserved_tokens("r1")
     assert ctrl.top_up("b", 600, 1.5)  # within what it holds, the shared part included
-    assert ctrl.reserved_tokens("r1") == before
+    assert ctrl.report.reserved_tokens("r1") == before
     assert ctrl.top_up("b", 650, 1.6)
-    assert ctrl.reserved_tokens("r1") == before + 50
+    assert ctrl.report.reserved_tokens("r1") == before + 50
     ctrl.release("b", 2.0)
     ctrl.release("a", 2.0)
-    assert ctrl.reserved_tokens() == 0
+    assert ctrl.report.reserved_tokens() == 0
 
 
 class _Engine:
@@ -228,6 +228,13 @@ def test_random_operations_keep_the_shared_ledger_exact_and_safe(seed: int) -> N
         engine.admit(rid, pending.pop(rid), now)
         live.add(rid)
 
+    def settled(events: Events) -> None:
+        for e in events:
+            if isinstance(e, Admit):
+                admitted(e.request_id)
+            else:  # shed from the queue: it is answered, nothing to release
+                del pending[e.request_id]
+
     for n in range(300):
         op = rng.random()
         now += rng.choice([0.0, 0.1, 0.7])
@@ -237,11 +244,13 @@ def test_random_operations_keep_the_shared_ledger_exact_and_safe(seed: int) -> N
             prompt = len(hashes) * 12 + rng.randint(0, 200)
             req = agentic(f"q{n}", hashes, prompt, rng.randint(1, 200), rng.choice([8, 10, 12]))
             pending[req.request_id] = req
-            v = ctrl.submit(req, now)
+            decision = ctrl.submit(req, now)
+            v = decision.verdict
             if isinstance(v, Admit):
                 admitted(req.request_id)
             elif not isinstance(v, Queued):
                 del pending[req.request_id]
+            settled(decision.events)
         elif op < 0.85 and live:
             rid = rng.choice(sorted(live))
             live.discard(rid)
@@ -250,22 +259,21 @@ def test_random_operations_keep_the_shared_ledger_exact_and_safe(seed: int) -> N
                 admitted(a.request_id)
         elif live:
             rid = rng.choice(sorted(live))
-            res = ctrl.reservation(rid)
+            res = ctrl.report.reservation(rid)
             assert res is not None
             ctrl.top_up(rid, res.reserved_tokens + rng.randint(0, 40), now)
-        for a in ctrl.pump(now):
-            admitted(a.request_id)
-        rep = ctrl._replicas["r1"]
-        private = sum(r.tokens for r in ctrl._reservations.values())
+        settled(ctrl.advance(now))
+        rep = ctrl._ledger.replicas["r1"]
+        private = sum(r.tokens for r in ctrl._ledger.reservations.values())
         pinned = rep.prefixes.tokens if rep.prefixes is not None else 0
         assert rep.reserved == private + pinned
         assert rep.reserved <= rep.effective
         assert rep.reserved >= engine.holds()  # never less than the engine holds
-        full = sum(r.tokens + r.covered for r in ctrl._reservations.values())
+        full = sum(r.tokens + r.covered for r in ctrl._ledger.reservations.values())
         shared_any = shared_any or rep.reserved < full
     assert shared_any  # the credit was exercised, not only the bookkeeping
     for rid in sorted(live):
         ctrl.release(rid, now)
     for rid in sorted(pending):
         ctrl.release(rid, now)
-    assert ctrl.reserved_tokens() == 0 and ctrl.queue_depth() == 0
+    assert ctrl.report.reserved_tokens() == 0 and ctrl.report.queue_depth() == 0

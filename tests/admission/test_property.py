@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from admission.types import Admit, Queued, Refuse, Shed
-from tests.admission.helpers import controller, replica, request
+from tests.admission.helpers import admits, controller, replica, request, sheds
 
 REPLICAS = ("r1", "r2", "r3")
 MODELS = {"r1": ("m", "n"), "r2": ("m",), "r3": ("n",)}
@@ -93,7 +93,7 @@ def test_random_operations_keep_ledger_invariants(seed: int, with_tenants: bool)
 
     for _ in range(1500):
         now += rng.expovariate(20.0)
-        before = {n: ctrl.reserved_tokens(n) for n in REPLICAS}
+        before = {n: ctrl.report.reserved_tokens(n) for n in REPLICAS}
         touched: set[str] = set()
         held_before = set(held)
         op = rng.random()
@@ -110,12 +110,14 @@ def test_random_operations_keep_ledger_invariants(seed: int, with_tenants: bool)
             if with_tenants:
                 req = replace(req, tenant=rng.choice(["a", "b", "c", "d"]))
             tenant_of[rid] = req.tenant
-            verdict = ctrl.submit(req, now)
-            for shed in ctrl.take_displaced():  # given up for this one (fair queue share)
+            decision = ctrl.submit(req, now)
+            verdict = decision.verdict
+            for shed in sheds(decision.events):  # given up for this one (fair queue share)
                 assert shed.request_id in queued and shed.status == 503
                 queued.remove(shed.request_id)
                 finished.add(shed.request_id)
                 seen["displaced"] = seen.get("displaced", 0) + 1
+            touched |= take_admits(admits(decision.events))
             seen[type(verdict).__name__.lower()] = seen.get(type(verdict).__name__.lower(), 0) + 1
             if isinstance(verdict, Admit):
                 held[rid] = (verdict.replica, verdict.reserved_tokens)
@@ -140,7 +142,7 @@ def test_random_operations_keep_ledger_invariants(seed: int, with_tenants: bool)
             ok = ctrl.top_up(rid, tokens + rng.randint(1, 200), now)
             if ok:
                 touched.add(name)
-                reservation = ctrl.reservation(rid)
+                reservation = ctrl.report.reservation(rid)
                 assert reservation is not None
                 held[rid] = (name, reservation.reserved_tokens)
         elif op < 0.90:
@@ -158,20 +160,21 @@ def test_random_operations_keep_ledger_invariants(seed: int, with_tenants: bool)
         elif op < 0.95:
             touched |= take_admits(ctrl.remove_replica(rng.choice(REPLICAS), now))
         else:
-            for shed in ctrl.expire(now):
+            events = ctrl.advance(now)
+            for shed in sheds(events):
                 assert shed.request_id in queued
                 queued.remove(shed.request_id)
                 finished.add(shed.request_id)
                 assert 1.0 <= shed.retry_after <= ctrl.config.max_retry_after_s
-            touched |= take_admits(ctrl.pump(now))
+            touched |= take_admits(admits(events))
 
         # --- invariants after every operation ---
         touched_ids = set(held) - held_before
         assert not (set(held) & queued)
-        usage = {u.name: u for u in ctrl.replica_usage()}
+        usage = {u.name: u for u in ctrl.report.replica_usage()}
         for name in REPLICAS:
             shadow = sum(t for r, t in held.values() if r == name)
-            assert ctrl.reserved_tokens(name) == shadow
+            assert ctrl.report.reserved_tokens(name) == shadow
             running = sum(1 for r, _ in held.values() if r == name)
             if name in usage:
                 assert usage[name].running == running
@@ -181,22 +184,22 @@ def test_random_operations_keep_ledger_invariants(seed: int, with_tenants: bool)
                     assert running <= caps[name]
             else:
                 assert shadow <= max(effective(name), before[name])
-        assert ctrl.queue_depth() == len(queued)
+        assert ctrl.report.queue_depth() == len(queued)
         if with_tenants:
             for t, policy in policies.items():
                 mine = sum(1 for r in held if tenant_of.get(r) == t)
-                assert ctrl.tenant_running(t) == mine
+                assert ctrl.report.tenant_running(t) == mine
                 if policy.max_concurrent is not None and any(
                     tenant_of.get(r) == t for r in touched_ids
                 ):
                     assert mine <= policy.max_concurrent, (t, mine)
-                assert ctrl.tenant_queued(t) == sum(1 for r in queued if tenant_of[r] == t)
+                assert ctrl.report.tenant_queued(t) == sum(1 for r in queued if tenant_of[r] == t)
 
     # The run must have exercised every path, or the invariants above prove little.
     assert seen["admit"] > 50 and seen["shed"] > 0, seen
     if ctrl.config.queue_max_per_model:
         assert seen["queued"] > 10 and seen["queue_admit"] > 5, seen
-    assert ctrl.top_up_failures > 0
+    assert ctrl.report.top_up_failures > 0
 
     for rid in list(held) + list(queued):
         for a in ctrl.release(rid, now):
@@ -207,6 +210,6 @@ def test_random_operations_keep_ledger_invariants(seed: int, with_tenants: bool)
         queued.discard(rid)
     for rid in list(held):
         ctrl.release(rid, now)
-    assert ctrl.reserved_tokens() == 0
-    assert ctrl.queue_depth() == 0
+    assert ctrl.report.reserved_tokens() == 0
+    assert ctrl.report.queue_depth() == 0
     assert ctrl.next_deadline() is None

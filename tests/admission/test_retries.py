@@ -61,13 +61,13 @@ def test_an_older_arrival_is_queued_and_admitted_first() -> None:
             rid, "m", prompt_tokens=10, expected_output=10, max_tokens=10, arrival=arrival
         )
 
-    assert isinstance(ctrl.submit(req("running", 0.0), now=0.0), Admit)
-    newer = ctrl.submit(req("newer", 5.0), now=5.0)
-    retry = ctrl.submit(req("retry", 1.0), now=6.0)  # a retry that first arrived at t=1
+    assert isinstance(ctrl.submit(req("running", 0.0), now=0.0).verdict, Admit)
+    newer = ctrl.submit(req("newer", 5.0), now=5.0).verdict
+    retry = ctrl.submit(req("retry", 1.0), now=6.0).verdict  # a retry that first arrived at t=1
     assert isinstance(newer, Queued) and isinstance(retry, Queued)
     assert retry.position == 0  # ahead of the newer arrival
     admitted = ctrl.release("running", now=7.0)
     assert [a.request_id for a in admitted] == ["retry"]
     assert [a.request_id for a in ctrl.release("retry", now=8.0)] == ["newer"]
     ctrl.release("newer", now=9.0)
-    assert ctrl.reserved_tokens() == 0
+    assert ctrl.report.reserved_tokens() == 0

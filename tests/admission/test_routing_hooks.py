@@ -44,17 +44,17 @@ def test_a_request_every_filter_rejects_does_not_block_the_queue() -> None:
     ctl = make(router)
     ctl.upsert_replica(replica("r1", 1000), 0.0)
     # Rejected at submit: queued, and later requests still go straight in.
-    assert isinstance(ctl.submit(request("bad-1", 100, 100), 1.0), Queued)
-    assert isinstance(ctl.submit(request("ok-1", 400, 400), 1.0), Admit)
+    assert isinstance(ctl.submit(request("bad-1", 100, 100), 1.0).verdict, Queued)
+    assert isinstance(ctl.submit(request("ok-1", 400, 400), 1.0).verdict, Admit)
     # Behind a full replica: the rejected head does not hold up the one behind it.
-    assert isinstance(ctl.submit(request("ok-2", 300, 300), 2.0), Queued)
-    assert ctl.queue_depth("m") == 2
+    assert isinstance(ctl.submit(request("ok-2", 300, 300), 2.0).verdict, Queued)
+    assert ctl.report.queue_depth("m") == 2
     admits = ctl.release("ok-1", 3.0)
     assert [a.request_id for a in admits] == ["ok-2"]
-    assert ctl.queue_depth("m") == 1  # bad-1 still waits for routing's say
+    assert ctl.report.queue_depth("m") == 1  # bad-1 still waits for routing's say
     ctl.release("ok-2", 4.0)
     ctl.release("bad-1", 5.0)  # leaves the queue
-    assert ctl.queue_depth() == 0 and ctl.reserved_tokens() == 0
+    assert ctl.report.queue_depth() == 0 and ctl.report.reserved_tokens() == 0
 
 
 def test_hooks_on_placement_and_release_and_the_live_view() -> None:
@@ -98,14 +98,14 @@ def test_scheduling_router_places_sessions_through_admission() -> None:
     ctl = make(build_router(cfg, seed=3))
     for name in ("a", "b"):
         ctl.upsert_replica(replica(name, 10_000), 0.0)
-    first = ctl.submit(request("s-1", 100, 100), 1.0)
+    first = ctl.submit(request("s-1", 100, 100), 1.0).verdict
     assert isinstance(first, Admit)
     for i in range(2, 6):
         r = request(f"s-{i}", 100, 100)
         r.session = "sess"
         if i == 2:
             ctl.release("s-1", 1.5)
-        got = ctl.submit(r, float(i))
+        got = ctl.submit(r, float(i)).verdict
         assert isinstance(got, Admit)
         if i == 2:
             home = got.replica
@@ -139,7 +139,7 @@ def _teach(ctl: AdmissionController, name: str, now: float, *, ttft_per_token: f
     for i in range(12):
         rid = f"teach-{name}-{i}"
         prompt = 100 + 50 * i
-        admit = ctl.submit(request(rid, prompt, 10), now)
+        admit = ctl.submit(request(rid, prompt, 10), now).verdict
         assert isinstance(admit, Admit) and admit.replica == name
         now += 0.5
         ttft = 0.01 + ttft_per_token * prompt
@@ -170,19 +170,19 @@ def test_expected_ttft_waits_for_a_warm_replica_when_the_cold_prefill_is_longer(
     now = _teach(ctl, "cold", now, ttft_per_token=0.002)
     ctl.upsert_replica(replica("warm", 2000, max_running=1), now)
     # The warm replica is busy (its one slot taken); the cold one is free.
-    assert ctl.submit(request("busy", 100, 10), now).replica == "warm"  # type: ignore[union-attr]
+    assert ctl.submit(request("busy", 100, 10), now).verdict.replica == "warm"  # type: ignore[union-attr]
     # 1600-token prompt, 1500 cached on warm: ~0.2 s there after a short wait, against
     # ~3.2 s of prefill on the cold one: it waits for warm (queued, blocking nobody).
-    verdict = ctl.submit(_req_with_prefix("agent", 1600), now)
+    verdict = ctl.submit(_req_with_prefix("agent", 1600), now).verdict
     assert isinstance(verdict, Queued)
-    assert ctl.ttft_choices == {"expected_ttft_wait": 1}
-    other = ctl.submit(request("other", 100, 10), now)  # the cold replica is not blocked
+    assert ctl.report.ttft_choices == {"expected_ttft_wait": 1}
+    other = ctl.submit(request("other", 100, 10), now).verdict  # the cold replica is not blocked
     assert isinstance(other, Admit) and other.replica == "cold"
     ctl.release("other", now + 0.1)
     admits = ctl.release("busy", now + 0.2)
     assert [(a.request_id, a.replica) for a in admits] == [("agent", "warm")]
     ctl.release("agent", now + 1.0)
-    assert ctl.reserved_tokens() == 0
+    assert ctl.report.reserved_tokens() == 0
 
 
 def test_expected_ttft_starts_cold_when_little_is_cached() -> None:
@@ -194,10 +194,10 @@ def test_expected_ttft_starts_cold_when_little_is_cached() -> None:
     ctl.mark_unready("warm", now)
     now = _teach(ctl, "cold", now, ttft_per_token=0.002)
     ctl.upsert_replica(replica("warm", 2000, max_running=1), now)
-    assert ctl.submit(request("busy", 1500, 10), now).replica == "warm"  # type: ignore[union-attr]
-    verdict = ctl.submit(_req_with_prefix("agent", 400), now)
+    assert ctl.submit(request("busy", 1500, 10), now).verdict.replica == "warm"  # type: ignore[union-attr]
+    verdict = ctl.submit(_req_with_prefix("agent", 400), now).verdict
     assert isinstance(verdict, Admit) and verdict.replica == "cold"
-    assert ctl.ttft_choices == {"expected_ttft_cold": 1}
+    assert ctl.report.ttft_choices == {"expected_ttft_cold": 1}
     ctl.release("busy", now + 1.0)
     ctl.release("agent", now + 1.0)
 
@@ -241,9 +241,9 @@ def test_shortlist_choice_matches_a_full_scan_and_filters_stay_exact() -> None:
     # Most free fraction first: all empty, so ties; reserve some and check the choice is
     # the replica with the largest free fraction, as a full scan would give.
     for k in range(30):
-        admit = ctl.submit(request(f"q{k}", 50 + k, 50), 1.0)
+        admit = ctl.submit(request(f"q{k}", 50 + k, 50), 1.0).verdict
         assert isinstance(admit, Admit)
-        usage = {u.name: u for u in ctl.replica_usage()}
+        usage = {u.name: u for u in ctl.report.replica_usage()}
         chosen = usage[admit.replica]
         before = (
             chosen.effective_capacity_tokens - chosen.reserved_tokens + admit.reserved_tokens
@@ -260,12 +260,12 @@ def test_shortlist_choice_matches_a_full_scan_and_filters_stay_exact() -> None:
     ctl2 = make(filtered)
     for i in range(40):
         ctl2.upsert_replica(replica(f"r{i}", 1000), 0.0)
-    admit = ctl2.submit(request("only", 10, 10), 1.0)
+    admit = ctl2.submit(request("only", 10, 10), 1.0).verdict
     assert isinstance(admit, Admit) and admit.replica == "r39"
     for k in range(30):
         ctl.release(f"q{k}", 2.0)
     ctl2.release("only", 2.0)
-    assert ctl.reserved_tokens() == 0 and ctl2.reserved_tokens() == 0
+    assert ctl.report.reserved_tokens() == 0 and ctl2.report.reserved_tokens() == 0
 
 
 def test_candidates_carry_a_predicted_itl_from_the_replicas_streams() -> None:
@@ -286,7 +286,7 @@ def test_candidates_carry_a_predicted_itl_from_the_replicas_streams() -> None:
     now = 1.0
     # Streams that ran alone, 15 ms between tokens.
     for i in range(12):
-        assert isinstance(ctl.submit(request(f"alone-{i}", 10, 10), now), Admit)
+        assert isinstance(ctl.submit(request(f"alone-{i}", 10, 10), now).verdict, Admit)
         ctl.release(f"alone-{i}", now + 1.0, Completion(itl_s=0.015, ttft_s=0.1, prompt_tokens=10))
         now += 2.0
     ctl.submit(replace(request("probe-1", 10, 10), itl_target_s=0.1), now)
@@ -295,4 +295,4 @@ def test_candidates_carry_a_predicted_itl_from_the_replicas_streams() -> None:
     assert router.seen[0].predicted_itl_s is None  # no target: not computed
     for rid in ["probe-1", "probe-none"]:
         ctl.release(rid, now + 1.0)
-    assert ctl.reserved_tokens() == 0
+    assert ctl.report.reserved_tokens() == 0

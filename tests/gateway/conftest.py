@@ -105,9 +105,9 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
     problems: list[str] = []
     for gw, servers in made:
         drained = await gw.drain(10.0)
-        reserved = gw.controller.reserved_tokens()
-        queued = gw.controller.queue_depth()
-        waiting = gw.state.bridge.waiting
+        reserved = gw.report.reserved_tokens()
+        queued = gw.report.queue_depth()
+        waiting = gw.state.door.waiting
         await gw.stop()
         if not drained:
             problems.append(f"{gw.url}: requests still in flight after 10 s")

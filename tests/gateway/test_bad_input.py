@@ -189,7 +189,7 @@ async def test_context_length_exceeded_is_400_at_once(replica, gateway):
         assert r.status == 400
         err = assert_error_object(await r.json())
     assert err["code"] == "context_length_exceeded"
-    assert gw.controller.queue_depth() == 0
+    assert gw.report.queue_depth() == 0
 
 
 async def test_bad_headers_and_unknown_paths(replica, gateway):

@@ -156,11 +156,11 @@ async def test_chaos_crash_and_hang_under_load(replica, gateway):
 
     # Taken out of rotation: ejected, or unready after fail_threshold failed probe rounds.
     def r1_out() -> bool:
-        u = {u.name: u for u in gw.controller.replica_usage()}["r1"]
+        u = {u.name: u for u in gw.report.replica_usage()}["r1"]
         return u.ejected or not u.ready
 
     assert await wait_for(r1_out, within=10.0)
     # Let the hung engine run again so it can see its aborted requests and free their
     # KV (the fixture then checks every live replica holds none).
     r1.set_fault(make_fault("none"))
-    assert await wait_for(lambda: gw.controller.reserved_tokens() == 0, within=10.0)
+    assert await wait_for(lambda: gw.report.reserved_tokens() == 0, within=10.0)

@@ -123,7 +123,7 @@ async def test_one_ledger_per_rank_and_requests_pinned(gateway):
             replicas=[{"name": "big", "url": fake.url, "data_parallel_size": 2}],
             admission={"queue_timeout_s": 30.0, "learn_limit": False},
         )
-        usage = {u.name: u for u in gw.controller.replica_usage()}
+        usage = {u.name: u for u in gw.report.replica_usage()}
         assert set(usage) == {"big-dp0", "big-dp1"}
         assert usage["big-dp0"].capacity_tokens == BLOCKS * 16 == usage["big-dp1"].capacity_tokens
         body: dict[str, Any] = {
@@ -137,12 +137,12 @@ async def test_one_ledger_per_rank_and_requests_pinned(gateway):
             assert await wait_for(lambda: len(fake.ranks) == 2, within=10.0)
             # One request on each rank, each pinned to the rank that reserved it.
             assert sorted(fake.ranks) == ["0", "1"]
-            reserved = {u.name: u.reserved_tokens for u in gw.controller.replica_usage()}
+            reserved = {u.name: u.reserved_tokens for u in gw.report.replica_usage()}
             assert all(v > 0 for v in reserved.values()), reserved
             # A third fits neither rank's ledger: it waits, though the summed pools could
             # hold it.
             third = asyncio.ensure_future(s.post(gw.url + "/v1/chat/completions", json=body))
-            assert await wait_for(lambda: gw.controller.queue_depth() == 1, within=10.0)
+            assert await wait_for(lambda: gw.report.queue_depth() == 1, within=10.0)
             assert len(fake.ranks) == 2
             fake.release.set()
             for fut in [*first, third]:
@@ -178,7 +178,7 @@ async def test_a_dead_dp_server_takes_all_its_ranks_out_and_the_retry_goes_elsew
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
     def ready() -> dict[str, bool]:
-        return {u.name: u.ready for u in gw.controller.replica_usage()}
+        return {u.name: u.ready for u in gw.report.replica_usage()}
 
     statuses = []
     async with aiohttp.ClientSession() as s:

@@ -154,7 +154,7 @@ async def test_shed_503_is_retried_by_the_sdk_and_succeeds(replica, gateway):
 async def test_sglang_flavored_replica_is_discovered_and_served(replica, gateway):
     srv = await replica(flavor="sglang")
     gw = await gateway(srv, engine="sglang")
-    (usage,) = gw.controller.replica_usage()
+    (usage,) = gw.report.replica_usage()
     assert usage.ready and usage.capacity_tokens == 4096  # discovered, not pinned
     async with client(gw) as c:
         stream = await c.chat.completions.create(

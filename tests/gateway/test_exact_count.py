@@ -149,7 +149,7 @@ async def test_a_prompt_truly_over_the_context_is_refused_without_reaching_the_e
     assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error"
     assert f"{exact} in the messages" in err["message"]  # kvgate quotes the exact count
     assert srv.hits == Counter(tokenize=1)  # never sent to the completion endpoint
-    assert gw.controller.queue_depth() == 0
+    assert gw.report.queue_depth() == 0
 
 
 @pytest.mark.parametrize("failure", ["tokenize_500", "tokenize_timeout", "openai_engine"])

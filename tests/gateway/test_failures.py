@@ -63,10 +63,10 @@ async def test_client_disconnect_mid_stream_aborts_upstream(replica, gateway):
         resp = await s.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": True})
         assert resp.status == 200
         assert len(await read_events(resp, 3)) == 3
-        assert gw.controller.reserved_tokens() > 0
+        assert gw.report.reserved_tokens() > 0
         assert srv.core.stats().blocks_in_use > 0
         resp.close()  # drop the connection mid-stream
-    assert await wait_for(lambda: gw.controller.reserved_tokens() == 0)
+    assert await wait_for(lambda: gw.report.reserved_tokens() == 0)
     assert await wait_for(lambda: srv.core.stats().blocks_in_use == 0)
     assert srv.core.stats().num_aborted == aborted_before + 1
 
@@ -84,11 +84,11 @@ async def test_client_disconnect_non_stream_cancels_handler_and_upstream(replica
 
     task = asyncio.create_task(call())
     assert await wait_for(lambda: srv.core.stats().num_running == 1)
-    assert gw.controller.reserved_tokens() > 0
+    assert gw.report.reserved_tokens() > 0
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await wait_for(lambda: gw.controller.reserved_tokens() == 0)
+    assert await wait_for(lambda: gw.report.reserved_tokens() == 0)
     assert await wait_for(lambda: srv.core.stats().blocks_in_use == 0)
     assert srv.core.stats().num_aborted == 1
 
@@ -110,11 +110,11 @@ async def test_client_disconnect_while_queued_leaves_the_queue(replica, gateway)
                 await r.read()
 
         task = asyncio.create_task(queued())
-        assert await wait_for(lambda: gw.controller.queue_depth() == 1)
+        assert await wait_for(lambda: gw.report.queue_depth() == 1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await wait_for(lambda: gw.controller.queue_depth() == 0)
+        assert await wait_for(lambda: gw.report.queue_depth() == 0)
         big.close()
 
 
@@ -157,7 +157,7 @@ async def test_5xx_before_any_byte_is_retried_on_another_replica(replica, gatewa
     assert (await upstream_errors(gw))[("r0", "status_5xx")] == 1
     assert good.core.stats().num_finished == n
     # One 5xx does not take the replica out of rotation: discovery decides its health.
-    assert all(u.ready for u in gw.controller.replica_usage())
+    assert all(u.ready for u in gw.report.replica_usage())
     bad.set_fault(make_fault("none"))
 
 
@@ -216,11 +216,11 @@ async def test_hung_replica_is_504_and_aborted(replica, gateway, stream):
         assert r.status == 504
         assert (await r.json())["error"]["code"] == "upstream_timeout"
     if stream:  # closing a stream stops the engine at its next write: released at once
-        assert gw.controller.reserved_tokens() == 0
+        assert gw.report.reserved_tokens() == 0
     else:  # the engine may still be generating a non-stream request: held until it says
-        assert gw.controller.held() == 1
+        assert gw.report.held() == 1
     srv.set_fault(make_fault("none"))
-    assert await wait_for(lambda: gw.controller.reserved_tokens() == 0)
+    assert await wait_for(lambda: gw.report.reserved_tokens() == 0)
     assert (await upstream_errors(gw))[("r0", "timeout")] == 1
 
 
@@ -251,7 +251,7 @@ async def test_crashed_replica_is_marked_unready_and_request_retried(replica, ga
                 model=MODEL, messages=SHORT["messages"], max_tokens=4
             )
             assert r.choices[0].message.content is not None
-    ready = {u.name: u.ready for u in gw.controller.replica_usage()}
+    ready = {u.name: u.ready for u in gw.report.replica_usage()}
     assert alive.core.stats().num_finished == 4
     # If the picker tried the dead one it is out of rotation now; it never served.
     if ("r0", "connect") in await upstream_errors(gw):
@@ -287,7 +287,7 @@ async def test_crash_mid_stream_ends_with_error_event(replica, gateway):
         rest = await r.read()
     last = [e for e in rest.split(b"\n\n") if e][-1]
     assert json.loads(last[len(b"data: ") :])["error"]["code"] == "upstream_dropped"
-    assert gw.controller.reserved_tokens() == 0
+    assert gw.report.reserved_tokens() == 0
 
 
 async def test_burst_with_random_disconnects_leaves_nothing_behind(replica, gateway):

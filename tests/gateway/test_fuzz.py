@@ -122,8 +122,8 @@ def run_property(test: Any) -> Any:
 async def settled(gw: Any) -> None:
     """Nothing in flight, reserved or queued (the answer is in, so it must settle)."""
     assert await wait_for(lambda: gw.state.pipeline.inflight == 0, within=10.0)
-    assert await wait_for(lambda: gw.controller.reserved_tokens() == 0, within=10.0)
-    assert gw.controller.queue_depth() == 0
+    assert await wait_for(lambda: gw.report.reserved_tokens() == 0, within=10.0)
+    assert gw.report.queue_depth() == 0
 
 
 # ---------------------------------------------------------------------- strategies

@@ -18,7 +18,7 @@ ADMIN = "admin-secret"
 
 
 def _usage(gw, name: str):
-    return next(u for u in gw.controller.replica_usage() if u.name == name)
+    return next(u for u in gw.report.replica_usage() if u.name == name)
 
 
 async def _metric(gw, family: str, replica: str) -> float | None:
@@ -129,7 +129,7 @@ async def test_requests_reserved_on_an_ejected_replica_finish_and_release(replic
         async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
             assert r.status == 200
             await r.content.readany()  # the stream is running on r0
-            assert gw.controller.reserved_tokens("r0") > 0
+            assert gw.report.reserved_tokens("r0") > 0
             pipeline.failover.ejection.failure("r0", "connect")  # as the request path reports it
             assert _usage(gw, "r0").ejected
             # Nothing new is admitted there...
@@ -142,7 +142,7 @@ async def test_requests_reserved_on_an_ejected_replica_finish_and_release(replic
             # ...while the running stream completes normally and releases.
             text = (await r.read()).decode()
             assert text.rstrip().endswith("data: [DONE]")
-        assert await wait_for(lambda: gw.controller.reserved_tokens("r0") == 0, within=2.0)
+        assert await wait_for(lambda: gw.report.reserved_tokens("r0") == 0, within=2.0)
 
 
 async def test_first_byte_timeouts_eject_a_hung_replica(replica, gateway):

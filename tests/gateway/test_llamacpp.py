@@ -101,7 +101,7 @@ async def test_per_slot_server_is_read_as_one_slot_until_its_slots_prove_more(ll
     for i in range(3):
         status, _, _ = await stream_events(url, body(words(580, i), 8))
         assert status == 200
-    assert await wait_for(lambda: gw.controller.replica_usage()[0].capacity_tokens == 4096)
+    assert await wait_for(lambda: gw.report.replica_usage()[0].capacity_tokens == 4096)
     r0 = (await replicas(gw))["r0"]
     assert (r0["capacity_tokens"], r0["effective_capacity_tokens"]) == (4096, 4096)
     assert (r0["max_model_len"], r0["private_slots"]) == (1024, True)
@@ -126,7 +126,7 @@ async def test_configured_layouts(llama, gateway, unified, layout, pool, effecti
 async def test_a_pinned_pool_wins_over_the_layout(llama, gateway):
     srv = await llama()
     gw = await gateway(srv, engine="llamacpp", kv_layout="per_slot", pool_tokens=2048)
-    assert gw.controller.replica_usage()[0].capacity_tokens == 2048
+    assert gw.report.replica_usage()[0].capacity_tokens == 2048
 
 
 # ---------------------------------------------------------------------------- KV pressure
@@ -156,7 +156,7 @@ async def test_kv_pressure_straight_fails_mid_stream_through_kvgate_completes(ll
     assert srv.core.stats().n_tokens_max <= 1610
     errors = await metric(gw, "kvgate_upstream_errors")
     assert errors == {}
-    assert gw.controller.top_up_failures == 0
+    assert gw.report.top_up_failures == 0
 
 
 # ---------------------------------------------------------------------------- error events
@@ -172,14 +172,14 @@ async def test_error_event_is_an_upstream_error_everywhere(llama, gateway, monke
         admission={"learn_limit": False},  # all four at once, as the slots allow
     )
     told: list[Completion | None] = []
-    bridge = gw.state.bridge
-    release = bridge.release
+    door = gw.state.door
+    release = door.release
 
     def spy(request_id: str, completion: Completion | None = None) -> None:
         told.append(completion)
         release(request_id, completion)
 
-    monkeypatch.setattr(bridge, "release", spy)
+    monkeypatch.setattr(door, "release", spy)
     results = await asyncio.gather(
         *(stream_events(gw.url + "/v1/chat/completions", b) for b in pressure(4))
     )
@@ -255,19 +255,19 @@ async def test_abandoned_non_stream_request_is_held_until_its_slot_stops(llama, 
         body("hi", 3500),
         lambda: core.stats().num_running == 1,
     )
-    assert await wait_for(lambda: gw.controller.held() == 1)
-    assert gw.controller.reserved_tokens() > 0
+    assert await wait_for(lambda: gw.report.held() == 1)
+    assert gw.report.reserved_tokens() > 0
     released_while_running: list[int] = []
 
     def released() -> bool:
-        if gw.controller.held():
+        if gw.report.held():
             return False
         released_while_running.append(core.stats().num_running)
         return True
 
     assert await wait_for(released, step=0.002)
     assert released_while_running == [0]  # never before the engine let it go
-    assert gw.controller.reserved_tokens() == 0
+    assert gw.report.reserved_tokens() == 0
 
 
 async def test_abandoned_request_on_a_busy_server_is_held_while_it_generates(llama, gateway):
@@ -286,16 +286,16 @@ async def test_abandoned_request_on_a_busy_server_is_held_while_it_generates(lla
     busy = asyncio.create_task(stream_events(url, body("busy", 1900, stream=True)))
     assert await wait_for(lambda: core.stats().num_running == 1)
     await abandon(url, body("abandoned", 1800), lambda: core.stats().num_running == 2)
-    assert await wait_for(lambda: gw.controller.held() == 1)
+    assert await wait_for(lambda: gw.report.held() == 1)
     # The engine goes on with both for a while (rounds of discovery see it); the hold
     # lasts as long, and ends when the abandoned one has generated to its end.
     seen_held = 0
     while core.stats().num_running == 2:
-        assert gw.controller.held() == 1
+        assert gw.report.held() == 1
         seen_held += 1
         await asyncio.sleep(0.05)
     assert seen_held >= 10  # over half a second, past discovery rounds
-    assert await wait_for(lambda: gw.controller.held() == 0, within=10.0)
+    assert await wait_for(lambda: gw.report.held() == 0, within=10.0)
     assert core.stats().num_running <= 1
     status, events, _ = await busy
     assert status == 200 and events[-1] == "[DONE]"
@@ -309,8 +309,8 @@ async def test_stream_disconnect_releases_at_once(llama, gateway):
         assert resp.status == 200
         await resp.content.readany()
         resp.close()
-    assert await wait_for(lambda: gw.controller.reserved_tokens() == 0)
-    assert gw.controller.held() == 0
+    assert await wait_for(lambda: gw.report.reserved_tokens() == 0)
+    assert gw.report.held() == 0
     assert await wait_for(lambda: srv.core.stats().num_running == 0)
 
 

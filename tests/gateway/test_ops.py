@@ -57,7 +57,7 @@ async def test_replica_becoming_ready_admits_queued_request(replica, gateway):
     busy, idle = await replica(speed=1.0), await replica()
     gw = await gateway(busy, idle, pool_tokens=512, discovery={"refresh_interval_s": 30.0})
     loop = asyncio.get_running_loop()
-    gw.controller.mark_unready("r1", loop.time())  # as after a refused connection
+    gw.door.mark_unready("r1", loop.time())  # as after a refused connection
     big = {**BODY, "max_tokens": 440, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession() as s:
         first = await s.post(gw.url + "/v1/chat/completions", json=big)
@@ -65,7 +65,7 @@ async def test_replica_becoming_ready_admits_queued_request(replica, gateway):
         queued = asyncio.create_task(
             s.post(gw.url + "/v1/chat/completions", json={**BODY, "max_tokens": 100})
         )
-        assert await wait_for(lambda: gw.controller.queue_depth() == 1)
+        assert await wait_for(lambda: gw.report.queue_depth() == 1)
         await gw.state.discovery.watchers["r1"].refresh()  # one discovery round for r1
         r = await queued
         assert r.status == 200
@@ -103,9 +103,11 @@ async def test_metrics_move_with_traffic(replica, gateway):
     assert after[("kvgate_replica_running", (("replica", "r0"),))] == 0
     # The admission core's top-up failure count is exported as read at scrape time.
     assert after[("kvgate_reservation_topup_failures_total", ())] == 0
-    gw.controller.top_up_failures = 3
+    # The report only reads: the count is set where the ledger keeps it.
+    ledger = gw.state.door._controller._ledger
+    ledger.top_up_failures = 3
     assert (await scrape(gw))[("kvgate_reservation_topup_failures_total", ())] == 3
-    gw.controller.top_up_failures = 0
+    ledger.top_up_failures = 0
 
 
 async def test_admin_replicas_requires_token(replica, gateway):

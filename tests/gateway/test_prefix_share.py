@@ -52,7 +52,7 @@ async def burst(gw: Any, srv: Any, n: int) -> tuple[int, int]:
             st = srv.core.stats()
             most_running = max(most_running, st.num_running)
             held = st.blocks_in_use * bs
-            reserved = gw.controller.reserved_tokens("r0")
+            reserved = gw.report.reserved_tokens("r0")
             short = max(short, held - reserved)
             await asyncio.sleep(0.002)
 

@@ -189,7 +189,7 @@ def test_estimate_wrong_by_2x_either_way_refuses_nothing_wrongly(
                 prompt_exact=ctx.prompt_exact,
             ),
             0.0,
-        )
+        ).verdict
         truly_fits = true_tokens + max_tokens <= 2048
         if isinstance(verdict, Refuse):
             assert not truly_fits, f"{true_tokens} tokens refused on a guess of {guess_error}x"
@@ -199,7 +199,7 @@ def test_estimate_wrong_by_2x_either_way_refuses_nothing_wrongly(
             assert isinstance(verdict, Admit), verdict
             assert verdict.reserved_tokens <= 4096
         ctrl.release(rid, 0.0)
-    assert ctrl.reserved_tokens() == 0
+    assert ctrl.report.reserved_tokens() == 0
     over = len([t for t in range(50, 4000, 37) if t + max_tokens > 2048])
     if exact_available and guess_error == 0.5:
         assert refused_truly_over == over  # the high guess puts them all near the limit

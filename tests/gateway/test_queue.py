@@ -30,7 +30,7 @@ async def test_requests_beyond_the_pool_wait_and_complete_in_order(replica, gate
     srv = await replica(speed=5.0)
     # 512-token pool (486 effective with 5% headroom): two 200-token requests fit, not three.
     gw = await gateway(srv, pool_tokens=512)
-    effective = gw.controller.replica_usage()[0].effective_capacity_tokens
+    effective = gw.report.replica_usage()[0].effective_capacity_tokens
     finished: list[int] = []
     peak_reserved = 0
     peak_queue = 0
@@ -49,16 +49,16 @@ async def test_requests_beyond_the_pool_wait_and_complete_in_order(replica, gate
             # until the gateway has seen request i (admitted, queued or done).
             assert await wait_for(
                 lambda n=i + 1: (
-                    gw.controller.queue_depth()
-                    + sum(u.running for u in gw.controller.replica_usage())
+                    gw.report.queue_depth()
+                    + sum(u.running for u in gw.report.replica_usage())
                     + len(finished)
                     >= n
                 )
             )
         while not all(t.done() for t in tasks):
-            peak_reserved = max(peak_reserved, gw.controller.reserved_tokens())
-            peak_queue = max(peak_queue, gw.controller.queue_depth())
-            assert sum(u.running for u in gw.controller.replica_usage()) <= 2
+            peak_reserved = max(peak_reserved, gw.report.reserved_tokens())
+            peak_queue = max(peak_queue, gw.report.queue_depth())
+            assert sum(u.running for u in gw.report.replica_usage()) <= 2
             await asyncio.sleep(0.005)
         await asyncio.gather(*tasks)
     assert peak_queue >= 2
@@ -99,7 +99,7 @@ async def test_queue_full_is_503_at_once(replica, gateway):
     async with aiohttp.ClientSession() as s:
         big = await hold_pool(s, gw, 440)
         waiting = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json=body(50)))
-        assert await wait_for(lambda: gw.controller.queue_depth() == 1)
+        assert await wait_for(lambda: gw.report.queue_depth() == 1)
         live = await scrape(gw)
         assert live[("kvgate_queue_depth", (("model", MODEL),))] == 1
         assert live[("kvgate_replica_reserved_tokens", (("replica", "r0"),))] >= 440
@@ -124,7 +124,7 @@ async def test_never_fits_is_400_never_queued(replica, gateway):
     ):
         assert r.status == 400
         assert (await r.json())["error"]["code"] == "context_length_exceeded"
-    assert gw.controller.queue_depth() == 0
+    assert gw.report.queue_depth() == 0
 
 
 async def test_stream_outgrowing_its_reservation_is_topped_up_not_cut(replica, gateway):
@@ -136,10 +136,10 @@ async def test_stream_outgrowing_its_reservation_is_topped_up_not_cut(replica, g
             assert r.status == 200
         resp = await s.post(gw.url + "/v1/chat/completions", json=body(300, stream=True))
         await read_events(resp, 1)
-        first = gw.controller.reserved_tokens()
+        first = gw.report.reserved_tokens()
         assert first < 64  # prompt + learned 4, block-rounded
         raw = await resp.read()
-    assert gw.state.pipeline.controller.top_up_failures == 0
+    assert gw.report.top_up_failures == 0
     content_events = [e for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
     assert len(content_events) >= 299  # the whole stream arrived
     assert raw.rstrip().endswith(b"data: [DONE]")
@@ -153,9 +153,9 @@ async def test_reservation_grows_during_stream(replica, gateway):
             assert r.status == 200
         resp = await s.post(gw.url + "/v1/chat/completions", json=body(400, stream=True))
         await read_events(resp, 1)
-        first = gw.controller.reserved_tokens()
+        first = gw.report.reserved_tokens()
         await read_events(resp, 150)
-        assert gw.controller.reserved_tokens() > first + 100
+        assert gw.report.reserved_tokens() > first + 100
         resp.close()
 
 
@@ -185,9 +185,9 @@ async def test_a_shed_request_that_retries_keeps_its_place(replica, gateway, mem
         ) as r:
             assert r.status == 503
         d = asyncio.create_task(run(s, "D"))
-        assert await wait_for(lambda: gw.controller.queue_depth() == 1)
+        assert await wait_for(lambda: gw.report.queue_depth() == 1)
         c = asyncio.create_task(run(s, "C"))
-        assert await wait_for(lambda: gw.controller.queue_depth() == 2)
+        assert await wait_for(lambda: gw.report.queue_depth() == 2)
         big.close()  # frees the slot: the head of the queue goes first
         await asyncio.gather(c, d)
     assert finished == (["C", "D"] if memory_s else ["D", "C"])
@@ -249,9 +249,9 @@ async def test_a_last_retry_is_admitted_before_earlier_first_attempts(replica, g
         # a 20-token request (32 with its prompt, block-rounded) must wait.
         big = await hold_pool(s, gw, 450)
         first = asyncio.create_task(one(s, "first-attempt", 0))
-        assert await wait_for(lambda: gw.controller.queue_depth() == 1)
+        assert await wait_for(lambda: gw.report.queue_depth() == 1)
         last = asyncio.create_task(one(s, "last-retry", 2))
-        assert await wait_for(lambda: gw.controller.queue_depth() == 2)
+        assert await wait_for(lambda: gw.report.queue_depth() == 2)
         big.close()
         await asyncio.gather(first, last)
     # Both fit once the big one is gone; the last retry was served first all the same.
@@ -283,5 +283,5 @@ async def test_a_shed_request_that_comes_back_is_not_counted_twice(replica, gate
             ) as r:
                 assert r.status == 503
             # Expected back once: its own earlier shed does not count ahead of it.
-            assert gw.controller.returning() == 1, attempt
+            assert gw.report.returning() == 1, attempt
         big.close()

@@ -70,7 +70,7 @@ async def test_prefix_hits_rise_for_an_agentic_session(replica, gateway):
     for got, queried in turn_hits[1:]:
         assert got >= 0.7 * queried, turn_hits
     assert [h for h, _ in turn_hits] == sorted(h for h, _ in turn_hits)  # hits rise
-    scorer = gw.controller.router.default.scorers[0][0]  # type: ignore[attr-defined]
+    scorer = gw.door.router.default.scorers[0][0]  # type: ignore[attr-defined]
     assert 0 < scorer.indexed_blocks() <= 2 * scorer.max_blocks_per_replica
 
 
@@ -109,11 +109,11 @@ async def test_a_request_every_filter_rejects_does_not_block_others(replica, gat
             )
         )
         # The banned request waits at the head of the queue.
-        assert await wait_for(lambda: gw.controller.queue_depth() == 1)
+        assert await wait_for(lambda: gw.report.queue_depth() == 1)
         for i in range(3):
             async with s.post(gw.url + "/v1/chat/completions", json={**body, "user": f"u{i}"}) as r:
                 assert r.status == 200, await r.text()
-        assert gw.controller.queue_depth() == 1
+        assert gw.report.queue_depth() == 1
         resp = await banned
         assert resp.status == 503
         assert (await resp.json())["error"]["code"]
@@ -195,7 +195,7 @@ async def test_coding_goes_to_the_speculating_replica_at_low_load_and_spills_at_
         ]
 
         def running_on_spec() -> int:
-            usage = {u.name: u.running for u in gw.controller.replica_usage()}
+            usage = {u.name: u.running for u in gw.report.replica_usage()}
             return usage["r0"]
 
         assert await wait_for(lambda: running_on_spec() == 2)

@@ -183,7 +183,7 @@ async def test_embedded_shutdown_drains_a_request_that_ends_within_the_grace(rep
         result = await asyncio.wait_for(done, 10.0)
     assert tail.rstrip().endswith("data: [DONE]")
     assert result == {"shed": 0, "cut": 0, "drained": True}
-    assert gw.controller.reserved_tokens() == 0
+    assert gw.report.reserved_tokens() == 0
 
 
 async def test_a_cleanup_that_hangs_does_not_keep_a_drained_gateway_from_stopping(
@@ -296,16 +296,16 @@ async def test_a_retry_waiting_in_the_queue_at_shutdown_is_told_shutting_down(re
         hold = await s.post(gw.url + "/v1/chat/completions", json={**LONG, "max_tokens": 400})
         assert hold.status == 200
         await hold.content.readany()
-        usage = {u.name: u for u in gw.controller.replica_usage()}
+        usage = {u.name: u for u in gw.report.replica_usage()}
         assert usage["busy"].running == 1  # the long stream holds the only slot there
         dead.set_fault(make_fault("crash"))
         assert await wait_for(lambda: dead.crashed)
         retry = asyncio.ensure_future(s.post(gw.url + "/v1/chat/completions", json=SHORT))
-        assert await wait_for(lambda: gw.controller.queue_depth() == 1, within=10.0)
+        assert await wait_for(lambda: gw.report.queue_depth() == 1, within=10.0)
         gw.state.pipeline.begin_shutdown()
         r = await asyncio.wait_for(retry, 10.0)
         assert r.status == 503 and "Retry-After" in r.headers
         assert (await r.json())["error"]["code"] == "shutting_down"
         r.release()
         hold.close()
-    assert await wait_for(lambda: gw.controller.reserved_tokens() == 0, within=10.0)
+    assert await wait_for(lambda: gw.report.reserved_tokens() == 0, within=10.0)

@@ -102,7 +102,7 @@ async def test_slow_body_gets_408(replica, gateway):
     assert head.startswith(b"HTTP/1.1 408"), head
     err = json.loads(payload)["error"]
     assert err["code"] == "body_timeout" and set(err) == {"message", "type", "param", "code"}
-    assert gw.controller.reserved_tokens() == 0
+    assert gw.report.reserved_tokens() == 0
     assert srv.core.stats().num_finished == 0  # it never reached the engine
 
 
@@ -134,7 +134,7 @@ async def test_client_that_never_reads_its_stream_is_cut_and_released(replica, g
         # Never read. Wait for kvgate to give up on us.
         assert await wait_for(lambda: gw.state.pipeline.inflight == 1, within=10.0)
         assert await wait_for(lambda: gw.state.pipeline.inflight == 0, within=30.0)
-        assert gw.controller.reserved_tokens() == 0
+        assert gw.report.reserved_tokens() == 0
         # The engine's request was aborted, not finished: kvgate stopped pulling tokens
         # once the client's buffers were full, so it never buffered the whole answer.
         assert await wait_for(lambda: srv.core.stats().num_aborted == 1, within=5.0)
@@ -177,7 +177,7 @@ async def test_client_that_stops_reading_at_the_end_of_its_stream_is_released(re
         assert await wait_for(lambda: gw.state.pipeline.inflight == 1, within=10.0)
         assert await wait_for(lambda: srv.core.stats().num_finished == 1, within=20.0)
         assert await wait_for(lambda: gw.state.pipeline.inflight == 0, within=30.0)
-        assert gw.controller.reserved_tokens() == 0
+        assert gw.report.reserved_tokens() == 0
         assert await _closed_by_server(reader, within=10.0)
     finally:
         writer.close()

@@ -165,11 +165,11 @@ async def test_priority_is_clamped_to_the_tenant_range(replica, gateway):
         )
         assert len(await read_events(big, 1)) == 1
         tasks = [asyncio.create_task(one(s, "a-first", KEY_A, None))]
-        assert await wait_for(lambda: gw.controller.queue_depth() == 1)
+        assert await wait_for(lambda: gw.report.queue_depth() == 1)
         tasks.append(asyncio.create_task(one(s, "a-asks-99", KEY_A, "99")))
-        assert await wait_for(lambda: gw.controller.queue_depth() == 2)
+        assert await wait_for(lambda: gw.report.queue_depth() == 2)
         tasks.append(asyncio.create_task(one(s, "vip-asks-99", KEY_B, "99")))
-        assert await wait_for(lambda: gw.controller.queue_depth() == 3)
+        assert await wait_for(lambda: gw.report.queue_depth() == 3)
         big.close()
         await asyncio.gather(*tasks)
     # vip's 99 is clamped to 5 and goes first; a's 99 to 0: behind its own first.
@@ -259,7 +259,7 @@ async def test_a_flooding_tenant_does_not_delay_a_trickle(replica, gateway):
         flood = []
         for i in range(12):
             flood.append(asyncio.create_task(one(s, f"a{i}", KEY_A)))
-        assert await wait_for(lambda: gw.controller.tenant_queued("a") >= 8)
+        assert await wait_for(lambda: gw.report.tenant_queued("a") >= 8)
         trickle = asyncio.create_task(one(s, "b0", KEY_B))
         await trickle
         # The two running when b arrived, a's head (tied with b in the fair order, and
@@ -348,9 +348,9 @@ async def test_a_larger_share_admits_waiting_requests_at_once(replica, gateway):
         assert len(await read_events(held, 1)) == 1
         assert held.headers["x-ratelimit-limit-requests"] == "50"
         waiting = asyncio.create_task(post(s, gw, KEY_A, body()))
-        assert await wait_for(lambda: gw.controller.tenant_queued("a") == 1)
+        assert await wait_for(lambda: gw.report.tenant_queued("a") == 1)
         gw.state.set_tenant_share("a", 1.0)
-        assert gw.controller.tenant_queued("a") == 0 and gw.controller.tenant_running("a") == 2
+        assert gw.report.tenant_queued("a") == 0 and gw.report.tenant_running("a") == 2
         async with await waiting as r:
             assert r.status == 200
             assert r.headers["x-ratelimit-limit-requests"] == "100"

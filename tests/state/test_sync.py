@@ -17,8 +17,8 @@ from admission.controller import AdmissionController
 from admission.lease import LeaseRequest, RenewResult
 from admission.tenants import TenantConfig, TenantLimiter
 from admission.types import AdmissionRequest, Admit
-from gateway.admitter import AdmissionBridge
 from gateway.config import StateConfig
+from gateway.door import AdmissionDoor
 from gateway.sharing import StateSync
 from gateway.state import MemoryBackend, StateBackend
 from gateway.state.redis import RedisBackend
@@ -57,22 +57,22 @@ def sync(
     **cfg: object,
 ) -> StateSync:
     config = StateConfig(lease_ttl_s=5.0, renew_interval_s=0.5, **cfg)  # type: ignore[arg-type]
-    return StateSync(config, backend, c, AdmissionBridge(c), holder=name, tenants=tenants)
+    return StateSync(config, backend, AdmissionDoor(c), holder=name, tenants=tenants)
 
 
 async def queue(s: StateSync, req: AdmissionRequest) -> asyncio.Task[object]:
-    """Submit through the process's bridge, as a request handler does; the task ends with
+    """Submit through the process's door, as a request handler does; the task ends with
     the verdict once the request leaves the queue."""
-    task = asyncio.create_task(s.bridge.admit(req))
+    task = asyncio.create_task(s.door.admit(req))
     await asyncio.sleep(0)
-    assert s.controller.queue_depth() > 0
+    assert s.report.queue_depth() > 0
     return task  # type: ignore[return-value]
 
 
 def shares(*cs: AdmissionController) -> list[int | None]:
     out = []
     for c in cs:
-        d = c.pool_demand("r1")
+        d = c.report.pool_demand("r1")
         assert d is not None
         out.append(d.share_tokens)
     return out
@@ -88,7 +88,7 @@ async def test_slices_follow_demand_and_never_sum_past_the_pool(backend: StateBa
     await sb.renew()
     assert shares(a, b) == [500, 500]  # both idle: an equal split
     # a gets busy: 400 admitted, 600 more queued behind its slice.
-    assert isinstance(a.submit(request("x", 200, 200), 0.0), Admit)
+    assert isinstance(sa.door.submit(request("x", 200, 200), 0.0), Admit)
     y = await queue(sa, request("y", 300, 300))
     await sa.renew()
     await sb.renew()
@@ -105,13 +105,13 @@ async def test_slices_follow_demand_and_never_sum_past_the_pool(backend: StateBa
         assert sum(s or 0 for s in shares(a, b)) <= POOL
     assert not z.done()
     # ...and once they end, the slices rebalance within a renewal each.
-    a.release("x", 1.0)
-    a.release("y", 1.0)
+    sa.door.release("x")
+    sa.door.release("y")
     for s in (sa, sb):
         await s.renew()
     assert isinstance((await z)[0], Admit)
     assert sum(s or 0 for s in shares(a, b)) <= POOL
-    b.release("z", 2.0)
+    sb.door.release("z")
 
 
 async def test_learned_limits_are_shared(backend: StateBackend) -> None:
@@ -120,7 +120,7 @@ async def test_learned_limits_are_shared(backend: StateBackend) -> None:
     sa, sb = sync(backend, a, "a"), sync(backend, b, "b")
     await sa.renew()
     await sb.renew()
-    la, lb = a.limit_of("r1"), b.limit_of("r1")
+    la, lb = a.report.limit_of("r1"), b.report.limit_of("r1")
     assert la is not None and lb is not None
     la.adopt(6.0, 1.0, "probe")  # as if a learned it
     await sa.renew()  # publishes
@@ -129,12 +129,12 @@ async def test_learned_limits_are_shared(backend: StateBackend) -> None:
     c = ctrl(learn_limit=True, initial_limit=2)  # a new process seeds from the shared
     sc = sync(backend, c, "c")
     await sc.renew()
-    lc = c.limit_of("r1")
+    lc = c.report.limit_of("r1")
     assert lc is not None and lc.value == 6.0
     # The running limit is split by lease: the three slices sum to at most the limit.
     await sa.renew()
     await sb.renew()
-    running = [x.pool_demand("r1").share_running for x in (a, b, c)]  # type: ignore[union-attr]
+    running = [x.report.pool_demand("r1").share_running for x in (a, b, c)]  # type: ignore[union-attr]
     assert all(r is not None for r in running)
     assert sum(r or 0 for r in running) <= 6
 
@@ -151,7 +151,7 @@ async def test_fail_open_cuts_each_slice_to_one_nth(prefix: str) -> None:
                 await s.renew()
         assert all(s.up and s.processes == 3 for s in syncs)
         # p0 is busy and holds most of the pool.
-        assert isinstance(cs[0].submit(request("busy", 150, 150), 0.0), Admit)
+        assert isinstance(syncs[0].door.submit(request("busy", 150, 150), 0.0), Admit)
         more = await queue(syncs[0], request("more", 200, 200))
         for _ in range(2):
             for s in syncs:
@@ -169,7 +169,7 @@ async def test_fail_open_cuts_each_slice_to_one_nth(prefix: str) -> None:
         late = await queue(syncs[0], request("late", 10, 10))
         # Redis returns empty: leases are rebuilt from each process's holdings.
         server.start()
-        cs[0].release("busy", 1.0)
+        syncs[0].door.release("busy")
         for _ in range(2):
             for s in syncs:
                 await s.renew()
@@ -177,11 +177,11 @@ async def test_fail_open_cuts_each_slice_to_one_nth(prefix: str) -> None:
         await syncs[0].renew()  # reports what the last renewal admitted
         held = await backends[1].holders("pool:r1")
         assert sorted(held) == ["p0", "p1", "p2"]
-        assert held["p0"].used == cs[0].reserved_tokens("r1")
+        assert held["p0"].used == cs[0].report.reserved_tokens("r1")
         assert sum(max(h.granted, h.used) for h in held.values()) <= POOL
         assert isinstance((await late)[0], Admit)
         for rid in ("more", "late"):
-            cs[0].release(rid, 2.0)
+            syncs[0].door.release(rid)
         for b in backends:
             await b.close()
     finally:
@@ -217,14 +217,13 @@ async def test_fail_open_never_seen_uses_the_workers_hint(prefix: str) -> None:
     s = StateSync(
         config,
         RedisBackend(f"redis://127.0.0.1:{free_port()}/0", prefix=prefix, timeout_s=0.3),
-        c,
-        AdmissionBridge(c),
+        AdmissionDoor(c),
         workers_hint=4,
     )
     await s.renew()
     assert s.gate() is None
     assert shares(c) == [POOL // 4]
-    d = c.pool_demand("r1")
+    d = c.report.pool_demand("r1")
     assert d is not None and d.share_running == 10 // 4
 
 
@@ -281,7 +280,7 @@ async def test_a_tenant_concurrency_in_use_draws_its_fraction(backend: StateBack
     # p0 runs its four; more wait: its fraction grows, p1's (idle) shrinks.
     for i in range(4):
         req = dataclasses.replace(request(f"a{i}", 10, 10), tenant="t")
-        assert isinstance(cs[0].submit(req, 0.0), Admit)
+        assert isinstance(syncs[0].door.submit(req, 0.0), Admit)
     for _ in range(4):
         for s in syncs:
             await s.renew()
@@ -289,7 +288,7 @@ async def test_a_tenant_concurrency_in_use_draws_its_fraction(backend: StateBack
     assert got[0] is not None and got[1] is not None
     assert got[0] > 4 and got[0] + got[1] <= 8, got
     for i in range(4):
-        cs[0].release(f"a{i}", 1.0)
+        syncs[0].door.release(f"a{i}")
 
 
 async def test_a_request_larger_than_an_idle_split_grows_its_share(backend: StateBackend) -> None:

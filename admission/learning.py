@@ -1,0 +1,108 @@
+"""Learning hooks: what completions and engine gauges teach a replica's models.
+
+A released request's `Completion` feeds its replica's service and TTFT lines (the
+predictions a queued request's deadline is judged by), its inter-token gap model
+(admission.itl) and its learned running limit (admission.limit); each discovery round's
+engine view feeds the limit its preemption and waiting signals. Nothing here admits or
+sheds: the ledger, the queue and placement read what it learned.
+"""
+
+from __future__ import annotations
+
+from admission.config import AdmissionConfig
+from admission.itl import ItlModel
+from admission.ledger import Reservation
+from admission.limit import LatencyTargets, LimitSettings, RunningLimit, latency_ratio
+from admission.replica import Replica
+from admission.types import Completion
+from routing.types import ReplicaState
+
+
+class Learning:
+    """Per-replica learning from completions and engine signals."""
+
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
+        self._limit_settings = LimitSettings(
+            initial=config.initial_limit,
+            window=config.limit_window,
+            knee_efficiency=config.knee_efficiency,
+            budget_fraction=config.latency_budget_fraction,
+            probe_step=config.limit_probe_step,
+            target_quantile=config.latency_target_quantile,
+        )
+        self._targets = {
+            model: LatencyTargets(t.ttft_s, t.itl_s, t.e2e_s)
+            for model, t in config.latency_targets.items()
+        }
+
+    def new_limit(self, now: float) -> RunningLimit | None:
+        """A fresh learned running limit for a new replica (None: not learning)."""
+        return RunningLimit(self._limit_settings, now) if self.config.learn_limit else None
+
+    def engine_view(self, rep: Replica, state: ReplicaState, fresh: bool, now: float) -> None:
+        """Feed a fresh engine view (preemptions, waiting, KV usage) to the limit."""
+        if rep.limit is not None and fresh:
+            rep.signals_at = state.updated_at
+            rep.limit.engine_signals(
+                preemptions_total=state.preemptions_total,
+                waiting=state.engine_waiting,
+                engine_running=state.engine_running,
+                kv_usage=state.kv_usage,
+                running=rep.running,
+                now=now,
+                cap=rep.cap,
+            )
+
+    def stream_gap(
+        self, rep: Replica, completion: Completion | None, at_admit: int | None, now: float
+    ) -> None:
+        """A finished stream's mean inter-token gap at its load: the mean of the running
+        counts at its start and end (call before its slot is freed)."""
+        if completion is None or not completion.ok or completion.itl_s is None:
+            return
+        load = (rep.running + (at_admit or rep.running)) / 2
+        model = rep.itl
+        if model is None:
+            model = rep.itl = ItlModel(memory_s=self.config.itl_memory_s)
+        model.add(load, completion.itl_s, now)
+
+    def released(
+        self, rep: Replica, res: Reservation, completion: Completion | None, now: float
+    ) -> None:
+        """After a reservation is freed: learn its completion (None teaches nothing) and
+        tell the limit the running count moved."""
+        if completion is not None:
+            self._completed(rep, res, completion, now)
+        if rep.limit is not None:
+            rep.limit.running_changed(rep.running, now)
+
+    def _completed(self, rep: Replica, res: Reservation, c: Completion, now: float) -> None:
+        """Feed one completion to the replica's latency history and learned limit."""
+        prompt = c.prompt_tokens or 0
+        work = prompt + (c.completion_tokens or 0)
+        load = rep.allowed or rep.running + 1
+        if c.ok and c.service_s is not None and work > 0:
+            rep.service.add(work, c.service_s, load)
+        if c.ok and c.ttft_s is not None and prompt > 0:
+            rep.ttft.add(prompt, c.ttft_s, load)
+        if rep.limit is None:
+            return
+        targets = self._targets.get(res.model) or self._targets.get("*")
+        ratio = latency_ratio(
+            service_s=c.service_s,
+            ttft_s=c.ttft_s,
+            itl_s=c.itl_s,
+            budget_s=c.latency_budget,
+            budget_fraction=self.config.latency_budget_fraction,
+            targets=targets,
+            stream=c.ttft_s is not None,
+        )
+        rep.limit.completed(
+            now,
+            res.admitted_at,
+            ok=c.ok,
+            work_tokens=work or res.tokens + res.covered,
+            ratio=ratio,
+            cap=rep.cap,
+        )

@@ -1,0 +1,208 @@
+"""Placement: where an admitted request goes, and whether it waits for a warm replica.
+
+Where an admitted request goes is routing's decision (the `Router` handed in: the gateway
+builds it from the config's profiles, `routing.scheduler`); admission tells it when it
+places a request and when it frees it (the ``placed`` / ``released`` hooks). Routing is
+handed a shortlist, not every replica: the few with the most headroom in per-model
+orders kept on every reserve and release, plus the ones routing names
+(admission/candidates.py), so a decision costs the same at 4 and 256 replicas. When
+routing's warmest replica for a prompt is full and it chose a colder free one, the
+request waits for the warm one if that is expected to give its first token sooner
+(`_wait_for_warm`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Protocol
+
+from admission.ledger import Ledger
+from admission.replica import Replica
+from admission.types import AdmissionRequest, Admit
+from routing.types import Router, RouteRequest
+
+# `Placement.place`'s answer when replicas fit but routing's filters rejected them all.
+REJECTED = object()
+
+# Replicas shortlisted from each headroom order per decision (admission/candidates.py).
+SHORTLIST_PER_ORDER = 4
+
+
+class Placeable(Protocol):
+    """What placement reads of a queue entry (admission.settling.Entry)."""
+
+    req: AdmissionRequest
+    raw: int
+
+
+class Placement:
+    """Asks routing for a replica among those that fit, and reserves it there."""
+
+    def __init__(self, router: Router, ledger: Ledger) -> None:
+        # Where a request goes is routing's decision (routing.scheduler builds it from the
+        # config's profiles, a test or bench hands one in); admission only calls it and its
+        # hooks, and imports routing's types, never its policies.
+        self.router = router
+        self._ledger = ledger
+        self._placed_hook = getattr(router, "placed", None)
+        self._released_hook = getattr(router, "released", None)
+        self._hints_hook = getattr(router, "hints", None)
+        self._warm_hook = getattr(router, "warm", None)
+        # Expected-TTFT choices between a full warm replica and a free cold one
+        # (`_wait_for_warm`), by outcome: exported beside routing's decisions.
+        self.ttft_choices: dict[str, int] = {}
+
+    def released(self, request_id: str, replica: str, now: float) -> None:
+        """Tell routing a request it placed has ended."""
+        if self._released_hook is not None:
+            self._released_hook(request_id, replica, now)
+
+    def candidate_names(self, req: AdmissionRequest) -> Iterable[str]:
+        """Usable replicas `req` could ever run on."""
+        for rep in self._ledger.views.serving(req.model):
+            if rep.usable and rep.can_ever_fit(req):
+                yield rep.name
+
+    def place(self, entry: Placeable, blocked: set[str], now: float) -> Admit | object | None:
+        """Admit `entry` to a non-blocked replica that fits it now, chosen by routing.
+
+        Routing scores a shortlist (admission/candidates.py): the first
+        ``SHORTLIST_PER_ORDER`` fitting replicas by KV headroom and by running headroom,
+        plus those routing names (`Router.hints`); only those candidates are refreshed.
+        When routing rejects the whole shortlist and replicas outside it fit, it is asked
+        again with all of them. None when nothing fits now; `REJECTED` when replicas fit
+        but routing rejected every one of them."""
+        req = entry.req
+        ledger = self._ledger
+        fits_now = ledger.fits_now
+        view = ledger.views.view(req.model)
+        reps = ledger.replicas
+        fit: dict[str, bool] = {}
+        short: list[Replica] = []
+        complete = True  # every replica of the model was examined
+        k = SHORTLIST_PER_ORDER
+        for order in (view.order.by_free(), view.order.by_run()):
+            got = 0
+            for _, name in order:
+                ok = fit.get(name)
+                if ok is None:
+                    rep = reps.get(name)
+                    ok = rep is not None and name not in blocked and fits_now(rep, req, now)
+                    fit[name] = ok
+                    if ok:
+                        short.append(rep)  # type: ignore[arg-type]
+                if ok:
+                    got += 1
+                    if got >= k:
+                        complete = False
+                        break
+            if complete:
+                break  # the first order was walked to its end: nothing else fits
+        route = RouteRequest(
+            request_id=req.request_id,
+            model=req.model,
+            need_tokens=entry.raw,
+            workload=req.workload,
+            prefix_hashes=req.prefix_hashes,
+            session=req.session,
+            now=now,
+            tenant=req.tenant,
+            prompt_tokens=req.prompt_tokens,
+            ttft_target_s=req.ttft_target_s,
+            itl_target_s=req.itl_target_s,
+        )
+        hinted: list[str] = []
+        if not complete and self._hints_hook is not None:
+            hinted = self._hints_hook(route)
+            for name in hinted:
+                if name not in fit:
+                    rep = reps.get(name)
+                    ok = (
+                        rep is not None
+                        and req.model in rep.models
+                        and name not in blocked
+                        and fits_now(rep, req, now)
+                    )
+                    fit[name] = ok
+                    if ok:
+                        short.append(rep)  # type: ignore[arg-type]
+        if not short:
+            return None
+        choice = self.router.pick(route, [r.cand for r in short])
+        if choice is None and not complete:
+            rest = [
+                r
+                for r in view.present
+                if r.name not in fit and r.name not in blocked and fits_now(r, req, now)
+            ]
+            for r in rest:
+                fit[r.name] = True
+            if rest:
+                choice = self.router.pick(route, [r.cand for r in short + rest])
+        if choice is None:
+            return REJECTED
+        rep = reps.get(choice.name)
+        if rep is None or not fit.get(choice.name):
+            raise ValueError(f"picker returned {choice.name!r}, which was not a candidate")
+        if self._warm_hook is not None and req.prefix_hashes:
+            # Only when a replica routing may prefer could not be a candidate (full).
+            if complete:
+                full = not all(fit.values())
+            else:
+                full = any(not fit.get(name, True) for name in hinted)
+            if full and self._wait_for_warm(req, route, rep, fit, now):
+                return REJECTED  # waits for the warm replica without blocking anyone
+        admit = ledger.reserve(rep, req, now)
+        if self._placed_hook is not None:
+            self._placed_hook(route, rep.cand, now)
+        return admit
+
+    def _wait_for_warm(
+        self,
+        req: AdmissionRequest,
+        route: RouteRequest,
+        chosen: Replica,
+        fit: dict[str, bool],
+        now: float,
+    ) -> bool:
+        """Whether `req` should wait for the warm replica routing would rather use (it
+        holds more of the prompt cached but is full now) instead of starting on `chosen`.
+
+        Expected time to first token on the warm replica: its queue wait (its KV deficit
+        for this request over its drain rate in tokens/s, and its running-slot deficit
+        over its rate in requests/s) plus the prefill of the part it does not hold;
+        against the prefill of what `chosen` does not hold, starting now. Prefill times
+        are the replicas' own fitted TTFT lines (`ServiceModel`); without samples on
+        either, or without a drain rate on the warm one, there is no basis to wait and
+        the request starts now. Routing names the warm replicas (`Router.warm`); this is
+        admission's when, not routing's where."""
+        warm = self._warm_hook(route)  # type: ignore[misc]
+        if not warm:
+            return False
+        name, cached = warm[0]
+        if name == chosen.name or fit.get(name):
+            return False  # the warm replica was a candidate: routing weighed it
+        w = self._ledger.replicas.get(name)
+        if w is None or not w.usable or req.model not in w.models or not w.can_ever_fit(req):
+            return False
+        here = next((t for n, t in warm if n == chosen.name), 0)
+        if cached <= here or not len(w.ttft) or not len(chosen.ttft):
+            return False
+        tok_rate, req_rate = w.drain.rates(now)
+        wait = 0.0
+        deficit = Ledger.need(w, req, now)[0] - w.free
+        if deficit > 0:
+            wait = deficit / tok_rate if tok_rate > 0 else math.inf
+        allowed = w.allowed
+        if allowed is not None and w.running >= allowed:
+            slots = w.running - allowed + 1
+            wait = max(wait, slots / req_rate if req_rate > 0 else math.inf)
+        if not math.isfinite(wait):
+            return False
+        prompt = max(1, req.prompt_tokens)
+        t_warm = wait + w.ttft.predict(max(1, prompt - cached), allowed or w.running + 1)
+        t_cold = chosen.ttft.predict(max(1, prompt - here), chosen.allowed or chosen.running + 1)
+        verdict = "expected_ttft_wait" if t_warm < t_cold else "expected_ttft_cold"
+        self.ttft_choices[verdict] = self.ttft_choices.get(verdict, 0) + 1
+        return t_warm < t_cold

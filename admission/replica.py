@@ -1,0 +1,280 @@
+"""One replica as admission keeps it: its pool, its ceilings, and the fit rules.
+
+Reservation size
+    A reservation is rounded up to the replica's block size ``bs`` and sized by what the
+    engine does when its pool is over-admitted (``ReplicaState.preempts``, set by its
+    adapter):
+
+    - an engine that preempts (vLLM recomputes, SGLang retracts) turns an under-estimate
+      into a slowdown, not a failure: the reservation is ``prompt + expected_output``
+      (a learned quantile of the model's outputs within ``max_tokens``), topped up as a
+      stream outgrows it, and the learned running limit watches the preemptions;
+    - an engine that does not preempt (llama.cpp) fails every running request when its
+      pool overruns: the reservation is what the request may use, ``prompt + max_tokens``
+      within its slot's context (``max_model_len``), or that whole context when the client
+      set no ``max_tokens``. A request larger than the effective pool takes all of it: it
+      runs alone, which such an engine survives. Such an engine serves a request whose
+      ``max_tokens`` runs past the context (it stops at the context's end), so only a
+      prompt that leaves no room to generate is refused there.
+
+Effective pool
+    ``floor(capacity * (1 - headroom))``, where capacity is the pinned or engine-reported
+    pool, or the smaller pool the engine's own KV usage shows (`Replica.check_pool`). A
+    pool of private slots (llama.cpp per-slot KV, ``ReplicaState.private_slots``) cannot be
+    overrun and keeps no headroom. When several gateway processes share the replica, this
+    process admits only within its leased slice (``share_tokens``, ``share_running``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from admission.config import AdmissionConfig
+from admission.drain import DrainMeter
+from admission.estimate import ServiceModel
+from admission.itl import ItlModel
+from admission.limit import RunningLimit
+from admission.prefixshare import SharedPrefixes
+from admission.types import AdmissionRequest
+from routing.types import Candidate, ReplicaState
+
+POOL_MEMORY_S = 300.0  # how long a pool measured smaller than configured is kept
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def round_up(tokens: int, block_size: int) -> int:
+    """`tokens` rounded up to a whole number of `block_size` blocks."""
+    bs = max(1, block_size)
+    return -(-max(0, tokens) // bs) * bs
+
+
+@dataclass(slots=True)
+class Replica:
+    name: str
+    drain: DrainMeter
+    present: bool = True  # False after remove_replica (kept while reservations remain)
+    ready: bool = False
+    ejected: bool = False  # outlier ejection (set_ejected): out of service, ready or not
+    models: frozenset[str] = frozenset()
+    capacity: int | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    cap: int | None = None  # running-request cap from config or engine (an upper bound)
+    limit: RunningLimit | None = None  # the learned running limit (None: not learning)
+    labels: dict[str, str] = field(default_factory=dict)
+    preempts: bool = True  # see the module docstring, Reservation size
+    private_slots: bool = False
+    # The prompt prefixes its reservations pin (admission.ledger); None when the engine
+    # does not share them. `reserved` includes their tokens.
+    prefixes: SharedPrefixes | None = None
+    sharing: bool = False  # its engine shares prefixes now (new requests get the credit)
+    reserved: int = 0
+    running: int = 0  # reservations, held ones included
+    held: int = 0  # abandoned reservations waiting for the engine to stop
+    judged_at: float | None = None  # `running_seen_at` of the view held ones were judged by
+    effective: int = 0
+    signals_at: float = -1.0  # `updated_at` of the engine view last fed to the limit
+    # The pool as the engine's KV usage shows it, when smaller than the configured one:
+    # (bound in tokens, rounds in a row below, time last confirmed).
+    measured_pool: int | None = None
+    below_rounds: int = 0
+    measured_at: float = 0.0
+    # Service (and time to first token) against tokens, for the deadline of a queued request.
+    service: ServiceModel = field(default_factory=ServiceModel)
+    ttft: ServiceModel = field(default_factory=ServiceModel)
+    # Mean inter-token gap of streams by the number running (admission.itl): the
+    # `Candidate.predicted_itl_s` of a request with an ITL target (None: no evidence).
+    itl: ItlModel | None = None
+    # This process's lease of the replica when several gateways share it (`set_pool_share`):
+    # KV tokens and running requests it may hold; None: the whole replica.
+    share_tokens: int | None = None
+    share_running: int | None = None
+    # The routing view of this replica, refreshed in place (engine gauges at upsert,
+    # ledger fields at each decision) instead of rebuilt per call.
+    cand: Candidate = field(default_factory=lambda: Candidate("", 0, 0, 0, None))
+    view_at: float = 0.0  # `updated_at` of the engine view in `cand`
+    # The last `tokens_for` answer, by the request fields it reads (cleared by refresh,
+    # which sets everything else it reads): one decision asks it several times.
+    memo_key: tuple[int, int, int, bool] | None = None
+    memo_tokens: int = 0
+    # The last need of a fit check (request id, time, tokens, shared blocks): the
+    # admission that follows in the same decision reuses it (admission.ledger).
+    need_memo: tuple[str, float, int, int] | None = None
+    # What the per-model views group and filter this replica by; a change rebuilds them
+    # (admission.views).
+    sig: tuple[object, ...] | None = None
+
+    def shape(self) -> tuple[object, ...]:
+        """What the fit checks (`can_ever_fit`, `tokens_for`) read besides the request."""
+        return (
+            self.capacity is None,
+            self.effective,
+            self.block_size,
+            self.max_model_len,
+            self.preempts,
+            self.private_slots,
+        )
+
+    @property
+    def allowed(self) -> int | None:
+        """Requests that may run at once: the learned limit within the hard cap (and
+        within this process's leased share of it)."""
+        allowed = self.cap if self.limit is None else self.limit.allowed(self.cap)
+        if self.share_running is not None:
+            return self.share_running if allowed is None else min(allowed, self.share_running)
+        return allowed
+
+    @property
+    def usable(self) -> bool:
+        """May receive new requests: present, ready, not ejected and with a known pool."""
+        return self.present and self.ready and not self.ejected and self.capacity is not None
+
+    @property
+    def free(self) -> int:
+        if self.share_tokens is not None:  # this process's leased slice of the pool
+            return min(self.effective, self.share_tokens) - self.reserved
+        return self.effective - self.reserved
+
+    def need(self, raw_tokens: int) -> int:
+        return round_up(raw_tokens, self.block_size)
+
+    def tokens_for(self, req: AdmissionRequest) -> int:
+        """The reservation `req` would hold here (module docstring, Reservation size)."""
+        key = (req.prompt_tokens, req.expected_output, req.max_tokens, req.max_tokens_given)
+        if key == self.memo_key:
+            return self.memo_tokens
+        tokens = self._tokens_for(req)
+        self.memo_key = key
+        self.memo_tokens = tokens
+        return tokens
+
+    def _tokens_for(self, req: AdmissionRequest) -> int:
+        prompt = max(1, req.prompt_tokens)
+        if self.preempts:
+            return self.need(prompt + max(0, req.expected_output))
+        most = prompt + max(1, req.max_tokens) if req.max_tokens_given else None
+        if self.max_model_len is not None:
+            most = self.max_model_len if most is None else min(most, self.max_model_len)
+        if most is None:  # nothing bounds the output here: the best estimate there is
+            most = prompt + max(0, req.expected_output)
+        tokens = self.need(most)
+        if self.capacity is not None and not self.private_slots:
+            whole = self.effective // self.block_size * self.block_size
+            if whole >= self.block_size:
+                tokens = min(tokens, whole)  # alone in the pool it cannot overrun it
+        return tokens
+
+    def context_needed(self, req: AdmissionRequest) -> int:
+        """What `req` needs of the replica's context: prompt + max_tokens, which vLLM and
+        SGLang refuse when over it; llama.cpp refuses only a prompt that leaves no room
+        to generate and stops the rest at the context's end (finish reason ``length``)."""
+        if self.preempts:
+            return req.prompt_tokens + req.max_tokens
+        return req.prompt_tokens + 1
+
+    def can_ever_fit(self, req: AdmissionRequest) -> bool:
+        if self.max_model_len is not None and self.context_needed(req) > self.max_model_len:
+            return False
+        return self.capacity is None or self.tokens_for(req) <= self.effective
+
+    def refresh(
+        self,
+        state: ReplicaState,
+        config: AdmissionConfig,
+        now: float,
+        *,
+        pinned_capacity: int | None,
+        max_running: int | None,
+    ) -> bool:
+        """Take the adapter's view of the replica: pool, ceilings, engine gauges for
+        routing. Returns whether the view is fresh (not the one seen last time)."""
+        self.present = True
+        self.memo_key = None
+        self.models = frozenset(state.models)
+        self.capacity = pinned_capacity if pinned_capacity is not None else state.capacity_tokens
+        self.ready = bool(state.ready) and self.capacity is not None
+        self.block_size = max(1, state.block_size)
+        self.max_model_len = state.max_model_len
+        if max_running is not None:
+            self.cap = max_running
+        elif state.max_running is not None:
+            self.cap = state.max_running
+        else:
+            self.cap = config.default_max_running
+        self.labels = dict(state.labels)
+        c = self.cand
+        c.name = self.name
+        c.labels = self.labels
+        c.block_size = self.block_size
+        c.engine_running = state.engine_running
+        c.engine_waiting = state.engine_waiting
+        c.kv_usage = state.kv_usage
+        c.preemptions_total = state.preemptions_total
+        c.prefix_cache_queries_total = state.prefix_cache_queries_total
+        c.prefix_cache_hits_total = state.prefix_cache_hits_total
+        c.spec_draft_tokens_total = state.spec_draft_tokens_total
+        c.spec_accepted_tokens_total = state.spec_accepted_tokens_total
+        # Speculation: a configured `speculative` label wins over what the engine says.
+        label = self.labels.get("speculative", "").strip().lower()
+        if label in _TRUE:
+            c.speculative = True
+        elif label in _FALSE:
+            c.speculative = False
+        else:
+            c.speculative = bool(state.speculative)
+        c.spec_num_draft_tokens = state.spec_num_draft_tokens
+        c.spec_drafts_total = state.spec_drafts_total
+        c.spec_accept_length = state.spec_accept_length
+        c.itl_sum_s = state.itl_sum_s
+        c.itl_count = state.itl_count
+        self.view_at = state.updated_at
+        self.preempts = state.preempts
+        self.private_slots = state.private_slots
+        self.sharing = state.shares_prefix and config.share_prefix and not self.private_slots
+        if self.sharing and self.prefixes is None:
+            self.prefixes = SharedPrefixes()
+        elif not self.sharing and self.prefixes is not None and not len(self.prefixes):
+            self.prefixes = None  # pins left are released with their reservations
+        fresh = state.updated_at != self.signals_at
+        if fresh and self.capacity is not None:
+            self.check_pool(state.kv_usage, now)
+        pool = self.capacity
+        if pool is not None and self.measured_pool is not None:
+            pool = min(pool, self.measured_pool)
+        if not pool:
+            self.effective = 0
+        elif self.private_slots:
+            self.effective = pool
+        else:
+            self.effective = math.floor(pool * (1.0 - config.headroom))
+        return fresh
+
+    def check_pool(self, kv_usage: float, now: float) -> None:
+        """Hold the configured pool against the engine's own KV usage.
+
+        The engine holds at most what kvgate reserved there, so its pool is at most
+        ``reserved / usage``. When that bound stays below 90% of the configured pool for
+        two discovery rounds, the pool is overstated (a wrong pin, or other clients on
+        the engine) and the bound is used instead. Without fresh confirmation for
+        ``POOL_MEMORY_S`` the configured pool is trusted again.
+        """
+        assert self.capacity is not None
+        if kv_usage >= 0.5 and self.reserved > 0:
+            bound = int(self.reserved / kv_usage)
+            if bound < 0.9 * self.capacity:
+                self.below_rounds += 1
+                if self.below_rounds >= 2:
+                    known = self.measured_pool
+                    self.measured_pool = bound if known is None else min(known, bound)
+                    self.measured_at = now
+                return
+        self.below_rounds = 0
+        if self.measured_pool is not None and now - self.measured_at > POOL_MEMORY_S:
+            self.measured_pool = None
+
+    def predicted_itl(self, running_after: int) -> float | None:
+        """The expected inter-token gap with `running_after` running (None: no evidence)."""
+        return self.itl.predict(running_after) if self.itl is not None else None

@@ -1,0 +1,210 @@
+"""The report: every read of the admission core, and nothing that changes it.
+
+Metrics, the admin endpoints, the shared-state loop, benches and tests read the ledger,
+the queue and what was learned through this one object (`AdmissionController.report`);
+every change goes through the controller's calls, which return what they caused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from admission.ledger import Ledger
+from admission.limit import RunningLimit
+from admission.placement import Placement
+from admission.settling import Settling
+from admission.shedding import Shedding
+from admission.types import Admit, ReplicaUsage
+
+
+@dataclass(slots=True, frozen=True)
+class PoolDemand:
+    """One replica as this process holds and wants it (`AdmissionReport.pool_demand`)."""
+
+    replica: str
+    usable: bool
+    effective: int  # the whole effective pool, before any share
+    reserved: int
+    running: int
+    queued_tokens: int  # queued requests' needs for the models it serves
+    queued: int
+    running_limit: int | None  # the learned limit within the cap (None: unbounded)
+    share_tokens: int | None
+    share_running: int | None
+
+
+class AdmissionReport:
+    """Read-only view of one controller's ledger, queue, shedding and learning."""
+
+    def __init__(
+        self, ledger: Ledger, queue: Settling, shedding: Shedding, placement: Placement
+    ) -> None:
+        self._ledger = ledger
+        self._queue = queue
+        self._shedding = shedding
+        self._placement = placement
+
+    # ------------------------------------------------------------------ ledger
+    @property
+    def top_up_failures(self) -> int:
+        """Reservations a stream outgrew while its replica had no room."""
+        return self._ledger.top_up_failures
+
+    @property
+    def ttft_choices(self) -> Mapping[str, int]:
+        """Expected-TTFT choices between a full warm replica and a free cold one, by
+        outcome (a live, read-only mapping)."""
+        return MappingProxyType(self._placement.ttft_choices)
+
+    def replica_names(self) -> list[str]:
+        """Every replica the ledger knows (present, or gone with reservations left)."""
+        return list(self._ledger.replicas)
+
+    def reserved_tokens(self, replica: str | None = None) -> int:
+        reps = self._ledger.replicas
+        if replica is not None:
+            rep = reps.get(replica)
+            return rep.reserved if rep else 0
+        return sum(r.reserved for r in reps.values())
+
+    def held(self, replica: str | None = None) -> int:
+        """Abandoned reservations still held."""
+        if replica is None:
+            return len(self._ledger.held)
+        rep = self._ledger.replicas.get(replica)
+        return rep.held if rep is not None else 0
+
+    def reservation(self, request_id: str) -> Admit | None:
+        """The current reservation of an admitted request."""
+        res = self._ledger.reservations.get(request_id)
+        return Admit(res.request_id, res.replica, res.tokens + res.covered) if res else None
+
+    def models(self) -> set[str]:
+        out: set[str] = set()
+        for rep in self._ledger.replicas.values():
+            if rep.usable:
+                out.update(rep.models)
+        return out
+
+    def shares_prefix(self, model: str) -> bool:
+        """Whether a replica of `model` counts prompt prefixes that running requests
+        share once (its requests then carry their block hash chain)."""
+        return self._ledger.views.view(model).shares_prefix
+
+    def limit_of(self, replica: str) -> RunningLimit | None:
+        """The learned running limit of `replica` (to read; `adopt_limit` changes it)."""
+        rep = self._ledger.replicas.get(replica)
+        return rep.limit if rep is not None else None
+
+    def predicted_itl(self, replica: str, running_after: int) -> float | None:
+        """The replica's expected inter-token gap with `running_after` running (None:
+        no evidence yet); admission.itl."""
+        rep = self._ledger.replicas.get(replica)
+        return rep.predicted_itl(running_after) if rep is not None else None
+
+    def pool_demand(self, replica: str) -> PoolDemand | None:
+        """What this process holds and wants of `replica` (the lease loop's input)."""
+        rep = self._ledger.replicas.get(replica)
+        if rep is None:
+            return None
+        queued_tokens = queued = 0
+        for model in rep.models:
+            queued_tokens += self._queue.tokens.get(model, 0)
+            queued += self._queue.per_model.get(model, 0)
+        limit = None
+        if rep.limit is not None:
+            limit = rep.limit.allowed(rep.cap)
+        elif rep.cap is not None:
+            limit = rep.cap
+        return PoolDemand(
+            replica=rep.name,
+            usable=rep.usable,
+            effective=rep.effective,
+            reserved=rep.reserved,
+            running=rep.running,
+            queued_tokens=queued_tokens,
+            queued=queued,
+            running_limit=limit,
+            share_tokens=rep.share_tokens,
+            share_running=rep.share_running,
+        )
+
+    def replica_usage(self) -> list[ReplicaUsage]:
+        blocked_by = self._binding_ceilings()
+        out = []
+        for rep in self._ledger.replicas.values():
+            out.append(
+                ReplicaUsage(
+                    name=rep.name,
+                    ready=rep.usable,
+                    capacity_tokens=rep.capacity or 0,
+                    effective_capacity_tokens=rep.effective,
+                    reserved_tokens=rep.reserved,
+                    running=rep.running,
+                    max_running=rep.cap,
+                    binding_ceiling=blocked_by.get(rep.name, "none"),
+                    models=sorted(rep.models),
+                    limit=rep.allowed if rep.limit is not None else None,
+                    limit_reason=rep.limit.reason if rep.limit is not None else "",
+                    held=rep.held,
+                    ejected=rep.ejected,
+                )
+            )
+        return out
+
+    def _binding_ceilings(self) -> dict[str, str]:
+        """Which ceiling keeps each replica from taking more work right now."""
+        out: dict[str, str] = {}
+        head_for = {}
+        for entry in self._queue:
+            for name in self._placement.candidate_names(entry.req):
+                head_for.setdefault(name, entry)
+        for rep in self._ledger.replicas.values():
+            if rep.ejected:
+                out[rep.name] = "ejected"
+            elif not rep.usable:
+                out[rep.name] = "not_ready"
+            elif (allowed := rep.allowed) is not None and rep.running >= allowed:
+                learned = rep.cap is None or allowed < rep.cap
+                out[rep.name] = "latency" if learned else "running_cap"
+            elif (
+                rep.name in head_for
+                and Ledger.need(rep, head_for[rep.name].req, self._ledger.latest)[0] > rep.free
+            ):
+                out[rep.name] = "kv_capacity"
+            elif rep.free < rep.block_size:
+                out[rep.name] = "kv_capacity"
+            else:
+                out[rep.name] = "none"
+        return out
+
+    # ------------------------------------------------------------------ queue
+    def queue_depth(self, model: str | None = None) -> int:
+        if model is not None:
+            return self._queue.per_model.get(model, 0)
+        return len(self._queue.queue)
+
+    def tenant_running(self, tenant: str) -> int:
+        """Admitted, not yet released requests of `tenant`."""
+        return self._queue.queue.running.get(tenant, 0)
+
+    def tenant_queued(self, tenant: str) -> int:
+        """Queued requests of `tenant`."""
+        return self._queue.queue.queued_of(tenant)
+
+    # ------------------------------------------------------------------ shedding
+    def retry_after(self, model: str, need_tokens: int, now: float) -> float:
+        """Seconds until `need_tokens` could be admitted for `model` behind its whole
+        backlog, clamped to [min_retry_after_s, max_retry_after_s] (no jitter)."""
+        return self._shedding.retry_after(model, need_tokens, now)
+
+    def returning(self) -> int:
+        """Shed requests currently expected back."""
+        return len(self._shedding.returning)
+
+    def drain_rate(self, model: str, now: float) -> tuple[float, float] | None:
+        """(tokens/s, requests/s) released by `model`'s ready replicas, or None while
+        fewer than ``min_drain_samples`` releases were seen."""
+        return self._shedding.drain_rate(model, now)

@@ -1,0 +1,220 @@
+"""The queue and its settling: what waits, in what order, and what may go now.
+
+Queue order
+    Entries are served by priority class (higher first); within a class, tenants share by
+    weight in tokens (a virtual token counter: the backlogged tenant that has been served
+    the fewest tokens per unit of weight goes next), and within a tenant by earliest
+    deadline, where a recognised retry counts from its first attempt
+    (`AdmissionRequest.arrival`: see `admission.retries`) and a client's last retry goes
+    before its first attempts; `admission.fairqueue` states the order and the reasons.
+    One tenant's flood therefore cannot delay another tenant's trickle beyond its fair
+    share, and nobody takes the place of another tenant's retry. A tenant at its
+    ``max_concurrent`` is passed over (its entries wait without blocking anyone).
+
+Head-of-line policy: strict order per replica
+    An entry that cannot be admitted blocks every replica it could ever run on, and a
+    later entry may only be admitted to a replica no earlier entry is waiting for. A large
+    request at the head is therefore never starved by a stream of small ones that keep
+    taking the space it waits for, and requests of another model on disjoint replicas are
+    not held up by it. Small requests do not backfill past a large head on the same
+    replicas: without trustworthy run-time estimates, any backfill could delay the head.
+    An entry routing rejects on every replica that fits it (a filter keeps none) waits
+    without blocking those replicas for the entries behind it: it waits for routing's
+    say, not for capacity, and it is retried on every settle until its deadline. An
+    entry waiting for its tenant's ITL target holds the replicas that would meet it at a
+    lighter load (`settle`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from admission.config import AdmissionConfig
+from admission.fairqueue import FairQueue
+from admission.ledger import Ledger
+from admission.placement import REJECTED, Placement
+from admission.types import AdmissionRequest, Admit, Events
+
+
+@dataclass(slots=True)
+class Entry:
+    # (-priority, 0 if last retry else 1, deadline as of first arrival, arrival, sequence):
+    # the order within its tenant's lane (admission.fairqueue orders across tenants).
+    key: tuple[int, int, float, float, int]
+    req: AdmissionRequest
+    raw: int  # the largest reservation it would hold on a replica it can use
+    deadline: float
+    # True while routing rejects every replica that could take it now: it then waits
+    # without blocking anyone (module docstring, Head-of-line policy).
+    rejected: bool = False
+    queued: bool = False  # in the queue (admission.fairqueue keeps it)
+
+
+class TenantLimits(Protocol):
+    """What the queue reads of a tenant (admission.tenants.TenantState has these)."""
+
+    weight: float
+    max_concurrent: int | None
+    max_queued: int | None
+    queue_timeout_s: float | None
+
+
+class Settling:
+    """The fair queue of entries waiting for room, with per-model counts, and the scan
+    that admits them in order."""
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        ledger: Ledger,
+        placement: Placement,
+        tenants: Callable[[str], TenantLimits | None] | None = None,
+    ) -> None:
+        self.config = config
+        self._ledger = ledger
+        self._placement = placement
+        # Tenant policies by name (weight, caps, queue timeout); None: all equal, no caps.
+        self.tenant_of: Callable[[str], TenantLimits | None] = tenants or (lambda _t: None)
+        self.queue = FairQueue(self._weight_of)  # the order: admission.fairqueue
+        self.queued: dict[str, Entry] = {}
+        self.per_model: dict[str, int] = {}
+        self.tokens: dict[str, int] = {}  # model -> sum of queued raw needs
+        self._seq = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.queue)
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self.queue)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ tenants
+    def set_tenants(self, tenants: Callable[[str], TenantLimits | None]) -> None:
+        self.tenant_of = tenants
+
+    def _weight_of(self, tenant: str) -> float:
+        policy = self.tenant_of(tenant)
+        return policy.weight if policy is not None else 1.0
+
+    def capped(self, tenant: str) -> bool:
+        """The tenant runs as many requests as it may (its entries wait, blocking nobody)."""
+        policy = self.tenant_of(tenant)
+        if policy is None or policy.max_concurrent is None:
+            return False
+        return self.queue.running.get(tenant, 0) >= policy.max_concurrent
+
+    # ------------------------------------------------------------------ entries
+    def entry(self, req: AdmissionRequest, raw: int, predicted: float, now: float) -> Entry:
+        """The queue entry of `req`, with the deadline it may wait until.
+
+        A client that said how long it waits (its read timeout) queues only while the
+        predicted service (`predicted`; a stream: its first token) still fits after the
+        wait; the configured queue timeout (the tenant's own first) is the default for
+        clients that say nothing. It may queue for the part of the budget the learned
+        limit does not give to service (1 - latency_budget_fraction), and less when its
+        own predicted service leaves less; a request predicted to need (nearly) all of it
+        still queues briefly: the prediction is an upper estimate, and shedding it
+        forever helps nobody."""
+        if req.latency_budget is not None:
+            budget = req.latency_budget
+            share = (1.0 - self.config.latency_budget_fraction) * budget
+            slack = max(min(share, budget - predicted), 0.1 * budget)
+            deadline = min(req.deadline, now + slack)
+        else:
+            policy = self.tenant_of(req.tenant)
+            timeout = self.config.queue_timeout_s
+            if policy is not None and policy.queue_timeout_s is not None:
+                timeout = policy.queue_timeout_s  # the tenant's own replaces the default
+            deadline = min(req.deadline, now + timeout)
+        # Within its tenant: earliest deadline first, as of its first arrival (a retry
+        # keeps its place); admission.fairqueue orders the tenants.
+        edf = deadline - max(0.0, now - req.arrival) if math.isfinite(deadline) else math.inf
+        entry = Entry(
+            (-req.priority, 0 if req.last_retry else 1, edf, req.arrival, self._seq),
+            req,
+            raw,
+            deadline,
+        )
+        self._seq += 1
+        return entry
+
+    def enqueue(self, entry: Entry) -> None:
+        self.queue.insert(entry)
+        self.queued[entry.req.request_id] = entry
+        model = entry.req.model
+        self.per_model[model] = self.per_model.get(model, 0) + 1
+        self.tokens[model] = self.tokens.get(model, 0) + entry.raw
+
+    def dequeue(self, entry: Entry) -> None:
+        self.queue.remove(entry)
+        del self.queued[entry.req.request_id]
+        model = entry.req.model
+        left = self.per_model[model] - 1
+        if left:
+            self.per_model[model] = left
+            self.tokens[model] -= entry.raw
+        else:
+            del self.per_model[model]
+            del self.tokens[model]
+
+    def admit_alone(self, entry: Entry, now: float) -> Admit | None:
+        """With nothing queued: admit `entry` at once if its tenant may run more and a
+        replica takes it (else None, and `entry.rejected` says whether routing refused)."""
+        if self.capped(entry.req.tenant):
+            return None
+        admit = self._placement.place(entry, set(), now)
+        if isinstance(admit, Admit):
+            self.queue.admitted(entry.req, self._ledger.replicas[admit.replica].running)
+            return admit
+        entry.rejected = admit is REJECTED
+        return None
+
+    # ------------------------------------------------------------------ settling
+    def settle(self, now: float) -> Events:
+        """Admit queued entries in order until every usable replica is blocked; returns
+        the admissions (as the `Events` of the call that settled).
+
+        An entry routing rejected on every replica that fits it waits without blocking
+        them: it waits for routing's say, not for their capacity. Except for an ITL
+        target: an entry no replica meets now, but that a replica would meet with fewer
+        running (its ITL model says so at one running), blocks those replicas like an
+        entry waiting for room: their load must fall for it, and letting the entries
+        behind it in, as a filter's rejection would, keeps the load up and starves it."""
+        if not self.queue:
+            return []
+        replicas = self._ledger.replicas
+        usable = {r.name for r in replicas.values() if r.usable}
+        blocked: set[str] = set()
+        admitted: Events = []
+        for entry in self.queue.visit(self.capped):
+            if usable <= blocked:
+                break
+            admit = self._placement.place(entry, blocked, now)  # type: ignore[arg-type]
+            if isinstance(admit, Admit):
+                self.dequeue(entry)  # type: ignore[arg-type]
+                self.queue.admitted(entry.req, replicas[admit.replica].running)
+                admitted.append(admit)
+            elif admit is REJECTED:
+                held = self._slo_holds(entry)  # type: ignore[arg-type]
+                entry.rejected = not held
+                blocked.update(held)
+            else:
+                entry.rejected = False
+                blocked.update(self._placement.candidate_names(entry.req))
+        return admitted
+
+    def _slo_holds(self, entry: Entry) -> set[str]:
+        """Replicas a routing-rejected entry with an ITL target waits for: those that
+        would meet the target with one request running (`settle`)."""
+        target = entry.req.itl_target_s
+        if not target:
+            return set()
+        out = set()
+        replicas = self._ledger.replicas
+        for name in self._placement.candidate_names(entry.req):
+            alone = replicas[name].predicted_itl(1)
+            if alone is not None and alone <= target:
+                out.add(name)
+        return out

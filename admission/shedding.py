@@ -1,0 +1,263 @@
+"""Shedding: which requests may not wait, and the Retry-After they are told.
+
+The wait for a request is estimated as its deficit (tokens, and running slots, that must
+free before it fits, counting the queue ahead of it for the same model) divided by the
+drain rate of the model's replicas (`admission.drain.DrainMeter`). A request is shed at
+submit (503) when the queue is full or the estimated wait exceeds the time to its
+deadline, so it is never held only to time out later; 429 when its tenant's own queue is
+full. With fewer than ``min_drain_samples`` releases observed there is no evidence to
+shed on: the request is queued (its deadline still bounds the wait) and Retry-After is
+the documented ``cold_retry_after_s``. The delay is clamped to [min_retry_after_s,
+max_retry_after_s] (by default [1, 60] s).
+
+A full queue sheds the newcomer whatever its priority, unless its tenant holds less than
+its weighted share of the model's queue slots: then the last entry of the tenant most
+over its share gives way (shed 503 with Retry-After), so a flood cannot crowd a trickle
+out of the queue. `Queued.position` counts the entries of the same model expected to be
+served before it (0 = head): higher classes, its own tenant's earlier entries, and what
+the other tenants' counters let through before its turn.
+
+Expiry (`expire`, run by the controller's `advance`) sheds entries past their deadline
+(``queue_timeout``) or whose re-estimated wait no longer meets it (``deadline``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, replace
+
+from admission.config import AdmissionConfig
+from admission.replica import round_up
+from admission.retries import ReturningBacklog
+from admission.settling import Entry, Settling
+from admission.types import AdmissionRequest, Queued, Shed
+from admission.views import ModelViews
+
+
+@dataclass(slots=True, frozen=True)
+class WaitContext:
+    """What a wait estimate needs about a model's ready replicas, computed once per call."""
+
+    tokens_per_s: float
+    requests_per_s: float
+    block_sizes: frozenset[int]
+    free_sum: int
+    free_max: int
+    free_slots: int | None  # None when some replica has no running cap
+
+
+def wait_for(
+    ctx: WaitContext | None, raw: int, ahead_tokens: int, ahead_count: int
+) -> float | None:
+    """Seconds until a request of `raw` tokens fits behind the queue ahead of it.
+
+    Deficit in tokens: the queue ahead (same model) plus this request, minus what is free
+    on the model's ready replicas (and at least what the roomiest replica lacks for this
+    request alone). Deficit in running slots likewise when every replica is capped. Each
+    deficit is divided by its drain rate; the larger wait wins. None when there is no
+    drain history to estimate from.
+    """
+    if ctx is None:
+        return None
+    need = max(round_up(raw, bs) for bs in ctx.block_sizes)
+    tok_deficit = max(0, ahead_tokens + need - ctx.free_sum, need - ctx.free_max)
+    slot_deficit = 0
+    if ctx.free_slots is not None:
+        slot_deficit = max(0, ahead_count + 1 - ctx.free_slots)
+    wait = 0.0
+    if tok_deficit:
+        rate = ctx.tokens_per_s
+        wait = max(wait, tok_deficit / rate if rate > 0 else math.inf)
+    if slot_deficit:
+        rate = ctx.requests_per_s
+        wait = max(wait, slot_deficit / rate if rate > 0 else math.inf)
+    return wait
+
+
+class Shedding:
+    """Shed verdicts with their Retry-After, and the backlog of shed requests expected back."""
+
+    def __init__(
+        self, config: AdmissionConfig, views: ModelViews, queue: Settling, seed: int | None
+    ) -> None:
+        self.config = config
+        self._views = views
+        self._queue = queue
+        self.returning = ReturningBacklog()  # shed requests expected back
+        self._rng = random.Random(seed)  # Retry-After jitter
+
+    # ------------------------------------------------------------------ estimates
+    def drain_rate(self, model: str, now: float) -> tuple[float, float] | None:
+        """(tokens/s, requests/s) released by `model`'s ready replicas, or None while
+        fewer than ``min_drain_samples`` releases were seen."""
+        reps = [r for r in self._views.serving(model) if r.usable]
+        if sum(r.drain.samples for r in reps) < self.config.min_drain_samples:
+            return None
+        tok = req = 0.0
+        for rep in reps:
+            t, q = rep.drain.rates(now)
+            tok += t
+            req += q
+        return tok, req
+
+    def wait_context(self, model: str, now: float) -> WaitContext | None:
+        """Drain rates and ready replicas of `model`; None without enough drain history."""
+        rates = self.drain_rate(model, now)
+        if rates is None:
+            return None
+        reps = [r for r in self._views.serving(model) if r.usable]
+        if not reps:
+            return None
+        frees = [max(0, r.free) for r in reps]
+        slots: int | None = None
+        allowed = [r.allowed for r in reps]
+        if all(a is not None for a in allowed):
+            slots = sum(max(0, (a or 0) - r.running) for a, r in zip(allowed, reps, strict=True))
+        return WaitContext(
+            rates[0],
+            rates[1],
+            frozenset(r.block_size for r in reps),
+            sum(frees),
+            max(frees),
+            slots,
+        )
+
+    def _backlog_wait(
+        self, model: str, raw: int, now: float, tokens: int, count: int
+    ) -> float | None:
+        """The wait of `raw` tokens behind the model's whole queue plus what is given."""
+        q = self._queue
+        return wait_for(
+            self.wait_context(model, now),
+            raw,
+            q.tokens.get(model, 0) + tokens,
+            q.per_model.get(model, 0) + count,
+        )
+
+    def retry_after(self, model: str, need_tokens: int, now: float) -> float:
+        """Seconds until `need_tokens` could be admitted for `model` behind its whole
+        backlog (its queue and the shed requests expected back), clamped to
+        [min_retry_after_s, max_retry_after_s] (no jitter)."""
+        back_tokens, back_count = self.returning.ahead(model, now, now)
+        return self.clamp(self._backlog_wait(model, need_tokens, now, back_tokens, back_count))
+
+    def clamp(self, wait: float | None) -> float:
+        value = self.config.cold_retry_after_s if wait is None else wait
+        return min(self.config.max_retry_after_s, max(self.config.min_retry_after_s, value))
+
+    # ------------------------------------------------------------------ verdicts
+    def shed(
+        self,
+        req: AdmissionRequest,
+        raw: int,
+        reason: str,
+        wait: float | None,
+        deadline: float,
+        now: float,
+    ) -> Shed:
+        """Shed `req` with a Retry-After that brings it back when it can queue again.
+
+        `wait` is the estimated time until it could be admitted behind the whole backlog
+        (queue and returning sheds). It may queue for up to its deadline once back, so it
+        is told to return after ``wait - (deadline - now) / 2`` (half the client's
+        tolerance, when it stated one), jittered by a uniform factor in [1 - j, 1 + j],
+        then clamped. Its own tokens join the returning backlog until it is back or
+        overdue.
+        """
+        if wait is None:
+            delay = self.config.cold_retry_after_s
+        else:
+            # Back with half its tolerance still ahead: estimates are noisy, and a request
+            # that returns to find the wait just over its tolerance is shed once more.
+            tolerance = deadline - now if math.isfinite(deadline) and deadline > now else 0.0
+            delay = max(0.0, wait - 0.5 * tolerance)
+        j = self.config.retry_jitter
+        if j > 0:
+            delay *= self._rng.uniform(1.0 - j, 1.0 + j)
+        delay = self.clamp(delay)
+        key = req.retry_key if req.retry_key is not None else req.request_id
+        expires = now + delay * (1.0 + j) + max(self.config.min_retry_after_s, 0.25 * delay)
+        self.returning.add(req.model, key, req.arrival, expires, raw, req.tenant)
+        return Shed(req.request_id, reason, delay)
+
+    def judge(self, entry: Entry, now: float) -> tuple[Queued | Shed, list[Shed]]:
+        """Whether a just-queued `entry` that could not be admitted may wait: Queued, or
+        Shed (and dequeued); with the entries it displaced from a full queue."""
+        q = self._queue
+        req, raw = entry.req, entry.raw
+        model = req.model
+        model_depth = q.per_model.get(model, 0) - 1  # others of its model
+        # Shed requests that will come back before this one count ahead of it (not ahead
+        # of a last retry, which queues before them).
+        back_tokens, back_count = (
+            (0, 0) if req.last_retry else self.returning.ahead(model, req.arrival, now, req.tenant)
+        )
+        policy = q.tenant_of(req.tenant)
+        if (
+            policy is not None
+            and policy.max_queued is not None
+            and q.queue.queued_of(req.tenant) > policy.max_queued
+        ):
+            # The tenant's own queue is full: a 429 naming the limit it hit.
+            capped = q.capped(req.tenant)
+            q.dequeue(entry)
+            wait = self._backlog_wait(model, raw, now, back_tokens, back_count)
+            shed = self.shed(req, raw, "tenant_queue", wait, now, now)
+            reason = "tenant_concurrency" if capped else "tenant_queue"
+            return replace(shed, reason=reason, status=429), []
+        displaced: list[Shed] = []
+        limit = self.config.queue_max_per_model
+        if model_depth >= limit:
+            victim = q.queue.victim(entry, limit)
+            if victim is not None:
+                # The newcomer's tenant holds less than its weighted share of the queue:
+                # the last entry of the tenant most over its share gives way.
+                q.dequeue(victim)
+                vwait = self._backlog_wait(model, victim.raw, now, 0, 0)
+                displaced.append(self.shed(victim.req, victim.raw, "queue_full", vwait, now, now))
+                model_depth -= 1
+        if model_depth >= limit:
+            q.dequeue(entry)
+            wait = wait_for(
+                self.wait_context(model, now),
+                raw,
+                q.tokens.get(model, 0) + back_tokens,
+                model_depth + back_count,
+            )
+            # No room to queue when it is back until the backlog ahead has drained.
+            return self.shed(req, raw, "queue_full", wait, now, now), displaced
+        ahead_tokens, position = q.queue.ahead(entry)
+        wait = wait_for(
+            self.wait_context(model, now), raw, ahead_tokens + back_tokens, position + back_count
+        )
+        deadline = entry.deadline
+        if deadline <= now or (wait is not None and now + wait > deadline):
+            q.dequeue(entry)
+            return self.shed(req, raw, "deadline", wait, deadline, now), displaced
+        estimated = wait if wait is not None else self.config.cold_retry_after_s
+        return Queued(req.request_id, position, estimated), displaced
+
+    def expire(self, now: float) -> list[Shed]:
+        """Shed queued entries past their deadline (``queue_timeout``) or whose estimated
+        wait can no longer meet it (``deadline``), dequeued."""
+        q = self._queue
+        shed: list[Shed] = []
+        ahead: dict[str, tuple[int, int]] = {}  # model -> (tokens, count) of kept entries
+        contexts: dict[str, WaitContext | None] = {}
+        for entry in list(q):
+            model = entry.req.model
+            tokens, count = ahead.get(model, (0, 0))
+            if model not in contexts:
+                contexts[model] = self.wait_context(model, now)
+            wait = wait_for(contexts[model], entry.raw, tokens, count)
+            if entry.deadline <= now:
+                reason = "queue_timeout"
+            elif wait is None or now + wait <= entry.deadline:
+                ahead[model] = (tokens + entry.raw, count + 1)
+                continue
+            else:
+                reason = "deadline"
+            q.dequeue(entry)
+            shed.append(self.shed(entry.req, entry.raw, reason, wait, entry.deadline, now))
+        return shed

@@ -1,0 +1,252 @@
+"""The door to admission: the gateway's only holder of the `AdmissionController`.
+
+The controller is a synchronous state machine. Every call that changes it returns what
+it caused: `submit` a `Decision` (the request's verdict and the verdicts it settled for
+queued requests), the other changes their `Events` (queued requests admitted or shed).
+The door makes each change, hands every event to the waiter of its request, and owns the
+futures the queued handlers await, in one place, so no call site can forget to hand an
+admission out. Everything else in the gateway reads `report` and never changes admission
+but through here.
+
+Deadlines (of queued requests, and of abandoned reservations held while their engine may
+still be generating) are enforced by one background task that sleeps until the
+controller's `next_deadline()` and then calls `advance`. It is woken when a new entry may
+have moved the earliest deadline forward. Time is always the event loop's monotonic clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+
+from admission.controller import AdmissionController
+from admission.report import AdmissionReport
+from admission.settling import TenantLimits
+from admission.types import (
+    AdmissionRequest,
+    Admit,
+    Completion,
+    Events,
+    Queued,
+    Refuse,
+    Shed,
+    Verdict,
+)
+from routing.types import ReplicaState, Router
+
+log = logging.getLogger("kvgate.admission")
+
+
+class AdmissionDoor:
+    def __init__(self, controller: AdmissionController) -> None:
+        self._controller = controller
+        self._bound: asyncio.AbstractEventLoop | None = None  # the loop of its first use
+        self._waiters: dict[str, asyncio.Future[Admit | Shed]] = {}
+        self._wake = asyncio.Event()
+        self._armed = math.inf  # the deadline the expiry task currently sleeps towards
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def report(self) -> AdmissionReport:
+        """Every read of admission (ledger, queue, learned limits)."""
+        return self._controller.report
+
+    @property
+    def router(self) -> Router:
+        """The routing policy admission places requests with."""
+        return self._controller.router
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        # Bound on first use, so the app can build the door before its loop runs.
+        if self._bound is None:
+            self._bound = asyncio.get_running_loop()
+        return self._bound
+
+    def now(self) -> float:
+        return self._loop.time()
+
+    def _time(self, now: float | None) -> float:
+        return self._loop.time() if now is None else now
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._task is None:
+            self._task = self._loop.create_task(self._expiry_loop(), name="kvgate-expiry")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for rid, fut in list(self._waiters.items()):
+            if not fut.done():
+                fut.set_result(Shed(rid, "shutdown", 1.0))
+        self._waiters.clear()
+
+    def shed_all(self, reason: str, retry_after: float) -> int:
+        """Shed every queued request at once (graceful shutdown); returns how many. Each
+        waiter's ``finally`` releases its queue entry."""
+        n = 0
+        for rid, fut in list(self._waiters.items()):
+            if not fut.done():
+                fut.set_result(Shed(rid, reason, retry_after))
+                n += 1
+        return n
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    # ---------------------------------------------------------------- requests
+    async def admit(self, req: AdmissionRequest) -> tuple[Admit | Shed | Refuse, bool]:
+        """Submit `req`; if queued, wait for its Admit or Shed.
+
+        Returns (verdict, queued). Cancellation (client disconnect) propagates; the caller
+        releases in ``finally``, which also drops the queue entry.
+        """
+        verdict = self.submit(req)
+        if not isinstance(verdict, Queued):
+            return verdict, False
+        return await self.wait_queued(req.request_id), True
+
+    def submit(self, req: AdmissionRequest, now: float | None = None) -> Verdict:
+        """Decide `req` and deliver what the decision settled for others (an entry a
+        full queue gave up for it, entries admitted in the same scan). A Queued request
+        registers its waiter with `expect` before anything else can admit or shed it."""
+        decision = self._controller.submit(req, self._time(now))
+        self._resolve(decision.events)
+        return decision.verdict
+
+    def expect(self, request_id: str) -> asyncio.Future[Admit | Shed]:
+        """Register the waiter of a request the controller just queued (its `submit`
+        answered Queued), before anything else can admit or shed it: a verdict for a
+        request nobody waits for is taken for a departed client's and given back."""
+        fut: asyncio.Future[Admit | Shed] = self._loop.create_future()
+        self._waiters[request_id] = fut
+        self._rearm()  # this entry may expire before what the task sleeps towards
+        return fut
+
+    async def wait_queued(
+        self, request_id: str, fut: asyncio.Future[Admit | Shed] | None = None
+    ) -> Admit | Shed:
+        """Wait for the Admit or Shed of a queued request: `fut` from `expect`, or
+        registered now (when nothing ran since its `submit`)."""
+        if fut is None:
+            fut = self.expect(request_id)
+        try:
+            return await fut
+        finally:
+            self._waiters.pop(request_id, None)
+
+    def release(self, request_id: str, completion: Completion | None = None) -> None:
+        """Free a reservation or queue entry (idempotent) and hand out what that admits."""
+        self._resolve(self._controller.release(request_id, self._loop.time(), completion))
+
+    def abandon(self, request_id: str, completion: Completion | None = None) -> None:
+        """Hold the reservation of a request whose engine may still be generating it
+        (`AdmissionController.abandon`); the expiry task ends the hold at its deadline."""
+        self._resolve(self._controller.abandon(request_id, self._loop.time(), completion))
+        self._rearm()
+
+    def top_up(self, request_id: str, total_tokens: int, now: float | None = None) -> bool:
+        """Grow a stream's reservation (`AdmissionController.top_up`)."""
+        return self._controller.top_up(request_id, total_tokens, self._time(now))
+
+    # ---------------------------------------------------------------- replicas
+    def upsert_replica(
+        self,
+        state: ReplicaState,
+        now: float | None = None,
+        *,
+        pinned_capacity: int | None = None,
+        max_running: int | None = None,
+    ) -> None:
+        self._resolve(
+            self._controller.upsert_replica(
+                state,
+                self._time(now),
+                pinned_capacity=pinned_capacity,
+                max_running=max_running,
+            )
+        )
+
+    def remove_replica(self, name: str, now: float | None = None) -> None:
+        self._resolve(self._controller.remove_replica(name, self._time(now)))
+
+    def mark_unready(self, name: str, now: float | None = None) -> None:
+        self._resolve(self._controller.mark_unready(name, self._time(now)))
+
+    def set_ejected(self, name: str, ejected: bool, now: float | None = None) -> None:
+        self._resolve(self._controller.set_ejected(name, ejected, self._time(now)))
+
+    def set_pool_share(
+        self,
+        replica: str,
+        tokens: int | None,
+        now: float | None = None,
+        *,
+        running: int | None = None,
+        others_running: int = 0,
+    ) -> None:
+        self._resolve(
+            self._controller.set_pool_share(
+                replica, tokens, self._time(now), running=running, others_running=others_running
+            )
+        )
+
+    def adopt_limit(
+        self, replica: str, value: float, reason: str, now: float | None = None
+    ) -> None:
+        """Take another process's learned running limit for `replica` (shared state)."""
+        self._resolve(self._controller.adopt_limit(replica, value, reason, self._time(now)))
+
+    def set_tenants(self, tenants: Callable[[str], TenantLimits | None]) -> None:
+        self._controller.set_tenants(tenants)
+
+    def advance(self, now: float | None = None) -> None:
+        """Let time act now (expiries, time-driven settling), e.g. after a tenant's share
+        grew; the expiry task does this at every deadline."""
+        self._resolve(self._controller.advance(self._time(now)))
+
+    # ---------------------------------------------------------------- delivery
+    def _resolve(self, events: Events) -> None:
+        """Deliver verdicts the controller produced for queued requests."""
+        for v in events:
+            fut = self._waiters.pop(v.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(v)
+            elif isinstance(v, Admit):
+                # Its waiter is gone (cancelled in the same loop iteration): give the
+                # reservation straight back so it cannot leak.
+                log.debug("admission for departed request %s returned", v.request_id)
+                self.release(v.request_id)
+
+    def _rearm(self) -> None:
+        first = self._controller.next_deadline()
+        if first is not None and first < self._armed:
+            self._wake.set()
+
+    # ---------------------------------------------------------------- deadlines
+    async def _expiry_loop(self) -> None:
+        ctrl = self._controller
+        while True:
+            deadline = ctrl.next_deadline()
+            self._armed = deadline if deadline is not None else math.inf
+            self._wake.clear()
+            if deadline is None or deadline == math.inf:
+                await self._wake.wait()
+            else:
+                delay = deadline - self._loop.time()
+                if delay > 0:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(delay):
+                            await self._wake.wait()
+            try:
+                self._resolve(ctrl.advance(self._loop.time()))
+            except Exception:  # a bug here must not stop deadline enforcement for good
+                log.exception("admission expiry failed")
