@@ -21,10 +21,6 @@ README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
 DOCUMENTS = [README, *PAGES]
 
-# Pages other branches write (the lead's architecture page, the plugin guide); a link to
-# one is accepted until it lands, then checked like any other.
-PENDING_PAGES = {ROOT / "docs" / "architecture.md"}
-
 # [text](target) and ![alt](target); the target ends at whitespace or the closing paren.
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
@@ -73,8 +69,6 @@ def test_relative_links_resolve_inside_the_repository(doc: Path) -> None:
             continue  # a URL
         file, _, anchor = target.partition("#")
         path = (doc.parent / file).resolve() if file else doc
-        if path in PENDING_PAGES:
-            continue
         if not path.is_relative_to(ROOT) or not path.is_file():
             broken.append(target)
         elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
