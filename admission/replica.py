@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from admission.config import AdmissionConfig
 from admission.drain import DrainMeter
 from admission.estimate import ServiceModel
+from admission.fit import FitLimits, can_ever_fit, context_needed, reservation, round_up
 from admission.itl import ItlModel
 from admission.limit import RunningLimit
 from admission.prefixshare import SharedPrefixes
@@ -43,12 +44,6 @@ POOL_MEMORY_S = 300.0  # how long a pool measured smaller than configured is kep
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
-
-
-def round_up(tokens: int, block_size: int) -> int:
-    """`tokens` rounded up to a whole number of `block_size` blocks."""
-    bs = max(1, block_size)
-    return -(-max(0, tokens) // bs) * bs
 
 
 @dataclass(slots=True)
@@ -151,34 +146,29 @@ class Replica:
         self.memo_tokens = tokens
         return tokens
 
+    def fit_limits(self) -> FitLimits:
+        """What this replica can ever hold, for the fit rules (`admission.fit`)."""
+        pool = None if self.capacity is None else self.effective
+        return FitLimits(
+            self.max_model_len, pool, self.block_size, self.preempts, self.private_slots
+        )
+
     def _tokens_for(self, req: AdmissionRequest) -> int:
-        prompt = max(1, req.prompt_tokens)
-        if self.preempts:
-            return self.need(prompt + max(0, req.expected_output))
-        most = prompt + max(1, req.max_tokens) if req.max_tokens_given else None
-        if self.max_model_len is not None:
-            most = self.max_model_len if most is None else min(most, self.max_model_len)
-        if most is None:  # nothing bounds the output here: the best estimate there is
-            most = prompt + max(0, req.expected_output)
-        tokens = self.need(most)
-        if self.capacity is not None and not self.private_slots:
-            whole = self.effective // self.block_size * self.block_size
-            if whole >= self.block_size:
-                tokens = min(tokens, whole)  # alone in the pool it cannot overrun it
-        return tokens
+        return reservation(
+            self.fit_limits(),
+            req.prompt_tokens,
+            req.expected_output,
+            req.max_tokens,
+            req.max_tokens_given,
+        )
 
     def context_needed(self, req: AdmissionRequest) -> int:
-        """What `req` needs of the replica's context: prompt + max_tokens, which vLLM and
-        SGLang refuse when over it; llama.cpp refuses only a prompt that leaves no room
-        to generate and stops the rest at the context's end (finish reason ``length``)."""
-        if self.preempts:
-            return req.prompt_tokens + req.max_tokens
-        return req.prompt_tokens + 1
+        return context_needed(self.preempts, req.prompt_tokens, req.max_tokens)
 
     def can_ever_fit(self, req: AdmissionRequest) -> bool:
-        if self.max_model_len is not None and self.context_needed(req) > self.max_model_len:
-            return False
-        return self.capacity is None or self.tokens_for(req) <= self.effective
+        return can_ever_fit(
+            self.fit_limits(), req.prompt_tokens, req.max_tokens, self.tokens_for(req)
+        )
 
     def refresh(
         self,

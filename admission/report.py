@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from admission.fit import FitLimits
 from admission.ledger import Ledger
 from admission.limit import RunningLimit
 from admission.placement import Placement
@@ -129,6 +130,17 @@ class AdmissionReport:
             running_limit=limit,
             share_tokens=rep.share_tokens,
             share_running=rep.share_running,
+        )
+
+    def fit_limits(self, model: str) -> tuple[FitLimits, ...]:
+        """What each replica serving `model` can ever hold, for the prompt counter's
+        "could this be refused?" (`admission.fit`; replicas with no known limit left out)."""
+        return tuple(
+            rep.fit_limits()
+            for rep in self._ledger.replicas.values()
+            if rep.present
+            and model in rep.models
+            and (rep.capacity is not None or rep.max_model_len is not None)
         )
 
     def replica_usage(self) -> list[ReplicaUsage]:

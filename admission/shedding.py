@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass, replace
 
 from admission.config import AdmissionConfig
-from admission.replica import round_up
+from admission.fit import round_up
 from admission.retries import ReturningBacklog
 from admission.settling import Entry, Settling
 from admission.types import AdmissionRequest, Queued, Shed

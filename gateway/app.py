@@ -137,7 +137,9 @@ def build_app(
             lambda ctx: pipeline_ref[0].on_progress(ctx),
             client_write_timeout_s=config.limits.client_write_timeout_s,
         )
-        counter = PromptCounter(config, st.estimator, st.discovery, st.metrics, session)
+        counter = PromptCounter(
+            config, st.estimator, st.discovery, st.door.report, st.metrics, session
+        )
         st.pipeline = Pipeline(
             config,
             st.estimator,

@@ -56,7 +56,6 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -65,6 +64,8 @@ from typing import Any, NamedTuple
 import aiohttp
 
 from admission.estimate import TokenEstimator
+from admission.fit import FitLimits, can_ever_fit, reservation
+from admission.report import AdmissionReport
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext
 from gateway.discovery import Discovery, ReplicaWatcher
@@ -104,45 +105,21 @@ def _pause_after(e: Exception) -> float:
     return _FAILURE_PAUSE_S
 
 
-def _round_up(tokens: int, block_size: int) -> int:
-    return -(-max(0, tokens) // max(1, block_size)) * max(1, block_size)
-
-
 def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
 # ====================================================================== limits (pure)
-class ReplicaLimit(NamedTuple):
-    """What one replica serving a model can ever hold (as admission checks it)."""
-
-    max_model_len: int | None
-    pool: int | None  # effective KV pool in tokens
-    block_size: int = 16
-    # False for an engine that does not preempt (llama.cpp): admission reserves the worst
-    # case there, so an estimate that is low is an error waiting to happen, near a limit
-    # or not; and such a request runs alone rather than never (only the context limits).
-    preempts: bool = True
-
-    def fits(self, prompt: int, max_tokens: int, output: int) -> bool:
-        if not self.preempts:  # only a prompt that leaves no room to generate is refused
-            return self.max_model_len is None or prompt < self.max_model_len
-        if self.max_model_len is not None and prompt + max_tokens > self.max_model_len:
-            return False
-        need = _round_up(max(1, prompt) + max(0, output), self.block_size)
-        return self.pool is None or need <= self.pool
-
-
 class Limits(NamedTuple):
     """The known limits of the replicas serving one model (build with `Limits.of`)."""
 
-    replicas: tuple[ReplicaLimit, ...] = ()
+    replicas: tuple[FitLimits, ...] = ()
     shortest: int | None = None  # the smallest max_model_len
     largest: int | None = None  # the largest effective pool
     always: bool = False  # some replica does not preempt: count every prompt exactly
 
     @classmethod
-    def of(cls, replicas: tuple[ReplicaLimit, ...]) -> Limits:
+    def of(cls, replicas: tuple[FitLimits, ...]) -> Limits:
         lens = [r.max_model_len for r in replicas if r.max_model_len is not None]
         pools = [r.pool for r in replicas if r.pool is not None]
         always = any(not r.preempts for r in replicas)
@@ -150,7 +127,10 @@ class Limits(NamedTuple):
 
     def fits(self, prompt: int, max_tokens: int, output: int) -> bool:
         """Some replica can ever hold it (True when no limit is known)."""
-        return not self.replicas or any(r.fits(prompt, max_tokens, output) for r in self.replicas)
+        return not self.replicas or any(
+            can_ever_fit(r, prompt, max_tokens, reservation(r, prompt, output, max_tokens, True))
+            for r in self.replicas
+        )
 
     def near(self, prompt: int, max_tokens: int, output: int, margin: float) -> bool:
         """Within `margin` of (or over) the smallest context or the largest pool; always
@@ -163,23 +143,10 @@ class Limits(NamedTuple):
         return self.largest is not None and max(1, prompt) + output >= keep * self.largest
 
 
-def limits_for(discovery: Discovery, model: str, headroom: float) -> Limits:
-    """The limits of every replica that lists `model` (read from discovery, as admission
-    sees them: a pinned pool wins, the effective pool keeps `headroom` free)."""
-    out: list[ReplicaLimit] = []
-    keep = 1.0 - headroom
-    for w in discovery.watchers.values():
-        s = w.state
-        if model not in s.models:
-            continue
-        cap = w.config.pool_tokens
-        if cap is None:
-            cap = s.capacity_tokens
-        pool = math.floor(cap * keep) if cap else None
-        if s.max_model_len is None and pool is None:
-            continue
-        out.append(ReplicaLimit(s.max_model_len, pool, s.block_size or 1, s.preempts))
-    return Limits.of(tuple(out))
+def limits_for(report: AdmissionReport, model: str) -> Limits:
+    """The limits of every replica that lists `model`, as admission holds them (the
+    measured pool, private slots and headroom included: `admission.fit`)."""
+    return Limits.of(report.fit_limits(model))
 
 
 # ====================================================================== the counter
@@ -237,6 +204,7 @@ class PromptCounter:
         config: GatewayConfig,
         estimator: TokenEstimator,
         discovery: Discovery,
+        report: AdmissionReport,
         metrics: GatewayMetrics,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
@@ -244,10 +212,10 @@ class PromptCounter:
         self._cfg = cfg
         self._estimator = estimator
         self._discovery = discovery
+        self._report = report
         self._metrics = metrics
         self._session = session if cfg.replica_tokenize else None
         self._timeout = config.upstream.tokenize_timeout_s
-        self._headroom = config.admission.headroom
         self._overhead = config.admission.per_message_overhead_tokens
         self._cache = _Lru(cfg.cache_entries)
         self._turn = itertools.count()
@@ -306,7 +274,7 @@ class PromptCounter:
         hit = self._limits.get(model)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-        limits = limits_for(self._discovery, model, self._headroom)
+        limits = limits_for(self._report, model)
         if limits.replicas:  # only models some replica serves: clients cannot grow this
             self._limits[model] = (stamp, limits)
         return limits

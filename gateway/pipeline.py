@@ -106,7 +106,9 @@ class Pipeline:
         self.relay = relay
         self.metrics = metrics
         # Without a session (no counter given) prompts are estimated and counted locally only.
-        self.counter = counter or PromptCounter(config, estimator, discovery, metrics)
+        self.counter = counter or PromptCounter(
+            config, estimator, discovery, bridge.report, metrics
+        )
         # Tenants: hashed keys, policies, rate limits (admission/tenants.py). The plain
         # legacy keys are hashed here and not kept.
         self.tenants = tenants or TenantLimiter.from_config(config.tenants, config.auth.api_keys)

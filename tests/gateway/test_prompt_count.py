@@ -13,10 +13,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
+from admission.fit import FitLimits
 from admission.types import AdmissionRequest, Admit, Refuse
-from gateway.config import ReplicaConfig, config_from_mapping
+from gateway.config import GatewayConfig, ReplicaConfig, config_from_mapping
 from gateway.context import RequestContext
-from gateway.counting import Limits, PromptCounter, ReplicaLimit
+from gateway.counting import Limits, PromptCounter
 from gateway.metrics import GatewayMetrics
 from gateway.prompt import chat_shape
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -82,7 +83,7 @@ def test_a_local_tokenizer_counts_tool_calls_and_tool_messages(tmp_path: Path) -
     tok.save(str(path))
     cfg = config_from_mapping({"tokenizers": {"m": str(path)}}, env={})
     est = TokenEstimator(cfg.admission, tokenizer_for=load_token_counters(cfg.tokenizers).get)
-    counter = PromptCounter(cfg, est, _discovery([]), _metrics())
+    counter = _counter(cfg, est, [])
     ctx = _ctx(chat(AGENT_TURNS))
     m = counter.measure(ctx)
     words = (
@@ -111,9 +112,7 @@ def test_media_parts_get_an_allowance_and_are_not_countable() -> None:
     assert s.media_tokens(1000, 750) == 3 * 1000 + 750
     # Counted into the reservation, and the prompt is never marked exact on an allowance.
     cfg = config_from_mapping({}, env={})
-    counter = PromptCounter(
-        cfg, TokenEstimator(cfg.admission), _discovery([_replica(2048, 100_000)]), _metrics()
-    )
+    counter = _counter(cfg, TokenEstimator(cfg.admission), [_replica(2048, 100_000)])
     ctx = _ctx(chat([{"role": "user", "content": parts}]))
     m = counter.measure(ctx)
     assert ctx.prompt_tokens >= 3750 and not ctx.prompt_countable
@@ -122,12 +121,12 @@ def test_media_parts_get_an_allowance_and_are_not_countable() -> None:
 
 
 def test_limits_near_and_fits_follow_admission() -> None:
-    limits = Limits.of((ReplicaLimit(2048, 3891, 16), ReplicaLimit(1024, None, 16)))
+    limits = Limits.of((FitLimits(2048, 3891, 16), FitLimits(1024, None, 16)))
     # near: within 10% of the smallest context, or of the largest pool.
     assert not limits.near(800, 100, 100, 0.1)
     assert limits.near(850, 100, 100, 0.1)  # 950 >= 0.9 * 1024
     assert limits.fits(1900, 100, 100) and not limits.fits(2000, 100, 100)
-    pool_only = Limits.of((ReplicaLimit(None, 1000, 16),))
+    pool_only = Limits.of((FitLimits(None, 1000, 16),))
     assert pool_only.near(880, 0, 20, 0.1) and not pool_only.near(700, 0, 100, 0.1)
     # The KV need is rounded up to whole blocks, as admission does: 980 -> 992, 1010 -> 1024.
     assert pool_only.fits(880, 10_000, 100) and not pool_only.fits(990, 0, 20)
@@ -137,14 +136,16 @@ def test_limits_near_and_fits_follow_admission() -> None:
 def test_limits_are_recomputed_when_discovery_applies_a_round() -> None:
     cfg = config_from_mapping({}, env={})
     replica = _replica(2048, 4096)
-    counter = PromptCounter(cfg, TokenEstimator(cfg.admission), _discovery([replica]), _metrics())
+    ctrl = AdmissionController(cfg.admission, default_profile(seed=1), seed=1)
+    counter = _counter(cfg, TokenEstimator(cfg.admission), [replica], ctrl)
     body = {"model": "m", "prompt": "x", "max_tokens": 1800}
     ctx = _ctx(CompletionRequest.model_validate(body))
     ctx.max_tokens = ctx.expected_output = 1800
     assert counter.near_limit(ctx, counter.measure(ctx)) is False  # 1,801 < 0.9 x 2,048
     replica.state.max_model_len = 1900  # a redeploy with a shorter context...
     assert counter.near_limit(ctx, counter.measure(ctx)) is False  # ...not yet applied
-    replica.state.updated_at = 1.0  # the adapter applied the round
+    replica.state.updated_at = 1.0  # the adapter applied the round, and admission has it
+    ctrl.upsert_replica(replica.state, 1.0)
     assert counter.near_limit(ctx, counter.measure(ctx)) is True
 
 
@@ -161,7 +162,7 @@ def test_estimate_wrong_by_2x_either_way_refuses_nothing_wrongly(
     max_tokens = 64
     cfg = config_from_mapping({"admission": {"initial_chars_per_token": true_cpt * guess_error}})
     est = TokenEstimator(cfg.admission)
-    counter = PromptCounter(cfg, est, _discovery([_replica(2048, 4096)]), _metrics())
+    counter = _counter(cfg, est, [_replica(2048, 4096)])
     ctrl = AdmissionController(cfg.admission, default_profile(seed=1), seed=1)
     ctrl.upsert_replica(
         ReplicaState(
@@ -225,6 +226,20 @@ def _replica(max_model_len: int | None, pool: int | None) -> SimpleNamespace:
     return SimpleNamespace(config=rc, state=state)
 
 
+def _counter(
+    cfg: GatewayConfig,
+    est: TokenEstimator,
+    watchers: list[SimpleNamespace],
+    ctrl: AdmissionController | None = None,
+) -> PromptCounter:
+    """A counter whose limits are admission's view of `watchers` (as discovery feeds it)."""
+    if ctrl is None:
+        ctrl = AdmissionController(cfg.admission, default_profile(seed=1), seed=1)
+    for w in watchers:
+        ctrl.upsert_replica(w.state, 0.0)
+    return PromptCounter(cfg, est, _discovery(watchers), ctrl.report, _metrics())
+
+
 def _discovery(watchers: list[SimpleNamespace]) -> SimpleNamespace:
     """What the counter reads of discovery: its watchers' config and state."""
     return SimpleNamespace(watchers={w.config.name: w for w in watchers})
@@ -235,3 +250,21 @@ def _ctx(parsed: ChatCompletionRequest | CompletionRequest) -> RequestContext:
     ctx = RequestContext("t", kind, "/", 0.0, parsed=parsed, model=parsed.model)
     ctx.body = parsed.body
     return ctx
+
+
+def test_the_counter_reads_the_pool_admission_holds() -> None:
+    """One set of fit rules: the counter's limits are admission's own, so a pool of private
+    slots keeps no headroom and a pool the engine's KV usage measured smaller is the
+    smaller one (the counter once restated the rules from config, without either)."""
+    cfg = config_from_mapping({"admission": {"headroom": 0.1}}, env={})
+    slots = _replica(1024, 4096)
+    slots.state.private_slots = True
+    slots.state.preempts = False
+    shared = _replica(2048, 10_000)
+    shared.state.name = shared.config.name = "r1"
+    ctrl = AdmissionController(cfg.admission, default_profile(seed=1), seed=1)
+    counter = _counter(cfg, TokenEstimator(cfg.admission), [slots, shared], ctrl)
+    pools = sorted(lim.pool for lim in counter._limits_of("m").replicas)
+    assert pools == [4096, 9000]  # private slots: the whole pool; shared: 10% kept free
+    report = {lim.pool: lim for lim in ctrl.report.fit_limits("m")}
+    assert report[4096].private_slots and not report[4096].preempts
