@@ -17,9 +17,7 @@ from admission.types import AdmissionRequest, Refuse
 
 
 def unknown_model(req: AdmissionRequest) -> Refuse:
-    return Refuse(
-        req.request_id, 404, "model_not_found", f"The model `{req.model}` does not exist."
-    )
+    return Refuse(req.request_id, 404, "model_not_found", "unknown_model", req.model)
 
 
 def clamp_estimate(req: AdmissionRequest, known: list[Replica]) -> AdmissionRequest | None:
@@ -49,32 +47,26 @@ def clamp_estimate(req: AdmissionRequest, known: list[Replica]) -> AdmissionRequ
 
 def too_long(req: AdmissionRequest, known: list[Replica]) -> Refuse:
     """The 400 of a request over every known replica's context or pool."""
-    raw = max(1, req.prompt_tokens) + max(0, req.expected_output)
-    total = req.prompt_tokens + req.max_tokens
     limited = [r for r in known if r.max_model_len is not None]
     longest = max((r.max_model_len or 0 for r in limited), default=0)
     if limited and all(r.context_needed(req) > (r.max_model_len or 0) for r in limited):
-        if all(not r.preempts for r in limited):
-            message = (
-                f"This model's maximum context length is {longest} tokens. However, "
-                f"your prompt has {req.prompt_tokens} tokens, which leaves no room for "
-                "the completion. Please reduce the length of the prompt."
-            )
-        else:
-            message = (
-                f"This model's maximum context length is {longest} tokens. However, "
-                f"you requested {total} tokens ({req.prompt_tokens} in the messages, "
-                f"{req.max_tokens} in the completion). Please reduce the length of "
-                "the messages or completion."
-            )
+        reason = "no_room_to_generate" if all(not r.preempts for r in limited) else "over_context"
+        limit = longest
     else:
-        largest = max((r.effective for r in known if r.capacity is not None), default=0)
-        message = (
-            f"This request needs about {raw} tokens of KV cache ({req.prompt_tokens} "
-            f"prompt + {req.expected_output} output), more than the largest replica "
-            f"pool serving `{req.model}` admits ({largest} tokens)."
-        )
-    return Refuse(req.request_id, 400, "context_length_exceeded", message)
+        reason = "over_pool"
+        limit = max((r.effective for r in known if r.capacity is not None), default=0)
+    return Refuse(
+        req.request_id,
+        400,
+        "context_length_exceeded",
+        reason,
+        req.model,
+        prompt_tokens=req.prompt_tokens,
+        max_tokens=req.max_tokens,
+        limit=limit,
+        need=max(1, req.prompt_tokens) + max(0, req.expected_output),
+        expected_output=req.expected_output,
+    )
 
 
 def refuse_or_clamp(req: AdmissionRequest, present: list[Replica]) -> Refuse | AdmissionRequest:

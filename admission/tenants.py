@@ -26,10 +26,8 @@ Rate limits (GCRA)
     so a 503 does not also cost the client its budget. A request larger than the whole
     token budget can never pass: a 429 that says so, with no Retry-After.
 
-    The headers are OpenAI's, with true values: ``x-ratelimit-limit-*`` the limit,
-    ``-remaining-*`` what is left now (whole cells), ``-reset-*`` the time until the
-    bucket is full again, in Go's duration format (``1s``, ``6m0s``, ``250ms``). A tenant
-    with no limit of a kind sends no headers of that kind.
+    What is left now (whole cells) and when a bucket is full again are read by the
+    gateway, which words them as OpenAI's rate-limit headers (`gateway.ratelimit`).
 
 Per tenant besides: the most concurrent (admitted) and queued requests (enforced by the
 admission controller from `TenantState`), a priority range the ``x-kvgate-priority``
@@ -431,20 +429,6 @@ class TenantLimiter:
         if st.tpm is not None:
             st.tpm.refund(charge.tokens - true_tokens, now)
 
-    def headers(self, tenant: str, now: float) -> dict[str, str]:
-        """OpenAI's rate-limit headers, with this moment's true values."""
-        st = self.tenants.get(tenant)
-        out: dict[str, str] = {}
-        if st is None:
-            return out
-        for kind, g in (("requests", st.rpm), ("tokens", st.tpm)):
-            if g is None:
-                continue
-            out[f"x-ratelimit-limit-{kind}"] = str(math.floor(g.limit))
-            out[f"x-ratelimit-remaining-{kind}"] = str(g.remaining(now))
-            out[f"x-ratelimit-reset-{kind}"] = go_duration(g.reset(now))
-        return out
-
     # ------------------------------------------------------------------ shares
     def set_share(
         self, tenant: str, fraction: float, now: float = 0.0, refill: float | None = None
@@ -464,23 +448,3 @@ class TenantLimiter:
             st.max_concurrent = math.floor(st.total_concurrent * fraction)
         if st.total_queued is not None:
             st.max_queued = math.floor(st.total_queued * fraction)
-
-
-def go_duration(seconds: float) -> str:
-    """A duration as Go prints it, the format of OpenAI's reset headers: ``0s``,
-    ``250ms``, ``1s``, ``1.5s``, ``6m0s``, ``1h2m3s``."""
-    if seconds <= 0:
-        return "0s"
-    if seconds < 1.0:
-        ms = math.ceil(seconds * 1000)
-        return "1s" if ms >= 1000 else f"{ms}ms"
-    ms_total = math.ceil(seconds * 1000)
-    h, rest = divmod(ms_total, 3_600_000)
-    m, rest = divmod(rest, 60_000)
-    s = rest / 1000
-    s_text = f"{s:.3f}".rstrip("0").rstrip(".")
-    if h:
-        return f"{h}h{m}m{s_text}s"
-    if m:
-        return f"{m}m{s_text}s"
-    return f"{s_text}s"

@@ -103,12 +103,21 @@ class Shed:
 
 @dataclass(slots=True, frozen=True)
 class Refuse:
-    """Can never be served: 400 (context_length_exceeded) or 404 (unknown model)."""
+    """Can never be served: 400 (context_length_exceeded) or 404 (unknown model). The
+    facts only; the gateway words them (`gateway.denials.refusal_message`)."""
 
     request_id: str
     status: int
     code: str  # context_length_exceeded | model_not_found
-    message: str
+    # unknown_model | over_context | no_room_to_generate (an engine that does not
+    # preempt) | over_pool (the KV need is over every effective pool)
+    reason: str
+    model: str
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    limit: int = 0  # the longest context, or the largest effective pool (over_pool)
+    need: int = 0  # the KV need, prompt + expected output (over_pool)
+    expected_output: int = 0
 
 
 Verdict = Admit | Queued | Shed | Refuse

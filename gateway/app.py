@@ -38,6 +38,7 @@ from gateway.http import install as install_error_handler
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
+from gateway.ratelimit import rate_limit_headers
 from gateway.relay import Relay
 from gateway.sharing import StateCollector, StateSync, make_backend
 from gateway.state import StateBackend
@@ -181,18 +182,20 @@ def build_app(
 
     app.cleanup_ctx.append(lifecycle)
 
-    async def rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    async def add_rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
         # OpenAI's x-ratelimit-* headers on every answer to an authenticated request,
         # with the values as they stand when the answer starts.
         tenant = request.get(TENANT_KEY)
         if tenant is not None:
-            response.headers.update(st.tenants.headers(tenant, asyncio.get_running_loop().time()))
+            response.headers.update(
+                rate_limit_headers(st.tenants, tenant, asyncio.get_running_loop().time())
+            )
         if response.status == 429 and "Retry-After" not in response.headers:
             # A request larger than the tenant's whole budget: retrying cannot help (the
             # openai SDKs read this header).
             response.headers["x-should-retry"] = "false"
 
-    app.on_response_prepare.append(rate_limit_headers)
+    app.on_response_prepare.append(add_rate_limit_headers)
 
     # ------------------------------------------------------------------ OpenAI surface
     async def chat(request: web.Request) -> web.StreamResponse:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 
-from admission.tenants import TenantState, go_duration
+from admission.tenants import TenantState
 from admission.types import Refuse, Shed
 from gateway.context import RequestContext
 from gateway.errors import ApiError
+from gateway.ratelimit import go_duration
 
 
 def rate_limited(policy: TenantState, limit: str, tokens: int, wait: float, now: float) -> ApiError:
@@ -80,11 +81,35 @@ def shed_error(shed: Shed, ctx: RequestContext, policy: TenantState) -> ApiError
     )
 
 
+def refusal_message(r: Refuse) -> str:
+    """A refusal in words, as OpenAI and vLLM put them (clients match on them)."""
+    if r.reason == "unknown_model":
+        return f"The model `{r.model}` does not exist."
+    if r.reason == "no_room_to_generate":
+        return (
+            f"This model's maximum context length is {r.limit} tokens. However, "
+            f"your prompt has {r.prompt_tokens} tokens, which leaves no room for "
+            "the completion. Please reduce the length of the prompt."
+        )
+    if r.reason == "over_context":
+        return (
+            f"This model's maximum context length is {r.limit} tokens. However, "
+            f"you requested {r.prompt_tokens + r.max_tokens} tokens ({r.prompt_tokens} in "
+            f"the messages, {r.max_tokens} in the completion). Please reduce the length of "
+            "the messages or completion."
+        )
+    return (
+        f"This request needs about {r.need} tokens of KV cache ({r.prompt_tokens} "
+        f"prompt + {r.expected_output} output), more than the largest replica "
+        f"pool serving `{r.model}` admits ({r.limit} tokens)."
+    )
+
+
 def refused_error(refuse: Refuse, ctx: RequestContext) -> ApiError:
     """The answer of a request admission refused (it can never fit, no such model)."""
     return ApiError(
         refuse.status,
-        refuse.message,
+        refusal_message(refuse),
         code=refuse.code,
         param="model"
         if refuse.code == "model_not_found"

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.types import Admit, Queued, Refuse, Shed
+from gateway.denials import refusal_message
 from routing.types import Router
 from tests.admission.helpers import admits, controller, replica, request, sheds, warm_drain
 
@@ -113,7 +114,7 @@ def test_refuse_never_fits_400_at_once_even_when_busy() -> None:
     too_long = ctrl.submit(request("long", 4000, 100, max_tokens=200), 0.0).verdict
     assert isinstance(too_long, Refuse)
     assert (too_long.status, too_long.code) == (400, "context_length_exceeded")
-    assert "4096" in too_long.message
+    assert "4096" in refusal_message(too_long)
     too_big = ctrl.submit(request("big", 1500, 600), 0.0).verdict  # 2100 > largest pool 2000
     assert isinstance(too_big, Refuse) and too_big.code == "context_length_exceeded"
     assert ctrl.report.queue_depth() == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from admission.types import Admit, Completion, Queued, Refuse
+from gateway.denials import refusal_message
 from routing.types import ReplicaState
 from tests.admission.helpers import controller, replica, request
 
@@ -69,8 +70,10 @@ def test_non_preempting_refuses_only_a_prompt_that_fills_the_slot() -> None:
     assert ctrl.submit(request("b", 1023, 8, max_tokens=100), 0.0).verdict == Admit("b", "r1", 1024)
     verdict = ctrl.submit(request("c", 1024, 8, max_tokens=1), 0.0).verdict
     assert isinstance(verdict, Refuse) and verdict.code == "context_length_exceeded"
-    assert verdict.message.startswith("This model's maximum context length is 1024 tokens.")
-    assert "your prompt has 1024 tokens" in verdict.message
+    assert refusal_message(verdict).startswith(
+        "This model's maximum context length is 1024 tokens."
+    )
+    assert "your prompt has 1024 tokens" in refusal_message(verdict)
 
 
 def test_private_slots_keep_no_headroom() -> None:

@@ -15,9 +15,9 @@ from admission.tenants import (
     RateVerdict,
     TenantConfig,
     TenantLimiter,
-    go_duration,
     hash_key,
 )
+from gateway.ratelimit import go_duration, rate_limit_headers
 
 
 def limiter(**tenant: object) -> TenantLimiter:
@@ -125,9 +125,9 @@ def test_limiter_check_names_the_limit_hit_and_the_true_wait() -> None:
     v = lim.check("a", 10, 0.0)
     assert v.limit == "requests" and v.retry_after == pytest.approx(30.0)
     lim.correct(c1, 100, 0.0)  # usage: 100, not 400
-    assert lim.headers("a", 0.0)["x-ratelimit-remaining-tokens"] == "800"
+    assert rate_limit_headers(lim, "a", 0.0)["x-ratelimit-remaining-tokens"] == "800"
     lim.correct(c1, 5, 0.0)  # settled once only
-    assert lim.headers("a", 0.0)["x-ratelimit-remaining-tokens"] == "800"
+    assert rate_limit_headers(lim, "a", 0.0)["x-ratelimit-remaining-tokens"] == "800"
 
 
 def test_refund_gives_back_the_request_and_tokens() -> None:
@@ -140,7 +140,7 @@ def test_refund_gives_back_the_request_and_tokens() -> None:
 
 def test_headers_are_openai_shaped_and_true() -> None:
     lim = limiter(rpm=60, tpm=6000)
-    assert lim.headers("a", 0.0) == {
+    assert rate_limit_headers(lim, "a", 0.0) == {
         "x-ratelimit-limit-requests": "60",
         "x-ratelimit-remaining-requests": "60",
         "x-ratelimit-reset-requests": "0s",
@@ -149,12 +149,12 @@ def test_headers_are_openai_shaped_and_true() -> None:
         "x-ratelimit-reset-tokens": "0s",
     }
     lim.charge("a", 6000, 0.0)
-    h = lim.headers("a", 0.0)
+    h = rate_limit_headers(lim, "a", 0.0)
     assert h["x-ratelimit-remaining-requests"] == "59"
     assert h["x-ratelimit-reset-requests"] == "1s"
     assert h["x-ratelimit-remaining-tokens"] == "0"
     assert h["x-ratelimit-reset-tokens"] == "1m0s"
-    assert limiter().headers("a", 0.0) == {}  # no limits: no headers
+    assert rate_limit_headers(limiter(), "a", 0.0) == {}  # no limits: no headers
 
 
 def test_go_duration_format() -> None:
@@ -191,7 +191,7 @@ def test_set_share_scales_rates_and_concurrency() -> None:
     lim.set_share("a", 0.25, 0.0)
     st = lim.get("a")
     assert (st.max_concurrent, st.max_queued) == (2, 2)
-    assert lim.headers("a", 0.0)["x-ratelimit-limit-requests"] == "15"
+    assert rate_limit_headers(lim, "a", 0.0)["x-ratelimit-limit-requests"] == "15"
     for _ in range(15):
         assert lim.check("a", 1, 0.0).limit is None
         lim.charge("a", 1, 0.0)
@@ -201,7 +201,7 @@ def test_set_share_scales_rates_and_concurrency() -> None:
     lim.set_share("a", 1.0, 0.0)
     assert lim.get("a").max_concurrent == 8
     # What was used stays used: 15 of 60.
-    assert lim.headers("a", 0.0)["x-ratelimit-remaining-requests"] == "45"
+    assert rate_limit_headers(lim, "a", 0.0)["x-ratelimit-remaining-requests"] == "45"
     with pytest.raises(ValueError):
         lim.set_share("a", 1.5)
 
