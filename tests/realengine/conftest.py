@@ -15,6 +15,7 @@ every reservation came back (invariant 2).
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -67,10 +68,13 @@ def fresh_per_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaSe
 
 @pytest.fixture(scope="session")
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    python = vllm_path("KVGATE_VLLM_PYTHON")
-    model = vllm_path("KVGATE_VLLM_MODEL")
     server = VllmServer("vllm", [], tmp_path_factory.mktemp("vllm") / "vllm.log")
-    server.start_vllm(python, model)
+    attach = os.environ.get("KVGATE_VLLM_ATTACH_PORT")
+    if attach:  # developing the tests: a server already started with serve_command's flags
+        server.port = int(attach)
+        yield server
+        return
+    server.start_vllm(vllm_path("KVGATE_VLLM_PYTHON"), vllm_path("KVGATE_VLLM_MODEL"))
     _running.append(server)
     try:
         yield server
