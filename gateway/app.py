@@ -355,12 +355,6 @@ class Gateway:
         return self.state.door.report
 
     @property
-    def controller(self) -> AdmissionReport:
-        """The report under its former name, for callers not yet moved to `report`
-        (tests/realengine); it only reads."""
-        return self.report
-
-    @property
     def url(self) -> str:
         host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         if ":" in host:

@@ -46,14 +46,14 @@ class Failover:
     def __init__(
         self,
         config: GatewayConfig,
-        bridge: AdmissionDoor,
+        door: AdmissionDoor,
         discovery: Discovery,
         metrics: GatewayMetrics,
         tenants: TenantLimiter,
         release: Callable[[RequestContext], None],
     ) -> None:
         self.config = config
-        self.bridge = bridge
+        self.door = door
         self.discovery = discovery
         self.metrics = metrics
         self.tenants = tenants
@@ -81,7 +81,7 @@ class Failover:
         self.ejection.close()
 
     def _tell_admission(self, change: EjectionChange) -> None:
-        self.bridge.set_ejected(change.replica, change.ejected, change.at)
+        self.door.set_ejected(change.replica, change.ejected, change.at)
 
     def answered(self, ctx: RequestContext, replica: str) -> None:
         """The relay returned from `replica`: a failure after the stream had started is
@@ -118,7 +118,7 @@ class Failover:
         )
         if f.kind == "connect":
             for name in self._same_server[replica]:
-                self.bridge.mark_unready(name, self._loop.time())
+                self.door.mark_unready(name, self._loop.time())
                 self.discovery.mark_down(name)
         return bool(
             f.retryable
@@ -136,7 +136,7 @@ class Failover:
             answer = f.answer
             answer.outcome = f"upstream_{f.kind}"
             if answer.status in (429, 503) and answer.retry_after is None:
-                answer.retry_after = self.bridge.report.retry_after(
+                answer.retry_after = self.door.report.retry_after(
                     ctx.model, ctx.reserved or ctx.prompt_tokens, self._loop.time()
                 )
             return answer
@@ -170,12 +170,12 @@ class Failover:
         ctx.attempts += 1
         self._release(ctx)
         now = self._loop.time()
-        self.bridge.mark_unready(failed, now)
+        self.door.mark_unready(failed, now)
         rid = f"{ctx.request_id}.{ctx.attempts}"
         ctx.admission_id = rid
         waiter = None
         try:
-            verdict = self.bridge.submit(
+            verdict = self.door.submit(
                 # First arrival: ahead of the requests that came after it.
                 admission_request(
                     ctx,
@@ -189,12 +189,12 @@ class Failover:
             )
             if isinstance(verdict, Queued):
                 # Before the reinstatement below: it may admit this very entry.
-                waiter = self.bridge.expect(rid)
+                waiter = self.door.expect(rid)
         finally:
             if kind != "connect":
                 self.discovery.reinstate(failed)
         if waiter is not None:
-            verdict = await self.bridge.wait_queued(rid, waiter)
+            verdict = await self.door.wait_queued(rid, waiter)
         if isinstance(verdict, Shed) and verdict.reason == "shutdown":
             raise shutting_down(self.config)
         if isinstance(verdict, Admit):

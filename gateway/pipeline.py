@@ -90,7 +90,7 @@ class Pipeline:
         self,
         config: GatewayConfig,
         estimator: TokenEstimator,
-        bridge: AdmissionDoor,
+        door: AdmissionDoor,
         discovery: Discovery,
         relay: Relay,
         metrics: GatewayMetrics,
@@ -99,16 +99,14 @@ class Pipeline:
         tenants: TenantLimiter | None = None,
     ) -> None:
         self.config = config
-        self.report = bridge.report
+        self.report = door.report
         self.estimator = estimator
-        self.bridge = bridge
+        self.door = door
         self.discovery = discovery
         self.relay = relay
         self.metrics = metrics
         # Without a session (no counter given) prompts are estimated and counted locally only.
-        self.counter = counter or PromptCounter(
-            config, estimator, discovery, bridge.report, metrics
-        )
+        self.counter = counter or PromptCounter(config, estimator, discovery, door.report, metrics)
         # Tenants: hashed keys, policies, rate limits (admission/tenants.py). The plain
         # legacy keys are hashed here and not kept.
         self.tenants = tenants or TenantLimiter.from_config(config.tenants, config.auth.api_keys)
@@ -136,7 +134,7 @@ class Pipeline:
         # reads them or a replica of the model counts shared prefixes once
         # (admission.prefixshare).
         routing = config.routing
-        self._route_prefix = bool(getattr(bridge.router, "needs_prefix", False))
+        self._route_prefix = bool(getattr(door.router, "needs_prefix", False))
         self._prefix = (
             (routing.block_chars, routing.max_prefix_blocks)
             if self._route_prefix or config.admission.share_prefix
@@ -148,7 +146,7 @@ class Pipeline:
         self.in_flight = InFlight(config)
         self.idle = self.in_flight.idle  # set while no request is in flight
         self.accounting = Accounting(estimator, self.tenants, metrics, discovery.known_models)
-        self.failover = Failover(config, bridge, discovery, metrics, self.tenants, self.release)
+        self.failover = Failover(config, door, discovery, metrics, self.tenants, self.release)
         # The outlier detector (None: disabled), read by /admin/replicas.
         self.outliers = self.failover.outliers
 
@@ -157,7 +155,7 @@ class Pipeline:
         """Refuse new requests and shed the queued ones (503, Retry-After); returns how
         many were shed. Running requests go on."""
         self.in_flight.draining = True
-        return self.bridge.shed_all("shutdown", shutdown_retry_after(self.config))
+        return self.door.shed_all("shutdown", shutdown_retry_after(self.config))
 
     def cut_running(self) -> int:
         """Cut every running request (the shutdown grace is over); returns how many."""
@@ -410,7 +408,7 @@ class Pipeline:
             priority=priority,
             targets=self.tenants.tenants.get(ctx.tenant),
         )
-        verdict, _queued = await self.bridge.admit(req)
+        verdict, _queued = await self.door.admit(req)
         if isinstance(verdict, Admit):
             if first is not None:
                 self._retries.forget(retry_key, ctx.tenant)
@@ -451,7 +449,7 @@ class Pipeline:
         """A stream outgrew its reservation: ask for more (never cuts the stream)."""
         total = ctx.prompt_tokens + ctx.generated
         want = total + max(16, total // 8)
-        if ctx.admission_id and self.bridge.top_up(ctx.admission_id, want, self._loop.time()):
+        if ctx.admission_id and self.door.top_up(ctx.admission_id, want, self._loop.time()):
             res = self.report.reservation(ctx.admission_id)
             ctx.reserved = res.reserved_tokens if res else want
         ctx.topup_at = max(ctx.reserved, want)
@@ -469,9 +467,9 @@ class Pipeline:
             return
         if ctx.upstream_abandoned and ctx.replica is not None:
             ctx.upstream_abandoned = False
-            self.bridge.abandon(ctx.admission_id, completion(ctx, self._loop.time()))
+            self.door.abandon(ctx.admission_id, completion(ctx, self._loop.time()))
         else:
-            self.bridge.release(ctx.admission_id, completion(ctx, self._loop.time()))
+            self.door.release(ctx.admission_id, completion(ctx, self._loop.time()))
 
 
 def _seconds(value: str, header: str) -> float:

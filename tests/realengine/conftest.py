@@ -120,7 +120,7 @@ async def kvgate() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
     problems = []
     for gw in made:
         drained = await gw.drain(15.0)
-        reserved, queued = gw.controller.reserved_tokens(), gw.controller.queue_depth()
+        reserved, queued = gw.report.reserved_tokens(), gw.report.queue_depth()
         await gw.stop()
         if not drained or reserved or queued:
             problems.append(f"{gw.url}: drained={drained} reserved={reserved} queued={queued}")

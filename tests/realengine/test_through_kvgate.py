@@ -125,7 +125,7 @@ async def test_auto_reads_a_fresh_per_slot_server_safely_then_from_its_slots(
     for i in range(3):  # one after another: each lands on a slot the others left alone
         status, _, _ = await call(gw.url, chat(the(580, i), 4))
         assert status == 200
-    assert await until(lambda: gw.controller.replica_usage()[0].capacity_tokens == 4096, 5.0)
+    assert await until(lambda: gw.report.replica_usage()[0].capacity_tokens == 4096, 5.0)
     r = await admin(gw)
     assert (r["capacity_tokens"], r["effective_capacity_tokens"]) == (4096, 4096)
     assert (r["max_model_len"], r["max_running"], r["private_slots"]) == (1024, 4, True)
@@ -218,7 +218,7 @@ async def test_kv_pressure_straight_and_through_a_fresh_kvgate(
     completed = sum(1 for status, _, _ in through if status == 200)
     outcomes = await counters(gw, "kvgate_requests")
     assert outcomes[(("model", MODEL_ALIAS), ("outcome", "ok"))] == completed
-    assert gw.controller.top_up_failures == 0
+    assert gw.report.top_up_failures == 0
 
 
 # ---------------------------------------------------------------------------- over context
@@ -259,10 +259,10 @@ async def test_stream_disconnect_releases_at_once(engine: LlamaServer, kvgate: A
         )
         assert resp.status == 200
         await resp.content.readany()
-        assert gw.controller.reserved_tokens() > 0
+        assert gw.report.reserved_tokens() > 0
         resp.close()
-    assert await until(lambda: gw.controller.reserved_tokens() == 0, 5.0)
-    assert gw.controller.held() == 0  # a stream's engine stops at its next write
+    assert await until(lambda: gw.report.reserved_tokens() == 0, 5.0)
+    assert gw.report.held() == 0  # a stream's engine stops at its next write
 
 
 async def test_non_stream_disconnect_holds_the_reservation_until_the_slot_stops(
@@ -281,19 +281,19 @@ async def test_non_stream_disconnect_holds_the_reservation_until_the_slot_stops(
             await r.read()
 
     task = asyncio.create_task(abandoned())
-    assert await until(lambda: gw.controller.reserved_tokens() > 0, 5.0)
+    assert await until(lambda: gw.report.reserved_tokens() > 0, 5.0)
     await asyncio.sleep(0.2)  # the engine is generating
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await until(lambda: gw.controller.held() == 1, 2.0)
-    reserved = gw.controller.reserved_tokens()
+    assert await until(lambda: gw.report.held() == 1, 2.0)
+    reserved = gw.report.reserved_tokens()
     assert reserved > 0  # held: the engine still has it
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    assert await until(lambda: gw.controller.held() == 0, 10.0)
+    assert await until(lambda: gw.report.held() == 0, 10.0)
     held_for = loop.time() - t0
-    assert gw.controller.reserved_tokens() == 0
+    assert gw.report.reserved_tokens() == 0
     # Released because the engine said so (a quiet second, then a discovery round), not
     # at the 5 s grace; and the engine did stop before generating everything.
     assert held_for < 4.5

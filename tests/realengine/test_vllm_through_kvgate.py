@@ -59,7 +59,7 @@ async def engine_metric(vllm: VllmServer, name: str) -> float:
 
 async def through(vllm: VllmServer, kvgate: Any, **kwargs: Any) -> Gateway:
     gw = await kvgate(vllm, engine="vllm", **kwargs)
-    assert await until(lambda: gw.controller.replica_usage()[0].ready, 10.0)
+    assert await until(lambda: gw.report.replica_usage()[0].ready, 10.0)
     return gw
 
 
@@ -79,7 +79,7 @@ async def test_discovery_reads_pool_block_size_prefix_caching_and_models(
     assert r["effective_capacity_tokens"] == int(POOL_TOKENS * 0.95)  # 5% headroom kept
     assert r["preempts"] is True
     assert r["engine_running"] == 0 and r["engine_kv_usage"] == 0.0
-    assert gw.controller.shares_prefix(MODEL_NAME) is True  # enable_prefix_caching="True"
+    assert gw.report.shares_prefix(MODEL_NAME) is True  # enable_prefix_caching="True"
 
 
 # ---------------------------------------------------------------------------- counting
@@ -227,7 +227,7 @@ async def test_a_client_disconnect_aborts_the_engines_request(
             await r.read()
 
     task = asyncio.create_task(abandoned())
-    assert await until(lambda: gw.controller.reserved_tokens() > 0, 5.0)
+    assert await until(lambda: gw.report.reserved_tokens() > 0, 5.0)
     loop = asyncio.get_running_loop()
     end = loop.time() + 10
     # The engine is idle when a test starts: its running gauge rising is this request.
@@ -241,7 +241,7 @@ async def test_a_client_disconnect_aborts_the_engines_request(
     while await engine_metric(vllm, "vllm:num_requests_running") > 0:
         assert loop.time() - t0 < 5.0, "the engine kept running an abandoned request"
         await asyncio.sleep(0.02)
-    assert await until(lambda: gw.controller.reserved_tokens() == 0, 5.0)
+    assert await until(lambda: gw.report.reserved_tokens() == 0, 5.0)
     assert await engine_metric(vllm, "vllm:generation_tokens_total") - generated < max_tokens
 
 
@@ -278,17 +278,17 @@ async def test_the_shared_prefix_credit_never_falls_below_what_the_engine_holds(
 
     async def watch_kvgate() -> None:
         while not done.is_set():
-            ours.append((loop.time(), gw.controller.reserved_tokens()))
+            ours.append((loop.time(), gw.report.reserved_tokens()))
             await asyncio.sleep(0.005)
 
     async def sample_engine() -> None:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             while not done.is_set():
                 asked = loop.time()
-                ours.append((asked, gw.controller.reserved_tokens()))
+                ours.append((asked, gw.report.reserved_tokens()))
                 async with s.get(vllm.url + "/metrics") as r:
                     text = await r.text()
-                ours.append((loop.time(), gw.controller.reserved_tokens()))
+                ours.append((loop.time(), gw.report.reserved_tokens()))
                 if pending == 0:
                     # Once idle, vLLM schedules no step and its gauges keep the last busy
                     # step's figures: nothing to compare.
@@ -349,7 +349,7 @@ async def test_the_learned_limit_reads_the_engines_preemptions(
 
     async def watch() -> None:
         while not done.is_set():
-            u = gw.controller.replica_usage()[0]
+            u = gw.report.replica_usage()[0]
             if not moves or moves[-1] != (u.limit, u.limit_reason):
                 moves.append((u.limit, u.limit_reason))
             await asyncio.sleep(0.01)
