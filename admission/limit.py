@@ -206,7 +206,14 @@ class RunningLimit:
         if preemptions_total is not None:
             before = self._preemptions
             self._preemptions = preemptions_total
-            if before is not None and preemptions_total > before and running > 0:
+            # While more run than the limit allows, the excess was admitted under an
+            # earlier, larger limit (a cut does not stop running requests): preemptions
+            # then are that limit's doing, already judged, not evidence against this one.
+            if (
+                before is not None
+                and preemptions_total > before
+                and 0 < running <= max(1, int(self.value))
+            ):
                 self._slow_start = False
                 self._set(min(self.value, running) * 0.75, "preemption", now, cap)
                 return

@@ -67,6 +67,25 @@ def test_growth_is_bounded_by_what_the_latency_ratio_predicts() -> None:
     assert lim.reason == "latency"
 
 
+def test_preemptions_of_requests_admitted_before_a_cut_do_not_cut_again() -> None:
+    """Seen on the real vLLM: one burst drove the limit 16 -> 5 -> 3 -> 2 -> 1, because each
+    discovery round in which the counter rose cut again while the requests admitted before
+    the first cut were still running (and preempting). Only preemptions while what runs is
+    within the limit are evidence against it."""
+    lim = RunningLimit(LimitSettings(initial=16, window=4))
+    sig = {"waiting": 0, "engine_running": 16, "kv_usage": 1.0, "cap": None}
+    lim.engine_signals(preemptions_total=0, running=16, now=1.0, **sig)
+    lim.engine_signals(preemptions_total=4, running=16, now=2.0, **sig)
+    assert lim.reason == "preemption" and lim.value == 12  # 75% of what was running
+    # The 16 admitted before the cut still run and preempt: not this limit's doing.
+    lim.engine_signals(preemptions_total=9, running=16, now=3.0, **sig)
+    lim.engine_signals(preemptions_total=15, running=14, now=4.0, **sig)
+    assert lim.value == 12
+    # Within the limit now, and still preempting: evidence, so it is cut again.
+    lim.engine_signals(preemptions_total=18, running=12, now=5.0, **sig)
+    assert lim.value == 9 and lim.reason == "preemption"
+
+
 def test_requests_admitted_under_an_earlier_limit_are_not_evidence() -> None:
     lim = RunningLimit(LimitSettings(initial=8, window=4))
     lim.running_changed(8, 0.0)

@@ -366,3 +366,7 @@ async def test_the_learned_limit_reads_the_engines_preemptions(
     limit, reason = moves[1]
     assert reason in ("preemption", "engine_queue") and limit is not None and limit <= 12
     assert "preemption" in {reason for _, reason in moves}, moves
+    # Preemptions of the streams admitted before a cut are not evidence against the cut
+    # limit: it settles near what the pool holds (4,096 / ~850 tokens: 4), where it once
+    # fell 16 -> 5 -> 3 -> 2 -> 1 on one burst.
+    assert min(limit for limit, _ in moves if limit is not None) >= 3, moves
