@@ -30,28 +30,35 @@ N_CTX = 4096
 START_TIMEOUT_S = 60.0
 
 
-def _cached_env() -> dict[str, str]:
+def cached_env(env_name: str) -> dict[str, str]:
+    """The lines a set-up script wrote to the cache (``real-engine.env``, ``real-vllm.env``)."""
     cache = Path(os.environ.get("KVGATE_CACHE") or Path.home() / ".cache" / "kvgate")
-    env_file = cache / "real-engine.env"
+    env_file = cache / env_name
     if not env_file.is_file():
         return {}
     lines = env_file.read_text().splitlines()
     return dict(line.split("=", 1) for line in lines if "=" in line)
 
 
-def engine_file(var: str) -> Path:
-    """The path in environment variable `var` (or the cached env file); fails if absent."""
-    value = os.environ.get(var) or _cached_env().get(var)
+def env_path(var: str, script: str, env_name: str) -> Path:
+    """The path in environment variable `var` (or the env file `script` cached); fails,
+    never skips, if absent."""
+    value = os.environ.get(var) or cached_env(env_name).get(var)
     if not value:
         pytest.fail(
-            f"{var} is not set and no env file is cached: run `bash scripts/real-engine.sh` "
+            f"{var} is not set and no env file is cached: run `bash scripts/{script}` "
             "(or the whole suite with `bash scripts/test.sh`)",
             pytrace=False,
         )
     path = Path(value)
-    if not path.is_file():
-        pytest.fail(f"{var}={path} does not exist: run `bash scripts/real-engine.sh`", False)
+    if not path.exists():
+        pytest.fail(f"{var}={path} does not exist: run `bash scripts/{script}`", False)
     return path
+
+
+def engine_file(var: str) -> Path:
+    """A llama.cpp path of scripts/real-engine.sh (the server, the model, its tokenizer)."""
+    return env_path(var, "real-engine.sh", "real-engine.env")
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.realengine.llama import LlamaServer, free_port
+from tests.realengine.llama import LlamaServer, env_path, free_port
 
 MODEL_NAME = "tiny-vllm"
 MAX_MODEL_LEN = 2048
@@ -30,28 +30,9 @@ POOL_TOKENS = 4096
 START_TIMEOUT_S = 150.0
 
 
-def _cached_env() -> dict[str, str]:
-    cache = Path(os.environ.get("KVGATE_CACHE") or Path.home() / ".cache" / "kvgate")
-    env_file = cache / "real-vllm.env"
-    if not env_file.is_file():
-        return {}
-    lines = env_file.read_text().splitlines()
-    return dict(line.split("=", 1) for line in lines if "=" in line)
-
-
 def vllm_path(var: str) -> Path:
-    """The path in environment variable `var` (or the cached env file); fails if absent."""
-    value = os.environ.get(var) or _cached_env().get(var)
-    if not value:
-        pytest.fail(
-            f"{var} is not set and no env file is cached: run `bash scripts/real-vllm.sh` "
-            "(or the whole suite with `bash scripts/test.sh`)",
-            pytrace=False,
-        )
-    path = Path(value)
-    if not path.exists():
-        pytest.fail(f"{var}={path} does not exist: run `bash scripts/real-vllm.sh`", False)
-    return path
+    """A path of scripts/real-vllm.sh (its python, the tiny model's folder)."""
+    return env_path(var, "real-vllm.sh", "real-vllm.env")
 
 
 def serve_command(python: Path, model: Path, port: int, *extra: str) -> list[str]:
