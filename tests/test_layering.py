@@ -74,3 +74,15 @@ def test_the_shared_state_backends_live_in_the_gateway() -> None:
     assert not list((ROOT / "admission").glob("state/*.py"))
     assert (ROOT / "gateway" / "state" / "lease.lua").is_file()
     assert (ROOT / "admission" / "lease.py").is_file()
+
+
+# One room per concern: no admission module and no request pipeline grows back into a
+# god object (docs/architecture.md). A file that needs more is two concepts.
+_MAX_LINES = 500
+
+
+def test_no_admission_module_and_not_the_pipeline_is_over_500_lines() -> None:
+    files = [*(ROOT / "admission").glob("*.py"), ROOT / "gateway" / "pipeline.py"]
+    assert len(files) > 10  # the check sees the rooms
+    long = {p.name: n for p in files if (n := len(p.read_text().splitlines())) > _MAX_LINES}
+    assert not long, long
