@@ -158,12 +158,13 @@ class AdmissionController:
         *,
         running: int | None = None,
         others_running: int = 0,
+        others_tokens: int = 0,
     ) -> Events:
         """Cap `replica`'s effective pool at the `tokens` this process leased (None: no
         cap) and its running limit at `running` (None: no cap), when several gateway
-        processes share the replica (admission/state). `others_running` is what the
-        other processes hold there, so the learned limit judges the replica's whole
-        load. Reservations above a shrunk share stay until released; nothing more is
+        processes share the replica (gateway/state). `others_running` and `others_tokens`
+        are what the other processes hold there, so the learned limit judges the
+        replica's whole load and the pool check its whole KV. Reservations above a shrunk share stay until released; nothing more is
         admitted there meanwhile. Returns requests admitted because the share grew."""
         self._saw(now)
         rep = self._ledger.replicas.get(replica)
@@ -171,6 +172,7 @@ class AdmissionController:
             return []
         rep.share_tokens = None if tokens is None else max(0, tokens)
         rep.share_running = None if running is None else max(0, running)
+        rep.others_reserved = max(0, others_tokens)
         if rep.limit is not None:
             rep.limit.others = max(0, others_running)
         self._views.replica_changed(rep)  # its free room and headroom moved: orders follow

@@ -87,6 +87,9 @@ class Replica:
     # KV tokens and running requests it may hold; None: the whole replica.
     share_tokens: int | None = None
     share_running: int | None = None
+    # What the other processes reserve on the replica (their lease use at the last
+    # renewal): the engine's KV usage is the whole fleet's, so the pool check counts it.
+    others_reserved: int = 0
     # The routing view of this replica, refreshed in place (engine gauges at upsert,
     # ledger fields at each decision) instead of rebuilt per call.
     cand: Candidate = field(default_factory=lambda: Candidate("", 0, 0, 0, None))
@@ -245,15 +248,18 @@ class Replica:
     def check_pool(self, kv_usage: float, now: float) -> None:
         """Hold the configured pool against the engine's own KV usage.
 
-        The engine holds at most what kvgate reserved there, so its pool is at most
-        ``reserved / usage``. When that bound stays below 90% of the configured pool for
+        The engine holds at most what the gateway fleet reserved there (this process's
+        reservations and what the other processes sharing it reported), so its pool is at
+        most ``reserved / usage``: this process alone would read the others' load as
+        foreign and cut its view of the pool (issue: two processes, each cut to about half). When that bound stays below 90% of the configured pool for
         two discovery rounds, the pool is overstated (a wrong pin, or other clients on
         the engine) and the bound is used instead. Without fresh confirmation for
         ``POOL_MEMORY_S`` the configured pool is trusted again.
         """
         assert self.capacity is not None
+        fleet = self.reserved + self.others_reserved
         if kv_usage >= 0.5 and self.reserved > 0:
-            bound = int(self.reserved / kv_usage)
+            bound = int(fleet / kv_usage)
             if bound < 0.9 * self.capacity:
                 self.below_rounds += 1
                 if self.below_rounds >= 2:

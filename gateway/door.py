@@ -192,10 +192,16 @@ class AdmissionDoor:
         *,
         running: int | None = None,
         others_running: int = 0,
+        others_tokens: int = 0,
     ) -> None:
         self._resolve(
             self._controller.set_pool_share(
-                replica, tokens, self._time(now), running=running, others_running=others_running
+                replica,
+                tokens,
+                self._time(now),
+                running=running,
+                others_running=others_running,
+                others_tokens=others_tokens,
             )
         )
 

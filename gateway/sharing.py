@@ -308,6 +308,7 @@ class StateSync:
                 now,
                 running=running,
                 others_running=run.others_used if run is not None else 0,
+                others_tokens=pool.others_used if pool is not None else 0,
             )
         for st in tenants:
             lease = leases.get(f"tenant:{st.name}")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.limit import LimitSettings, RunningLimit
@@ -86,3 +88,30 @@ def test_adopt_takes_a_shared_value_and_restarts_the_window() -> None:
     assert (lim.value, lim.reason, lim.allowed(None), lim.allowed(5)) == (7.5, "knee", 7, 5)
     lim.adopt(0.5, 11.0)  # below one request: not a limit
     assert lim.value == 7.5
+
+
+def _round(c: AdmissionController, kv_usage: float, t: float) -> int:
+    """One discovery round reporting the engine's KV usage; the effective pool after it."""
+    state = dataclasses.replace(replica("r1", 10_000), kv_usage=kv_usage, updated_at=t)
+    c.upsert_replica(state, t)
+    d = c.report.pool_demand("r1")
+    assert d is not None
+    return d.effective
+
+
+def test_the_pool_check_counts_what_the_other_processes_reserve() -> None:
+    """Two processes share a 10,000-token pool and each reserves 2,500: the engine is half
+    full. This process once read the others' half as foreign load and cut its view of the
+    pool to 5,000; counting the fleet's reservations, the pool stands. A pool that is
+    really overstated is still found with the others counted."""
+    c = controller()
+    c.upsert_replica(replica("r1", 10_000), 0.0)
+    c.set_pool_share("r1", 5_000, 0.0, others_tokens=2_500)
+    for i in range(5):
+        assert isinstance(c.submit(request(f"a{i}", 250, 250), 0.0).verdict, Admit)
+    assert [_round(c, 0.5, t) for t in (1.0, 2.0, 3.0)] == [10_000] * 3
+    # The engine says it is full with the same 5,000 reserved: its pool is 5,000.
+    assert [_round(c, 1.0, t) for t in (4.0, 5.0)] == [10_000, 5_000]
+    for i in range(5):
+        c.release(f"a{i}", 6.0)
+    assert c.report.reserved_tokens() == 0
