@@ -202,14 +202,7 @@ class Replica:
         c.name = self.name
         c.labels = self.labels
         c.block_size = self.block_size
-        c.engine_running = state.engine_running
-        c.engine_waiting = state.engine_waiting
-        c.kv_usage = state.kv_usage
-        c.preemptions_total = state.preemptions_total
-        c.prefix_cache_queries_total = state.prefix_cache_queries_total
-        c.prefix_cache_hits_total = state.prefix_cache_hits_total
-        c.spec_draft_tokens_total = state.spec_draft_tokens_total
-        c.spec_accepted_tokens_total = state.spec_accepted_tokens_total
+        c.engine = state
         # Speculation: a configured `speculative` label wins over what the engine says.
         label = self.labels.get("speculative", "").strip().lower()
         if label in _TRUE:
@@ -218,11 +211,6 @@ class Replica:
             c.speculative = False
         else:
             c.speculative = bool(state.speculative)
-        c.spec_num_draft_tokens = state.spec_num_draft_tokens
-        c.spec_drafts_total = state.spec_drafts_total
-        c.spec_accept_length = state.spec_accept_length
-        c.itl_sum_s = state.itl_sum_s
-        c.itl_count = state.itl_count
         self.view_at = state.updated_at
         self.preempts = state.preempts
         self.private_slots = state.private_slots

@@ -72,10 +72,12 @@ class ReplicaState:
 
 @dataclass(slots=True)
 class Candidate:
-    """A replica that can take the request now, with the live view of it.
+    """A replica that can take the request now: admission's ledger view of it, and a
+    reference to the engine's own (`engine`, the adapter's `ReplicaState`, never copied).
 
     The ledger fields (free_tokens, running, max_running: the learned limit within the
-    cap) are admission's own and always current. The engine gauges come from the last
+    cap) are admission's own and always current. The engine gauges (``engine.kv_usage``,
+    ``engine.engine_waiting``, the prefix and speculation counters) come from the last
     discovery round, ``view_age_s`` seconds old at decision time; routing penalises a
     stale view but never reads it as free room (the ledger decides whether it fits).
     Admission keeps one Candidate per replica and refreshes it in place, so a plugin must
@@ -89,23 +91,11 @@ class Candidate:
     max_running: int | None  # the learned limit within the cap (None: unbounded)
     labels: dict[str, str] = field(default_factory=dict)
     block_size: int = 16
-    # The engine's own view (routing.types.ReplicaState), as of `view_age_s` ago.
-    engine_running: int = 0
-    engine_waiting: int = 0
-    kv_usage: float = 0.0
-    preemptions_total: float = 0.0
-    prefix_cache_queries_total: float | None = None
-    prefix_cache_hits_total: float | None = None
-    spec_draft_tokens_total: float | None = None
-    spec_accepted_tokens_total: float | None = None
+    # The engine's own view of this replica, as of `view_age_s` ago.
+    engine: ReplicaState = field(default_factory=lambda: ReplicaState("", ""))
     # Speculation: the replica's ``speculative`` label ("true"/"false") when configured,
     # else what the engine says (False when it says nothing); see ReplicaState.
     speculative: bool = False
-    spec_num_draft_tokens: int | None = None
-    spec_drafts_total: float | None = None
-    spec_accept_length: float | None = None
-    itl_sum_s: float | None = None
-    itl_count: float | None = None
     view_age_s: float = 0.0
     # Admission's prediction of this replica's mean inter-token gap with the request
     # added (seconds), None before it has evidence; an SLO filter holds it against

@@ -15,7 +15,7 @@ class EngineKVUsageScorer(Scorer):
     name = "engine_kv_usage"
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
-        return min(1.0, max(0.0, 1.0 - candidate.kv_usage))
+        return min(1.0, max(0.0, 1.0 - candidate.engine.kv_usage))
 
 
 factory = no_params(EngineKVUsageScorer)

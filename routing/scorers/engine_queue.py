@@ -17,7 +17,7 @@ class EngineQueueScorer(Scorer):
     name = "engine_queue"
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
-        return 1.0 / (1.0 + max(0, candidate.engine_waiting))
+        return 1.0 / (1.0 + max(0, candidate.engine.engine_waiting))
 
 
 factory = no_params(EngineQueueScorer)

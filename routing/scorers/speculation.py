@@ -113,36 +113,37 @@ class SpeculationScorer(Scorer, PlacementHook, HintHook, ExplainHook):
         rep = self._reps.get(c.name)
         if rep is None:
             rep = self._reps[c.name] = _Replica(self.window_rounds)
-        batch = max(c.running, c.engine_running)
+        e = c.engine  # the engine's own counters
+        batch = max(c.running, e.engine_running)
         rep.batch = batch
         if c.speculative:
             self._spec[c.name] = batch
         else:
             self._spec.pop(c.name, None)
             return rep
-        if c.spec_accept_length is not None:
-            rep.acceptance = c.spec_accept_length
-        elif c.spec_drafts_total is not None and c.spec_accepted_tokens_total is not None:
+        if e.spec_accept_length is not None:
+            rep.acceptance = e.spec_accept_length
+        elif e.spec_drafts_total is not None and e.spec_accepted_tokens_total is not None:
             if rep.drafts is not None and rep.accepted is not None:
-                steps = c.spec_drafts_total - rep.drafts
+                steps = e.spec_drafts_total - rep.drafts
                 if steps >= _MIN_WINDOW_STEPS:
-                    rep.acceptance = 1.0 + (c.spec_accepted_tokens_total - rep.accepted) / steps
-                    rep.drafts, rep.accepted = c.spec_drafts_total, c.spec_accepted_tokens_total
+                    rep.acceptance = 1.0 + (e.spec_accepted_tokens_total - rep.accepted) / steps
+                    rep.drafts, rep.accepted = e.spec_drafts_total, e.spec_accepted_tokens_total
                 elif steps < 0:  # engine restarted
-                    rep.drafts, rep.accepted = c.spec_drafts_total, c.spec_accepted_tokens_total
+                    rep.drafts, rep.accepted = e.spec_drafts_total, e.spec_accepted_tokens_total
             else:
-                rep.drafts, rep.accepted = c.spec_drafts_total, c.spec_accepted_tokens_total
-        if c.itl_sum_s is not None and c.itl_count is not None:
+                rep.drafts, rep.accepted = e.spec_drafts_total, e.spec_accepted_tokens_total
+        if e.itl_sum_s is not None and e.itl_count is not None:
             if rep.itl_sum is not None and rep.itl_n is not None:
-                n = c.itl_count - rep.itl_n
-                if n >= self.min_window_tokens and rep.acceptance and c.engine_running > 0:
-                    itl = (c.itl_sum_s - rep.itl_sum) / n
-                    rep.steps.append((float(c.engine_running), itl * rep.acceptance))
-                    rep.itl_sum, rep.itl_n = c.itl_sum_s, c.itl_count
+                n = e.itl_count - rep.itl_n
+                if n >= self.min_window_tokens and rep.acceptance and e.engine_running > 0:
+                    itl = (e.itl_sum_s - rep.itl_sum) / n
+                    rep.steps.append((float(e.engine_running), itl * rep.acceptance))
+                    rep.itl_sum, rep.itl_n = e.itl_sum_s, e.itl_count
                 elif n < 0:
-                    rep.itl_sum, rep.itl_n = c.itl_sum_s, c.itl_count
+                    rep.itl_sum, rep.itl_n = e.itl_sum_s, e.itl_count
             else:
-                rep.itl_sum, rep.itl_n = c.itl_sum_s, c.itl_count
+                rep.itl_sum, rep.itl_n = e.itl_sum_s, e.itl_count
         return rep
 
     def crossover(self, c: Candidate) -> float:
@@ -151,7 +152,7 @@ class SpeculationScorer(Scorer, PlacementHook, HintHook, ExplainHook):
         a = rep.acceptance if rep is not None else None
         if a is None:
             return self.crossover_batch
-        k = c.spec_num_draft_tokens or self.num_draft_tokens
+        k = c.engine.spec_num_draft_tokens or self.num_draft_tokens
         g = gain_factor(a, k)
         line = _fit(rep.steps) if rep is not None else None
         if line is not None:
@@ -176,7 +177,7 @@ class SpeculationScorer(Scorer, PlacementHook, HintHook, ExplainHook):
 
     def placed(self, req: RouteRequest, c: Candidate, now: float) -> None:
         if c.speculative:
-            self._spec[c.name] = max(c.running, c.engine_running) + 1
+            self._spec[c.name] = max(c.running, c.engine.engine_running) + 1
 
     def hints(self, req: RouteRequest) -> list[str]:
         if req.workload not in self.workloads or not self._spec:

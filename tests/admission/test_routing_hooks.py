@@ -69,7 +69,12 @@ def test_hooks_on_placement_and_release_and_the_live_view() -> None:
     ctl.submit(request("ok-1", 100, 100), 16.0)
     (c,) = router.seen
     assert (c.free_tokens, c.effective_capacity, c.running, c.max_running) == (1000, 1000, 0, 4)
-    assert (c.engine_waiting, c.kv_usage, c.prefix_cache_hits_total) == (2, 0.3, 50.0)
+    assert (c.engine.engine_waiting, c.engine.kv_usage, c.engine.prefix_cache_hits_total) == (
+        2,
+        0.3,
+        50.0,
+    )
+    assert c.engine is state  # referenced, not copied
     assert c.view_age_s == 6.0
     ctl.submit(request("ok-2", 100, 100), 16.0)
     assert router.seen[0].free_tokens == 800 and router.seen[0].running == 1

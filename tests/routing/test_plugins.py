@@ -19,11 +19,17 @@ from routing.scheduler import Profile, build_router
 from routing.scorers.kv_headroom import KVHeadroomScorer
 from routing.scorers.prefix_cache import PrefixCacheScorer
 from routing.scorers.session_affinity import SessionAffinityScorer
-from routing.types import Candidate, RouteRequest
+from routing.types import Candidate, ReplicaState, RouteRequest
 
 
 def cand(name: str, free: int = 500, cap: int = 1000, **kw: object) -> Candidate:
-    return Candidate(name, free, cap, kw.pop("running", 0), kw.pop("max_running", None), **kw)  # type: ignore[arg-type]
+    """A candidate; keyword arguments that name an engine gauge go to its engine view."""
+    engine = ReplicaState(name, "http://127.0.0.1")
+    own = Candidate.__dataclass_fields__
+    for key in [k for k in kw if k in ReplicaState.__dataclass_fields__ and k not in own]:
+        setattr(engine, key, kw.pop(key))
+    running, max_running = kw.pop("running", 0), kw.pop("max_running", None)
+    return Candidate(name, free, cap, running, max_running, engine=engine, **kw)  # type: ignore[arg-type]
 
 
 def req(

@@ -17,7 +17,7 @@ from routing.types import Candidate, RouteRequest
 def cand(name: str, *, spec: bool, running: int = 0, engine_running: int = 0) -> Candidate:
     c = Candidate(name, 10_000, 10_000, running, 64)
     c.speculative = spec
-    c.engine_running = engine_running
+    c.engine.engine_running = engine_running
     return c
 
 
@@ -48,7 +48,7 @@ def test_crossover_scales_with_measured_acceptance() -> None:
     s = SpeculationScorer(crossover_batch=32, reference_acceptance=4.73, num_draft_tokens=5)
     c = cand("s", spec=True)
     assert s.crossover(c) == 32  # nothing measured
-    c.spec_accept_length = 2.61  # SGLang's gauge: creative writing accepts less
+    c.engine.spec_accept_length = 2.61  # SGLang's gauge: creative writing accepts less
     s.score(req("coding"), c)
     expected = 32 * gain_factor(2.61, 5) / gain_factor(4.73, 5)
     assert s.crossover(c) == pytest.approx(expected)
@@ -58,10 +58,10 @@ def test_crossover_scales_with_measured_acceptance() -> None:
 def test_vllm_acceptance_over_the_window_between_rounds() -> None:
     s = SpeculationScorer(crossover_batch=32)
     c = cand("s", spec=True)
-    c.spec_drafts_total, c.spec_accepted_tokens_total = 1000.0, 5000.0
+    c.engine.spec_drafts_total, c.engine.spec_accepted_tokens_total = 1000.0, 5000.0
     s.score(req("coding"), c)  # first sight: no window yet
     assert s.crossover(c) == 32
-    c.spec_drafts_total, c.spec_accepted_tokens_total = 1100.0, 5161.0  # 1 + 161/100
+    c.engine.spec_drafts_total, c.engine.spec_accepted_tokens_total = 1100.0, 5161.0  # 1 + 161/100
     s.score(req("coding"), c)
     assert s.crossover(c) == pytest.approx(32 * gain_factor(2.61, 5) / gain_factor(4.73, 5))
 
@@ -71,16 +71,16 @@ def test_crossover_from_acceptance_and_measured_step_time() -> None:
     # b* = (s0 / s1) (a - 1) / (1 - a / (k + 1)).
     s = SpeculationScorer(crossover_batch=32, min_window_tokens=10)
     c = cand("s", spec=True)
-    c.spec_accept_length = 4.0
-    c.itl_sum_s, c.itl_count = 0.0, 0.0
+    c.engine.spec_accept_length = 4.0
+    c.engine.itl_sum_s, c.engine.itl_count = 0.0, 0.0
     s.score(req("coding"), c)
     total_s, total_n = 0.0, 0.0
     for batch in (2, 6, 12):
         step = 0.010 + 0.002 * batch
         total_s += 100 * step / 4.0
         total_n += 100
-        c.engine_running = batch
-        c.itl_sum_s, c.itl_count = total_s, total_n
+        c.engine.engine_running = batch
+        c.engine.itl_sum_s, c.engine.itl_count = total_s, total_n
         s.score(req("coding"), c)
     assert s.crossover(c) == pytest.approx(5.0 * gain_factor(4.0, 5))
 
