@@ -37,18 +37,40 @@ import asyncio
 import json
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, Protocol
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from enginesim import tokenizer
+from enginesim.api import ApiError, ChatCompletionRequest, Prepared, render_chat, validation_error
 from enginesim.driver import RequestHandle
 from enginesim.llamacpp import UNLIMITED, LlamaCppCore, SlotInfo
 from enginesim.types import EngineError, EngineEvent, EventKind, SlotTimings
 
 if TYPE_CHECKING:
-    from enginesim.server import EngineServer, _Prepared
+    from enginesim.driver import EngineDriver
+    from enginesim.metrics import EngineMetrics
+    from enginesim.profiles import Profile
+
+
+class ServerView(Protocol):
+    """What the llama-server routes use of the `enginesim.server.EngineServer` they
+    serve for (named here so that this module needs nothing of the server's)."""
+
+    core: object
+    driver: EngineDriver
+    metrics: EngineMetrics
+    profile: Profile
+    model_name: str
+    _started_at: int
+
+    async def _serve_body(
+        self, request: web.Request, body: Any, kind: Literal["chat", "completion"]
+    ) -> web.StreamResponse: ...
+
+    def _drop(self, request: web.Request, prep: Prepared) -> NoReturn: ...
+
 
 BUILD_INFO = "b0-enginesim"
 # llama-server's HTTP thread waits this long for a result before it checks its client.
@@ -184,7 +206,7 @@ def _aborted() -> EngineError:
 class LlamaCppApi:
     """The llama-server routes of one `EngineServer` (flavor `llamacpp`)."""
 
-    def __init__(self, server: EngineServer) -> None:
+    def __init__(self, server: ServerView) -> None:
         self.server = server
         core = server.core
         assert isinstance(core, LlamaCppCore)
@@ -250,7 +272,6 @@ class LlamaCppApi:
     # -- plain endpoints -----------------------------------------------------------------
 
     async def _body(self, request: web.Request) -> Any:
-        from enginesim.server import ApiError
 
         raw = await request.read()
         try:
@@ -259,7 +280,6 @@ class LlamaCppApi:
             raise ApiError(500, f"[json.exception.parse_error] {exc}") from None
 
     def _object(self, body: Any) -> dict[str, Any]:
-        from enginesim.server import ApiError
 
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
@@ -351,7 +371,6 @@ class LlamaCppApi:
         )
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        from enginesim.server import ApiError
 
         body = self._object(await self._body(request))
         if "content" not in body:
@@ -378,13 +397,12 @@ class LlamaCppApi:
         return _json({"content": tokenizer.decode(ids)})
 
     async def apply_template(self, request: web.Request) -> web.Response:
-        from enginesim.server import ApiError, ChatCompletionRequest, _validation_error, render_chat
 
         body = self._object(await self._body(request))
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
-            err = _validation_error(exc)
+            err = validation_error(exc)
             raise ApiError(400, err.message) from None
         return _json({"prompt": render_chat(req.messages, body.get("tools"))})
 
@@ -433,7 +451,7 @@ class LlamaCppApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.server._serve_body(request, await self._body(request), "completion")
 
-    def _head(self, prep: _Prepared) -> dict[str, Any]:
+    def _head(self, prep: Prepared) -> dict[str, Any]:
         return {
             "created": int(time.time()),
             "id": prep.public_id,
@@ -442,7 +460,7 @@ class LlamaCppApi:
         }
 
     async def complete(
-        self, request: web.Request, prep: _Prepared, handle: RequestHandle
+        self, request: web.Request, prep: Prepared, handle: RequestHandle
     ) -> web.StreamResponse:
         token_ids: list[int] = []
         final: EngineEvent | None = None
@@ -498,7 +516,7 @@ class LlamaCppApi:
         return _json(body)
 
     async def stream(
-        self, request: web.Request, prep: _Prepared, handle: RequestHandle
+        self, request: web.Request, prep: Prepared, handle: RequestHandle
     ) -> web.StreamResponse:
         # The first result decides the status: until a slot starts the request, an error
         # is an ordinary JSON error response.
@@ -574,7 +592,7 @@ class LlamaCppApi:
             pending = await handle.next_batch()
 
     async def _stream_final(
-        self, send: Any, chat_chunk: Any, delta: Any, prep: _Prepared, final: EngineEvent
+        self, send: Any, chat_chunk: Any, delta: Any, prep: Prepared, final: EngineEvent
     ) -> None:
         reason = final.finish_reason
         timings = _timings(final.timings)

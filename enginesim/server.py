@@ -39,13 +39,25 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from enginesim import tokenizer
+from enginesim.api import (
+    MAX_BODY_BYTES,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Prepared,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    error_response,
+    read_json,
+    render_chat,
+    validation_error,
+)
 from enginesim.core import EngineCore
 from enginesim.driver import EngineDriver, RequestHandle
 from enginesim.faults import NO_FAULT, FaultConfig, FaultConfigError, FaultMode
@@ -58,167 +70,9 @@ from enginesim.workload import classify_workload
 log = logging.getLogger(__name__)
 
 ENGINESIM_VERSION = "0.1.0"
-MAX_BODY_BYTES = 64 * 1024 * 1024  # long-context prompts are large; aiohttp's 1 MiB is not
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _ALNUM = string.ascii_letters + string.digits
 _RNG = random.SystemRandom()
-
-
-# --------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowed",
-    413: "RequestEntityTooLarge",
-    422: "UnprocessableEntityError",
-    500: "InternalServerError",
-    501: "NotImplementedError",
-    502: "BadGatewayError",
-    503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",
-}
-
-
-class ApiError(Exception):
-    """An error a handler answers with: HTTP status plus an OpenAI error object.
-
-    `type` overrides the error type string of the flavor's default for the status.
-    """
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, type: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type
-
-
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    err_type = _ERROR_TYPES.get(
-        status, "InternalServerError" if status >= 500 else "BadRequestError"
-    )
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return web.json_response(body, status=status)
-
-
-# --------------------------------------------------------------------------------------
-# Request schemas (what vLLM accepts; unknown fields are allowed and ignored)
-# --------------------------------------------------------------------------------------
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
-
-
-class _ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[_ContentPart] | None = None
-
-
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None  # optional in vLLM: the served model is the default
-    max_tokens: int | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    priority: int = 0
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-
-
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-
-
-class TokenizeCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-
-
-class TokenizeChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-
-
-def _validation_error(exc: ValidationError) -> ApiError:
-    first = exc.errors()[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()))
-    msg = first.get("msg", "invalid request")
-    return ApiError(400, f"{loc}: {msg}" if loc else msg, loc.split(".")[0] if loc else None)
-
-
-async def _read_json(request: web.Request) -> Any:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes") from exc
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
-
-
-def render_chat(messages: list[ChatMessage], tools: Any = None) -> str:
-    """The prompt text a chat template would produce, tool definitions and calls included.
-
-    Real templates render `tools` into the system prompt and an assistant turn's
-    `tool_calls` as text, so both cost prompt tokens (and they are what marks a request
-    as agentic to the workload classifier).
-    """
-    rendered: list[dict[str, Any]] = []
-    if tools:
-        rendered.append({"role": "system", "content": json.dumps({"tools": tools})})
-    for m in messages:
-        msg = m.model_dump()
-        calls = msg.get("tool_calls")
-        if calls and not msg.get("content"):
-            msg["content"] = json.dumps({"tool_calls": calls})
-        rendered.append(msg)
-    return tokenizer.apply_chat_template(rendered)
-
-
-# --------------------------------------------------------------------------------------
-# A parsed request, ready for the core
-# --------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Prepared:
-    kind: Literal["chat", "completion"]
-    public_id: str
-    model: str
-    created: int
-    sim: SimRequest
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    drop_after: int | None  # the `drop` fault, captured when the request started
 
 
 # --------------------------------------------------------------------------------------
@@ -557,7 +411,7 @@ class EngineServer:
         )
 
     async def _tokenize(self, request: web.Request) -> web.Response:
-        body = await _read_json(request)
+        body = await read_json(request)
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         try:
@@ -570,7 +424,7 @@ class EngineServer:
                 self._check_model(comp.model)
                 tokens = tokenizer.encode(comp.prompt)
         except ValidationError as exc:
-            raise _validation_error(exc) from None
+            raise validation_error(exc) from None
         return web.json_response(
             {
                 "count": len(tokens),
@@ -591,7 +445,7 @@ class EngineServer:
         return web.json_response(self._fault_json())
 
     async def _post_faults(self, request: web.Request) -> web.StreamResponse:
-        body = await _read_json(request)
+        body = await read_json(request)
         try:
             fault = FaultConfig.from_json(body)
         except FaultConfigError as exc:
@@ -618,7 +472,7 @@ class EngineServer:
 
     def _prepare(
         self, request: web.Request, body: Any, kind: Literal["chat", "completion"]
-    ) -> _Prepared:
+    ) -> Prepared:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         try:
@@ -628,7 +482,7 @@ class EngineServer:
             else:
                 req = CompletionRequest.model_validate(body)
         except ValidationError as exc:
-            raise _validation_error(exc) from None
+            raise validation_error(exc) from None
         llamacpp = self.flavor is Flavor.LLAMACPP
         # llama-server serves one model whatever the request names.
         model = self.model_name if llamacpp else self._check_model(req.model)
@@ -728,7 +582,7 @@ class EngineServer:
         prompt_text: str,
         prompt_ids: list[int],
         max_tokens: int,
-    ) -> _Prepared:
+    ) -> Prepared:
         if self.flavor is Flavor.LLAMACPP:  # llama.cpp: "chatcmpl-" and 32 alphanumerics
             public_id = "chatcmpl-" + "".join(_RNG.choices(_ALNUM, k=32))
         else:
@@ -745,7 +599,7 @@ class EngineServer:
         )
         opts = req.stream_options
         fault = self._fault
-        return _Prepared(
+        return Prepared(
             kind=kind,
             public_id=public_id,
             model=model,
@@ -766,7 +620,7 @@ class EngineServer:
     async def _serve(
         self, request: web.Request, kind: Literal["chat", "completion"]
     ) -> web.StreamResponse:
-        return await self._serve_body(request, await _read_json(request), kind)
+        return await self._serve_body(request, await read_json(request), kind)
 
     async def _serve_body(
         self, request: web.Request, body: Any, kind: Literal["chat", "completion"]
@@ -794,7 +648,7 @@ class EngineServer:
     # -- non-stream --------------------------------------------------------------------
 
     async def _complete(
-        self, request: web.Request, prep: _Prepared, handle: RequestHandle
+        self, request: web.Request, prep: Prepared, handle: RequestHandle
     ) -> web.StreamResponse:
         token_ids: list[int] = []
         final: EngineEvent | None = None
@@ -845,7 +699,7 @@ class EngineServer:
             }
         )
 
-    def _drop(self, request: web.Request, prep: _Prepared) -> NoReturn:
+    def _drop(self, request: web.Request, prep: Prepared) -> NoReturn:
         """The `drop` fault: abort the request and close the connection under the client."""
         self.driver.abort(prep.public_id)
         if request.transport is not None:
@@ -857,7 +711,7 @@ class EngineServer:
     # -- stream ------------------------------------------------------------------------
 
     async def _stream(
-        self, request: web.Request, prep: _Prepared, handle: RequestHandle
+        self, request: web.Request, prep: Prepared, handle: RequestHandle
     ) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         resp.enable_chunked_encoding()

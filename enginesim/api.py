@@ -1,0 +1,174 @@
+"""The OpenAI API as enginesim's servers speak it: error objects, the request schemas,
+the chat rendering, and a parsed request ready for the core. Both flavors' routes use
+them (`enginesim.server` for vLLM and SGLang, `enginesim.llamacpp_api` for llama.cpp).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from enginesim import tokenizer
+from enginesim.types import SimRequest
+
+MAX_BODY_BYTES = 64 * 1024 * 1024  # long-context prompts are large; aiohttp's 1 MiB is not
+
+# --------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestEntityTooLarge",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+class ApiError(Exception):
+    """An error a handler answers with: HTTP status plus an OpenAI error object.
+
+    `type` overrides the error type string of the flavor's default for the status.
+    """
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, type: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    err_type = _ERROR_TYPES.get(
+        status, "InternalServerError" if status >= 500 else "BadRequestError"
+    )
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+# --------------------------------------------------------------------------------------
+# Request schemas (what vLLM accepts; unknown fields are allowed and ignored)
+# --------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[_ContentPart] | None = None
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None  # optional in vLLM: the served model is the default
+    max_tokens: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    priority: int = 0
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class TokenizeCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    msg = first.get("msg", "invalid request")
+    return ApiError(400, f"{loc}: {msg}" if loc else msg, loc.split(".")[0] if loc else None)
+
+
+async def read_json(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes") from exc
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+
+
+def render_chat(messages: list[ChatMessage], tools: Any = None) -> str:
+    """The prompt text a chat template would produce, tool definitions and calls included.
+
+    Real templates render `tools` into the system prompt and an assistant turn's
+    `tool_calls` as text, so both cost prompt tokens (and they are what marks a request
+    as agentic to the workload classifier).
+    """
+    rendered: list[dict[str, Any]] = []
+    if tools:
+        rendered.append({"role": "system", "content": json.dumps({"tools": tools})})
+    for m in messages:
+        msg = m.model_dump()
+        calls = msg.get("tool_calls")
+        if calls and not msg.get("content"):
+            msg["content"] = json.dumps({"tool_calls": calls})
+        rendered.append(msg)
+    return tokenizer.apply_chat_template(rendered)
+
+
+# --------------------------------------------------------------------------------------
+# A parsed request, ready for the core
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Prepared:
+    kind: Literal["chat", "completion"]
+    public_id: str
+    model: str
+    created: int
+    sim: SimRequest
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    drop_after: int | None  # the `drop` fault, captured when the request started
