@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,6 +19,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginesim.faults import make_fault
+from tests.enginesim.test_server_cli import _spawn
 from tests.gateway.conftest import MODEL, wait_for
 from tests.gateway.test_health import ADMIN, _metric, _usage
 
@@ -102,6 +104,49 @@ async def test_retries_after_a_crash_never_go_back_to_the_dead_replica(replica, 
     assert per_request and all(reps == ["r0"] for reps in per_request.values()), per_request
     assert await _total(gw, "kvgate_upstream_retries", "r0") == len(per_request)
     assert gw.report.reserved_tokens() == 0 and gw.report.queue_depth() == 0
+
+
+async def test_retries_after_a_sigkill_never_go_back_to_the_killed_engine(replica, gateway):
+    """The same with a real process: an `enginesim serve` SIGKILLed while it runs two
+    requests and the live replica is full."""
+    proc, url = await _spawn("--profile", "tiny", "--speed", "5")
+    try:
+        alive = await replica(speed=5.0)
+        gw = await gateway(
+            alive,
+            replicas=[
+                {"name": "r0", "url": url, "max_running": 2},
+                {"name": "r1", "url": alive.url, "max_running": 2},
+            ],
+            discovery={"refresh_interval_s": 30.0},
+        )
+        n = 8
+        body = {**SHORT, "max_tokens": 40, "ignore_eos": True}
+        with failure_log() as seen:
+            async with aiohttp.ClientSession() as s:
+
+                async def one() -> int:
+                    async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                        await r.read()
+                        return r.status
+
+                tasks = [asyncio.create_task(one()) for _ in range(n)]
+                assert await wait_for(lambda: _usage(gw, "r0").running == 2, within=10.0)
+                assert await wait_for(lambda: gw.report.queue_depth() > 0, within=5.0)
+                proc.send_signal(signal.SIGKILL)
+                statuses = await asyncio.gather(*tasks)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+    assert statuses == [200] * n
+    assert any(kind == "dropped" for _, _, kind in seen.failures)
+    # Each request failed once, on the killed engine, and its retry completed on the live
+    # one (the killed one may have finished a request before the kill).
+    assert {rep for _, rep, _ in seen.failures} == {"r0"}
+    failed = {rid for rid, _, _ in seen.failures}
+    assert len(failed) == len(seen.failures)
+    assert len(failed) <= alive.core.stats().num_finished <= n
 
 
 async def test_a_retry_after_a_dropped_connection_leaves_the_replica_in_service(replica, gateway):
