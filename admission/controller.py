@@ -210,7 +210,11 @@ class AdmissionController:
                 return Decision(answer)
             req = answer
         raw = 0
-        for r in view.usable_shapes:
+        shapes = view.usable_shapes
+        if req.avoid:
+            # One replica per shape may be one it avoids: every other usable one counts.
+            shapes = [r for r in view.present if r.usable and r.name not in req.avoid]
+        for r in shapes:
             if r.can_ever_fit(req):
                 raw = max(raw, r.tokens_for(req))
         if not raw:

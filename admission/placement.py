@@ -8,7 +8,8 @@ orders kept on every reserve and release, plus the ones routing names
 (admission/candidates.py), so a decision costs the same at 4 and 256 replicas. When
 routing's warmest replica for a prompt is full and it chose a colder free one, the
 request waits for the warm one if that is expected to give its first token sooner
-(`_wait_for_warm`).
+(`_wait_for_warm`). A request's `avoid` set (the replicas that failed it) is blocked
+for that request alone, wherever it is placed from.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ class Placement:
             self._released_hook(request_id, replica, now)
 
     def candidate_names(self, req: AdmissionRequest) -> Iterable[str]:
-        """Usable replicas `req` could ever run on."""
+        """Usable replicas `req` could ever run on (none that it avoids)."""
+        avoid = req.avoid
         for rep in self._ledger.views.serving(req.model):
-            if rep.usable and rep.can_ever_fit(req):
+            if rep.usable and rep.can_ever_fit(req) and not (avoid and rep.name in avoid):
                 yield rep.name
 
     def place(self, entry: Placeable, blocked: set[str], now: float) -> Admit | object | None:
@@ -72,8 +74,11 @@ class Placement:
         plus those routing names (`Router.hints`); only those candidates are refreshed.
         When routing rejects the whole shortlist and replicas outside it fit, it is asked
         again with all of them. None when nothing fits now; `REJECTED` when replicas fit
-        but routing rejected every one of them."""
+        but routing rejected every one of them. Replicas in ``req.avoid`` are blocked
+        for this request (a copy of `blocked`: only a retry pays for it)."""
         req = entry.req
+        if req.avoid:
+            blocked = blocked | req.avoid
         ledger = self._ledger
         fits_now = ledger.fits_now
         view = ledger.views.view(req.model)
@@ -183,6 +188,8 @@ class Placement:
         name, cached = warm[0]
         if name == chosen.name or fit.get(name):
             return False  # the warm replica was a candidate: routing weighed it
+        if name in req.avoid:
+            return False  # it failed this request: never worth waiting for
         w = self._ledger.replicas.get(name)
         if w is None or not w.usable or req.model not in w.models or not w.can_ever_fit(req):
             return False

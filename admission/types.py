@@ -55,6 +55,10 @@ class AdmissionRequest:
     # The tenant's SLO targets (seconds; None: none), for SLO-aware placement.
     ttft_target_s: float | None = None
     itl_target_s: float | None = None
+    # Replicas this request must not be placed on: those that already failed it (a
+    # retry, as Envoy's previous_hosts predicate). Held for this request only, also
+    # when it is admitted later from the queue; the replicas stay usable for others.
+    avoid: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True, frozen=True)

@@ -65,6 +65,11 @@ class RequestContext:
     reserved: int = 0
     admitted_at: float | None = None
     attempts: int = 0
+    # The replicas that failed this request: its retry is never placed on them.
+    avoid: frozenset[str] = frozenset()
+    # (replica, failure kind) of an error answer that awaits the retry's outcome: charged
+    # to that replica (outlier ejection) only if another one then completes the request.
+    unjudged: tuple[str, str] | None = None
     # relay
     first_byte_at: float | None = None
     last_event_at: float | None = None
@@ -128,4 +133,5 @@ def admission_request(
         session=ctx.session,
         ttft_target_s=ttft_target,
         itl_target_s=itl_target,
+        avoid=ctx.avoid,
     )

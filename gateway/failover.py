@@ -1,10 +1,15 @@
 """Retries and failover: what the request path does when a replica fails a request.
 
-Retry: when the chosen replica refuses the connection (it crashed) or answers 5xx
-before any byte reached the client, the request is re-admitted once to another replica,
-queueing at its first arrival's place within its own queue deadline when none can take
-it at once; shed from there, the original error is answered: the engine's own (its
-status and message, as an OpenAI error object), else 502.
+Retry: when the chosen replica refuses the connection (it crashed), drops it or answers
+5xx before any byte reached the client, the request is re-admitted once, never to the
+replica that failed it: the retry carries the failed server's replica entries in its
+``avoid`` set (as Envoy's previous_hosts retry predicate), and admission keeps it off
+them also when the retry waits in the queue and is admitted later. The failed replica
+stays in service for everyone else; its health is discovery's and outlier ejection's
+to judge, not one request's. The retry queues at its first arrival's place within its
+own queue deadline when no other replica can take it at once; shed from there, the
+original error is answered: the engine's own (its status and message, as an OpenAI
+error object), else 502.
 A connection refusal also marks the replica, and every replica entry of its server,
 unready until discovery sees it healthy.
 A stream with no first event within ``upstream.first_byte_s`` (a hung or stalled
@@ -12,8 +17,13 @@ replica) is retried the same way: its upstream connection is closed first, so th
 engine aborts it and no replica does the work twice. A non-stream request's only bound
 is ``upstream.total_s``: past it, the answer is 504, not a retry.
 
-Every failure before the first byte is also reported to outlier ejection
-(gateway/outliers.py, config ``outlier``): consecutive ones eject the replica from
+Outlier ejection (gateway/outliers.py, config ``outlier``) hears of a replica's own
+failures before the first byte at once: a refused connection, no first byte in time.
+An engine's error *answer* (a 5xx status with its error object) may be the request's
+fault, not the replica's (a client's input the engine cannot handle): it is charged to
+the replica only when the same request then succeeds on another one. A request that
+fails on both is the request's fault (DESIGN invariant 8): neither replica is charged,
+and the client gets the engine's answer. Consecutive failures eject the replica from
 admission for a doubling, capped time; requests already reserved there run on and
 release as they end. Admission hears of each ejection and its end as a subscriber.
 """
@@ -63,7 +73,8 @@ class Failover:
         # The engine ranks of a vLLM data-parallel server share its URL: a refused
         # connection says every one of them is down.
         self._same_server = {
-            rc.name: [o.name for o in config.replicas if o.url == rc.url] for rc in config.replicas
+            rc.name: frozenset(o.name for o in config.replicas if o.url == rc.url)
+            for rc in config.replicas
         }
         self._loop = asyncio.get_running_loop()
         self.ejection = OutlierEjection.from_config(
@@ -85,9 +96,13 @@ class Failover:
 
     def answered(self, ctx: RequestContext, replica: str) -> None:
         """The relay returned from `replica`: a failure after the stream had started is
-        counted and logged (too late to retry); any other answer ends its failure run."""
+        counted and logged (too late to retry); any other answer ends its failure run. A
+        completed retry convicts the replica whose error answer it was retried after."""
+        unjudged, ctx.unjudged = ctx.unjudged, None
         if ctx.upstream_error is None:
             self.ejection.success(replica)
+            if unjudged is not None and ctx.outcome == "ok":
+                self.ejection.failure(*unjudged)
             return
         self.metrics.upstream_errors.labels(replica, ctx.upstream_error).inc()
         log.warning(
@@ -106,9 +121,14 @@ class Failover:
 
     async def recovered(self, ctx: RequestContext, replica: str, f: UpstreamFailure) -> bool:
         """Count and report `replica`'s failure `f` (no byte reached the client yet);
-        True when the request is now admitted to another replica, to be sent again."""
+        True when the request is now admitted to another replica, to be sent again.
+
+        A failure without an answer (refused, dropped, timed out) is the replica's and goes
+        to outlier ejection at once; an error answer waits for the retry's outcome
+        (`answered`), and is never charged when there is no retry to judge it."""
         self.metrics.upstream_errors.labels(replica, f.kind).inc()
-        self.ejection.failure(replica, f.kind)
+        if f.answer is None:
+            self.ejection.failure(replica, f.kind)
         log.warning(
             "upstream %s failed for %s: %s",
             replica,
@@ -120,12 +140,11 @@ class Failover:
             for name in self._same_server[replica]:
                 self.door.mark_unready(name, self._loop.time())
                 self.discovery.mark_down(name)
-        return bool(
-            f.retryable
-            and self._retry_once
-            and ctx.attempts == 0
-            and await self._readmit(ctx, replica, f.kind)
-        )
+        if not (f.retryable and self._retry_once and ctx.attempts == 0):
+            return False
+        if f.answer is not None:
+            ctx.unjudged = (replica, f.kind)
+        return await self._readmit(ctx, replica, f.kind)
 
     def answer(self, ctx: RequestContext, replica: str, f: UpstreamFailure) -> ApiError:
         """The error the client gets for a failure that was not retried."""
@@ -157,44 +176,35 @@ class Failover:
     async def _readmit(self, ctx: RequestContext, failed: str, kind: str) -> bool:
         """Release the failed admission and admit the request once more, elsewhere.
 
-        The failed replica is excluded from this one decision by marking it unready;
-        after a 5xx it is reinstated at once (discovery decides its health, not one
-        answer), after a refused connection it stays out until discovery sees it up.
-        When no replica can take it at once (the others are at their limits, as they are
-        under load when one replica dies), the retry waits in the queue at its first
-        arrival's place, within the request's own queue deadline: a request that had no
-        byte yet is retried to completion rather than answered 502 because the healthy
-        replicas were busy at that instant. Shed from the queue, it gets the original
-        error.
+        The retry avoids every replica entry of the failed server (the ranks of a
+        data-parallel engine share its process), for this request alone: nothing is
+        marked unready for it, so no other request's placement changes. When no other
+        replica can take it at once (the others are at their limits, as they are under
+        load when one replica dies), it waits in the queue at its first arrival's place,
+        within the request's own queue deadline, and is admitted only to a replica it
+        does not avoid: a request that had no byte yet is retried to completion rather
+        than answered 502 because the healthy replicas were busy at that instant. Shed
+        from the queue, it gets the original error.
         """
         ctx.attempts += 1
         self._release(ctx)
-        now = self._loop.time()
-        self.door.mark_unready(failed, now)
+        ctx.avoid = ctx.avoid | self._same_server[failed]
         rid = f"{ctx.request_id}.{ctx.attempts}"
         ctx.admission_id = rid
-        waiter = None
-        try:
-            verdict = self.door.submit(
-                # First arrival: ahead of the requests that came after it.
-                admission_request(
-                    ctx,
-                    rid,
-                    arrival=ctx.arrival,
-                    deadline=ctx.deadline,
-                    priority=ctx.priority,
-                    targets=self.tenants.tenants.get(ctx.tenant),
-                ),
-                now,
-            )
-            if isinstance(verdict, Queued):
-                # Before the reinstatement below: it may admit this very entry.
-                waiter = self.door.expect(rid)
-        finally:
-            if kind != "connect":
-                self.discovery.reinstate(failed)
-        if waiter is not None:
-            verdict = await self.door.wait_queued(rid, waiter)
+        verdict = self.door.submit(
+            # First arrival: ahead of the requests that came after it.
+            admission_request(
+                ctx,
+                rid,
+                arrival=ctx.arrival,
+                deadline=ctx.deadline,
+                priority=ctx.priority,
+                targets=self.tenants.tenants.get(ctx.tenant),
+            ),
+            self._loop.time(),
+        )
+        if isinstance(verdict, Queued):
+            verdict = await self.door.wait_queued(rid)
         if isinstance(verdict, Shed) and verdict.reason == "shutdown":
             raise shutting_down(self.config)
         if isinstance(verdict, Admit):
@@ -202,4 +212,5 @@ class Failover:
             self.metrics.retries.labels(failed, kind).inc()
             return True
         self._release(ctx)
+        ctx.unjudged = None  # no other replica's answer to judge the error by
         return False

@@ -9,7 +9,10 @@ ejected replica), the metrics and log are another (`report_ejections`); the dete
 knows neither. A subscriber that raises is logged and the others still hear the change.
 
 Only the failures that say the replica is unwell count (`OUTLIER_FAILURES`): a refused
-connection, a 5xx answer, no first byte in time. Any other answer resets the count.
+connection, no first byte in time, and a 5xx answer once the request path has judged it
+the replica's (gateway/failover.py: another replica then served the same request; a
+request that fails everywhere is the request's fault, DESIGN invariant 8). Any other
+answer resets the count.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from gateway.metrics import GatewayMetrics
 log = logging.getLogger("kvgate.outliers")
 
 # Upstream failures (raised before any byte reached the client) that count towards
-# outlier ejection.
+# outlier ejection; failover reports a 5xx answer only once it is judged the replica's.
 OUTLIER_FAILURES = frozenset({"connect", "status_5xx", "timeout"})
 
 

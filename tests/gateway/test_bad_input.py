@@ -250,10 +250,15 @@ async def test_api_keys_map_to_tenants(replica, gateway):
             assert r.status == 200
 
 
-async def test_a_lone_surrogate_in_a_stream_request_is_relayed_not_a_500(replica, gateway):
-    gw = await gateway(await replica())
+@pytest.mark.parametrize("stream", ["true", "false"])
+async def test_a_lone_surrogate_is_refused_before_any_replica_sees_it(replica, gateway, stream):
+    # Valid JSON, but not Unicode text: no engine can tokenize it. Once it was forwarded
+    # and the engine's 500 relayed (and counted against the replica); now kvgate answers
+    # 400 naming the field, and nothing is sent on.
+    srv = await replica()
+    gw = await gateway(srv)
     raw = (
-        b'{"model": "tiny-llm", "stream": true, "max_tokens": 3, "ignore_eos": true, '
+        b'{"model": "tiny-llm", "stream": ' + stream.encode() + b', "max_tokens": 3, '
         b'"messages": [{"role": "user", "content": "odd \\ud800 text"}]}'
     )
     async with (
@@ -264,9 +269,9 @@ async def test_a_lone_surrogate_in_a_stream_request_is_relayed_not_a_500(replica
             headers={"Content-Type": "application/json"},
         ) as r,
     ):
-        err = (await r.json())["error"]
-    # kvgate forwarded it (before the fix: a 500 internal_error of kvgate's own). The
-    # simulated engine then fails on the surrogate itself, which kvgate reports as the
-    # upstream's error, with the engine's status.
-    assert r.status == 500 and err["code"] == "500"
-    assert err["message"] == "internal error in the engine simulator"
+        err = assert_error_object(await r.json())
+    assert r.status == 400
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == "messages" and err["code"] == "invalid_unicode"
+    assert err["message"].startswith("messages.0.content: ")
+    assert srv.core.stats().num_finished == 0 and gw.report.reserved_tokens() == 0
