@@ -186,12 +186,6 @@ class Discovery:
             w.hysteresis.force_down()
             w.state.ready = False
 
-    def reinstate(self, name: str) -> None:
-        """Restore `name` to what discovery last saw (undoes a temporary mark_unready)."""
-        w = self.watchers.get(name)
-        if w is not None:
-            w.upsert()
-
     def max_model_len(self, model: str) -> int | None:
         """The longest context any ready replica serving `model` reported."""
         best: int | None = None

@@ -13,8 +13,8 @@ from tests.admission.helpers import controller, replica, request
 
 
 async def test_an_admission_between_queueing_and_waiting_reaches_its_waiter() -> None:
-    # A retry after a replica's 5xx is queued, then that replica is reinstated, which can
-    # admit the retry at once: the waiter registered in between must receive it (it used
+    # A retry after a replica's 5xx is queued, then room frees, which can admit the
+    # retry at once: the waiter registered in between must receive it (it used
     # to be taken for a departed client's and given back, and the retry waited forever).
     ctrl = controller()
     door = AdmissionDoor(ctrl)
