@@ -90,6 +90,8 @@ class Replica:
     # What the other processes reserve on the replica (their lease use at the last
     # renewal): the engine's KV usage is the whole fleet's, so the pool check counts it.
     others_reserved: int = 0
+    # What the fit rules read of this replica (`fit_limits`), rebuilt by `refresh`.
+    fit: FitLimits = field(default_factory=lambda: FitLimits(None, None))
     # The routing view of this replica, refreshed in place (engine gauges at upsert,
     # ledger fields at each decision) instead of rebuilt per call.
     cand: Candidate = field(default_factory=lambda: Candidate("", 0, 0, 0, None))
@@ -150,11 +152,9 @@ class Replica:
         return tokens
 
     def fit_limits(self) -> FitLimits:
-        """What this replica can ever hold, for the fit rules (`admission.fit`)."""
-        pool = None if self.capacity is None else self.effective
-        return FitLimits(
-            self.max_model_len, pool, self.block_size, self.preempts, self.private_slots
-        )
+        """What this replica can ever hold, for the fit rules (`admission.fit`); set by
+        `refresh`, the only place its fields change."""
+        return self.fit
 
     def _tokens_for(self, req: AdmissionRequest) -> int:
         return reservation(
@@ -231,6 +231,13 @@ class Replica:
             self.effective = pool
         else:
             self.effective = math.floor(pool * (1.0 - config.headroom))
+        self.fit = FitLimits(
+            self.max_model_len,
+            None if self.capacity is None else self.effective,
+            self.block_size,
+            self.preempts,
+            self.private_slots,
+        )
         return fresh
 
     def check_pool(self, kv_usage: float, now: float) -> None:
@@ -239,9 +246,10 @@ class Replica:
         The engine holds at most what the gateway fleet reserved there (this process's
         reservations and what the other processes sharing it reported), so its pool is at
         most ``reserved / usage``: this process alone would read the others' load as
-        foreign and cut its view of the pool (issue: two processes, each cut to about half). When that bound stays below 90% of the configured pool for
-        two discovery rounds, the pool is overstated (a wrong pin, or other clients on
-        the engine) and the bound is used instead. Without fresh confirmation for
+        foreign and cut its view of the pool (two processes each cut it to about half).
+        When that bound stays below 90% of the configured pool for two discovery rounds,
+        the pool is overstated (a wrong pin, or other clients on the engine) and the bound
+        is used instead. Without fresh confirmation for
         ``POOL_MEMORY_S`` the configured pool is trusted again.
         """
         assert self.capacity is not None
