@@ -402,10 +402,10 @@ async def one_run(
     print(f"  rep {rep}: c8 worst {cal['max_s']} s -> timeout {timeout_s:.2f} s", file=sys.stderr)
     rows, verdicts = [cal], {}
     for kind in CLIENTS:
-        sweep = [await contender("straight", kind, c, timeout_s, reqs, workdir, rep) for c in sweep]
+        fixed = [await contender("straight", kind, c, timeout_s, reqs, workdir, rep) for c in sweep]
         gw = await contender("kvgate", kind, KVGATE_CONCURRENCY, timeout_s, reqs, workdir, rep)
-        rows += [*sweep, gw]
-        verdicts[kind] = verdict(gw, best_fixed(sweep))
+        rows += [*fixed, gw]
+        verdicts[kind] = verdict(gw, best_fixed(fixed))
     return {"rep": rep, "timeout_s": round(timeout_s, 2), "rows": rows, "verdicts": verdicts}
 
 
