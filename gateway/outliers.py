@@ -26,7 +26,9 @@ from admission.health import OutlierDetector
 from gateway.config import OutlierConfig
 from gateway.metrics import GatewayMetrics
 
-log = logging.getLogger("kvgate.outliers")
+# The request path's logger, as before these lines left gateway/pipeline.py: log
+# filters that select it keep working.
+log = logging.getLogger("kvgate.pipeline")
 
 # Upstream failures (raised before any byte reached the client) that count towards
 # outlier ejection; failover reports a 5xx answer only once it is judged the replica's.

@@ -10,9 +10,10 @@ A stage either fills in the `RequestContext` or raises `ApiError`, which becomes
 OpenAI error object. Account and release run in ``finally`` on every path, including
 cancellation when the client disconnects, so a reservation can never leak.
 
-The stages' neighbours, each in a module of its own: retries, failover and outlier
-ejection (gateway/failover.py, gateway/outliers.py), the account stage
-(gateway/accounting.py), the answers of turned-away requests (gateway/denials.py), and
+The stages' neighbours, each in a module of its own: reading the body (gateway/body.py),
+retries, failover and outlier ejection (gateway/failover.py, gateway/outliers.py), the
+account stage (gateway/accounting.py), the answers of turned-away requests
+(gateway/denials.py), and
 the requests in flight with their graceful shutdown (gateway/shutdown.py): new and
 queued requests are answered 503 ``shutting_down`` once `Pipeline.begin_shutdown` ran,
 running ones are cut by `Pipeline.cut_running` when the shell's grace runs out.
