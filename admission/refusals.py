@@ -64,7 +64,6 @@ def too_long(req: AdmissionRequest, known: list[Replica]) -> Refuse:
         prompt_tokens=req.prompt_tokens,
         max_tokens=req.max_tokens,
         limit=limit,
-        need=max(1, req.prompt_tokens) + max(0, req.expected_output),
         expected_output=req.expected_output,
     )
 

@@ -90,7 +90,8 @@ class Replica:
     # What the other processes reserve on the replica (their lease use at the last
     # renewal): the engine's KV usage is the whole fleet's, so the pool check counts it.
     others_reserved: int = 0
-    # What the fit rules read of this replica (`fit_limits`), rebuilt by `refresh`.
+    # What the fit rules read of this replica (`admission.fit`), rebuilt by `refresh`,
+    # the only place its fields change.
     fit: FitLimits = field(default_factory=lambda: FitLimits(None, None))
     # The routing view of this replica, refreshed in place (engine gauges at upsert,
     # ledger fields at each decision) instead of rebuilt per call.
@@ -151,14 +152,9 @@ class Replica:
         self.memo_tokens = tokens
         return tokens
 
-    def fit_limits(self) -> FitLimits:
-        """What this replica can ever hold, for the fit rules (`admission.fit`); set by
-        `refresh`, the only place its fields change."""
-        return self.fit
-
     def _tokens_for(self, req: AdmissionRequest) -> int:
         return reservation(
-            self.fit_limits(),
+            self.fit,
             req.prompt_tokens,
             req.expected_output,
             req.max_tokens,
@@ -169,9 +165,7 @@ class Replica:
         return context_needed(self.preempts, req.prompt_tokens, req.max_tokens)
 
     def can_ever_fit(self, req: AdmissionRequest) -> bool:
-        return can_ever_fit(
-            self.fit_limits(), req.prompt_tokens, req.max_tokens, self.tokens_for(req)
-        )
+        return can_ever_fit(self.fit, req.prompt_tokens, req.max_tokens, self.tokens_for(req))
 
     def refresh(
         self,

@@ -136,7 +136,7 @@ class AdmissionReport:
         """What each replica serving `model` can ever hold, for the prompt counter's
         "could this be refused?" (`admission.fit`; replicas with no known limit left out)."""
         return tuple(
-            rep.fit_limits()
+            rep.fit
             for rep in self._ledger.replicas.values()
             if rep.present
             and model in rep.models

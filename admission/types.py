@@ -120,7 +120,6 @@ class Refuse:
     prompt_tokens: int = 0
     max_tokens: int = 0
     limit: int = 0  # the longest context, or the largest effective pool (over_pool)
-    need: int = 0  # the KV need, prompt + expected output (over_pool)
     expected_output: int = 0
 
 

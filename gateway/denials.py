@@ -98,8 +98,9 @@ def refusal_message(r: Refuse) -> str:
             f"the messages, {r.max_tokens} in the completion). Please reduce the length of "
             "the messages or completion."
         )
+    need = max(1, r.prompt_tokens) + max(0, r.expected_output)  # as the ledger counts it
     return (
-        f"This request needs about {r.need} tokens of KV cache ({r.prompt_tokens} "
+        f"This request needs about {need} tokens of KV cache ({r.prompt_tokens} "
         f"prompt + {r.expected_output} output), more than the largest replica "
         f"pool serving `{r.model}` admits ({r.limit} tokens)."
     )
