@@ -4,7 +4,8 @@ Retry: when the chosen replica refuses the connection (it crashed), drops it or 
 5xx before any byte reached the client, the request is re-admitted once, never to the
 replica that failed it: the retry carries the failed server's replica entries in its
 ``avoid`` set (as Envoy's previous_hosts retry predicate), and admission keeps it off
-them also when the retry waits in the queue and is admitted later. The failed replica
+them also when the retry waits in the queue and is admitted later. (A connection lost on the
+model's only server is retried there: there is nowhere else to go.) The failed replica
 stays in service for everyone else; its health is discovery's and outlier ejection's
 to judge, not one request's. The retry queues at its first arrival's place within its
 own queue deadline when no other replica can take it at once; shed from there, the
@@ -175,6 +176,12 @@ class Failover:
             outcome=f"upstream_{f.kind}",
         )
 
+    def _serves_elsewhere(self, model: str, avoid: frozenset[str]) -> bool:
+        """Whether a replica outside `avoid` serves `model` (ready or not yet)."""
+        return any(
+            u.name not in avoid and model in u.models for u in self.door.report.replica_usage()
+        )
+
     async def _readmit(self, ctx: RequestContext, failed: str, kind: str) -> bool:
         """Release the failed admission and admit the request once more, elsewhere.
 
@@ -190,7 +197,12 @@ class Failover:
         """
         ctx.attempts += 1
         self._release(ctx)
-        ctx.avoid = ctx.avoid | self._same_server[failed]
+        avoid = ctx.avoid | self._same_server[failed]
+        if kind != "dropped" or self._serves_elsewhere(ctx.model, avoid):
+            ctx.avoid = avoid
+        # else a connection lost on the model's only server: the retry goes back to it, as
+        # a client's own would (a crashed engine refuses it at once). Refused, timed out
+        # or answered with an error, the same server would only fail it again.
         rid = f"{ctx.request_id}.{ctx.attempts}"
         ctx.admission_id = rid
         verdict = self.door.submit(

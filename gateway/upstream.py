@@ -61,13 +61,20 @@ class UpstreamFailure(Exception):
         return _CLIENT_MESSAGES.get(self.kind, "the replica failed")
 
 
+# Engines' HTTP servers close a connection idle for 5 s (uvicorn under vLLM and SGLang,
+# llama.cpp's httplib). A pooled connection kept longer can be reused just as the server
+# closes it, and the request written on it is lost (seen with a real vLLM: "Can not write
+# request body"). aiohttp never reuses a connection idle past this: ours close first.
+KEEPALIVE_S = 4.0
+
+
 def make_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
     """The shared pooled session. Timeouts other than connect are enforced by the relay
     (first byte, idle gap, total), which knows which phase a response is in."""
     connector = aiohttp.TCPConnector(
         limit=cfg.max_connections,
         limit_per_host=0,
-        keepalive_timeout=30.0,
+        keepalive_timeout=KEEPALIVE_S,
         ttl_dns_cache=300,
         enable_cleanup_closed=False,
     )
