@@ -32,9 +32,12 @@ so speculation pays while a (s0 + s1 b / (k + 1)) > s0 + s1 b, i.e. below
 
 - Where the engine exports acceptance (vLLM: accepted / drafts + 1 over the window
   between two rounds; SGLang: ``spec_accept_length``) and its inter-token latency
-  histogram, each round with at least ``min_window_tokens`` new tokens gives a step time
-  (mean ITL x acceptance) at the batch the engine ran; a least-squares line through the
-  last ``window_rounds`` of them gives s0 and s1, and b* follows from the formula.
+  histogram, each round with at least ``min_window_tokens`` new observations gives a step
+  time at the batch the engine ran: the mean ITL where the engine observes it once a step
+  (vLLM, ``itl_per_step``), the mean ITL x acceptance where once a token; a least-squares
+  line through the last ``window_rounds`` of them gives s0 and s1, and b* follows.
+- k is the engine's drafts per step where it says (vLLM: the positions of its
+  per-position counter; SGLang: its server args), else ``num_draft_tokens``.
 - With acceptance but too few distinct batches for the line, the configured
   ``crossover_batch`` (stated at ``reference_acceptance``) is scaled by
   (a - 1) / (1 - a / (k + 1)) over the same at the reference.
@@ -138,7 +141,8 @@ class SpeculationScorer(Scorer, PlacementHook, HintHook, ExplainHook):
                 n = e.itl_count - rep.itl_n
                 if n >= self.min_window_tokens and rep.acceptance and e.engine_running > 0:
                     itl = (e.itl_sum_s - rep.itl_sum) / n
-                    rep.steps.append((float(e.engine_running), itl * rep.acceptance))
+                    step = itl if e.itl_per_step else itl * rep.acceptance
+                    rep.steps.append((float(e.engine_running), step))
                     rep.itl_sum, rep.itl_n = e.itl_sum_s, e.itl_count
                 elif n < 0:
                     rep.itl_sum, rep.itl_n = e.itl_sum_s, e.itl_count
