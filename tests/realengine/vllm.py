@@ -75,8 +75,8 @@ class VllmServer(LlamaServer):
         super().__init__(name, extra, log_path)
         self.cpus = cpus  # two engines side by side (a bench) each get a core of their own
 
-    def start_vllm(self, python: Path, model: Path) -> float:
-        """Start and wait for /health 200; returns the seconds it took."""
+    def start_vllm(self, python: Path, model: Path, timeout: float = START_TIMEOUT_S) -> float:
+        """Start and wait for /health 200 (at most `timeout` s); returns the seconds it took."""
         self.port = free_port()
         cmd = serve_command(python, model, self.port, *self.args)
         t0 = time.monotonic()
@@ -89,7 +89,7 @@ class VllmServer(LlamaServer):
                 env=serve_env(self.cpus),
                 start_new_session=True,  # the engine core is a child: stop the group
             )
-        deadline = t0 + START_TIMEOUT_S
+        deadline = t0 + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(
@@ -103,7 +103,7 @@ class VllmServer(LlamaServer):
             time.sleep(0.2)
         self.stop()
         pytest.fail(
-            f"vllm ({self.name}) not healthy after {START_TIMEOUT_S} s\n{self.log_tail()}",
+            f"vllm ({self.name}) not healthy after {timeout} s\n{self.log_tail()}",
             pytrace=False,
         )
 
