@@ -46,7 +46,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from enginesim.profiles import load_profile  # noqa: E402
+from enginesim.profiles import Profile, load_profile, profile_from_dict  # noqa: E402
 from enginesim.roofline import Roofline, StepShape  # noqa: E402
 from enginesim.simulate import run_closed_loop  # noqa: E402
 from enginesim.types import Workload  # noqa: E402
@@ -140,7 +140,7 @@ def fit(points: list[dict[str, Any]]) -> tuple[dict[str, float], float]:
     the least worst relative error over the fit points."""
     roof = Roofline(load_profile(PROFILE))  # the model's real shape; its three numbers vary
     best: tuple[float, dict[str, float]] | None = None
-    overheads = [0.5 + 0.25 * i for i in range(40)]
+    overheads = [0.5 * 1.1**i for i in range(45)]  # 0.5-33 ms
     tflops = [0.002 * 1.15**i for i in range(40)]
     bws = [0.5 * 1.2**i for i in range(40)]
     for oh, tf, bw in itertools.product(overheads, tflops, bws):
@@ -191,8 +191,20 @@ async def real_run(server: VllmServer, items: list[WorkItem], c: int, tag: int) 
     }
 
 
-def sim_run(items: list[WorkItem], c: int) -> dict:
-    r = run_closed_loop(load_profile(PROFILE), items, c, timeout_s=1e9, max_tokens=2048)
+def fitted_profile(values: dict[str, float] | None) -> Profile:
+    """The bundled profile, or the same with the fit's three numbers in place of its own."""
+    profile = load_profile(PROFILE)
+    if not values:
+        return profile
+    data = profile.model_dump(mode="json")
+    data["perf"]["step_overhead_ms"] = values["step_overhead_ms"]
+    data["hardware"]["peak_tflops"] = values["peak_tflops"]
+    data["hardware"]["hbm_gbps"] = values["hbm_gbps"]
+    return profile_from_dict(data)
+
+
+def sim_run(items: list[WorkItem], c: int, profile: Profile) -> dict:
+    r = run_closed_loop(profile, items, c, timeout_s=1e9, max_tokens=2048)
     return {
         "tokens_per_s": r.tokens_per_s,
         "p50_latency": r.p50_latency,
@@ -230,7 +242,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def resimulate(path: str) -> dict[str, Any]:
+    """A saved run's real figures beside enginesim's with the profile as it is now."""
+    out = json.loads(Path(path).read_text())
+    profile = load_profile(PROFILE)
+    for row in out["check"]:
+        row["sim"] = sim_run(check_items(), row["concurrency"], profile)
+    return out
+
+
 async def main_async(args: argparse.Namespace) -> int:
+    if args.resim:
+        out = resimulate(args.resim)
+        print(table(out["check"]))
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")  # noqa: ASYNC240
+        return 0
     out: dict[str, Any] = {"args": vars(args)}
     with tempfile.TemporaryDirectory(prefix="simfit-") as tmp:
         server = VllmServer("fit", [], Path(tmp) / "vllm.log", cpus=args.cpus)
@@ -246,11 +272,12 @@ async def main_async(args: argparse.Namespace) -> int:
                 print(f"fitted (worst error {err:.1%}):", values, flush=True)
                 out["fit"] = {"points": points, "values": values, "worst_error": err}
             items = check_items()
+            profile = fitted_profile(out.get("fit", {}).get("values"))
             rows = []
             for c in CHECK_CONCURRENCY:
                 reals = [await real_run(server, items, c, 100 * c + k) for k in range(args.reps)]
                 real = {f: statistics.median(r[f] for r in reals) for f in (*FIGURES, "wall_s")}
-                sim = sim_run(items, c)
+                sim = sim_run(items, c, profile)
                 rows.append({"concurrency": c, "real": real, "sim": sim, "real_runs": reals})
                 print(f"c={c} real {real} sim {sim}", flush=True)
             out["check"] = rows
@@ -266,6 +293,7 @@ def main() -> int:
     ap.add_argument("--fit", action="store_true", help="measure the fit workload and fit")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cpus", default="0", help="the core the engine is bound to")
+    ap.add_argument("--resim", default=None, help="a saved result: simulate its check again")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "enginesim_vs_vllm.json"))
     return asyncio.run(main_async(ap.parse_args()))
 
