@@ -20,7 +20,7 @@ from openai import OpenAI
 from routing.adapters.vllm import VLLMAdapter
 from routing.scorers.speculation import SpeculationScorer, gain_factor
 from routing.types import Candidate, ReplicaState, RouteRequest
-from tests.realengine.vllm import MODEL_NAME, VllmServer, vllm_path
+from tests.realengine.vllm import MODEL_NAME, START_TIMEOUT_S, VllmServer, vllm_path
 
 DRAFTS = 3
 SPECULATIVE_CONFIG = {
@@ -41,7 +41,10 @@ WORDS = "the river town morning light story garden friend letter journey winter"
 def spec_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     args = ["--speculative-config", json.dumps(SPECULATIVE_CONFIG)]
     server = VllmServer("vllm-ngram", args, tmp_path_factory.mktemp("vllm") / "ngram.log")
-    server.start_vllm(vllm_path("KVGATE_VLLM_PYTHON"), vllm_path("KVGATE_VLLM_MODEL"))
+    # A second vLLM beside the session's: twice the suite's start timeout on a busy machine
+    # (seen: not healthy after 150 s at load average 19 on 2 cores).
+    python, model = vllm_path("KVGATE_VLLM_PYTHON"), vllm_path("KVGATE_VLLM_MODEL")
+    server.start_vllm(python, model, timeout=2 * START_TIMEOUT_S)
     try:
         yield server
     finally:
