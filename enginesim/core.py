@@ -140,6 +140,7 @@ class EngineCore:
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
         )
+        self._accepted_per_pos = [0] * self.num_draft_tokens
         # Work accounting beyond the metrics (used by tests and calibration).
         self.total_prefill_tokens = 0  # prefill positions computed (recompute counted again)
         self.total_steps = 0
@@ -215,6 +216,7 @@ class EngineCore:
         s.num_waiting = len(self._waiting)
         s.blocks_in_use = self.pool.num_used
         s.cached_free_blocks = self.pool.num_cached_free
+        s.spec_accepted_per_pos = tuple(self._accepted_per_pos)
         return EngineStats(**{f: getattr(s, f) for f in s.__dataclass_fields__})
 
     def step(self, now: float) -> StepResult:
@@ -479,6 +481,8 @@ class EngineCore:
         st.spec_num_drafts += 1
         st.spec_num_draft_tokens += drafts
         st.spec_num_accepted_tokens += acc
+        for pos in range(acc):
+            self._accepted_per_pos[pos] += 1
         return acc + 1
 
     def _apply(

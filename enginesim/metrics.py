@@ -157,6 +157,14 @@ class _StatsCollector(Collector):
                 "Number of accepted tokens.",
                 s.spec_num_accepted_tokens,
             )
+            per_pos = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labels=[*labels, "position"],
+            )
+            for pos, n in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([*values, str(pos)], n)
+            yield per_pos
 
     def _sglang(self, s: EngineStats) -> Iterator[Metric]:
         labels = ["model_name"]

@@ -133,6 +133,9 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # accepted drafts by position (0 = the first draft of a step), one entry per draft
+    # slot: vLLM's per-position counter, whose positions say how many it drafts
+    spec_accepted_per_pos: tuple[int, ...] = ()
     num_finished: int = 0
     num_aborted: int = 0
 

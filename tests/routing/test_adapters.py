@@ -466,6 +466,10 @@ vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="meta-llama/Lla
 # HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
 # TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct",position="0"} 180.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct",position="1"} 140.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct",position="2"} 110.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct",position="3"} 70.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct",position="4"} 46.0
 # HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
 # TYPE vllm:inter_token_latency_seconds histogram
 vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 500.0
@@ -482,11 +486,15 @@ def test_vllm_speculation_from_spec_decode_counters() -> None:
     assert st.spec_drafts_total == 200.0
     assert (st.spec_draft_tokens_total, st.spec_accepted_tokens_total) == (1000.0, 546.0)
     assert (st.itl_sum_s, st.itl_count) == (5.0, 500.0)
+    # k from the per-position counter's positions; ITL observed once a step (module doc)
+    assert st.spec_num_draft_tokens == 5
+    assert st.itl_per_step is True
     plain = state("vllm")
     adapter_for("vllm").apply(
         plain, {"/metrics": (200, VLLM_METRICS), "/v1/models": (200, VLLM_MODELS)}, 0.0
     )
     assert plain.speculative is False and plain.spec_drafts_total is None
+    assert plain.spec_num_draft_tokens is None
 
 
 def test_sglang_speculation_from_server_args_and_accept_length() -> None:

@@ -85,6 +85,38 @@ def test_crossover_from_acceptance_and_measured_step_time() -> None:
     assert s.crossover(c) == pytest.approx(5.0 * gain_factor(4.0, 5))
 
 
+def test_the_reference_keeps_its_own_drafts_when_the_engine_drafts_fewer() -> None:
+    # vLLM's ngram drafting 3 (k from the engine): 4.73 tokens a step at the reference's 5
+    # drafts is out of its reach; a low acceptance must still pull the crossover down.
+    s = SpeculationScorer(crossover_batch=32, reference_acceptance=4.73, num_draft_tokens=5)
+    for accept, expected in ((1.06, 1.0), (3.5, 32 * gain_factor(3.5, 3) / gain_factor(4.73, 5))):
+        c = cand(f"s{accept}", spec=True)
+        c.engine.spec_num_draft_tokens = 3
+        c.engine.spec_accept_length = accept
+        s.score(req("coding"), c)
+        assert s.crossover(c) == pytest.approx(expected)
+
+
+def test_step_time_is_the_mean_itl_where_the_engine_observes_it_once_a_step() -> None:
+    # vLLM observes its ITL once per request per step (itl_per_step): the mean is the step
+    # time. With acceptance moving between rounds, multiplying by it bends the line.
+    s = SpeculationScorer(crossover_batch=32, min_window_tokens=10)
+    c = cand("s", spec=True)
+    c.engine.itl_per_step = True
+    c.engine.spec_num_draft_tokens = 3
+    c.engine.itl_sum_s, c.engine.itl_count = 0.0, 0.0
+    s.score(req("coding"), c)
+    total_s, total_n = 0.0, 0.0
+    for batch, accept in ((2, 3.5), (6, 2.0), (12, 3.0)):
+        c.engine.spec_accept_length = accept
+        total_s += 100 * (0.010 + 0.002 * batch)
+        total_n += 100
+        c.engine.engine_running = batch
+        c.engine.itl_sum_s, c.engine.itl_count = total_s, total_n
+        s.score(req("coding"), c)
+    assert s.crossover(c) == pytest.approx(5.0 * gain_factor(3.0, 3))
+
+
 def test_explain_and_hints_name_the_decision() -> None:
     s = SpeculationScorer()
     spec, plain = cand("s", spec=True), cand("p", spec=False)
