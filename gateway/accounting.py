@@ -70,6 +70,24 @@ def completion(ctx: RequestContext, now: float) -> Completion | None:
     )
 
 
+# Ends that say the client stayed to the end (served, shed, failed by the replica).
+_STAYED = ("ok", "shed_", "upstream_")
+
+
+def patience_seen(ctx: RequestContext, now: float) -> tuple[float, bool] | None:
+    """What an ended request says of its client's patience (admission/patience.py):
+    (seconds since it arrived, whether the client left then), or None: it stated its
+    timeout, or ended in a way that says nothing of it (refused, cut by shutdown, a
+    client that stopped reading)."""
+    if ctx.patience_stated or ctx.cut or ctx.admission_id is None:
+        return None
+    if ctx.outcome == "client_disconnect":
+        return now - ctx.arrival, True
+    if ctx.outcome.startswith(_STAYED):
+        return now - ctx.arrival, False
+    return None
+
+
 def _completion_tokens(ctx: RequestContext) -> int:
     """The engine's count of generated tokens, else the relay's own."""
     return ctx.usage_completion if ctx.usage_completion is not None else ctx.generated

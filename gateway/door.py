@@ -153,6 +153,12 @@ class AdmissionDoor:
         self._resolve(self._controller.abandon(request_id, self._loop.time(), completion))
         self._rearm()
 
+    def client_ended(
+        self, tenant: str, model: str, stream: bool, waited_s: float, left: bool
+    ) -> None:
+        """Teach the patience of clients that state no timeout (`AdmissionController.client_ended`)."""
+        self._controller.client_ended(tenant, model, stream, waited_s, left, self._loop.time())
+
     def top_up(self, request_id: str, total_tokens: int, now: float | None = None) -> bool:
         """Grow a stream's reservation (`AdmissionController.top_up`)."""
         return self._controller.top_up(request_id, total_tokens, self._time(now))

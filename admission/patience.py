@@ -1,0 +1,164 @@
+"""Client patience: how long clients that state no timeout wait, learned from what they do.
+
+Most HTTP clients never say how long they wait (curl, aiohttp or httpx with a timeout,
+batch scripts); the openai SDKs do (``x-stainless-read-timeout``) and are believed. For
+the others each ended request of a population (tenant, model, stream or not) is one
+observation of its client's patience, measured from the attempt's arrival at kvgate:
+
+* the client left (a disconnect while queued or running) at ``t``: an *event*, its
+  patience was ``t``;
+* it stayed to the end (served, shed, failed) at ``t``: *censored*, its patience is
+  more than ``t``. Under a working gateway this is the common case, and dropping it
+  would learn the patience of the few who left as everyone's.
+
+Attempts, not first arrivals: HTTP clients and the openai SDKs all time out per
+attempt, so a retry's clock starts anew. A client with one deadline over all its retries
+is then seen shorter on its retries, which errs toward shedding early with a
+Retry-After, never toward holding a request past the moment its client is gone.
+
+The estimate is the Kaplan-Meier survival curve over the last ``WINDOW`` observations,
+which uses both kinds; its ``QUANTILE`` (p10: the patience 90% of clients have) is the
+deadline of a request that states none. Rules:
+
+* cold start: fewer than ``MIN_EVENTS`` departures in the window, and nothing learned
+  before: no estimate, and the configured ``queue_timeout_s`` applies. A population that
+  never leaves teaches nothing and keeps the default.
+* a curve that never falls to 1 - p within what was observed (most clients stayed as
+  long as anyone was seen): no estimate either; a few impatient clients do not set the
+  deadline of a patient population (a mixed one gets its low quantile, not its minimum).
+* once learned, an estimate holds while departures are rare (a gateway that sheds in
+  time sees few): it is dropped only when at least ``MIN_EVENTS`` clients of the window
+  were seen staying past it, the evidence that the population waits longer now.
+
+Memory: ``WINDOW`` observations per population, at most ``POPULATIONS`` populations
+(tenants come from configured keys, models from discovery; the oldest is dropped).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+QUANTILE = 0.1
+MIN_EVENTS = 10
+WINDOW = 256
+POPULATIONS = 1024
+
+
+def km_quantile(observations: list[tuple[float, bool]], q: float) -> float | None:
+    """The smallest time by which a fraction `q` of the population has left, by the
+    Kaplan-Meier estimate over `observations` of (time, left); None when the estimated
+    curve never falls that far. A censored time equal to an event time is at risk at it
+    (the usual convention: it was seen staying that long)."""
+    ordered = sorted(observations)
+    at_risk = len(ordered)
+    survival = 1.0
+    i = 0
+    while i < len(ordered):
+        t = ordered[i][0]
+        left = stayed = 0
+        while i < len(ordered) and ordered[i][0] == t:
+            if ordered[i][1]:
+                left += 1
+            else:
+                stayed += 1
+            i += 1
+        if left:
+            survival *= 1.0 - left / at_risk
+            if 1.0 - survival >= q - 1e-12:
+                return t
+        at_risk -= left + stayed
+    return None
+
+
+class Patience:
+    """The patience of one population of clients (`observe`, then `estimate`)."""
+
+    __slots__ = ("_window", "_events", "_held", "_dirty", "observed", "left")
+
+    def __init__(self) -> None:
+        self._window: deque[tuple[float, bool]] = deque(maxlen=WINDOW)
+        self._events = 0  # departures in the window
+        self._held: float | None = None
+        self._dirty = False
+        self.observed = 0  # all observations ever (for the report)
+        self.left = 0  # all departures ever
+
+    def observe(self, waited_s: float, left: bool) -> None:
+        """One ended request: its client left after `waited_s`, or stayed that long."""
+        w = self._window
+        if len(w) == w.maxlen and w[0][1]:
+            self._events -= 1
+        w.append((max(0.0, waited_s), left))
+        if left:
+            self._events += 1
+            self.left += 1
+        self.observed += 1
+        self._dirty = True
+
+    @property
+    def events(self) -> int:
+        """Departures in the window."""
+        return self._events
+
+    def estimate(self) -> float | None:
+        """The learned patience (the window's p10), or None: use the default."""
+        if self._dirty:
+            self._dirty = False
+            self._held = self._learn()
+        return self._held
+
+    def _learn(self) -> float | None:
+        window = list(self._window)
+        if self._events >= MIN_EVENTS:
+            return km_quantile(window, QUANTILE)
+        held = self._held
+        if held is None:
+            return None
+        stayed_longer = sum(1 for t, _ in window if t > held)
+        return None if stayed_longer >= MIN_EVENTS else held
+
+
+@dataclass(slots=True, frozen=True)
+class PatienceReading:
+    """One population as the report shows it."""
+
+    tenant: str
+    model: str
+    stream: bool
+    patience_s: float | None  # None: not learned, the configured default applies
+    observed: int
+    left: int
+    window_events: int
+
+
+class ClientPatience:
+    """Patience by population (tenant, model, stream), bounded in number."""
+
+    __slots__ = ("_pops",)
+
+    def __init__(self) -> None:
+        self._pops: OrderedDict[tuple[str, str, bool], Patience] = OrderedDict()
+
+    def observe(self, tenant: str, model: str, stream: bool, waited_s: float, left: bool) -> None:
+        key = (tenant, model, stream)
+        pop = self._pops.get(key)
+        if pop is None:
+            pop = self._pops[key] = Patience()
+            if len(self._pops) > POPULATIONS:
+                self._pops.popitem(last=False)
+        else:
+            self._pops.move_to_end(key)
+        if math.isfinite(waited_s):
+            pop.observe(waited_s, left)
+
+    def estimate(self, tenant: str, model: str, stream: bool) -> float | None:
+        pop = self._pops.get((tenant, model, stream))
+        return pop.estimate() if pop is not None else None
+
+    def readings(self) -> list[PatienceReading]:
+        return [
+            PatienceReading(t, m, s, p.estimate(), p.observed, p.left, p.events)
+            for (t, m, s), p in sorted(self._pops.items())
+        ]

@@ -1,0 +1,129 @@
+"""Learned client patience through the live gateway (admission/patience.py): a plain HTTP
+client with a total timeout it never states teaches kvgate how long it waits, and is then
+answered (served, or shed with Retry-After) before it would give up; the openai SDK,
+which states its timeout, is believed and teaches nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+
+from admission.patience import MIN_EVENTS
+from tests.gateway.conftest import MODEL, wait_for
+from tests.gateway.test_ops import scrape
+from tests.gateway.test_queue import body, hold_pool
+
+TIMEOUT = 0.6  # the plain client's total timeout, never sent
+
+
+async def _timed_out(s: aiohttp.ClientSession, gw) -> str:
+    """One plain request with a total timeout: "timeout", or the HTTP status."""
+    try:
+        async with s.post(
+            gw.url + "/v1/chat/completions",
+            json=body(50),
+            timeout=aiohttp.ClientTimeout(total=TIMEOUT),
+        ) as r:
+            await r.read()
+            return str(r.status)
+    except TimeoutError:
+        return "timeout"
+
+
+async def _teach(gw) -> None:
+    """MIN_EVENTS plain clients queue behind a full pool and give up at TIMEOUT."""
+    async with aiohttp.ClientSession() as s:
+        outcomes = await asyncio.gather(*(_timed_out(s, gw) for _ in range(MIN_EVENTS)))
+    assert outcomes == ["timeout"] * MIN_EVENTS
+    assert await wait_for(lambda: gw.report.patience("default", MODEL) is not None)
+
+
+async def test_a_plain_client_with_an_unstated_timeout_is_shed_before_it_gives_up(replica, gateway):
+    srv = await replica(speed=1.0)
+    gw = await gateway(
+        srv, pool_tokens=512, admission={"queue_timeout_s": 30.0}, auth={"admin_token": "adm"}
+    )
+    async with aiohttp.ClientSession() as s:
+        big = await hold_pool(s, gw, 440)
+        # Before it has learned anything, the configured 30 s holds them: they time out.
+        await _teach(gw)
+        learned = gw.report.patience("default", MODEL)
+        assert learned == pytest.approx(TIMEOUT, abs=0.15)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        async with s.post(
+            gw.url + "/v1/chat/completions",
+            json=body(50),
+            timeout=aiohttp.ClientTimeout(total=TIMEOUT),
+        ) as r:
+            waited = loop.time() - t0
+            assert r.status == 503
+            assert int(r.headers["Retry-After"]) >= 1
+            assert (await r.json())["error"]["code"] == "overloaded"
+        assert waited < TIMEOUT
+        # An operator sees it: the metric and the admin view.
+        live = await scrape(gw)
+        key = (
+            "kvgate_client_patience_seconds",
+            (("model", MODEL), ("quantile", "0.1"), ("stream", "false"), ("tenant", "default")),
+        )
+        assert live[key] == pytest.approx(learned)
+        async with s.get(gw.url + "/admin/replicas", headers={"Authorization": "Bearer adm"}) as r:
+            (row,) = (await r.json())["client_patience"]
+        assert row["tenant"] == "default" and row["model"] == MODEL and not row["stream"]
+        assert row["patience_s"] == pytest.approx(learned, abs=1e-3)
+        assert row["left"] == MIN_EVENTS
+        big.close()
+    # Served once there is room: the learned budget admits what fits in it.
+    async with aiohttp.ClientSession() as s:
+        assert await wait_for(lambda: gw.report.reserved_tokens() == 0)
+        async with s.post(
+            gw.url + "/v1/chat/completions",
+            json=body(5),
+            timeout=aiohttp.ClientTimeout(total=10 * TIMEOUT),
+        ) as r:
+            assert r.status == 200
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+async def test_the_openai_sdk_states_its_timeout_and_is_believed_first(replica, gateway, stream):
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv, pool_tokens=512, admission={"queue_timeout_s": 30.0})
+    async with aiohttp.ClientSession() as s:
+        big = await hold_pool(s, gw, 440)
+        await _teach(gw)  # plain non-stream clients of the same tenant learned 0.6 s
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", timeout=5.0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        # Its defaults otherwise (two retries): each attempt queues within its own 5 s
+        # read timeout (40% of it, with no drain history to shed on sooner), not the
+        # plain clients' 0.6 s; it ends served (the pool frees) or shed after that.
+        status = 200
+        try:
+            if stream:
+                got = await client.chat.completions.create(
+                    model=MODEL, messages=body(50)["messages"], max_tokens=50, stream=True
+                )
+                async for _ in got:
+                    pass
+            else:
+                await client.chat.completions.create(
+                    model=MODEL, messages=body(50)["messages"], max_tokens=50
+                )
+        except openai.APIStatusError as e:
+            status = e.status_code
+        waited = loop.time() - t0
+        await client.close()
+        big.close()
+    # Queued past the plain clients' patience (their budget would shed it in 0.24 s);
+    # shed, only after the 2 s its own timeout gives the queue.
+    assert waited > TIMEOUT
+    assert status == 200 or (status == 503 and waited >= 2.0)
+    # It stated its timeout: nothing learned from it, the plain population's unchanged.
+    # (The stream holding the pool is a plain client too: it stayed, and says so.)
+    readings = {r.stream: r for r in gw.report.patience_readings()}
+    assert (readings[False].observed, readings[False].left) == (MIN_EVENTS, MIN_EVENTS)
+    assert (readings[True].observed, readings[True].left) == (1, 0)
