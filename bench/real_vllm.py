@@ -298,6 +298,7 @@ async def contender(
     reqs: list[Request],
     workdir: Path,
     rep: int,
+    source: Path | None = None,
 ) -> dict[str, Any]:
     label = f"r{rep}-{name}-{client_kind}-c{concurrency}"
     engine = start_engine(label, workdir)
@@ -305,13 +306,15 @@ async def contender(
         pool = pool_of(engine)
         preempted = engine.metric("vllm:num_preemptions_total")
         url, gw, replica = engine.url, None, None
-        if name == "kvgate":
+        if name.startswith("kvgate"):
             config = {
                 "replicas": [{"name": "vllm", "url": engine.url}],
                 "logging": {"level": "warning", "access_log": False},
                 "auth": {"admin_token": "bench"},
             }
-            gw = start_gateway(config, workdir=workdir, log=workdir / f"kvgate-{label}.log")
+            gw = start_gateway(
+                config, workdir=workdir, log=workdir / f"kvgate-{label}.log", source=source
+            )
         with stopping(*([gw] if gw else [])):
             if gw is not None:
                 await wait_http(gw.url + "/ready", 60.0, gw)
@@ -395,7 +398,11 @@ def verdict(kvgate: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:
 
 
 async def one_run(
-    reqs: list[Request], sweep: tuple[int, ...], workdir: Path, rep: int
+    reqs: list[Request],
+    sweep: tuple[int, ...],
+    workdir: Path,
+    rep: int,
+    baseline: Path | None = None,
 ) -> dict[str, Any]:
     cal = await calibrate(reqs, workdir, rep)
     timeout_s = TIMEOUT_FACTOR * cal["max_s"]
@@ -405,6 +412,20 @@ async def one_run(
         fixed = [await contender("straight", kind, c, timeout_s, reqs, workdir, rep) for c in sweep]
         gw = await contender("kvgate", kind, KVGATE_CONCURRENCY, timeout_s, reqs, workdir, rep)
         rows += [*fixed, gw]
+        if baseline is not None:  # the same run's kvgate of another tree (before/after)
+            rows.append(
+                await contender(
+                    "kvgate-baseline",
+                    kind,
+                    KVGATE_CONCURRENCY,
+                    timeout_s,
+                    reqs,
+                    workdir,
+                    rep,
+                    source=baseline,
+                )
+            )
+            verdicts[f"{kind}-baseline"] = verdict(rows[-1], best_fixed(fixed))
         verdicts[kind] = verdict(gw, best_fixed(fixed))
     return {"rep": rep, "timeout_s": round(timeout_s, 2), "rows": rows, "verdicts": verdicts}
 
@@ -466,6 +487,12 @@ async def main() -> None:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--sweep", type=int, nargs="+", default=list(SWEEP))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another kvgate source tree (e.g. `git archive` of main) run as a contender "
+        "'kvgate-baseline' in the same run, beside this tree's kvgate",
+    )
     args = parser.parse_args()
     reqs = workload(args.requests, vllm_path("KVGATE_VLLM_MODEL"))
     load_before = os.getloadavg()
@@ -473,7 +500,7 @@ async def main() -> None:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvgate-real-vllm-") as tmp:
         for rep in range(1, args.reps + 1):
-            runs.append(await one_run(reqs, tuple(args.sweep), Path(tmp), rep))
+            runs.append(await one_run(reqs, tuple(args.sweep), Path(tmp), rep, args.baseline))
             # Written after every rep, so a run cut short keeps what it measured.
             write(args.out, reqs, load_before, t0, runs)
     summary = medians(runs)
