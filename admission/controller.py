@@ -36,7 +36,7 @@ from dataclasses import replace
 from admission.config import AdmissionConfig
 from admission.learning import Learning
 from admission.ledger import Ledger, Reservation
-from admission.patience import ClientPatience
+from admission.patience import ClientEnd, ClientPatience
 from admission.placement import Placement
 from admission.refusals import refuse_or_clamp, unknown_model
 from admission.report import AdmissionReport
@@ -218,9 +218,14 @@ class AdmissionController:
         if req.latency_budget is None and req.deadline == math.inf:
             # Its client said nothing: the patience learned from its population's clients
             # is its budget, as a stated timeout would be (admission/patience.py).
-            learned = self._patience.estimate(req.tenant, req.model, req.stream)
+            learned = self._patience.budget(req.tenant, req.model, req.stream)
             if learned is not None:
-                req = replace(req, latency_budget=learned, budget_learned=True)
+                req = replace(
+                    req,
+                    latency_budget=learned.seconds,
+                    budget_learned=True,
+                    budget_whole=learned.whole,
+                )
         raw = 0
         shapes = view.usable_shapes
         if req.avoid:
@@ -287,13 +292,14 @@ class AdmissionController:
         return []
 
     def client_ended(
-        self, tenant: str, model: str, stream: bool, waited_s: float, left: bool, now: float
+        self, tenant: str, model: str, stream: bool, end: ClientEnd, now: float
     ) -> None:
-        """A request whose client stated no timeout ended `waited_s` after its arrival:
-        its client `left` (disconnected while queued or running), or stayed to the end.
-        Teaches that population's patience (admission/patience.py); admits nobody."""
+        """A request whose client stated no timeout ended: its client left (disconnected
+        while queued or running) or stayed to the end, `end` says when and, for a
+        stream, where. Teaches that population's patience (admission/patience.py);
+        admits nobody."""
         self._saw(now)
-        self._patience.observe(tenant, model, stream, waited_s, left)
+        self._patience.observe(tenant, model, stream, end)
 
     def top_up(self, request_id: str, total_tokens: int, now: float) -> bool:
         """Grow a reservation to cover `total_tokens` (prompt + generated so far).

@@ -97,7 +97,8 @@ class Learning:
             budget_s=c.latency_budget if c.latency_budget is not None else res.budget,
             budget_fraction=self.config.latency_budget_fraction,
             targets=targets,
-            stream=c.ttft_s is not None,
+            # A stream whose budget bounds the whole response is scored on all of it.
+            stream=c.ttft_s is not None and not res.budget_whole,
         )
         rep.limit.completed(
             now,

@@ -48,6 +48,7 @@ class Reservation:
     pins: tuple[int, ...] = ()  # the prefix block hashes it pins on its replica
     covered: int = 0  # tokens of its need that those pinned blocks hold
     budget: float | None = None  # the latency budget it was admitted under (Admit's)
+    budget_whole: bool = False  # a stream's budget bounds its whole response
     # Set by `hold`: since when, until when at most, and what to learn on release.
     held_since: float | None = None
     held_until: float = math.inf
@@ -187,6 +188,7 @@ class Ledger:
             pins,
             full - private,
             budget=req.latency_budget,
+            budget_whole=req.budget_whole,
         )
         self.views.touch(rep)
         return Admit(req.request_id, rep.name, full, req.latency_budget)

@@ -30,6 +30,22 @@ deadline of a request that states none. Rules:
   time sees few): it is dropped only when at least ``MIN_EVENTS`` clients of the window
   were seen staying past it, the evidence that the population waits longer now.
 
+A stream's budget has a shape. The openai SDKs' read timeout runs per chunk: such a
+client waits as long as bytes keep coming and leaves after a *quiet* stretch as long as
+its timeout. Other clients (aiohttp's ``total``, ``curl --max-time``) put one deadline
+on the whole stream. Where stream clients leave tells which: one that leaves while the
+stream flows (its last gap short against the stream's own inter-token gap, under
+``STALL_GAPS`` of them) is on its own clock, a *whole*-stream deadline; one that leaves
+after a stall is on a per-chunk clock. Stream populations keep a second curve, of the
+quiet stretches clients sat through (a departure: the stretch it left in; a stay: at
+least its wait for the first token), and the budget of a stream is
+
+* ``whole`` (the default until departures mid-stream say otherwise: a deadline that was
+  never seen is not assumed generous): the total-time curve's p10 bounds the whole
+  stream, as it bounds a non-stream response;
+* per chunk (most departures mid-stream came after a stall): the quiet curve's p10
+  bounds the first token and every gap, as the SDK's stated read timeout does.
+
 Memory: ``WINDOW`` observations per population, at most ``POPULATIONS`` populations
 (tenants come from configured keys, models from discovery; the oldest is dropped).
 """
@@ -44,6 +60,8 @@ QUANTILE = 0.1
 MIN_EVENTS = 10
 WINDOW = 256
 POPULATIONS = 1024
+STALL_GAPS = 10.0  # a last gap this many times the stream's mean gap is a stall
+SHAPE_MEMORY = 64  # departures mid-stream that decide a stream budget's shape
 
 
 def km_quantile(observations: list[tuple[float, bool]], q: float) -> float | None:
@@ -121,6 +139,49 @@ class Patience:
 
 
 @dataclass(slots=True, frozen=True)
+class ClientEnd:
+    """One client's patience as an ended request shows it."""
+
+    waited_s: float  # since its arrival
+    left: bool  # it disconnected then (else it stayed to the end)
+    quiet_s: float | None = None  # a stream: the quiet stretch it left in, or sat through
+    stalled: bool | None = None  # a stream it left mid-way: after a stall (None: unknown)
+
+
+@dataclass(slots=True, frozen=True)
+class Budget:
+    """A learned budget: seconds, and whether it bounds the whole response (a stream's
+    per-chunk budget bounds its first token and its gaps)."""
+
+    seconds: float
+    whole: bool = True
+
+
+class Population:
+    """One population's curves: total time, and for streams the quiet stretches and
+    where its clients left (while the stream flowed, or after a stall)."""
+
+    __slots__ = ("total", "quiet", "flowing", "stalled")
+
+    def __init__(self) -> None:
+        self.total = Patience()
+        self.quiet = Patience()  # streams only
+        self.flowing = 0  # departures mid-stream while tokens flowed
+        self.stalled = 0  # departures mid-stream after a stall
+
+    @property
+    def per_chunk(self) -> bool:
+        return self.stalled > self.flowing
+
+    def budget(self, stream: bool) -> Budget | None:
+        if stream and self.per_chunk:
+            q = self.quiet.estimate()
+            return None if q is None else Budget(q, whole=False)
+        q = self.total.estimate()
+        return None if q is None else Budget(q)
+
+
+@dataclass(slots=True, frozen=True)
 class PatienceReading:
     """One population as the report shows it."""
 
@@ -128,6 +189,7 @@ class PatienceReading:
     model: str
     stream: bool
     patience_s: float | None  # None: not learned, the configured default applies
+    whole: bool  # the budget bounds the whole response (False: a stream's every chunk)
     observed: int
     left: int
     window_events: int
@@ -139,26 +201,58 @@ class ClientPatience:
     __slots__ = ("_pops",)
 
     def __init__(self) -> None:
-        self._pops: OrderedDict[tuple[str, str, bool], Patience] = OrderedDict()
+        self._pops: OrderedDict[tuple[str, str, bool], Population] = OrderedDict()
 
-    def observe(self, tenant: str, model: str, stream: bool, waited_s: float, left: bool) -> None:
+    def observe(self, tenant: str, model: str, stream: bool, end: ClientEnd) -> None:
+        """One ended request of a client that stated no timeout. A stream's `quiet_s` is
+        the quiet stretch it left in (or at least sat through); `stalled`, for a
+        departure after the first token, whether it came after a stall."""
         key = (tenant, model, stream)
         pop = self._pops.get(key)
         if pop is None:
-            pop = self._pops[key] = Patience()
+            pop = self._pops[key] = Population()
             if len(self._pops) > POPULATIONS:
                 self._pops.popitem(last=False)
         else:
             self._pops.move_to_end(key)
-        if math.isfinite(waited_s):
-            pop.observe(waited_s, left)
+        if not math.isfinite(end.waited_s):
+            return
+        pop.total.observe(end.waited_s, end.left)
+        quiet = end.quiet_s
+        if stream and quiet is not None and math.isfinite(quiet):
+            pop.quiet.observe(quiet, end.left)
+        if end.left and end.stalled is not None:
+            if end.stalled:
+                pop.stalled += 1
+            else:
+                pop.flowing += 1
+            if pop.stalled + pop.flowing > SHAPE_MEMORY:  # the recent clients decide
+                pop.stalled //= 2
+                pop.flowing //= 2
+
+    def budget(self, tenant: str, model: str, stream: bool) -> Budget | None:
+        pop = self._pops.get((tenant, model, stream))
+        return pop.budget(stream) if pop is not None else None
 
     def estimate(self, tenant: str, model: str, stream: bool) -> float | None:
-        pop = self._pops.get((tenant, model, stream))
-        return pop.estimate() if pop is not None else None
+        b = self.budget(tenant, model, stream)
+        return None if b is None else b.seconds
 
     def readings(self) -> list[PatienceReading]:
-        return [
-            PatienceReading(t, m, s, p.estimate(), p.observed, p.left, p.events)
-            for (t, m, s), p in sorted(self._pops.items())
-        ]
+        out = []
+        for (t, m, s), p in sorted(self._pops.items()):
+            b = p.budget(s)
+            total = p.total
+            out.append(
+                PatienceReading(
+                    t,
+                    m,
+                    s,
+                    None if b is None else b.seconds,
+                    True if b is None else b.whole,
+                    total.observed,
+                    total.left,
+                    total.events,
+                )
+            )
+        return out

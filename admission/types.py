@@ -41,6 +41,10 @@ class AdmissionRequest:
     # True when `latency_budget` is the learned patience of its clients (admission.patience),
     # not a timeout the client stated.
     budget_learned: bool = False
+    # True when the budget bounds a stream's whole response, not only its first token
+    # (and gaps): a learned whole-stream deadline (admission.patience). A non-stream
+    # request's budget always bounds its whole response.
+    budget_whole: bool = False
     # Identifies a request across its retries (the gateway's digest of tenant, model and
     # body): a shed request's key is expected back, and its tokens count as backlog.
     retry_key: int | None = None

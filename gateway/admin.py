@@ -76,6 +76,8 @@ def replicas_snapshot(
             "model": r.model,
             "stream": r.stream,
             "patience_s": None if r.patience_s is None else round(r.patience_s, 3),
+            # True: it bounds the whole response; False: a stream's first token and gaps.
+            "whole_response": r.whole,
             "observed": r.observed,
             "left": r.left,
             "window_departures": r.window_events,

@@ -471,7 +471,7 @@ class Pipeline:
         if ctx.admission_id is None:
             return
         if (seen := patience_seen(ctx, self._loop.time())) is not None:
-            self.door.client_ended(ctx.tenant, ctx.model, ctx.stream, *seen)
+            self.door.client_ended(ctx.tenant, ctx.model, ctx.stream, seen)
         if ctx.upstream_abandoned and ctx.replica is not None:
             ctx.upstream_abandoned = False
             self.door.abandon(ctx.admission_id, completion(ctx, self._loop.time()))

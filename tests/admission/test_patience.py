@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from admission.patience import MIN_EVENTS, WINDOW, Patience, km_quantile
+from admission.patience import (
+    MIN_EVENTS,
+    WINDOW,
+    Budget,
+    ClientEnd,
+    ClientPatience,
+    Patience,
+    km_quantile,
+)
 from admission.types import Admit, Completion, Queued, Shed
 from tests.admission.helpers import controller, replica, request
 
@@ -20,7 +28,7 @@ def _leaves_queued(ctrl, rid: str, now: float, after: float) -> None:
     """`rid` queues at `now` (the replica is full) and its client leaves `after` later."""
     assert isinstance(ctrl.submit(request(rid), now).verdict, Queued)
     ctrl.release(rid, now + after)
-    ctrl.client_ended("default", "m", False, after, True, now + after)
+    ctrl.client_ended("default", "m", False, ClientEnd(after, True), now + after)
 
 
 def test_a_population_that_leaves_at_3s_is_served_or_shed_within_3s() -> None:
@@ -35,7 +43,7 @@ def test_a_population_that_leaves_at_3s_is_served_or_shed_within_3s() -> None:
     assert isinstance(ctrl.submit(request("ninth"), now).verdict, Queued)
     assert ctrl.next_deadline() == pytest.approx(now + 30.0)
     ctrl.release("ninth", now + 3.0)
-    ctrl.client_ended("default", "m", False, 3.0, True, now + 3.0)
+    ctrl.client_ended("default", "m", False, ClientEnd(3.0, True), now + 3.0)
     now += 3.0
     assert ctrl.report.patience("default", "m") == pytest.approx(3.0)
     # The eleventh waits only while it can still be served in time, then is shed with a
@@ -57,7 +65,7 @@ def test_a_population_that_never_leaves_keeps_the_default() -> None:
     ctrl = controller(queue_timeout_s=30.0)
     ctrl.upsert_replica(replica("r1", 1000), 0.0)
     for i in range(2 * WINDOW):
-        ctrl.client_ended("default", "m", False, 0.5 + (i % 40) * 0.25, False, float(i))
+        ctrl.client_ended("default", "m", False, ClientEnd(0.5 + (i % 40) * 0.25, False), float(i))
     assert ctrl.report.patience("default", "m") is None
     _full(ctrl, 600.0)
     assert isinstance(ctrl.submit(request("late"), 600.0).verdict, Queued)
@@ -72,7 +80,7 @@ def test_a_mixed_population_is_not_given_its_shortest_patience() -> None:
     for i in range(200):
         # One client in twenty leaves after 1 s; the rest wait 8 s.
         waited = 1.0 if i % 20 == 0 else 8.0
-        ctrl.client_ended("default", "m", False, waited, True, now)
+        ctrl.client_ended("default", "m", False, ClientEnd(waited, True), now)
         now += 1.0
     learned = ctrl.report.patience("default", "m")
     assert learned == pytest.approx(8.0)
@@ -113,7 +121,7 @@ def test_the_learned_limit_scores_completions_against_the_learned_patience() -> 
     ctrl = controller(learn_limit=True, initial_limit=8.0, limit_window=4)
     ctrl.upsert_replica(replica("r1", 100_000), 0.0)
     for _ in range(MIN_EVENTS):
-        ctrl.client_ended("default", "m", False, 2.0, True, 0.0)
+        ctrl.client_ended("default", "m", False, ClientEnd(2.0, True), 0.0)
     assert ctrl.report.patience("default", "m") == pytest.approx(2.0)
     now = 1.0
     for i in range(20):
@@ -130,3 +138,58 @@ def test_the_learned_limit_scores_completions_against_the_learned_patience() -> 
             break
     usage = ctrl.report.replica_usage()[0]
     assert usage.limit_reason == "latency" and usage.limit is not None and usage.limit < 8
+
+
+def _stream_departures(pop: ClientPatience, n: int, *, stalled: bool) -> None:
+    for i in range(n):
+        if stalled:
+            # Per-chunk clients: each leaves after a 2 s stall, whenever it comes.
+            pop.observe("t", "m", True, ClientEnd(5.0 + i, True, 2.0, True))
+        else:
+            # Whole-stream clients: each leaves at 4 s, while tokens flow.
+            pop.observe("t", "m", True, ClientEnd(4.0, True, 0.02, False))
+
+
+def test_a_stream_budget_takes_the_shape_of_where_its_clients_leave() -> None:
+    whole = ClientPatience()
+    _stream_departures(whole, MIN_EVENTS, stalled=False)
+    assert whole.budget("t", "m", True) == Budget(4.0, whole=True)
+    chunk = ClientPatience()
+    _stream_departures(chunk, MIN_EVENTS, stalled=True)
+    assert chunk.budget("t", "m", True) == Budget(2.0, whole=False)
+    # Departures before the first token say nothing of the shape: a whole-stream
+    # deadline is assumed, the stricter one.
+    early = ClientPatience()
+    for _ in range(MIN_EVENTS):
+        early.observe("t", "m", True, ClientEnd(3.0, True, 3.0, None))
+    assert early.budget("t", "m", True) == Budget(3.0, whole=True)
+
+
+@pytest.mark.parametrize("stalled", [False, True], ids=["whole-stream", "per-chunk"])
+def test_a_stream_is_scored_on_what_its_clients_wait_for(stalled: bool) -> None:
+    ctrl = controller(learn_limit=True, initial_limit=8.0, limit_window=4)
+    ctrl.upsert_replica(replica("r1", 100_000), 0.0)
+    for i in range(MIN_EVENTS):
+        end = ClientEnd(5.0 + i, True, 2.0, True) if stalled else ClientEnd(4.0, True, 0.02, False)
+        ctrl.client_ended("default", "m", True, end, 0.0)
+    now = 1.0
+    for i in range(6):
+        for j in range(8):
+            req = request(f"s{i}-{j}")
+            req.stream = True
+            assert isinstance(ctrl.submit(req, now).verdict, Admit)
+        now += 3.5  # first token at once, the whole stream in 3.5 s
+        for j in range(8):
+            done = Completion(
+                service_s=3.5, ttft_s=0.05, itl_s=0.03, prompt_tokens=100, completion_tokens=100
+            )
+            ctrl.release(f"s{i}-{j}", now, done)
+        if ctrl.report.replica_usage()[0].limit_reason == "latency":
+            break
+    usage = ctrl.report.replica_usage()[0]
+    if stalled:
+        # A per-chunk client waits for each chunk: a fast first token keeps it.
+        assert usage.limit_reason != "latency" and usage.limit is not None and usage.limit >= 8
+    else:
+        # A whole-stream client waits for all of it: 3.5 s of its 4 s is over the aim.
+        assert usage.limit_reason == "latency" and usage.limit is not None and usage.limit < 8

@@ -11,7 +11,9 @@ import aiohttp
 import openai
 import pytest
 
-from admission.patience import MIN_EVENTS
+from admission.patience import MIN_EVENTS, ClientEnd
+from gateway.accounting import patience_seen
+from gateway.context import RequestContext
 from tests.gateway.conftest import MODEL, wait_for
 from tests.gateway.test_ops import scrape
 from tests.gateway.test_queue import body, hold_pool
@@ -127,3 +129,54 @@ async def test_the_openai_sdk_states_its_timeout_and_is_believed_first(replica, 
     readings = {r.stream: r for r in gw.report.patience_readings()}
     assert (readings[False].observed, readings[False].left) == (MIN_EVENTS, MIN_EVENTS)
     assert (readings[True].observed, readings[True].left) == (1, 0)
+
+
+async def test_a_stream_client_with_a_total_deadline_is_learned_as_one(replica, gateway):
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv, auth={"admin_token": "adm"})
+    async with aiohttp.ClientSession() as s:
+        for _ in range(MIN_EVENTS):
+            # aiohttp's total timeout cuts the stream while its tokens flow.
+            got = 0
+            with pytest.raises(TimeoutError):
+                async with s.post(
+                    gw.url + "/v1/chat/completions",
+                    json=body(400, stream=True),
+                    timeout=aiohttp.ClientTimeout(total=TIMEOUT),
+                ) as r:
+                    assert r.status == 200
+                    async for _ in r.content:
+                        got += 1
+            assert got > 2  # it left mid-stream, not before the first token
+        assert await wait_for(lambda: gw.report.patience("default", MODEL, True) is not None)
+        async with s.get(gw.url + "/admin/replicas", headers={"Authorization": "Bearer adm"}) as r:
+            (row,) = (await r.json())["client_patience"]
+    assert row["stream"] and row["left"] == MIN_EVENTS
+    assert row["patience_s"] == pytest.approx(TIMEOUT, abs=0.15)
+    assert row["whole_response"] is True  # the whole stream, not its first token
+
+
+def _stream_ctx(**fields) -> RequestContext:
+    ctx = RequestContext("r", "chat", "/v1/chat/completions", arrival=0.0, stream=True)
+    ctx.admission_id = "r"
+    ctx.outcome = "client_disconnect"
+    for k, v in fields.items():
+        setattr(ctx, k, v)
+    return ctx
+
+
+def test_where_a_stream_client_left_is_read_from_its_gaps() -> None:
+    # 100 events 20 ms apart from 0.5 s on; left 30 ms after the last: while it flowed.
+    flowing = _stream_ctx(first_byte_at=0.5, last_event_at=2.48, events=100)
+    assert patience_seen(flowing, 2.51) == ClientEnd(2.51, True, pytest.approx(0.03), False)
+    # The same stream, left 3 s after its last event: after a stall (a per-chunk clock).
+    stalled = _stream_ctx(first_byte_at=0.5, last_event_at=2.48, events=100)
+    assert patience_seen(stalled, 5.48).stalled is True
+    # Before its first token: the shape is unknown, the wait is its quiet stretch.
+    early = _stream_ctx()
+    assert patience_seen(early, 3.0) == ClientEnd(3.0, True, 3.0, None)
+    # Served: it sat through at least its wait for the first token.
+    served = _stream_ctx(first_byte_at=0.5, last_event_at=2.48, events=100, outcome="ok")
+    assert patience_seen(served, 2.5) == ClientEnd(2.5, False, 0.5, None)
+    # A stated timeout teaches nothing.
+    assert patience_seen(_stream_ctx(patience_stated=True), 3.0) is None
