@@ -193,3 +193,21 @@ def test_a_stream_is_scored_on_what_its_clients_wait_for(stalled: bool) -> None:
     else:
         # A whole-stream client waits for all of it: 3.5 s of its 4 s is over the aim.
         assert usage.limit_reason == "latency" and usage.limit is not None and usage.limit < 8
+
+
+def test_clients_that_state_no_timeout_are_not_held_past_it_in_virtual_time() -> None:
+    # Seed 001's card and job (tests/admission/test_limit.py), 32 closed-loop clients that
+    # give up after 45 s and never say so, retrying sheds twice after Retry-After. Held
+    # for the configured 30 s queue timeout plus service, 235 of 320 timed out on main.
+    from bench.vtime import run
+    from enginesim.workloads import seed2_workload
+    from tests.admission.test_limit import PROFILE, TIMEOUT_S
+
+    items = seed2_workload(320, seed=3)
+    report = run(
+        PROFILE, items, concurrency=32, timeout_s=TIMEOUT_S, send_timeout=False, max_retries=2
+    )
+    # What the cold start costs: the queue that times out while the first ten leave.
+    assert report.timed_out <= 40
+    assert report.completed >= 0.85 * len(items)
+    assert report.preemptions == 0
