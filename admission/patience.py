@@ -61,6 +61,7 @@ MIN_EVENTS = 10
 WINDOW = 256
 POPULATIONS = 1024
 STALL_GAPS = 10.0  # a last gap this many times the stream's mean gap is a stall
+REFRESH_STAYS = 16  # stays between two computations of the estimate
 SHAPE_MEMORY = 64  # departures mid-stream that decide a stream budget's shape
 
 
@@ -93,13 +94,14 @@ def km_quantile(observations: list[tuple[float, bool]], q: float) -> float | Non
 class Patience:
     """The patience of one population of clients (`observe`, then `estimate`)."""
 
-    __slots__ = ("_window", "_events", "_held", "_dirty", "observed", "left")
+    __slots__ = ("_window", "_events", "_held", "_dirty", "_stale", "observed", "left")
 
     def __init__(self) -> None:
         self._window: deque[tuple[float, bool]] = deque(maxlen=WINDOW)
         self._events = 0  # departures in the window
         self._held: float | None = None
         self._dirty = False
+        self._stale = 0  # stays since the estimate was last computed
         self.observed = 0  # all observations ever (for the report)
         self.left = 0  # all departures ever
 
@@ -109,11 +111,17 @@ class Patience:
         if len(w) == w.maxlen and w[0][1]:
             self._events -= 1
         w.append((max(0.0, waited_s), left))
+        self.observed += 1
         if left:
             self._events += 1
             self.left += 1
-        self.observed += 1
-        self._dirty = True
+            self._dirty = True  # a departure moves the low quantile: at once
+        else:
+            # Stays move it slowly: recompute after a batch of them, so the request path
+            # pays a sort of the window once per REFRESH_STAYS ends, not on every one.
+            self._stale += 1
+            if self._stale >= REFRESH_STAYS:
+                self._dirty = True
 
     @property
     def events(self) -> int:
@@ -124,17 +132,17 @@ class Patience:
         """The learned patience (the window's p10), or None: use the default."""
         if self._dirty:
             self._dirty = False
+            self._stale = 0
             self._held = self._learn()
         return self._held
 
     def _learn(self) -> float | None:
-        window = list(self._window)
         if self._events >= MIN_EVENTS:
-            return km_quantile(window, QUANTILE)
+            return km_quantile(list(self._window), QUANTILE)
         held = self._held
         if held is None:
             return None
-        stayed_longer = sum(1 for t, _ in window if t > held)
+        stayed_longer = sum(1 for t, _ in self._window if t > held)
         return None if stayed_longer >= MIN_EVENTS else held
 
 

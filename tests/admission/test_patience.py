@@ -7,6 +7,7 @@ import pytest
 
 from admission.patience import (
     MIN_EVENTS,
+    REFRESH_STAYS,
     WINDOW,
     Budget,
     ClientEnd,
@@ -109,11 +110,13 @@ def test_a_learned_patience_holds_while_few_leave_and_yields_to_clients_who_wait
     for _ in range(WINDOW):
         pop.observe(2.5, False)
     assert pop.events == 0 and pop.estimate() == 3.0
-    # Clients seen staying past it: they wait longer now, back to the default.
-    for _ in range(MIN_EVENTS - 1):
-        pop.observe(6.0, False)
+    # Clients seen staying past it: they wait longer now, back to the default (stays are
+    # taken in batches of REFRESH_STAYS). Nine are not yet evidence, ten are.
+    for t in [6.0] * (MIN_EVENTS - 1) + [2.5] * (REFRESH_STAYS - MIN_EVENTS + 1):
+        pop.observe(t, False)
     assert pop.estimate() == 3.0
-    pop.observe(6.0, False)
+    for _ in range(REFRESH_STAYS):
+        pop.observe(6.0, False)
     assert pop.estimate() is None
 
 
