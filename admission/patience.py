@@ -33,10 +33,11 @@ deadline of a request that states none. Rules:
 A stream's budget has a shape. The openai SDKs' read timeout runs per chunk: such a
 client waits as long as bytes keep coming and leaves after a *quiet* stretch as long as
 its timeout. Other clients (aiohttp's ``total``, ``curl --max-time``) put one deadline
-on the whole stream. Where stream clients leave tells which: one that leaves while the
-stream flows (its last gap short against the stream's own inter-token gap, under
-``STALL_GAPS`` of them) is on its own clock, a *whole*-stream deadline; one that leaves
-after a stall is on a per-chunk clock. Stream populations keep a second curve, of the
+on the whole stream. Where stream clients leave tells which: one that leaves after a
+stall (a quiet stretch over ``STALL_GAPS`` of the stream's own mean gaps, and longer than
+its wait for the first token, which a per-chunk client sat through) is on a per-chunk
+clock; one that leaves otherwise, while the stream flows, is on its own clock, a
+*whole*-stream deadline. Stream populations keep a second curve, of the
 quiet stretches clients sat through (a departure: the stretch it left in; a stay: at
 least its wait for the first token), and the budget of a stream is
 

@@ -96,9 +96,10 @@ def patience_seen(ctx: RequestContext, now: float) -> ClientEnd | None:
         return ClientEnd(waited, False, (first if first is not None else now) - ctx.arrival)
     quiet = now - (ctx.last_event_at if ctx.last_event_at is not None else ctx.arrival)
     stalled = None
-    if (gap := inter_token_latency(ctx)) is not None:
-        # Left while tokens flowed: its own clock. After a stall: a per-chunk clock.
-        stalled = quiet > STALL_GAPS * gap
+    if (gap := inter_token_latency(ctx)) is not None and first is not None:
+        # Left while tokens flowed: its own clock. After a stall: a per-chunk clock, and
+        # then on the longest quiet stretch it saw (it sat through the first-token wait).
+        stalled = quiet > STALL_GAPS * gap and quiet > first - ctx.arrival
     return ClientEnd(waited, True, quiet, stalled)
 
 

@@ -53,7 +53,8 @@ async def test_a_plain_client_with_an_unstated_timeout_is_shed_before_it_gives_u
         # Before it has learned anything, the configured 30 s holds them: they time out.
         await _teach(gw)
         learned = gw.report.patience("default", MODEL)
-        assert learned == pytest.approx(TIMEOUT, abs=0.15)
+        # Seen at the gateway: from the request's arrival to the disconnect it noticed.
+        assert learned is not None and 0.7 * TIMEOUT <= learned <= TIMEOUT + 0.4
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         async with s.post(
@@ -152,7 +153,7 @@ async def test_a_stream_client_with_a_total_deadline_is_learned_as_one(replica, 
         async with s.get(gw.url + "/admin/replicas", headers={"Authorization": "Bearer adm"}) as r:
             (row,) = (await r.json())["client_patience"]
     assert row["stream"] and row["left"] == MIN_EVENTS
-    assert row["patience_s"] == pytest.approx(TIMEOUT, abs=0.15)
+    assert 0.7 * TIMEOUT <= row["patience_s"] <= TIMEOUT + 0.4
     assert row["whole_response"] is True  # the whole stream, not its first token
 
 
