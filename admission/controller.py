@@ -29,11 +29,14 @@ that no longer meet them, holds overdue) and the settling they and time allow;
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import replace
 
 from admission.config import AdmissionConfig
 from admission.learning import Learning
 from admission.ledger import Ledger, Reservation
+from admission.patience import ClientEnd, ClientPatience
 from admission.placement import Placement
 from admission.refusals import refuse_or_clamp, unknown_model
 from admission.report import AdmissionReport
@@ -63,7 +66,10 @@ class AdmissionController:
         self._queue = Settling(config, self._ledger, self._placement, tenants)
         self._shedding = Shedding(config, self._views, self._queue, seed)
         self._learning = Learning(config)
-        self._report = AdmissionReport(self._ledger, self._queue, self._shedding, self._placement)
+        self._patience = ClientPatience()
+        self._report = AdmissionReport(
+            self._ledger, self._queue, self._shedding, self._placement, self._patience
+        )
 
     @property
     def report(self) -> AdmissionReport:
@@ -209,6 +215,17 @@ class AdmissionController:
             if not isinstance(answer, AdmissionRequest):
                 return Decision(answer)
             req = answer
+        if req.latency_budget is None and req.deadline == math.inf:
+            # Its client said nothing: the patience learned from its population's clients
+            # is its budget, as a stated timeout would be (admission/patience.py).
+            learned = self._patience.budget(req.tenant, req.model, req.stream)
+            if learned is not None:
+                req = replace(
+                    req,
+                    latency_budget=learned.seconds,
+                    budget_learned=True,
+                    budget_whole=learned.whole,
+                )
         raw = 0
         shapes = view.usable_shapes
         if req.avoid:
@@ -273,6 +290,16 @@ class AdmissionController:
             return self.release(request_id, now, completion)
         self._ledger.hold(res, now, completion)
         return []
+
+    def client_ended(
+        self, tenant: str, model: str, stream: bool, end: ClientEnd, now: float
+    ) -> None:
+        """A request whose client stated no timeout ended: its client left (disconnected
+        while queued or running) or stayed to the end, `end` says when and, for a
+        stream, where. Teaches that population's patience (admission/patience.py);
+        admits nobody."""
+        self._saw(now)
+        self._patience.observe(tenant, model, stream, end)
 
     def top_up(self, request_id: str, total_tokens: int, now: float) -> bool:
         """Grow a reservation to cover `total_tokens` (prompt + generated so far).

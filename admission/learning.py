@@ -93,10 +93,12 @@ class Learning:
             service_s=c.service_s,
             ttft_s=c.ttft_s,
             itl_s=c.itl_s,
-            budget_s=c.latency_budget,
+            # The client's stated timeout, else the patience its request was admitted under.
+            budget_s=c.latency_budget if c.latency_budget is not None else res.budget,
             budget_fraction=self.config.latency_budget_fraction,
             targets=targets,
-            stream=c.ttft_s is not None,
+            # A stream whose budget bounds the whole response is scored on all of it.
+            stream=c.ttft_s is not None and not res.budget_whole,
         )
         rep.limit.completed(
             now,

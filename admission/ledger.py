@@ -47,6 +47,8 @@ class Reservation:
     admitted_at: float
     pins: tuple[int, ...] = ()  # the prefix block hashes it pins on its replica
     covered: int = 0  # tokens of its need that those pinned blocks hold
+    budget: float | None = None  # the latency budget it was admitted under (Admit's)
+    budget_whole: bool = False  # a stream's budget bounds its whole response
     # Set by `hold`: since when, until when at most, and what to learn on release.
     held_since: float | None = None
     held_until: float = math.inf
@@ -178,10 +180,18 @@ class Ledger:
             rep.limit.running_changed(rep.running, now)
         full = rep.tokens_for(req)  # its whole need, the shared part included
         self.reservations[req.request_id] = Reservation(
-            req.request_id, rep.name, req.model, private, now, pins, full - private
+            req.request_id,
+            rep.name,
+            req.model,
+            private,
+            now,
+            pins,
+            full - private,
+            budget=req.latency_budget,
+            budget_whole=req.budget_whole,
         )
         self.views.touch(rep)
-        return Admit(req.request_id, rep.name, full)
+        return Admit(req.request_id, rep.name, full, req.latency_budget)
 
     def free(self, res: Reservation, now: float) -> Replica:
         """Return one reservation's tokens and slot to its replica (the caller learns

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from admission.fit import FitLimits
 from admission.ledger import Ledger
 from admission.limit import RunningLimit
+from admission.patience import ClientPatience, PatienceReading
 from admission.placement import Placement
 from admission.settling import Settling
 from admission.shedding import Shedding
@@ -40,9 +41,15 @@ class AdmissionReport:
     """Read-only view of one controller's ledger, queue, shedding and learning."""
 
     def __init__(
-        self, ledger: Ledger, queue: Settling, shedding: Shedding, placement: Placement
+        self,
+        ledger: Ledger,
+        queue: Settling,
+        shedding: Shedding,
+        placement: Placement,
+        patience: ClientPatience | None = None,
     ) -> None:
         self._ledger = ledger
+        self._patience = patience if patience is not None else ClientPatience()
         self._queue = queue
         self._shedding = shedding
         self._placement = placement
@@ -80,7 +87,19 @@ class AdmissionReport:
     def reservation(self, request_id: str) -> Admit | None:
         """The current reservation of an admitted request."""
         res = self._ledger.reservations.get(request_id)
-        return Admit(res.request_id, res.replica, res.tokens + res.covered) if res else None
+        if res is None:
+            return None
+        return Admit(res.request_id, res.replica, res.tokens + res.covered, res.budget)
+
+    # ------------------------------------------------------------------ clients
+    def patience(self, tenant: str, model: str, stream: bool = False) -> float | None:
+        """The learned patience of a population of clients that state no timeout
+        (seconds), or None while the configured default applies."""
+        return self._patience.estimate(tenant, model, stream)
+
+    def patience_readings(self) -> list[PatienceReading]:
+        """Every population's learned patience and what it was learned from."""
+        return self._patience.readings()
 
     def models(self) -> set[str]:
         out: set[str] = set()

@@ -38,6 +38,13 @@ class AdmissionRequest:
     # The learned limit keeps service times inside the budgets of the requests it sees.
     latency_budget: float | None = None
     stream: bool = False  # a stream's budget bounds its time to first token only
+    # True when `latency_budget` is the learned patience of its clients (admission.patience),
+    # not a timeout the client stated.
+    budget_learned: bool = False
+    # True when the budget bounds a stream's whole response, not only its first token
+    # (and gaps): a learned whole-stream deadline (admission.patience). A non-stream
+    # request's budget always bounds its whole response.
+    budget_whole: bool = False
     # Identifies a request across its retries (the gateway's digest of tenant, model and
     # body): a shed request's key is expected back, and its tokens count as backlog.
     retry_key: int | None = None
@@ -86,6 +93,9 @@ class Admit:
     request_id: str
     replica: str
     reserved_tokens: int  # block-rounded tokens now held for the request on that replica
+    # The latency budget it was admitted under: its client's stated timeout, or its
+    # clients' learned patience (admission.patience); None: neither.
+    latency_budget: float | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -115,7 +115,8 @@ class ModelViews:
             self.touch(rep)
 
     def predict(self, req: AdmissionRequest, view: ModelView) -> float:
-        """Predicted service of `req` once admitted (a stream: time to first token), an
+        """Predicted service of `req` once admitted (a stream whose budget bounds its
+        first token: that time), an
         upper bound of the largest of its replicas' upper estimates (`ServiceModel`), from
         per-model maxima refreshed only for replicas that changed (`PredictMax`); 0
         before any sample. An upper estimate, not a typical one: a request admitted at
@@ -135,7 +136,7 @@ class ModelViews:
                     else:
                         target.set(name, line[0], line[1])
             view.dirty.clear()
-        if req.stream:
+        if req.stream and not req.budget_whole:
             return view.ttft.predict(req.prompt_tokens)
         return view.service.predict(max(1, req.prompt_tokens) + max(0, req.expected_output))
 

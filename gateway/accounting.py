@@ -15,6 +15,7 @@ limit; ITL is `inter_token_latency`, the one formula every reader uses.
 from __future__ import annotations
 
 from admission.estimate import TokenEstimator
+from admission.patience import STALL_GAPS, ClientEnd
 from admission.tenants import TenantLimiter, TenantState
 from admission.types import Completion
 from gateway.context import RequestContext
@@ -68,6 +69,38 @@ def completion(ctx: RequestContext, now: float) -> Completion | None:
         completion_tokens=_completion_tokens(ctx),
         latency_budget=budget,
     )
+
+
+# Ends that say the client stayed to the end (served, shed, failed by the replica).
+_STAYED = ("ok", "shed_", "upstream_")
+
+
+def patience_seen(ctx: RequestContext, now: float) -> ClientEnd | None:
+    """What an ended request says of its client's patience (admission/patience.py), or
+    None: it stated its timeout, or ended in a way that says nothing of it (refused, cut
+    by shutdown, a client that stopped reading)."""
+    if ctx.patience_stated or ctx.cut or ctx.admission_id is None:
+        return None
+    if ctx.outcome == "client_disconnect":
+        left = True
+    elif ctx.outcome.startswith(_STAYED):
+        left = False
+    else:
+        return None
+    waited = now - ctx.arrival
+    if not ctx.stream:
+        return ClientEnd(waited, left)
+    first = ctx.first_byte_at
+    if not left:
+        # It sat through at least its wait for the first token (kvgate keeps no gap log).
+        return ClientEnd(waited, False, (first if first is not None else now) - ctx.arrival)
+    quiet = now - (ctx.last_event_at if ctx.last_event_at is not None else ctx.arrival)
+    stalled = None
+    if (gap := inter_token_latency(ctx)) is not None and first is not None:
+        # Left while tokens flowed: its own clock. After a stall: a per-chunk clock, and
+        # then on the longest quiet stretch it saw (it sat through the first-token wait).
+        stalled = quiet > STALL_GAPS * gap and quiet > first - ctx.arrival
+    return ClientEnd(waited, True, quiet, stalled)
 
 
 def _completion_tokens(ctx: RequestContext) -> int:

@@ -4,7 +4,9 @@
 and effective capacity, what is reserved and running, the queue for the models it
 serves, the learned running limit and what last moved it, and which ceiling (KV
 capacity, a configured or engine running cap, the learned latency limit, not ready, or
-an outlier ejection) currently binds, and each replica's ejections. Without a
+an outlier ejection) currently binds, and each replica's ejections; and beside the
+replicas, the patience learned of clients that state no timeout, per tenant, model and
+stream (``client_patience``). Without a
 configured admin token the admin API is closed (401), never open.
 """
 
@@ -67,7 +69,22 @@ def replicas_snapshot(
                 "updated_at": s.updated_at,
             }
         )
-    return {"replicas": out, "queue": queue}
+    # What admission learned of clients that state no timeout (admission/patience.py).
+    patience = [
+        {
+            "tenant": r.tenant,
+            "model": r.model,
+            "stream": r.stream,
+            "patience_s": None if r.patience_s is None else round(r.patience_s, 3),
+            # True: it bounds the whole response; False: a stream's first token and gaps.
+            "whole_response": r.whole,
+            "observed": r.observed,
+            "left": r.left,
+            "window_departures": r.window_events,
+        }
+        for r in report.patience_readings()
+    ]
+    return {"replicas": out, "queue": queue, "client_patience": patience}
 
 
 def check_bearer(request: web.Request, token: str | None) -> bool:

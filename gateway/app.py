@@ -131,6 +131,7 @@ def build_app(
             choices = report.ttft_choices
             st.metrics.watch_routing(lambda: {**decisions, **choices})
         st.metrics.watch_engines(lambda: [w.state for w in st.discovery.watchers.values()])
+        st.metrics.watch_patience(report.patience_readings)
         pipeline_ref: list[Pipeline] = []
         relay = Relay(
             session,

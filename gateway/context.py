@@ -57,7 +57,10 @@ class RequestContext:
     session: str | None = None
     # admit
     deadline: float = float("inf")
-    latency_budget: float | None = None  # the client's own timeout (x-stainless-read-timeout)
+    # The client's own timeout (x-stainless-read-timeout); once admitted, the budget it
+    # was admitted under (that, or its clients' learned patience: admission/patience.py).
+    latency_budget: float | None = None
+    patience_stated: bool = False  # the client said how long it waits (a header)
     last_retry: bool = False
     retry_key: int | None = None  # digest of (tenant, model, body): the same request retried
     admission_id: str | None = None

@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable
 
 from admission.controller import AdmissionController
+from admission.patience import ClientEnd
 from admission.report import AdmissionReport
 from admission.settling import TenantLimits
 from admission.types import (
@@ -152,6 +153,10 @@ class AdmissionDoor:
         (`AdmissionController.abandon`); the expiry task ends the hold at its deadline."""
         self._resolve(self._controller.abandon(request_id, self._loop.time(), completion))
         self._rearm()
+
+    def client_ended(self, tenant: str, model: str, stream: bool, end: ClientEnd) -> None:
+        """Teach the patience of clients that state no timeout (admission/patience.py)."""
+        self._controller.client_ended(tenant, model, stream, end, self._loop.time())
 
     def top_up(self, request_id: str, total_tokens: int, now: float | None = None) -> bool:
         """Grow a stream's reservation (`AdmissionController.top_up`)."""

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from admission.patience import QUANTILE, PatienceReading
 from admission.types import ReplicaUsage
 from routing.types import ReplicaState
 
@@ -170,6 +171,36 @@ class _EngineCollector(Collector):
             waiting.add_metric([st.name], st.engine_waiting)
             preempt.add_metric([st.name], st.preemptions_total)
         return [usage, running, waiting, preempt]
+
+
+class _PatienceCollector(Collector):
+    """The learned patience of clients that state no timeout (admission/patience.py),
+    per tenant, model and stream, read from the admission report at scrape time."""
+
+    def __init__(self, readings: Callable[[], Iterable[PatienceReading]]) -> None:
+        self._readings = readings
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["tenant", "model", "stream"]
+        patience = GaugeMetricFamily(
+            "kvgate_client_patience_seconds",
+            "How long clients that state no timeout wait (the Kaplan-Meier quantile of "
+            "when they leave); absent while the configured queue_timeout_s applies",
+            labels=[*labels, "quantile"],
+        )
+        seen = CounterMetricFamily(
+            "kvgate_client_patience_observations",
+            "Ended requests of clients that state no timeout, by whether the client left "
+            "(a disconnect) or stayed to the end",
+            labels=[*labels, "kind"],
+        )
+        for r in self._readings():
+            key = [r.tenant, r.model, "true" if r.stream else "false"]
+            if r.patience_s is not None:
+                patience.add_metric([*key, str(QUANTILE)], r.patience_s)
+            seen.add_metric([*key, "left"], r.left)
+            seen.add_metric([*key, "stayed"], r.observed - r.left)
+        return [patience, seen]
 
 
 class _WorkerLabelled:
@@ -342,6 +373,10 @@ class GatewayMetrics:
     def watch_engines(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
         """Export the engines' own load signals (`_EngineCollector`) from `states`."""
         self.registry.register(_EngineCollector(states))
+
+    def watch_patience(self, readings: Callable[[], Iterable[PatienceReading]]) -> None:
+        """Export the learned client patience (`_PatienceCollector`) from `readings`."""
+        self.registry.register(_PatienceCollector(readings))
 
     def count_request(self, model: str, outcome: str) -> None:
         # The pipeline passes "_unknown" for models no replica serves, so clients cannot

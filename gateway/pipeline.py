@@ -34,7 +34,7 @@ from admission.estimate import TokenEstimator
 from admission.retries import RetryMemory
 from admission.tenants import TenantLimiter
 from admission.types import Admit, Refuse, Shed
-from gateway.accounting import Accounting, completion
+from gateway.accounting import Accounting, completion, patience_seen
 from gateway.body import loads, read_body
 from gateway.config import GatewayConfig
 from gateway.context import Kind, RequestContext, admission_request
@@ -375,7 +375,8 @@ class Pipeline:
         by the configured queue timeout); the client's own read timeout
         (``x-stainless-read-timeout``, which the openai SDKs send), less the predicted
         service, or for a stream the predicted time to first token (the controller
-        predicts it); else the configured queue timeout.
+        predicts it); else the patience admission learned of clients that say nothing
+        (admission/patience.py), until it has learned it the configured queue timeout.
         """
         if self.state_gate is not None and (closed := self.state_gate()) is not None:
             raise closed
@@ -387,6 +388,8 @@ class Pipeline:
             deadline = now + min(cap, _seconds(hdr, H_QUEUE_TIMEOUT))
         if (read := request.headers.get(H_READ_TIMEOUT)) is not None:
             ctx.latency_budget = _seconds(read, H_READ_TIMEOUT) or None
+        # Said nothing: admission uses its clients' learned patience, and learns from it.
+        ctx.patience_stated = hdr is not None or ctx.latency_budget is not None
         if (count := request.headers.get(H_RETRY_COUNT)) is not None:
             try:
                 ctx.last_retry = int(count) >= SDK_DEFAULT_MAX_RETRIES
@@ -414,6 +417,7 @@ class Pipeline:
             if first is not None:
                 self._retries.forget(retry_key, ctx.tenant)
             ctx.admitted(verdict, self._loop.time())
+            ctx.latency_budget = verdict.latency_budget  # stated, or learned
             self.metrics.queue_wait.observe(ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
             self.metrics.tenant_queue_wait(ctx.tenant, ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
             return
@@ -466,6 +470,8 @@ class Pipeline:
         """
         if ctx.admission_id is None:
             return
+        if (seen := patience_seen(ctx, self._loop.time())) is not None:
+            self.door.client_ended(ctx.tenant, ctx.model, ctx.stream, seen)
         if ctx.upstream_abandoned and ctx.replica is not None:
             ctx.upstream_abandoned = False
             self.door.abandon(ctx.admission_id, completion(ctx, self._loop.time()))

@@ -104,7 +104,9 @@ def start_replica(profile: str, speed: float, *, log: Path, flavor: str | None =
     return Process(f"replica:{port}", popen, f"http://127.0.0.1:{port}")
 
 
-def start_gateway(config: dict, *, workdir: Path, log: Path) -> Process:
+def start_gateway(config: dict, *, workdir: Path, log: Path, source: Path | None = None) -> Process:
+    """A `kvgate serve` subprocess; `source`: another source tree to run it from (a
+    bench's baseline), else this one."""
     port = free_port()
     config = {**config, "listen": {"host": "127.0.0.1", "port": port}}
     cfg = workdir / f"kvgate-{port}.yaml"
@@ -113,6 +115,8 @@ def start_gateway(config: dict, *, workdir: Path, log: Path) -> Process:
         [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
         stdout=subprocess.DEVNULL,
         stderr=log.open("wb"),
+        cwd=source,
+        env=None if source is None else {**os.environ, "PYTHONPATH": str(source)},
     )
     return Process(f"kvgate:{port}", popen, f"http://127.0.0.1:{port}")
 

@@ -1,0 +1,267 @@
+"""Client patience: how long clients that state no timeout wait, learned from what they do.
+
+Most HTTP clients never say how long they wait (curl, aiohttp or httpx with a timeout,
+batch scripts); the openai SDKs do (``x-stainless-read-timeout``) and are believed. For
+the others each ended request of a population (tenant, model, stream or not) is one
+observation of its client's patience, measured from the attempt's arrival at kvgate:
+
+* the client left (a disconnect while queued or running) at ``t``: an *event*, its
+  patience was ``t``;
+* it stayed to the end (served, shed, failed) at ``t``: *censored*, its patience is
+  more than ``t``. Under a working gateway this is the common case, and dropping it
+  would learn the patience of the few who left as everyone's.
+
+Attempts, not first arrivals: HTTP clients and the openai SDKs all time out per
+attempt, so a retry's clock starts anew. A client with one deadline over all its retries
+is then seen shorter on its retries, which errs toward shedding early with a
+Retry-After, never toward holding a request past the moment its client is gone.
+
+The estimate is the Kaplan-Meier survival curve over the last ``WINDOW`` observations,
+which uses both kinds; its ``QUANTILE`` (p10: the patience 90% of clients have) is the
+deadline of a request that states none. Rules:
+
+* cold start: fewer than ``MIN_EVENTS`` departures in the window, and nothing learned
+  before: no estimate, and the configured ``queue_timeout_s`` applies. A population that
+  never leaves teaches nothing and keeps the default.
+* a curve that never falls to 1 - p within what was observed (most clients stayed as
+  long as anyone was seen): no estimate either; a few impatient clients do not set the
+  deadline of a patient population (a mixed one gets its low quantile, not its minimum).
+* once learned, an estimate holds while departures are rare (a gateway that sheds in
+  time sees few): it is dropped only when at least ``MIN_EVENTS`` clients of the window
+  were seen staying past it, the evidence that the population waits longer now.
+
+A stream's budget has a shape. The openai SDKs' read timeout runs per chunk: such a
+client waits as long as bytes keep coming and leaves after a *quiet* stretch as long as
+its timeout. Other clients (aiohttp's ``total``, ``curl --max-time``) put one deadline
+on the whole stream. Where stream clients leave tells which: one that leaves after a
+stall (a quiet stretch over ``STALL_GAPS`` of the stream's own mean gaps, and longer than
+its wait for the first token, which a per-chunk client sat through) is on a per-chunk
+clock; one that leaves otherwise, while the stream flows, is on its own clock, a
+*whole*-stream deadline. Stream populations keep a second curve, of the
+quiet stretches clients sat through (a departure: the stretch it left in; a stay: at
+least its wait for the first token), and the budget of a stream is
+
+* ``whole`` (the default until departures mid-stream say otherwise: a deadline that was
+  never seen is not assumed generous): the total-time curve's p10 bounds the whole
+  stream, as it bounds a non-stream response;
+* per chunk (most departures mid-stream came after a stall): the quiet curve's p10
+  bounds the first token and every gap, as the SDK's stated read timeout does.
+
+Memory: ``WINDOW`` observations per population, at most ``POPULATIONS`` populations
+(tenants come from configured keys, models from discovery; the oldest is dropped).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+QUANTILE = 0.1
+MIN_EVENTS = 10
+WINDOW = 256
+POPULATIONS = 1024
+STALL_GAPS = 10.0  # a last gap this many times the stream's mean gap is a stall
+REFRESH_STAYS = 16  # stays between two computations of the estimate
+SHAPE_MEMORY = 64  # departures mid-stream that decide a stream budget's shape
+
+
+def km_quantile(observations: list[tuple[float, bool]], q: float) -> float | None:
+    """The smallest time by which a fraction `q` of the population has left, by the
+    Kaplan-Meier estimate over `observations` of (time, left); None when the estimated
+    curve never falls that far. A censored time equal to an event time is at risk at it
+    (the usual convention: it was seen staying that long)."""
+    ordered = sorted(observations)
+    at_risk = len(ordered)
+    survival = 1.0
+    i = 0
+    while i < len(ordered):
+        t = ordered[i][0]
+        left = stayed = 0
+        while i < len(ordered) and ordered[i][0] == t:
+            if ordered[i][1]:
+                left += 1
+            else:
+                stayed += 1
+            i += 1
+        if left:
+            survival *= 1.0 - left / at_risk
+            if 1.0 - survival >= q - 1e-12:
+                return t
+        at_risk -= left + stayed
+    return None
+
+
+class Patience:
+    """The patience of one population of clients (`observe`, then `estimate`)."""
+
+    __slots__ = ("_window", "_events", "_held", "_dirty", "_stale", "observed", "left")
+
+    def __init__(self) -> None:
+        self._window: deque[tuple[float, bool]] = deque(maxlen=WINDOW)
+        self._events = 0  # departures in the window
+        self._held: float | None = None
+        self._dirty = False
+        self._stale = 0  # stays since the estimate was last computed
+        self.observed = 0  # all observations ever (for the report)
+        self.left = 0  # all departures ever
+
+    def observe(self, waited_s: float, left: bool) -> None:
+        """One ended request: its client left after `waited_s`, or stayed that long."""
+        w = self._window
+        if len(w) == w.maxlen and w[0][1]:
+            self._events -= 1
+        w.append((max(0.0, waited_s), left))
+        self.observed += 1
+        if left:
+            self._events += 1
+            self.left += 1
+            self._dirty = True  # a departure moves the low quantile: at once
+        else:
+            # Stays move it slowly: recompute after a batch of them, so the request path
+            # pays a sort of the window once per REFRESH_STAYS ends, not on every one.
+            self._stale += 1
+            if self._stale >= REFRESH_STAYS:
+                self._dirty = True
+
+    @property
+    def events(self) -> int:
+        """Departures in the window."""
+        return self._events
+
+    def estimate(self) -> float | None:
+        """The learned patience (the window's p10), or None: use the default."""
+        if self._dirty:
+            self._dirty = False
+            self._stale = 0
+            self._held = self._learn()
+        return self._held
+
+    def _learn(self) -> float | None:
+        if self._events >= MIN_EVENTS:
+            return km_quantile(list(self._window), QUANTILE)
+        held = self._held
+        if held is None:
+            return None
+        stayed_longer = sum(1 for t, _ in self._window if t > held)
+        return None if stayed_longer >= MIN_EVENTS else held
+
+
+@dataclass(slots=True, frozen=True)
+class ClientEnd:
+    """One client's patience as an ended request shows it."""
+
+    waited_s: float  # since its arrival
+    left: bool  # it disconnected then (else it stayed to the end)
+    quiet_s: float | None = None  # a stream: the quiet stretch it left in, or sat through
+    stalled: bool | None = None  # a stream it left mid-way: after a stall (None: unknown)
+
+
+@dataclass(slots=True, frozen=True)
+class Budget:
+    """A learned budget: seconds, and whether it bounds the whole response (a stream's
+    per-chunk budget bounds its first token and its gaps)."""
+
+    seconds: float
+    whole: bool = True
+
+
+class Population:
+    """One population's curves: total time, and for streams the quiet stretches and
+    where its clients left (while the stream flowed, or after a stall)."""
+
+    __slots__ = ("total", "quiet", "flowing", "stalled")
+
+    def __init__(self) -> None:
+        self.total = Patience()
+        self.quiet = Patience()  # streams only
+        self.flowing = 0  # departures mid-stream while tokens flowed
+        self.stalled = 0  # departures mid-stream after a stall
+
+    @property
+    def per_chunk(self) -> bool:
+        return self.stalled > self.flowing
+
+    def budget(self, stream: bool) -> Budget | None:
+        if stream and self.per_chunk:
+            q = self.quiet.estimate()
+            return None if q is None else Budget(q, whole=False)
+        q = self.total.estimate()
+        return None if q is None else Budget(q)
+
+
+@dataclass(slots=True, frozen=True)
+class PatienceReading:
+    """One population as the report shows it."""
+
+    tenant: str
+    model: str
+    stream: bool
+    patience_s: float | None  # None: not learned, the configured default applies
+    whole: bool  # the budget bounds the whole response (False: a stream's every chunk)
+    observed: int
+    left: int
+    window_events: int
+
+
+class ClientPatience:
+    """Patience by population (tenant, model, stream), bounded in number."""
+
+    __slots__ = ("_pops",)
+
+    def __init__(self) -> None:
+        self._pops: OrderedDict[tuple[str, str, bool], Population] = OrderedDict()
+
+    def observe(self, tenant: str, model: str, stream: bool, end: ClientEnd) -> None:
+        """One ended request of a client that stated no timeout. A stream's `quiet_s` is
+        the quiet stretch it left in (or at least sat through); `stalled`, for a
+        departure after the first token, whether it came after a stall."""
+        key = (tenant, model, stream)
+        pop = self._pops.get(key)
+        if pop is None:
+            pop = self._pops[key] = Population()
+            if len(self._pops) > POPULATIONS:
+                self._pops.popitem(last=False)
+        else:
+            self._pops.move_to_end(key)
+        if not math.isfinite(end.waited_s):
+            return
+        pop.total.observe(end.waited_s, end.left)
+        quiet = end.quiet_s
+        if stream and quiet is not None and math.isfinite(quiet):
+            pop.quiet.observe(quiet, end.left)
+        if end.left and end.stalled is not None:
+            if end.stalled:
+                pop.stalled += 1
+            else:
+                pop.flowing += 1
+            if pop.stalled + pop.flowing > SHAPE_MEMORY:  # the recent clients decide
+                pop.stalled //= 2
+                pop.flowing //= 2
+
+    def budget(self, tenant: str, model: str, stream: bool) -> Budget | None:
+        pop = self._pops.get((tenant, model, stream))
+        return pop.budget(stream) if pop is not None else None
+
+    def estimate(self, tenant: str, model: str, stream: bool) -> float | None:
+        b = self.budget(tenant, model, stream)
+        return None if b is None else b.seconds
+
+    def readings(self) -> list[PatienceReading]:
+        out = []
+        for (t, m, s), p in sorted(self._pops.items()):
+            b = p.budget(s)
+            total = p.total
+            out.append(
+                PatienceReading(
+                    t,
+                    m,
+                    s,
+                    None if b is None else b.seconds,
+                    True if b is None else b.whole,
+                    total.observed,
+                    total.left,
+                    total.events,
+                )
+            )
+        return out

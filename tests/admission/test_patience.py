@@ -1,0 +1,216 @@
+"""Learned patience of clients that state no timeout (admission/patience.py), in virtual
+time: what a population teaches, and what admission does with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from admission.patience import (
+    MIN_EVENTS,
+    REFRESH_STAYS,
+    WINDOW,
+    Budget,
+    ClientEnd,
+    ClientPatience,
+    Patience,
+    km_quantile,
+)
+from admission.types import Admit, Completion, Queued, Shed
+from tests.admission.helpers import controller, replica, request
+
+
+def _full(ctrl, now: float = 0.0) -> None:
+    """One replica of 1,000 tokens, held full by a running request."""
+    ctrl.upsert_replica(replica("r1", 1000), now)
+    assert isinstance(ctrl.submit(request("hog", 500, 500), now).verdict, Admit)
+
+
+def _leaves_queued(ctrl, rid: str, now: float, after: float) -> None:
+    """`rid` queues at `now` (the replica is full) and its client leaves `after` later."""
+    assert isinstance(ctrl.submit(request(rid), now).verdict, Queued)
+    ctrl.release(rid, now + after)
+    ctrl.client_ended("default", "m", False, ClientEnd(after, True), now + after)
+
+
+def test_a_population_that_leaves_at_3s_is_served_or_shed_within_3s() -> None:
+    ctrl = controller(queue_timeout_s=30.0)
+    _full(ctrl)
+    now = 0.0
+    for i in range(MIN_EVENTS - 1):
+        _leaves_queued(ctrl, f"gone{i}", now, 3.0)
+        now += 3.0
+    # Nine departures are not yet evidence: the configured default still applies.
+    assert ctrl.report.patience("default", "m") is None
+    assert isinstance(ctrl.submit(request("ninth"), now).verdict, Queued)
+    assert ctrl.next_deadline() == pytest.approx(now + 30.0)
+    ctrl.release("ninth", now + 3.0)
+    ctrl.client_ended("default", "m", False, ClientEnd(3.0, True), now + 3.0)
+    now += 3.0
+    assert ctrl.report.patience("default", "m") == pytest.approx(3.0)
+    # The eleventh waits only while it can still be served in time, then is shed with a
+    # Retry-After, before its client would have left.
+    t0 = now
+    assert isinstance(ctrl.submit(request("next"), t0).verdict, Queued)
+    due = ctrl.next_deadline()
+    assert due is not None and due < t0 + 3.0
+    (shed,) = ctrl.advance(due)
+    assert isinstance(shed, Shed) and shed.request_id == "next"
+    assert shed.retry_after >= ctrl.config.min_retry_after_s
+    # One that fits is served at once, under the learned budget.
+    ctrl.release("hog", now + 1.0)
+    admit = ctrl.submit(request("fits"), now + 1.0).verdict
+    assert isinstance(admit, Admit) and admit.latency_budget == pytest.approx(3.0)
+
+
+def test_a_population_that_never_leaves_keeps_the_default() -> None:
+    ctrl = controller(queue_timeout_s=30.0)
+    ctrl.upsert_replica(replica("r1", 1000), 0.0)
+    for i in range(2 * WINDOW):
+        ctrl.client_ended("default", "m", False, ClientEnd(0.5 + (i % 40) * 0.25, False), float(i))
+    assert ctrl.report.patience("default", "m") is None
+    _full(ctrl, 600.0)
+    assert isinstance(ctrl.submit(request("late"), 600.0).verdict, Queued)
+    assert ctrl.next_deadline() == pytest.approx(630.0)
+    admit = ctrl.submit(request("other", 1, 1, model="m"), 600.0).verdict
+    assert not isinstance(admit, Admit) or admit.latency_budget is None
+
+
+def test_a_mixed_population_is_not_given_its_shortest_patience() -> None:
+    ctrl = controller()
+    now = 0.0
+    for i in range(200):
+        # One client in twenty leaves after 1 s; the rest wait 8 s.
+        waited = 1.0 if i % 20 == 0 else 8.0
+        ctrl.client_ended("default", "m", False, ClientEnd(waited, True), now)
+        now += 1.0
+    learned = ctrl.report.patience("default", "m")
+    assert learned == pytest.approx(8.0)
+    # Populations are apart: another tenant and the streams of this one learned nothing.
+    assert ctrl.report.patience("other", "m") is None
+    assert ctrl.report.patience("default", "m", stream=True) is None
+
+
+def test_clients_served_quickly_are_censored_not_ignored() -> None:
+    # 10 of 110 left at 3 s, 100 were served at 10 s: 9% left by 3 s, so the p10 lies
+    # beyond what was seen and the default stays; 12 of 112 is over 10%.
+    few = [(3.0, True)] * 10 + [(10.0, False)] * 100
+    assert km_quantile(few, 0.1) is None
+    assert km_quantile([(3.0, True)] * 12 + [(10.0, False)] * 100, 0.1) == 3.0
+    # Served before anyone left: they leave the risk set, the rest decide.
+    early = [(1.0, False)] * 100 + [(4.0, True)] * 10 + [(6.0, False)] * 10
+    assert km_quantile(early, 0.1) == 4.0
+
+
+def test_a_learned_patience_holds_while_few_leave_and_yields_to_clients_who_wait_longer() -> None:
+    pop = Patience()
+    for _ in range(MIN_EVENTS):
+        pop.observe(3.0, True)
+    assert pop.estimate() == 3.0
+    # Shed in time, clients rarely leave: served within it, they say nothing against it.
+    for _ in range(WINDOW):
+        pop.observe(2.5, False)
+    assert pop.events == 0 and pop.estimate() == 3.0
+    # Clients seen staying past it: they wait longer now, back to the default (stays are
+    # taken in batches of REFRESH_STAYS). Nine are not yet evidence, ten are.
+    for t in [6.0] * (MIN_EVENTS - 1) + [2.5] * (REFRESH_STAYS - MIN_EVENTS + 1):
+        pop.observe(t, False)
+    assert pop.estimate() == 3.0
+    for _ in range(REFRESH_STAYS):
+        pop.observe(6.0, False)
+    assert pop.estimate() is None
+
+
+def test_the_learned_limit_scores_completions_against_the_learned_patience() -> None:
+    ctrl = controller(learn_limit=True, initial_limit=8.0, limit_window=4)
+    ctrl.upsert_replica(replica("r1", 100_000), 0.0)
+    for _ in range(MIN_EVENTS):
+        ctrl.client_ended("default", "m", False, ClientEnd(2.0, True), 0.0)
+    assert ctrl.report.patience("default", "m") == pytest.approx(2.0)
+    now = 1.0
+    for i in range(20):
+        for j in range(8):
+            assert isinstance(ctrl.submit(request(f"r{i}-{j}"), now).verdict, Admit)
+        now += 1.9  # each served in 1.9 s: inside the client, over 60% of its patience
+        for j in range(8):
+            ctrl.release(
+                f"r{i}-{j}",
+                now,
+                Completion(service_s=1.9, prompt_tokens=100, completion_tokens=100),
+            )
+        if ctrl.report.replica_usage()[0].limit_reason == "latency":
+            break
+    usage = ctrl.report.replica_usage()[0]
+    assert usage.limit_reason == "latency" and usage.limit is not None and usage.limit < 8
+
+
+def _stream_departures(pop: ClientPatience, n: int, *, stalled: bool) -> None:
+    for i in range(n):
+        if stalled:
+            # Per-chunk clients: each leaves after a 2 s stall, whenever it comes.
+            pop.observe("t", "m", True, ClientEnd(5.0 + i, True, 2.0, True))
+        else:
+            # Whole-stream clients: each leaves at 4 s, while tokens flow.
+            pop.observe("t", "m", True, ClientEnd(4.0, True, 0.02, False))
+
+
+def test_a_stream_budget_takes_the_shape_of_where_its_clients_leave() -> None:
+    whole = ClientPatience()
+    _stream_departures(whole, MIN_EVENTS, stalled=False)
+    assert whole.budget("t", "m", True) == Budget(4.0, whole=True)
+    chunk = ClientPatience()
+    _stream_departures(chunk, MIN_EVENTS, stalled=True)
+    assert chunk.budget("t", "m", True) == Budget(2.0, whole=False)
+    # Departures before the first token say nothing of the shape: a whole-stream
+    # deadline is assumed, the stricter one.
+    early = ClientPatience()
+    for _ in range(MIN_EVENTS):
+        early.observe("t", "m", True, ClientEnd(3.0, True, 3.0, None))
+    assert early.budget("t", "m", True) == Budget(3.0, whole=True)
+
+
+@pytest.mark.parametrize("stalled", [False, True], ids=["whole-stream", "per-chunk"])
+def test_a_stream_is_scored_on_what_its_clients_wait_for(stalled: bool) -> None:
+    ctrl = controller(learn_limit=True, initial_limit=8.0, limit_window=4)
+    ctrl.upsert_replica(replica("r1", 100_000), 0.0)
+    for i in range(MIN_EVENTS):
+        end = ClientEnd(5.0 + i, True, 2.0, True) if stalled else ClientEnd(4.0, True, 0.02, False)
+        ctrl.client_ended("default", "m", True, end, 0.0)
+    now = 1.0
+    for i in range(6):
+        for j in range(8):
+            req = request(f"s{i}-{j}")
+            req.stream = True
+            assert isinstance(ctrl.submit(req, now).verdict, Admit)
+        now += 3.5  # first token at once, the whole stream in 3.5 s
+        for j in range(8):
+            done = Completion(
+                service_s=3.5, ttft_s=0.05, itl_s=0.03, prompt_tokens=100, completion_tokens=100
+            )
+            ctrl.release(f"s{i}-{j}", now, done)
+        if ctrl.report.replica_usage()[0].limit_reason == "latency":
+            break
+    usage = ctrl.report.replica_usage()[0]
+    if stalled:
+        # A per-chunk client waits for each chunk: a fast first token keeps it.
+        assert usage.limit_reason != "latency" and usage.limit is not None and usage.limit >= 8
+    else:
+        # A whole-stream client waits for all of it: 3.5 s of its 4 s is over the aim.
+        assert usage.limit_reason == "latency" and usage.limit is not None and usage.limit < 8
+
+
+def test_clients_that_state_no_timeout_are_not_held_past_it_in_virtual_time() -> None:
+    # Seed 001's card and job (tests/admission/test_limit.py), 32 closed-loop clients that
+    # give up after 45 s and never say so, retrying sheds twice after Retry-After. Held
+    # for the configured 30 s queue timeout plus service, 235 of 320 timed out on main.
+    from bench.vtime import run
+    from enginesim.workloads import seed2_workload
+    from tests.admission.test_limit import PROFILE, TIMEOUT_S
+
+    items = seed2_workload(320, seed=3)
+    report = run(
+        PROFILE, items, concurrency=32, timeout_s=TIMEOUT_S, send_timeout=False, max_retries=2
+    )
+    # What the cold start costs: the queue that times out while the first ten leave.
+    assert report.timed_out <= 40
+    assert report.completed >= 0.85 * len(items)
+    assert report.preemptions == 0
