@@ -130,6 +130,9 @@ def build_app(
         if decisions is not None:
             choices = report.ttft_choices
             st.metrics.watch_routing(lambda: {**decisions, **choices})
+        routes = getattr(st.door.router, "route_decisions", None)
+        if routes is not None:
+            st.metrics.watch_route_decisions(lambda: routes)
         st.metrics.watch_engines(lambda: [w.state for w in st.discovery.watchers.values()])
         pipeline_ref: list[Pipeline] = []
         relay = Relay(
@@ -137,6 +140,7 @@ def build_app(
             config.upstream,
             lambda ctx: pipeline_ref[0].on_progress(ctx),
             client_write_timeout_s=config.limits.client_write_timeout_s,
+            on_first_token=lambda ctx: st.door.first_token(ctx.admission_id),
         )
         counter = PromptCounter(
             config, st.estimator, st.discovery, st.door.report, st.metrics, session

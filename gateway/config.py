@@ -342,6 +342,9 @@ class GatewayConfig(_Strict):
                 update={
                     "default_profile": _with_slo_filter(self.routing.default_profile),
                     "profiles": {m: _with_slo_filter(p) for m, p in self.routing.profiles.items()},
+                    "workloads": {
+                        w: _with_slo_filter(p) for w, p in self.routing.workloads.items()
+                    },
                 }
             )
         return self

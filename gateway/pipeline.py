@@ -146,7 +146,13 @@ class Pipeline:
         self._loop = asyncio.get_running_loop()
         self.in_flight = InFlight(config)
         self.idle = self.in_flight.idle  # set while no request is in flight
-        self.accounting = Accounting(estimator, self.tenants, metrics, discovery.known_models)
+        self.accounting = Accounting(
+            estimator,
+            self.tenants,
+            metrics,
+            discovery.known_models,
+            route_of=getattr(door.router, "route_of", None),
+        )
         self.failover = Failover(config, door, discovery, metrics, self.tenants, self.release)
         # The outlier detector (None: disabled), read by /admin/replicas.
         self.outliers = self.failover.outliers

@@ -34,7 +34,13 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
     name = "prefix_cache"
     needs_prefix = True
 
-    def __init__(self, block_chars: int, chars_per_token: float, max_blocks_per_replica: int):
+    def __init__(
+        self,
+        block_chars: int,
+        chars_per_token: float,
+        max_blocks_per_replica: int,
+        env: PluginEnv | None = None,
+    ) -> None:
         self.block_chars = block_chars
         self.chars_per_token = chars_per_token
         self.max_blocks_per_replica = max_blocks_per_replica
@@ -100,6 +106,16 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
         idx = self._indexes.get(chosen.name)
         return "prefix_warm" if idx is not None and idx.match(req.prefix_hashes[:1]) else None
 
+    def cached_tokens(self, req: RouteRequest, candidate: Candidate) -> int:
+        """Prompt tokens `candidate` is expected to hold cached (the index's matched
+        blocks x block_chars / chars_per_token, within the prompt)."""
+        hashes = req.prefix_hashes
+        idx = self._indexes.get(candidate.name)
+        if not hashes or idx is None:
+            return 0
+        cached = int(idx.match(hashes) * self.block_chars / self.chars_per_token)
+        return min(req.prompt_tokens or cached, cached)
+
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
         hashes = req.prefix_hashes
         if not hashes:
@@ -133,4 +149,4 @@ def factory(params: Mapping[str, Any], env: PluginEnv) -> PrefixCacheScorer:
     most = int(params.get("max_blocks_per_replica", 1_000_000))
     if cpt <= 0 or most <= 0:
         raise ValueError("chars_per_token and max_blocks_per_replica must be positive")
-    return PrefixCacheScorer(env.block_chars, cpt, most)
+    return PrefixCacheScorer(env.block_chars, cpt, most, env)
