@@ -206,7 +206,7 @@ async def run_turn(
     timeout_wall = args.timeout / speed
     start = loop.time()
     retries = 0
-    shed_left, fail_left = 6, 2
+    shed_left, fail_left = args.shed_retries, 2
     error = ""
     while True:
         i = dispatch.acquire()
@@ -473,7 +473,11 @@ async def one_contender(
         front: Process | None = None
         if mode == "kvgate":
             cfg = gateway_config(urls, speed=args.speed, timeout_s=args.timeout)
-            cfg["routing"] = args.kvgate_routing or KVGATE_ROUTING
+            if args.kvgate_routing is not None:
+                cfg["routing"] = args.kvgate_routing
+            elif args.kvgate_profile == "readme":
+                cfg["routing"] = KVGATE_ROUTING
+            # "default": no routing section, as a new user writes it (workload-aware)
             cfg["admission"].update(args.kvgate_admission)
             front = start_gateway(cfg, workdir=workdir, log=workdir / f"kvgate-{run}.log")
         elif mode == "sglang_cache_aware":
@@ -636,6 +640,19 @@ def main() -> int:
         type=json.loads,
         default=None,
         help="JSON routing section for kvgate instead of the default profile (tuning)",
+    )
+    ap.add_argument(
+        "--kvgate-profile",
+        choices=("default", "readme"),
+        default="default",
+        help="kvgate's routing: none (its default, workload-aware) or the README's agent profile",
+    )
+    ap.add_argument(
+        "--shed-retries",
+        type=int,
+        default=0,
+        help="retries of a 429/503 after its Retry-After (0: a shed turn fails, as an agent "
+        "loop that does not retry)",
     )
     ap.add_argument("--warmup", type=int, default=160, help="warm-up requests (0: none)")
     ap.add_argument("--warmup-concurrency", type=int, default=32)

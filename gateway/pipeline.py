@@ -44,6 +44,7 @@ from gateway.discovery import Discovery
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError, invalid_request
 from gateway.failover import Failover
+from gateway.kvtokens import PromptTokenIds
 from gateway.metrics import GatewayMetrics
 from gateway.relay import Relay
 from gateway.schemas import (
@@ -115,6 +116,8 @@ class Pipeline:
         # Set by the app when shared state is configured fail-closed (gateway/sharing.py):
         # returns the 503 new requests get while Redis is unreachable, else None.
         self.state_gate: Callable[[], ApiError | None] | None = None
+        # Set by the app when a replica publishes KV events (gateway/kvtokens.py).
+        self.prompt_token_ids: PromptTokenIds | None = None
         self._max_body = config.limits.max_body_bytes
         self._body_timeout = config.limits.body_timeout_s
         self._queue_timeout = config.admission.queue_timeout_s
@@ -196,6 +199,8 @@ class Pipeline:
             await self.parse(request, ctx)
             text = await self.estimate(ctx)
             self.classify(request, ctx, text)
+            if self.prompt_token_ids is not None:
+                await self.prompt_token_ids.fill(ctx)
             self.tenant_limits(request, ctx)
             await self.admit(request, ctx)
             return await self.route_and_relay(request, ctx)

@@ -111,6 +111,9 @@ class PluginEnv:
 
     seed: int | None = None
     block_chars: int = 64  # characters per prefix block (routing.prefix)
+    # The engines' own caches, from their KV events: a routing.kvindex.KVIndex (typed
+    # Any so this file imports only routing.types); None: no engine publishes them.
+    kv_index: Any = None
 
 
 # ``factory(params, env)`` builds a plugin from its YAML ``params:``; ValueError or
