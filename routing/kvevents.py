@@ -93,7 +93,7 @@ def event_of(raw: Any) -> Event | None:
         return Stored(
             hashes,
             None if parent is None else _hash(parent),
-            tuple(int(t) for t in f.get("token_ids") or ()),
+            tuple(f.get("token_ids") or ()),
             int(f.get("block_size") or 0),
             f.get("medium"),
             keyed,

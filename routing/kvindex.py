@@ -36,10 +36,6 @@ APPLIED, GAP, DUPLICATE, RESTARTED = "applied", "gap", "duplicate", "restarted"
 _POOL_MEDIA = (None, "GPU", "gpu")
 
 
-def _block_hash(tokens: Sequence[int], parent: int) -> int:
-    return _xxh(array("I", tokens).tobytes(), parent)
-
-
 def token_block_hashes(
     token_ids: Sequence[int], block_size: int, max_blocks: int = 4096
 ) -> tuple[int, ...]:
@@ -47,10 +43,12 @@ def token_block_hashes(
     if block_size <= 0:
         return ()
     n = min(len(token_ids) // block_size, max_blocks)
+    data = memoryview(array("I", token_ids[: n * block_size]).tobytes())
+    step = 4 * block_size
     out = []
     parent = 0
-    for i in range(n):
-        parent = _block_hash(token_ids[i * block_size : (i + 1) * block_size], parent)
+    for i in range(0, n * step, step):
+        parent = _xxh(data[i : i + step], parent)
         out.append(parent)
     return tuple(out)
 
@@ -145,23 +143,23 @@ class EngineBlocks:
                 self.unchained += len(ev.hashes)
                 return
             parent = got
-        bs = ev.block_size
-        tokens = ev.token_ids
-        for i, h in enumerate(ev.hashes):
-            block = tokens[i * bs : (i + 1) * bs]
-            if len(block) < bs:
-                break
-            parent = _block_hash(block, parent)
-            old = self._own.get(h)
+        step = 4 * ev.block_size
+        full = min(len(ev.hashes), len(ev.token_ids) // ev.block_size)
+        data = memoryview(array("I", ev.token_ids[: full * ev.block_size]).tobytes())
+        own, held, holders = self._own, self._held, self._holders
+        for i in range(full):
+            h = ev.hashes[i]
+            parent = _xxh(data[i * step : (i + 1) * step], parent)
+            old = own.get(h)
             if old == parent:
                 continue
             if old is not None:
                 self._drop(old)
-            self._own[h] = parent
-            n = self._held.get(parent, 0)
-            self._held[parent] = n + 1
-            if n == 0 and self._holders is not None:
-                self._holders[parent] = self._holders.get(parent, ()) + (self.name,)
+            own[h] = parent
+            n = held.get(parent, 0)
+            held[parent] = n + 1
+            if n == 0 and holders is not None:
+                holders[parent] = holders.get(parent, ()) + (self.name,)
 
     def _removed(self, hashes: Iterable[bytes | int], medium: str | None) -> None:
         if medium not in _POOL_MEDIA:
