@@ -135,7 +135,7 @@ class _RouteDecisionCollector(Collector):
         fam = CounterMetricFamily(
             "kvgate_route_decisions",
             "Routing decisions by workload class and the scoring of the profile that "
-            "placed them (scorer names joined by '+', e.g. prefix_load, "
+            "placed them (scorer names joined by '+', e.g. prefix_load+session_affinity, "
             "speculation+running_headroom+kv_headroom, kv_headroom)",
             labels=["workload", "scorer"],
         )

@@ -70,12 +70,12 @@ async def test_default_config_routes_each_class_by_its_own_scoring(replica, gate
     assert routes == [
         "chat/kv_headroom/score",
         "coding/speculation+running_headroom+kv_headroom/score",
-        "agentic/prefix_load/score",
+        "agentic/prefix_load+session_affinity/score",
     ], routes
     async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
         metrics = await r.text()
     for workload, scorer_name in (
-        ("agentic", "prefix_load"),
+        ("agentic", "prefix_load+session_affinity"),
         ("chat", "kv_headroom"),
         ("coding", "speculation+running_headroom+kv_headroom"),
     ):

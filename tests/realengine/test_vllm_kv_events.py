@@ -130,7 +130,9 @@ async def test_the_index_equals_the_engines_cache_after_a_burst_with_evictions(
         await settle(server, gw)
         blocks = gw.state.kv_index.replica("r0")  # type: ignore[union-attr]
         # The burst held more than the pool: the engine evicted, and the index knows.
-        total_prompt = sum(len(await ids_of(http, server, m)) for m in burst)
+        total_prompt = 0
+        for m in burst:
+            total_prompt += len(await ids_of(http, server, m))
         assert total_prompt > POOL_TOKENS
         assert 0 < len(blocks) <= POOL_TOKENS // BLOCK_SIZE
         # Probes: early prompts (some evicted), late ones (held), and new ones sharing

@@ -47,7 +47,7 @@ def test_without_a_routing_section_each_class_gets_its_own_scoring() -> None:
     assert router.route_decisions == {
         ("coding", "speculation+running_headroom+kv_headroom"): 1,
         ("chat", "kv_headroom"): 1,
-        ("agentic", "prefix_load"): 1,
+        ("agentic", "prefix_load+session_affinity"): 1,
     }
 
 
