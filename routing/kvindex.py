@@ -59,7 +59,7 @@ class EngineBlocks:
     __slots__ = (
         "name", "block_size", "_own", "_held", "_holders", "last_seq", "last_event_at",
         "queries_at_event", "stale_after_s", "events", "gaps", "restarts", "resyncs",
-        "unchained",
+        "unchained", "_replayed",
     )  # fmt: skip
 
     def __init__(
@@ -78,6 +78,9 @@ class EngineBlocks:
         self.queries_at_event: float | None = None
         self.stale_after_s = stale_after_s
         self.events = self.gaps = self.restarts = self.resyncs = self.unchained = 0
+        # Sequence numbers a replay applied: their live copies, queued on the SUB socket
+        # while the replay ran, are duplicates, not a restarted engine.
+        self._replayed: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._held)
@@ -101,6 +104,9 @@ class EngineBlocks:
             if seq <= last:
                 if replay:
                     return DUPLICATE
+                if seq in self._replayed:
+                    self._replayed.discard(seq)
+                    return DUPLICATE
                 self.clear()
                 self.restarts += 1
                 result = RESTARTED
@@ -111,6 +117,10 @@ class EngineBlocks:
                 result = APPLIED
         else:
             result = APPLIED
+        if replay:
+            self._replayed.add(seq)
+        elif self._replayed:
+            self._replayed.clear()  # live and in order again: no copy of a replay is left
         self.last_seq = seq
         self.last_event_at = now
         self.queries_at_event = queries_total
@@ -184,6 +194,7 @@ class EngineBlocks:
                 holders.pop(own, None)
 
     def clear(self) -> None:
+        self._replayed.clear()
         for own in list(self._held):
             self._held[own] = 1
             self._drop(own)

@@ -144,3 +144,18 @@ def test_the_prefix_scorer_uses_the_engines_blocks_while_they_are_fresh() -> Non
     # Stale: the engine served prompts for a minute and no event came.
     late = RouteRequest("r", "m", 10, now=60.0, token_hashes=chain, token_block_size=BS)
     assert scorer.score(late, cand("a", 50.0)) == 0.0  # type: ignore[attr-defined]
+
+
+def test_live_copies_of_replayed_messages_are_duplicates_not_a_restart() -> None:
+    """While a replay runs, the SUB socket queues the same messages live: they must not
+    read as an engine whose sequence started over (seen on the real vLLM)."""
+    blocks = KVIndex().replica("a")
+    _, ev = decode(message(0, [stored([h(1)], None, list(range(4)))]))
+    blocks.apply(0, ev, 0.0)
+    assert blocks.apply(3, [], 1.0) == GAP
+    for seq in (1, 2, 3):  # the replay
+        blocks.apply(seq, [], 1.0, replay=True)
+    assert blocks.apply(2, [], 1.0) == DUPLICATE  # queued live copies
+    assert blocks.apply(3, [], 1.0) == DUPLICATE
+    assert blocks.apply(4, [], 1.1) == APPLIED and len(blocks) == 1
+    assert blocks.apply(0, [], 2.0) == RESTARTED and len(blocks) == 0
