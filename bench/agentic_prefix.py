@@ -19,12 +19,15 @@ caching of full blocks, generated blocks included) at ``--speed`` x simulated ti
   requests outstanding (nginx ``least_conn``), ties at random;
 - ``sglang_cache_aware``: sglang-router (PyPI ``sglang-router``, run from a separate
   virtualenv: ``--sglang-python``) with ``--policy cache_aware`` and its defaults;
-- ``kvgate``: ``kvgate serve`` with the profile below (no cap, limits learned).
+- ``kvgate``: ``kvgate serve`` with the config a new user writes: replicas, no
+  ``routing:`` section (workload-aware by default: these requests carry tools, so they
+  are agentic and placed by ``prefix_load`` + ``session_affinity``), no cap, limits
+  learned; ``--kvgate-profile readme`` runs the README's agent profile instead.
 
 The same client everywhere: streams (``stream: true``), the session id as the body's
-``user``, the openai SDK's ``x-stainless-read-timeout`` header; a 429/503 is retried
-after its Retry-After (1 simulated second without one) up to 6 times, a timeout, 5xx or
-connection error up to 2 times; an attempt times out after ``--timeout`` simulated
+``user``, the openai SDK's ``x-stainless-read-timeout`` header; a 429/503 is not
+retried (``--shed-retries``, 0: an agent loop that fails a turn fails the task; it was
+6 before issue 21), a timeout, 5xx or connection error up to 2 times; an attempt times out after ``--timeout`` simulated
 seconds (120). TTFT runs from the turn's first attempt to its first content token, so
 retries and queueing count. Times are in simulated seconds (wall x speed).
 
@@ -32,8 +35,9 @@ Reported per contender: the replicas' prefix-cache hit rate (hit / queried token
 their ``vllm:prefix_cache_*`` counters), TTFT p50/p90/p99 over all turns and over turns
 after the first, end-to-end p90, completions, retries and give-ups, and the replicas'
 preemptions (``vllm:num_preemptions_total``: a replica driven past its KV limit
-preempts). kvgate's profile was set before any run of this bench (weights 2/1/1 as in
-docs/routing.md's example); nothing here is tuned on its results.
+preempts). The README profile was set before any run of this bench (weights 2/1/1 as
+in docs/routing.md's example); the workload default's agentic scoring was tuned on
+``--seed 1`` only (session affinity added) and is reported on seed 0.
 
     .venv/bin/python bench/agentic_prefix.py [--runs 3] [--speed 10]
 
