@@ -116,6 +116,8 @@ class Placement:
             prompt_tokens=req.prompt_tokens,
             ttft_target_s=req.ttft_target_s,
             itl_target_s=req.itl_target_s,
+            token_hashes=req.token_hashes,
+            token_block_size=req.token_block_size,
         )
         hinted: list[str] = []
         if not complete and self._hints_hook is not None:

@@ -59,6 +59,9 @@ class AdmissionRequest:
     # most characters per token seen for the model): what a prefix shared with running
     # requests saves on a replica that caches prefixes (admission.prefixshare). 0: none.
     prefix_block_tokens: int = 0
+    # The prompt's token-block chain for the precise prefix index (routing.kvindex).
+    token_hashes: tuple[int, ...] = ()
+    token_block_size: int = 0
     # The tenant's SLO targets (seconds; None: none), for SLO-aware placement.
     ttft_target_s: float | None = None
     itl_target_s: float | None = None

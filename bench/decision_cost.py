@@ -37,6 +37,9 @@ from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.types import AdmissionRequest, Admit
 from routing.config import RoutingConfig
+from routing.kvevents import Stored
+from routing.kvindex import KVIndex, token_block_hashes
+from routing.plugin import PluginEnv
 from routing.prefix import block_hashes
 from routing.scheduler import build_router
 from routing.types import Candidate, ReplicaState, RouteRequest
@@ -55,7 +58,43 @@ PROFILES = {
         }
     ),
 }
+# "precise": no routing section (workload-aware), agentic requests, and the engines' own
+# blocks from KV events (routing.kvindex) holding 100k blocks in all.
+PROFILES["precise"] = RoutingConfig()
 INDEXED_BLOCKS = 100_000
+TOKEN_BLOCK = 16
+
+
+def token_ids(seed: int) -> list[list[int]]:
+    """512 sessions' prompts in token ids: 16 blocks shared per tenant, then 16 own."""
+    rng = random.Random(seed)
+    tenants = [[rng.randrange(32000) for _ in range(16 * TOKEN_BLOCK)] for _ in range(16)]
+    return [
+        tenants[s % 16] + [rng.randrange(32000) for _ in range(16 * TOKEN_BLOCK)]
+        for s in range(512)
+    ]
+
+
+def fill_engine_blocks(kv: KVIndex, n: int, sessions: list[list[int]]) -> int:
+    """Each replica's engine stores synthetic histories (100k blocks in all), and every
+    session's first 24 blocks on one replica, as a vLLM's BlockStored events would."""
+    seqs = [0] * n
+    k = 0
+    while sum(len(kv.replica(f"r{i}")) for i in range(n)) < INDEXED_BLOCKS:
+        rng = random.Random(k)
+        ids = [rng.randrange(32000) for _ in range(64 * TOKEN_BLOCK)]
+        i = k % n
+        ev = Stored(tuple(range(k * 64, k * 64 + 64)), None, tuple(ids), TOKEN_BLOCK)
+        kv.replica(f"r{i}").apply(seqs[i], [ev], 0.0)
+        seqs[i] += 1
+        k += 1
+    for s, ids in enumerate(sessions):
+        i = s % n
+        hashes = tuple(-(s * 64 + b + 1) for b in range(24))  # distinct engine hashes
+        ev = Stored(hashes, None, tuple(ids[: 24 * TOKEN_BLOCK]), TOKEN_BLOCK)
+        kv.replica(f"r{i}").apply(seqs[i], [ev], 0.0)
+        seqs[i] += 1
+    return sum(len(kv.replica(f"r{i}")) for i in range(n))
 
 
 def chains(seed: int) -> list[tuple[int, ...]]:
@@ -77,7 +116,8 @@ def one_run(
     in_flight: int = 0,
     share: bool = False,
 ) -> tuple[float, float, int]:
-    router = build_router(PROFILES[profile], seed=seed)
+    kv = KVIndex() if profile == "precise" else None
+    router = build_router(PROFILES[profile], seed=seed, env=PluginEnv(seed=seed, kv_index=kv))
     ctl = AdmissionController(AdmissionConfig(learn_limit=False), router, seed=seed)
     for i in range(n):
         state = ReplicaState(
@@ -92,8 +132,12 @@ def one_run(
         )
         ctl.upsert_replica(state, 0.0)
     sessions = chains(seed)
+    ids = token_ids(seed)
+    tokens = [token_block_hashes(t, TOKEN_BLOCK) for t in ids]
     rng = random.Random(seed)
     indexed = 0
+    if kv is not None:
+        indexed = fill_engine_blocks(kv, n, ids)
     if profile == "prefix":
         # Fill the indexes with 100k blocks of synthetic history spread over the replicas.
         prefix = router.default.scorers[0][0]
@@ -124,6 +168,9 @@ def one_run(
                 prefix_hashes=sessions[s],
                 prefix_block_tokens=10 if share else 0,
                 session=f"s{s}",
+                workload="agentic" if kv is not None else "chat",
+                token_hashes=tokens[s] if kv is not None else (),
+                token_block_size=TOKEN_BLOCK if kv is not None else 0,
             )
             now = 1.0 + (d + warmup) * 1e-3
             t0 = time.perf_counter_ns()

@@ -14,6 +14,8 @@ limit; ITL is `inter_token_latency`, the one formula every reader uses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from admission.estimate import TokenEstimator
 from admission.patience import STALL_GAPS, ClientEnd
 from admission.tenants import TenantLimiter, TenantState
@@ -118,7 +120,11 @@ class Accounting:
         tenants: TenantLimiter,
         metrics: GatewayMetrics,
         known_models: set[str],
+        route_of: Callable[[str], str | None] | None = None,
     ) -> None:
+        # How admission's router placed a request ("<workload>/<scoring>/<reason>"),
+        # for the access line; read before the release forgets it.
+        self.route_of = route_of
         self.estimator = estimator
         self.tenants = tenants
         self.metrics = metrics
@@ -143,7 +149,10 @@ class Accounting:
             if (itl := inter_token_latency(ctx)) is not None:
                 m.itl.observe(itl)
         if access_log_enabled():  # the line is built only when someone reads it
-            log_access(_access_fields(ctx, ttft, now))
+            fields = _access_fields(ctx, ttft, now)
+            if self.route_of is not None and ctx.admission_id is not None:
+                fields["route"] = self.route_of(ctx.admission_id)
+            log_access(fields)
 
     def _learn(self, ctx: RequestContext) -> None:
         """Teach the estimator a completed request's true prompt and output tokens."""

@@ -35,6 +35,8 @@ from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
 from gateway.http import hide_server_version, server_kwargs
 from gateway.http import install as install_error_handler
+from gateway.kvevents import KVEventSubscriber, start_kv_events
+from gateway.kvtokens import PromptTokenIds
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
@@ -44,6 +46,8 @@ from gateway.sharing import StateCollector, StateSync, make_backend
 from gateway.state import StateBackend
 from gateway.tokenizers import load_token_counters
 from gateway.upstream import make_session
+from routing.kvindex import KVIndex
+from routing.plugin import PluginEnv
 from routing.scheduler import build_router
 from routing.types import Router
 
@@ -55,9 +59,14 @@ class GatewayState:
 
     def __init__(self, config: GatewayConfig, picker: Router | None = None) -> None:
         self.config = config
+        # The engines' own caches, where a replica publishes its KV events.
+        self.kv_index = KVIndex() if any(rc.kv_events for rc in config.replicas) else None
         if picker is None:
+            routing = config.routing
             picker = build_router(
-                config.routing, discovery_interval_s=config.discovery.refresh_interval_s
+                routing,
+                discovery_interval_s=config.discovery.refresh_interval_s,
+                env=PluginEnv(block_chars=routing.block_chars, kv_index=self.kv_index),
             )
         # Tenants (admission/tenants.py): the pipeline checks keys and rates, the
         # controller's queue reads weights and caps.
@@ -73,6 +82,7 @@ class GatewayState:
         self.pipeline: Pipeline
         self.metrics: GatewayMetrics
         self.sync: StateSync | None = None  # the lease loop (shared state), if any
+        self.kv_subscribers: list[KVEventSubscriber] = []
 
     def set_tenant_share(self, tenant: str, fraction: float, refill: float | None = None) -> None:
         """This process's share of a tenant's rpm, tpm and concurrency (the shared-state
@@ -130,6 +140,9 @@ def build_app(
         if decisions is not None:
             choices = report.ttft_choices
             st.metrics.watch_routing(lambda: {**decisions, **choices})
+        routes = getattr(st.door.router, "route_decisions", None)
+        if routes is not None:
+            st.metrics.watch_route_decisions(lambda: routes)
         st.metrics.watch_engines(lambda: [w.state for w in st.discovery.watchers.values()])
         st.metrics.watch_patience(report.patience_readings)
         pipeline_ref: list[Pipeline] = []
@@ -138,6 +151,7 @@ def build_app(
             config.upstream,
             lambda ctx: pipeline_ref[0].on_progress(ctx),
             client_write_timeout_s=config.limits.client_write_timeout_s,
+            on_first_token=lambda ctx: st.door.first_token(ctx.admission_id),
         )
         counter = PromptCounter(
             config, st.estimator, st.discovery, st.door.report, st.metrics, session
@@ -154,6 +168,11 @@ def build_app(
         )
         pipeline_ref.append(st.pipeline)
         await st.discovery.start()
+        if st.kv_index is not None:
+            st.kv_subscribers = start_kv_events(config, st.kv_index, st.discovery)
+            st.pipeline.prompt_token_ids = PromptTokenIds(
+                config, st.discovery, session, st.kv_index
+            )
         backend = state_backend if state_backend is not None else make_backend(config.state)
         if backend is not None:
             st.sync = StateSync(
@@ -175,6 +194,8 @@ def build_app(
             yield
         finally:
             st.pipeline.close()
+            for subscriber in st.kv_subscribers:
+                await subscriber.stop()
             if st.sync is not None:
                 await st.sync.stop()
             await st.discovery.stop()

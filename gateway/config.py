@@ -56,6 +56,17 @@ class ListenConfig(_Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
 
 
+class KVEventsSource(_Strict):
+    """Where a vLLM started with ``--kv-events-config`` publishes its KV cache events
+    (gateway/kvevents.py): its PUB ``endpoint`` (the engine binds ``tcp://*:PORT``;
+    kvgate connects to ``tcp://HOST:PORT``), its ``replay_endpoint`` if it has one, and
+    the ``topic`` it was given."""
+
+    endpoint: Annotated[str, Field(pattern=r"^(tcp|ipc)://")]
+    replay_endpoint: Annotated[str, Field(pattern=r"^(tcp|ipc)://")] | None = None
+    topic: str = ""
+
+
 class ReplicaConfig(_Strict):
     """One engine replica kvgate may send requests to."""
 
@@ -89,6 +100,8 @@ class ReplicaConfig(_Strict):
     # The engine rank this replica entry addresses (set by the expansion above, or by
     # hand to address one rank of a DP server); None: the whole server.
     dp_rank: Annotated[int, Field(ge=0)] | None = None
+    # vLLM only: its KV events, for the precise prefix index (routing/kvindex.py).
+    kv_events: KVEventsSource | None = None
 
     @field_validator("url")
     @classmethod
@@ -342,6 +355,9 @@ class GatewayConfig(_Strict):
                 update={
                     "default_profile": _with_slo_filter(self.routing.default_profile),
                     "profiles": {m: _with_slo_filter(p) for m, p in self.routing.profiles.items()},
+                    "workloads": {
+                        w: _with_slo_filter(p) for w, p in self.routing.workloads.items()
+                    },
                 }
             )
         return self

@@ -54,6 +54,8 @@ class RequestContext:
     # route (routing.types.RouteRequest): prompt block hash chain, session key
     prefix_hashes: tuple[int, ...] = ()
     prefix_block_tokens: int = 0  # AdmissionRequest.prefix_block_tokens
+    token_hashes: tuple[int, ...] = ()  # AdmissionRequest.token_hashes (gateway/kvevents.py)
+    token_block_size: int = 0
     session: str | None = None
     # admit
     deadline: float = float("inf")
@@ -133,6 +135,8 @@ def admission_request(
         max_tokens_given=ctx.max_tokens_given,
         prefix_hashes=ctx.prefix_hashes,
         prefix_block_tokens=ctx.prefix_block_tokens,
+        token_hashes=ctx.token_hashes,
+        token_block_size=ctx.token_block_size,
         session=ctx.session,
         ttft_target_s=ttft_target,
         itl_target_s=itl_target,

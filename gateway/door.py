@@ -144,6 +144,13 @@ class AdmissionDoor:
         finally:
             self._waiters.pop(request_id, None)
 
+    def first_token(self, request_id: str | None) -> None:
+        """A request's first token left its replica (the relay saw it): routing stops
+        counting its prefill as waiting there (routing.prefill). Changes no admission."""
+        hook = getattr(self._controller.router, "first_token", None)
+        if request_id is not None and hook is not None:
+            hook(request_id, self._loop.time())
+
     def release(self, request_id: str, completion: Completion | None = None) -> None:
         """Free a reservation or queue entry (idempotent) and hand out what that admits."""
         self._resolve(self._controller.release(request_id, self._loop.time(), completion))

@@ -125,6 +125,26 @@ class _RoutingCollector(Collector):
         return [fam]
 
 
+class _RouteDecisionCollector(Collector):
+    """`kvgate_route_decisions_total{workload,scorer}`, read from the router at scrape
+    time: which scoring placed each workload class (routing.scheduler)."""
+
+    def __init__(self, decisions: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._decisions = decisions
+
+    def collect(self) -> Iterable[Metric]:
+        fam = CounterMetricFamily(
+            "kvgate_route_decisions",
+            "Routing decisions by workload class and the scoring of the profile that "
+            "placed them (scorer names joined by '+', e.g. prefix_load+session_affinity, "
+            "speculation+running_headroom+kv_headroom, kv_headroom)",
+            labels=["workload", "scorer"],
+        )
+        for (workload, scorer), n in sorted(self._decisions().items()):
+            fam.add_metric([workload, scorer], n)
+        return [fam]
+
+
 # Engines whose adapters read a KV usage gauge (llama.cpp's server no longer exports one:
 # a 0 there would be a claim, not a measurement).
 _KV_USAGE_ENGINES = frozenset({"vllm", "sglang"})
@@ -369,6 +389,10 @@ class GatewayMetrics:
     def watch_routing(self, decisions: Callable[[], dict[str, int]]) -> None:
         """Export the router's decisions by reason (read at scrape time)."""
         self.registry.register(_RoutingCollector(decisions))
+
+    def watch_route_decisions(self, decisions: Callable[[], dict[tuple[str, str], int]]) -> None:
+        """Export the router's decisions by (workload, scoring) (read at scrape time)."""
+        self.registry.register(_RouteDecisionCollector(decisions))
 
     def watch_engines(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
         """Export the engines' own load signals (`_EngineCollector`) from `states`."""

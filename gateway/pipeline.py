@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import os
 from collections.abc import Callable
 
@@ -44,6 +43,7 @@ from gateway.discovery import Discovery
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError, invalid_request
 from gateway.failover import Failover
+from gateway.kvtokens import PromptTokenIds
 from gateway.metrics import GatewayMetrics
 from gateway.relay import Relay
 from gateway.schemas import (
@@ -53,6 +53,7 @@ from gateway.schemas import (
     CompletionRequest,
 )
 from gateway.shutdown import InFlight, shutdown_retry_after, shutting_down
+from gateway.stated import read_stated
 from gateway.upstream import UpstreamFailure
 from routing.classify import classify_workload
 from routing.prefix import block_hashes
@@ -68,16 +69,10 @@ _SCHEMAS: dict[Kind, type[ChatCompletionRequest] | type[CompletionRequest]] = {
     "completion": CompletionRequest,
 }
 
-# Client headers kvgate reads (documented in docs/api.md).
-H_QUEUE_TIMEOUT = "x-kvgate-queue-timeout"  # seconds the client is willing to wait in queue
+# Client headers kvgate reads (documented in docs/api.md; the deadline's: gateway/stated.py).
 H_PRIORITY = "x-kvgate-priority"  # integer, higher is admitted first
 H_SESSION = "x-session-id"  # session affinity key (else the body's `user`)
 H_WORKLOAD = "x-workload"  # coding | agentic | chat, overrides the classifier
-# Sent by the official openai SDKs on every request: their read timeout in seconds, and
-# which retry this is (0 for the first attempt; the SDKs retry twice by default).
-H_READ_TIMEOUT = "x-stainless-read-timeout"
-H_RETRY_COUNT = "x-stainless-retry-count"
-SDK_DEFAULT_MAX_RETRIES = 2
 # The most characters per token seen in whole prompts, times this, bounds a block's
 # characters per token for the shared-prefix credit (denser stretches than any prompt's
 # average: a system prompt of prose next to JSON schemas).
@@ -115,6 +110,8 @@ class Pipeline:
         # Set by the app when shared state is configured fail-closed (gateway/sharing.py):
         # returns the 503 new requests get while Redis is unreachable, else None.
         self.state_gate: Callable[[], ApiError | None] | None = None
+        # Set by the app when a replica publishes KV events (gateway/kvtokens.py).
+        self.prompt_token_ids: PromptTokenIds | None = None
         self._max_body = config.limits.max_body_bytes
         self._body_timeout = config.limits.body_timeout_s
         self._queue_timeout = config.admission.queue_timeout_s
@@ -146,7 +143,13 @@ class Pipeline:
         self._loop = asyncio.get_running_loop()
         self.in_flight = InFlight(config)
         self.idle = self.in_flight.idle  # set while no request is in flight
-        self.accounting = Accounting(estimator, self.tenants, metrics, discovery.known_models)
+        self.accounting = Accounting(
+            estimator,
+            self.tenants,
+            metrics,
+            discovery.known_models,
+            route_of=getattr(door.router, "route_of", None),
+        )
         self.failover = Failover(config, door, discovery, metrics, self.tenants, self.release)
         # The outlier detector (None: disabled), read by /admin/replicas.
         self.outliers = self.failover.outliers
@@ -190,6 +193,8 @@ class Pipeline:
             await self.parse(request, ctx)
             text = await self.estimate(ctx)
             self.classify(request, ctx, text)
+            if self.prompt_token_ids is not None:
+                await self.prompt_token_ids.fill(ctx)
             self.tenant_limits(request, ctx)
             await self.admit(request, ctx)
             return await self.route_and_relay(request, ctx)
@@ -381,22 +386,8 @@ class Pipeline:
         if self.state_gate is not None and (closed := self.state_gate()) is not None:
             raise closed
         now = self._loop.time()
-        deadline = math.inf
-        hdr = request.headers.get(H_QUEUE_TIMEOUT)
-        if hdr is not None:
-            cap = self.tenants.get(ctx.tenant).queue_timeout_s or self._queue_timeout
-            deadline = now + min(cap, _seconds(hdr, H_QUEUE_TIMEOUT))
-        if (read := request.headers.get(H_READ_TIMEOUT)) is not None:
-            ctx.latency_budget = _seconds(read, H_READ_TIMEOUT) or None
-        # Said nothing: admission uses its clients' learned patience, and learns from it.
-        ctx.patience_stated = hdr is not None or ctx.latency_budget is not None
-        if (count := request.headers.get(H_RETRY_COUNT)) is not None:
-            try:
-                ctx.last_retry = int(count) >= SDK_DEFAULT_MAX_RETRIES
-            except ValueError:
-                raise invalid_request(
-                    f"{H_RETRY_COUNT} must be an integer.", param=H_RETRY_COUNT
-                ) from None
+        cap = self.tenants.get(ctx.tenant).queue_timeout_s or self._queue_timeout
+        deadline = read_stated(request, ctx, cap, now)
         priority = ctx.priority  # clamped to the tenant's range by tenant_limits
         ctx.deadline = deadline
         ctx.admission_id = ctx.request_id
@@ -477,14 +468,3 @@ class Pipeline:
             self.door.abandon(ctx.admission_id, completion(ctx, self._loop.time()))
         else:
             self.door.release(ctx.admission_id, completion(ctx, self._loop.time()))
-
-
-def _seconds(value: str, header: str) -> float:
-    """A header's non-negative number of seconds, or a 400 naming the header."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds < 0:
-        raise invalid_request(f"{header} must be a non-negative number of seconds.", param=header)
-    return seconds

@@ -285,6 +285,7 @@ class Relay:
         on_progress: Callable[[RequestContext], None],
         *,
         client_write_timeout_s: float = 60.0,
+        on_first_token: Callable[[RequestContext], None] | None = None,
     ) -> None:
         self._session = session
         self._cfg = cfg
@@ -292,6 +293,8 @@ class Relay:
         self._write_timeout = client_write_timeout_s
         # Called when a stream's generated tokens pass ctx.topup_at (reservation top-up).
         self._on_progress = on_progress
+        # Called at a stream's first event: the prompt's prefill on the replica is done.
+        self._on_first_token = on_first_token
 
     # ------------------------------------------------------------------ request body
     @staticmethod
@@ -428,6 +431,8 @@ class Relay:
                             now = loop.time()
                             if ctx.first_byte_at is None:
                                 ctx.first_byte_at = now
+                                if self._on_first_token is not None:
+                                    self._on_first_token(ctx)
                             ctx.last_event_at = now
                             if ctx.generated + ctx.prompt_tokens > ctx.topup_at:
                                 self._on_progress(ctx)

@@ -62,6 +62,15 @@ class ReleaseHook(Protocol):
 
 
 @runtime_checkable
+class FirstTokenHook(Protocol):
+    """The first token of a request this plugin saw placed left its replica: the
+    prompt's prefill there is done (the relay sees it; for a non-stream request the
+    release comes first and stands for it)."""
+
+    def first_token(self, request_id: str, now: float) -> None: ...
+
+
+@runtime_checkable
 class HintHook(Protocol):
     """Replicas to score for `req` whatever their headroom (admission adds them to its
     shortlist of the roomiest): a warm prefix, the session's replica, a speculating one."""
@@ -102,6 +111,9 @@ class PluginEnv:
 
     seed: int | None = None
     block_chars: int = 64  # characters per prefix block (routing.prefix)
+    # The engines' own caches, from their KV events: a routing.kvindex.KVIndex (typed
+    # Any so this file imports only routing.types); None: no engine publishes them.
+    kv_index: Any = None
 
 
 # ``factory(params, env)`` builds a plugin from its YAML ``params:``; ValueError or

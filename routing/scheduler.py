@@ -7,9 +7,12 @@ to [0, 1]), multiplies the score of a replica whose engine view is older than
 replica look free: room is the ledger's call), and lets its picker choose. Filters that
 leave nothing return None: admission keeps the request queued without holding anything up.
 
-`SchedulingRouter` picks the profile of the request's model (else the default) and
-forwards admission's ``placed`` / ``released`` (and ``hints``, ``warm``) to the plugins
-that take those hooks (routing.plugin).
+`SchedulingRouter` picks the profile of the request's model, else of its workload class
+(routing.config: the built-in class profiles when the config names no default), else the
+default, and forwards admission's ``placed`` / ``released`` (and ``hints``, ``warm``,
+``first_token``) to the plugins that take those hooks (routing.plugin). It counts its
+decisions by reason and by (workload, scoring), and keeps each placed request's route
+until it is released, so the gateway's access line can say how it was placed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from routing.config import ProfileConfig, RoutingConfig
 from routing.plugin import (
     ExplainHook,
     Filter,
+    FirstTokenHook,
     HintHook,
     Picker,
     PlacementHook,
@@ -45,6 +49,7 @@ class Profile:
         *,
         stale_after_s: float = float("inf"),
         stale_factor: float = 0.5,
+        scoring: str | None = None,
     ) -> None:
         self.name = name
         self.filters = tuple(filters)
@@ -52,6 +57,12 @@ class Profile:
         self.picker = picker
         self.stale_after_s = stale_after_s
         self.stale_factor = stale_factor
+        # What scores this profile's requests, for the decision counter and the log.
+        self.scoring = (
+            scoring
+            or "+".join(str(getattr(s, "name", type(s).__name__)) for s, _ in self.scorers)
+            or "none"
+        )
         # Each hook's bound methods, sorted out once here: a request pays only for the
         # hooks its profile's plugins take.
         plugins: list[object] = [*self.filters, *(s for s, _ in self.scorers), picker]
@@ -60,6 +71,9 @@ class Profile:
         self.hint_hooks = tuple(p.hints for p in plugins if isinstance(p, HintHook))
         self.explain_hooks = tuple(p.explain for p in plugins if isinstance(p, ExplainHook))
         self.warm_hooks = tuple(p.warm for p in plugins if isinstance(p, WarmHook))
+        self.first_token_hooks = tuple(
+            p.first_token for p in plugins if isinstance(p, FirstTokenHook)
+        )
         self.needs_prefix = any(reads_prefix(p) for p in plugins)
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
@@ -85,27 +99,40 @@ class Profile:
 
 
 class SchedulingRouter:
-    """Profiles by model, a default profile, and the placement / release hooks."""
+    """Profiles by model, by workload class and a default, and the plugins' hooks."""
 
-    def __init__(self, default: Profile, per_model: dict[str, Profile] | None = None) -> None:
+    def __init__(
+        self,
+        default: Profile,
+        per_model: dict[str, Profile] | None = None,
+        per_workload: dict[str, Profile] | None = None,
+    ) -> None:
         self.default = default
         self.per_model = dict(per_model or {})
+        self.per_workload = dict(per_workload or {})
         self._owner: dict[str, Profile] = {}  # request id -> profile with release hooks
         # Decisions by reason (kvgate_routing_decisions_total): the first plugin whose
         # ``explain(req, chosen)`` names one, else "score"; "rejected" when none passed.
         self.decisions: dict[str, int] = {}
-        self.needs_prefix = default.needs_prefix or any(
-            p.needs_prefix for p in self.per_model.values()
-        )
+        # Decisions by (workload, the profile's scoring): kvgate_route_decisions_total.
+        self.route_decisions: dict[tuple[str, str], int] = {}
+        # The last pick's (request id, route), and each placed request's route until its
+        # release: "<workload>/<scoring>/<reason>" for the access line.
+        self._last: tuple[str, str] = ("", "")
+        self._routes: dict[str, str] = {}
+        self.needs_prefix = any(p.needs_prefix for p in self.profiles())
 
-    def profile_for(self, model: str) -> Profile:
-        return self.per_model.get(model, self.default)
+    def profile_for(self, model: str, workload: str = "chat") -> Profile:
+        got = self.per_model.get(model)
+        if got is None:
+            got = self.per_workload.get(workload, self.default)
+        return got
 
     def profiles(self) -> list[Profile]:
-        return [self.default, *self.per_model.values()]
+        return [self.default, *self.per_model.values(), *self.per_workload.values()]
 
     def pick(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
-        profile = self.profile_for(req.model)
+        profile = self.profile_for(req.model, req.workload)
         chosen = profile.pick(req, candidates)
         reason = "rejected" if chosen is None else "score"
         if chosen is not None:
@@ -115,12 +142,20 @@ class SchedulingRouter:
                     reason = why
                     break
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        key = (req.workload, profile.scoring)
+        self.route_decisions[key] = self.route_decisions.get(key, 0) + 1
+        self._last = (req.request_id, f"{req.workload}/{profile.scoring}/{reason}")
         return chosen
+
+    def route_of(self, request_id: str) -> str | None:
+        """How a placed request was routed ("<workload>/<scoring>/<reason>"), until it
+        is released."""
+        return self._routes.get(request_id)
 
     def hints(self, req: RouteRequest) -> list[str]:
         """Replicas the plugins want scored for `req` whatever their headroom (warm
         prefix, session, speculating): admission adds them to its shortlist."""
-        hooks = self.profile_for(req.model).hint_hooks
+        hooks = self.profile_for(req.model, req.workload).hint_hooks
         if not hooks:
             return []
         if len(hooks) == 1:
@@ -134,18 +169,29 @@ class SchedulingRouter:
         """Replicas expected to hold part of the prompt cached, with those tokens, warmest
         first (admission's expected-TTFT choice reads it; empty without a prefix
         plugin)."""
-        for hook in self.profile_for(req.model).warm_hooks:
+        for hook in self.profile_for(req.model, req.workload).warm_hooks:
             return hook(req)
         return []
 
     def placed(self, req: RouteRequest, candidate: Candidate, now: float) -> None:
-        profile = self.profile_for(req.model)
+        profile = self.profile_for(req.model, req.workload)
         for hook in profile.placed_hooks:
             hook(req, candidate, now)
-        if profile.released_hooks:
+        if profile.released_hooks or profile.first_token_hooks:
             self._owner[req.request_id] = profile
+        rid, route = self._last
+        if rid == req.request_id:
+            self._routes[rid] = route
+
+    def first_token(self, request_id: str, now: float) -> None:
+        """A placed request's first token left its replica: its prefill is done."""
+        profile = self._owner.get(request_id)
+        if profile is not None:
+            for hook in profile.first_token_hooks:
+                hook(request_id, now)
 
     def released(self, request_id: str, replica: str, now: float) -> None:
+        self._routes.pop(request_id, None)
         profile = self._owner.pop(request_id, None)
         if profile is not None:
             for hook in profile.released_hooks:
@@ -175,15 +221,20 @@ def build_router(
     *,
     discovery_interval_s: float = 2.0,
     seed: int | None = None,
+    env: PluginEnv | None = None,
 ) -> SchedulingRouter:
-    """The router a config describes (None: the default profile, most KV headroom)."""
+    """The router a config describes (None: no ``routing:`` section, so each workload
+    class gets its built-in profile, routing.config.workload_profiles). `env` overrides
+    the plugins' environment (the engines' own caches, routing.kvindex)."""
     cfg = cfg if cfg is not None else RoutingConfig()
-    env = PluginEnv(seed=seed, block_chars=cfg.block_chars)
+    if env is None:
+        env = PluginEnv(seed=seed, block_chars=cfg.block_chars)
     stale = cfg.stale_after_intervals * discovery_interval_s
     kw = {"stale_after_s": stale, "stale_factor": cfg.stale_score_factor}
     return SchedulingRouter(
         build_profile("default", cfg.default_profile, env, **kw),
         {m: build_profile(m, p, env, **kw) for m, p in cfg.profiles.items()},
+        {w: build_profile(w, p, env, **kw) for w, p in cfg.workloads.items()},
     )
 
 

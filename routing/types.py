@@ -130,6 +130,10 @@ class RouteRequest:
     prompt_tokens: int = 0
     ttft_target_s: float | None = None
     itl_target_s: float | None = None
+    # The prompt's token ids chained in blocks of `token_block_size` (routing.kvindex),
+    # when a replica of the model publishes its KV events; else empty.
+    token_hashes: tuple[int, ...] = ()
+    token_block_size: int = 0
 
 
 class Router(Protocol):

@@ -7,6 +7,12 @@ pool (effective tokens x ``chars_per_token`` / ``block_chars``, at most
 ``max_blocks_per_replica``), so memory is bounded by replicas x that bound (about 100
 bytes per block). Chasing hits alone drives the warm replica to its limit; combine it
 with a load scorer (``running_headroom``, ``kv_headroom``).
+
+Where a replica's engine publishes its KV events (routing.kvindex, ``env.kv_index``)
+and the request carries its token-block chain, that replica is matched against what
+its engine says it holds instead: exact blocks of the engine's block size, evictions
+and restarts included. A replica whose events are missing or stale keeps the
+approximate index.
 """
 
 from __future__ import annotations
@@ -34,10 +40,17 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
     name = "prefix_cache"
     needs_prefix = True
 
-    def __init__(self, block_chars: int, chars_per_token: float, max_blocks_per_replica: int):
+    def __init__(
+        self,
+        block_chars: int,
+        chars_per_token: float,
+        max_blocks_per_replica: int,
+        env: PluginEnv | None = None,
+    ) -> None:
         self.block_chars = block_chars
         self.chars_per_token = chars_per_token
         self.max_blocks_per_replica = max_blocks_per_replica
+        self._kv = env.kv_index if env is not None else None
         self._indexes: dict[str, PrefixIndex] = {}
         # hash -> replicas whose index holds it (kept exact by the indexes).
         self._holders: dict[int, tuple[str, ...]] = {}
@@ -55,35 +68,27 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
         blocks from the root, as lookups stop at the first miss and eviction takes
         leaves first), then those of the root (the shared system prompt), so the
         warmest replicas come first. Their exact depth is the scorer's to compute."""
-        hashes = req.prefix_hashes
-        if not hashes:
-            return []
-        holders = self._holders
-        root = holders.get(hashes[0])
-        if not root:
-            return []
-        lo, hi = 0, len(hashes) - 1  # hashes[lo] is held; find the deepest held
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if holders.get(hashes[mid]):
-                lo = mid
-            else:
-                hi = mid - 1
-        out = list(holders[hashes[lo]][-most:])
-        for name in reversed(root):
-            if len(out) >= most:
-                break
-            if name not in out:
-                out.append(name)
-        return out
+        out = _deepest_holders(self._holders, req.prefix_hashes, most)
+        if self._kv is not None and req.token_hashes:
+            for name in _deepest_holders(self._kv.holders, req.token_hashes, most):
+                if name not in out:
+                    out.insert(0, name)
+        return out[: max(most, 1)]
 
     def warm(self, req: RouteRequest) -> list[tuple[str, int]]:
         """The replicas `hints` names with the prompt tokens each is expected to hold
-        cached (matched blocks x block_chars / chars_per_token, within the prompt),
-        warmest first: a fact for admission's expected-TTFT choice, not a decision."""
+        cached (the engine's blocks where it publishes them, else matched blocks x
+        block_chars / chars_per_token; within the prompt), warmest first: a fact for
+        admission's expected-TTFT choice, not a decision."""
         hashes = req.prefix_hashes
         out = []
         for name in self.hints(req):
+            exact = self.engine_match(req, name, None)
+            if exact is not None:
+                cached = exact * req.token_block_size
+                if cached:
+                    out.append((name, min(req.prompt_tokens or cached, cached)))
+                continue
             idx = self._indexes.get(name)
             if idx is None:
                 continue
@@ -95,12 +100,47 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
         return out
 
     def explain(self, req: RouteRequest, chosen: Candidate) -> str | None:
+        exact = self.engine_match(req, chosen.name, chosen.engine.prefix_cache_queries_total)
+        if exact is not None:
+            return "prefix_warm" if exact else None
         if not req.prefix_hashes:
             return None
         idx = self._indexes.get(chosen.name)
         return "prefix_warm" if idx is not None and idx.match(req.prefix_hashes[:1]) else None
 
+    def engine_match(self, req: RouteRequest, name: str, queries: float | None) -> int | None:
+        """Leading blocks of the prompt's token chain the replica's engine holds, from
+        its KV events; None where there are none to trust (the approximate index then)."""
+        kv = self._kv
+        if kv is None or not req.token_hashes:
+            return None
+        blocks = kv.get(name)
+        if blocks is None or blocks.block_size != req.token_block_size:
+            return None
+        if not blocks.usable(req.now, queries):
+            return None
+        return blocks.match(req.token_hashes)
+
+    def cached_tokens(self, req: RouteRequest, candidate: Candidate) -> int:
+        """Prompt tokens `candidate` is expected to hold cached: the engine's own blocks
+        where it publishes them, else the index's matched blocks x block_chars /
+        chars_per_token; within the prompt."""
+        q = candidate.engine.prefix_cache_queries_total
+        exact = self.engine_match(req, candidate.name, q)
+        if exact is not None:
+            return min(req.prompt_tokens or exact * req.token_block_size,
+                       exact * req.token_block_size)  # fmt: skip
+        hashes = req.prefix_hashes
+        idx = self._indexes.get(candidate.name)
+        if not hashes or idx is None:
+            return 0
+        cached = int(idx.match(hashes) * self.block_chars / self.chars_per_token)
+        return min(req.prompt_tokens or cached, cached)
+
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
+        exact = self.engine_match(req, candidate.name, candidate.engine.prefix_cache_queries_total)
+        if exact is not None:
+            return exact / len(req.token_hashes)
         hashes = req.prefix_hashes
         if not hashes:
             return 0.0
@@ -127,10 +167,37 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
         idx.insert(req.prefix_hashes)
 
 
+def _deepest_holders(
+    holders: dict[int, tuple[str, ...]], hashes: tuple[int, ...], most: int
+) -> list[str]:
+    """Up to `most` holders of the deepest block of `hashes` some replica holds (found
+    by bisection: a replica holds a chain's blocks from the root, as lookups stop at the
+    first miss and eviction takes leaves first), then those of the root."""
+    if not hashes:
+        return []
+    root = holders.get(hashes[0])
+    if not root:
+        return []
+    lo, hi = 0, len(hashes) - 1  # hashes[lo] is held; find the deepest held
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if holders.get(hashes[mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    out = list(holders[hashes[lo]][-most:])
+    for name in reversed(root):
+        if len(out) >= most:
+            break
+        if name not in out:
+            out.append(name)
+    return out
+
+
 def factory(params: Mapping[str, Any], env: PluginEnv) -> PrefixCacheScorer:
     params_of(params, {"chars_per_token": (int, float), "max_blocks_per_replica": int})
     cpt = float(params.get("chars_per_token", 4.0))
     most = int(params.get("max_blocks_per_replica", 1_000_000))
     if cpt <= 0 or most <= 0:
         raise ValueError("chars_per_token and max_blocks_per_replica must be positive")
-    return PrefixCacheScorer(env.block_chars, cpt, most)
+    return PrefixCacheScorer(env.block_chars, cpt, most, env)

@@ -9,6 +9,7 @@ cache. Without them a test FAILS (never skips).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -27,7 +28,8 @@ BLOCK_SIZE = 32  # vLLM on the CPU takes multiples of 32 only
 # The pool in tokens. The tiny model's KV is 1 KiB a token (scripts/make_tiny_hf.py), and
 # --kv-cache-memory-bytes sizes the pool exactly; it must exceed --max-model-len.
 POOL_TOKENS = 4096
-START_TIMEOUT_S = 150.0
+# A loaded machine (other engines on its 2 cores) may need longer: the env var says so.
+START_TIMEOUT_S = float(os.environ.get("KVGATE_VLLM_START_TIMEOUT_S", "150"))
 
 
 def vllm_path(var: str) -> Path:
@@ -48,6 +50,21 @@ def serve_command(python: Path, model: Path, port: int, *extra: str) -> list[str
         *("--disable-uvicorn-access-log",),
         *extra,
     ]
+
+
+def kv_events_args(port: int, replay_port: int | None = None, topic: str = "kv") -> list[str]:
+    """``--kv-events-config`` for a vLLM that publishes its KV cache events on a ZMQ PUB
+    socket it binds on `port` (and serves missed batches on `replay_port`): the option
+    the precise prefix index's tests start it with (scripts/REAL_ENGINE_NOTES.md)."""
+    cfg: dict[str, Any] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+        "topic": topic,
+    }
+    if replay_port is not None:
+        cfg["replay_endpoint"] = f"tcp://*:{replay_port}"
+    return ["--kv-events-config", json.dumps(cfg)]
 
 
 def serve_env(cpus: str = "0") -> dict[str, str]:
@@ -75,9 +92,16 @@ class VllmServer(LlamaServer):
         super().__init__(name, extra, log_path)
         self.cpus = cpus  # two engines side by side (a bench) each get a core of their own
 
-    def start_vllm(self, python: Path, model: Path, timeout: float = START_TIMEOUT_S) -> float:
-        """Start and wait for /health 200 (at most `timeout` s); returns the seconds it took."""
-        self.port = free_port()
+    def start_vllm(
+        self,
+        python: Path,
+        model: Path,
+        timeout: float = START_TIMEOUT_S,
+        port: int | None = None,
+    ) -> float:
+        """Start (on `port`, else a free one: a restart keeps its port) and wait for
+        /health 200 (at most `timeout` s); returns the seconds it took."""
+        self.port = port or free_port()
         cmd = serve_command(python, model, self.port, *self.args)
         t0 = time.monotonic()
         with self.log_path.open("wb") as log:

@@ -1,0 +1,45 @@
+"""Prefill waiting on each replica: the prompt tokens of requests placed there that have
+not yet produced their first token, less what the replica was expected to hold cached.
+
+It is the load a new prompt queues behind before its own prefill starts (Dynamo's
+``active_prefill``): a cold first turn placed on a replica already prefilling three
+others waits for them, however much KV headroom it has. A request leaves the count at
+its first token (the relay sees it and the router's ``first_token`` hook says so) or at
+its release, whichever comes first, so a request never counts twice or forever.
+"""
+
+from __future__ import annotations
+
+
+class PendingPrefill:
+    """Uncached prompt tokens per replica, by request, until each one's first token."""
+
+    __slots__ = ("_by_request", "_by_replica")
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, tuple[str, int]] = {}
+        self._by_replica: dict[str, int] = {}
+
+    def add(self, request_id: str, replica: str, tokens: int) -> None:
+        self.done(request_id)  # a request placed again (a retry) counts where it went last
+        tokens = max(0, tokens)
+        self._by_request[request_id] = (replica, tokens)
+        self._by_replica[replica] = self._by_replica.get(replica, 0) + tokens
+
+    def done(self, request_id: str) -> None:
+        """Its first token came (or it ended): its prefill no longer waits."""
+        got = self._by_request.pop(request_id, None)
+        if got is None:
+            return
+        replica, tokens = got
+        left = self._by_replica.get(replica, 0) - tokens
+        if left > 0:
+            self._by_replica[replica] = left
+        else:
+            self._by_replica.pop(replica, None)
+
+    def tokens(self, replica: str) -> int:
+        return self._by_replica.get(replica, 0)
+
+    def requests(self) -> int:
+        return len(self._by_request)

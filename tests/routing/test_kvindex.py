@@ -1,0 +1,161 @@
+"""The precise prefix index (routing.kvindex) fed by vLLM's KV events as vLLM encodes
+them (routing.kvevents): stores chain by token ids, removals and clears take blocks
+out, sequence gaps are reported and a restarted engine starts empty; and the
+prefix_cache scorer trusts it over the approximate index only while it is fresh."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from routing.kvevents import BadMessage, Cleared, Removed, Stored, decode
+from routing.kvindex import APPLIED, DUPLICATE, GAP, RESTARTED, KVIndex, token_block_hashes
+from routing.plugin import PluginEnv
+from routing.registry import build
+from routing.types import Candidate, ReplicaState, RouteRequest
+
+BS = 4
+
+
+def stored(hashes: list[bytes], parent: bytes | None, tokens: list[int], **kw: object) -> dict:
+    """A BlockStored as vLLM 0.32's msgspec encodes it (a map tagged by type)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        **kw,
+    }
+
+
+def message(seq: int, events: list[object], topic: bytes = b"kv") -> list[bytes]:
+    return [topic, seq.to_bytes(8, "big"), msgpack.packb([1.5, events])]
+
+
+def h(i: int) -> bytes:
+    return bytes([i]) * 32  # the engine's sha256 hashes are 32 bytes
+
+
+def test_decode_reads_vllms_layout_and_refuses_other_messages() -> None:
+    seq, events = decode(
+        message(
+            7,
+            [
+                stored([h(1), h(2)], None, list(range(8))),
+                {"type": "BlockRemoved", "block_hashes": [h(2)], "medium": "GPU"},
+                {"type": "AllBlocksCleared"},
+                ["BlockRemoved", [5], "GPU"],  # the array form of older releases
+            ],
+        )
+    )
+    assert seq == 7
+    assert events[0] == Stored((h(1), h(2)), None, tuple(range(8)), BS, "GPU", False)
+    assert events[1:] == [Removed((h(2),), "GPU"), Cleared(), Removed((5,), "GPU")]
+    with pytest.raises(BadMessage):
+        decode([b"kv", b"\x00" * 8])
+    with pytest.raises(BadMessage):
+        decode([b"kv", b"\x00" * 8, b"\xc1"])
+
+
+def test_the_index_holds_what_the_engine_stored_and_drops_what_it_evicted() -> None:
+    kv = KVIndex()
+    blocks = kv.replica("a")
+    prompt = list(range(100, 112))  # three blocks
+    chain = token_block_hashes(prompt, BS)
+    _, ev = decode(message(0, [stored([h(1), h(2)], None, prompt[:8])]))
+    assert blocks.apply(0, ev, 0.0) == APPLIED
+    assert blocks.match(chain) == 2
+    # A later step stores the third block under its parent's engine hash.
+    _, ev = decode(message(1, [stored([h(3)], h(2), prompt[8:12])]))
+    blocks.apply(1, ev, 0.1)
+    assert blocks.match(chain) == 3 and kv.holders[chain[2]] == ("a",)
+    # Eviction of the middle block: the walk stops there.
+    _, ev = decode(message(2, [{"type": "BlockRemoved", "block_hashes": [h(2)], "medium": "GPU"}]))
+    blocks.apply(2, ev, 0.2)
+    assert blocks.match(chain) == 1 and chain[1] not in kv.holders
+    # A block stored under a parent never seen cannot be chained; CPU-tier and LoRA
+    # blocks are not the GPU pool's token chain.
+    _, ev = decode(
+        message(
+            3,
+            [
+                stored([h(9)], h(8), prompt[:4]),
+                stored([h(10)], None, [1, 2, 3, 4], medium="CPU"),
+                stored([h(11)], None, [5, 6, 7, 8], lora_name="adapter"),
+            ],
+        )
+    )
+    blocks.apply(3, ev, 0.3)
+    assert blocks.unchained == 1 and len(blocks) == 2
+    _, ev = decode(message(4, [{"type": "AllBlocksCleared"}]))
+    blocks.apply(4, ev, 0.4)
+    assert len(blocks) == 0 and kv.holders == {}
+
+
+def test_gaps_duplicates_and_a_restarted_engine() -> None:
+    blocks = KVIndex().replica("a")
+    one = list(range(4))
+    _, ev = decode(message(0, [stored([h(1)], None, one)]))
+    blocks.apply(0, ev, 0.0)
+    assert blocks.apply(5, [], 1.0) == GAP and blocks.last_seq == 0  # nothing applied
+    assert blocks.apply(0, ev, 1.0, replay=True) == DUPLICATE
+    blocks.resync(5, [], 1.0)  # the missing messages are lost: start over from 5
+    assert blocks.last_seq == 5 and len(blocks) == 0
+    _, ev = decode(message(6, [stored([h(1)], None, one)]))
+    blocks.apply(6, ev, 1.1)
+    assert len(blocks) == 1
+    # The engine restarted: its sequence starts over, and so does what it holds.
+    assert blocks.apply(0, [], 2.0) == RESTARTED and len(blocks) == 0
+
+
+def test_staleness_when_the_engine_serves_prompts_and_no_event_comes() -> None:
+    blocks = KVIndex(stale_after_s=10.0).replica("a")
+    assert not blocks.usable(0.0, None)  # never heard from
+    blocks.apply(0, [], 0.0, queries_total=100.0)
+    assert blocks.usable(5.0, 500.0)  # recent
+    assert blocks.usable(60.0, 100.0)  # silent, but the engine served nothing either
+    assert not blocks.usable(60.0, 500.0)  # the engine served prompts: events are lost
+    assert not blocks.usable(1.0, 10.0)  # its counters started over: it restarted
+
+
+def cand(name: str, queries: float | None = None) -> Candidate:
+    engine = ReplicaState(name, "http://127.0.0.1", prefix_cache_queries_total=queries)
+    return Candidate(name, 1000, 1000, 0, None, engine=engine)
+
+
+def test_the_prefix_scorer_uses_the_engines_blocks_while_they_are_fresh() -> None:
+    kv = KVIndex(stale_after_s=10.0)
+    scorer = build("scorer", "prefix_cache", {}, PluginEnv(block_chars=8, kv_index=kv))
+    prompt = list(range(16))
+    chain = token_block_hashes(prompt, BS)
+    req = RouteRequest("r", "m", 10, prompt_tokens=16, token_hashes=chain, token_block_size=BS)
+    _, ev = decode(message(0, [stored([h(1), h(2), h(3)], None, prompt[:12])]))
+    kv.replica("a").apply(0, ev, 0.0, queries_total=0.0)
+    kv.replica("b").apply(0, [], 0.0, queries_total=0.0)
+    a, b = cand("a", 0.0), cand("b", 0.0)
+    assert scorer.score(req, a) == pytest.approx(0.75)  # type: ignore[attr-defined]
+    assert scorer.score(req, b) == 0.0  # type: ignore[attr-defined]
+    assert scorer.cached_tokens(req, a) == 12  # type: ignore[attr-defined]
+    assert scorer.hints(req) == ["a"]  # type: ignore[attr-defined]
+    # Stale: the engine served prompts for a minute and no event came.
+    late = RouteRequest("r", "m", 10, now=60.0, token_hashes=chain, token_block_size=BS)
+    assert scorer.score(late, cand("a", 50.0)) == 0.0  # type: ignore[attr-defined]
+
+
+def test_live_copies_of_replayed_messages_are_duplicates_not_a_restart() -> None:
+    """While a replay runs, the SUB socket queues the same messages live: they must not
+    read as an engine whose sequence started over (seen on the real vLLM)."""
+    blocks = KVIndex().replica("a")
+    _, ev = decode(message(0, [stored([h(1)], None, list(range(4)))]))
+    blocks.apply(0, ev, 0.0)
+    assert blocks.apply(3, [], 1.0) == GAP
+    for seq in (1, 2, 3):  # the replay
+        blocks.apply(seq, [], 1.0, replay=True)
+    assert blocks.apply(2, [], 1.0) == DUPLICATE  # queued live copies
+    assert blocks.apply(3, [], 1.0) == DUPLICATE
+    assert blocks.apply(4, [], 1.1) == APPLIED and len(blocks) == 1
+    assert blocks.apply(0, [], 2.0) == RESTARTED and len(blocks) == 0
