@@ -202,6 +202,10 @@ class AdmissionController:
             self._shedding.returning.discard(req.model, req.retry_key)  # it is back
         view = self._views.view(req.model)
         if not view.present:
+            if any(r.present and not r.models for r in self._ledger.replicas.values()):
+                # A replica has not told its models yet (never answered a probe): the
+                # model may be its; "not found" would not be retried.
+                return Decision(Shed(rid, "models_unknown", self._shedding.clamp(None)))
             return Decision(unknown_model(req))
         # One replica per shape answers for all of that shape (admission/candidates.py).
         if view.known_shapes and not any(r.can_ever_fit(req) for r in view.known_shapes):
@@ -218,7 +222,9 @@ class AdmissionController:
             if r.can_ever_fit(req):
                 raw = max(raw, r.tokens_for(req))
         if not raw:
-            return Decision(Shed(rid, "no_replica", self._shedding.clamp(None)))
+            # Down is not full: none of the model's replicas ready, or none that fits.
+            reason = "no_replica" if any(r.usable for r in view.present) else "no_replica_ready"
+            return Decision(Shed(rid, reason, self._shedding.clamp(None)))
         predicted = self._views.predict(req, view) if req.latency_budget is not None else 0.0
         entry = queue.entry(req, raw, predicted, now)
         events: Events = []

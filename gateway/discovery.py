@@ -25,16 +25,50 @@ import asyncio
 import contextlib
 import copy
 import logging
+import time
 
 import aiohttp
 
 from admission.health import ProbeHysteresis
 from gateway.config import DiscoveryConfig, ReplicaConfig
 from gateway.door import AdmissionDoor
-from routing.adapters import adapter_for
+from gateway.probe import answered, explain, fetch_round
+from routing.adapters import EngineAdapter, adapter_for
 from routing.types import ReplicaState
 
 log = logging.getLogger("kvgate.discovery")
+
+
+def new_state(rc: ReplicaConfig) -> ReplicaState:
+    """A replica's state before its first probe: what its config says."""
+    return ReplicaState(
+        name=rc.name,
+        base_url=rc.url,
+        engine=rc.engine,
+        labels=dict(rc.labels),
+        block_size=rc.block_size or 16,
+        max_running=rc.max_running,
+        dp_rank=rc.dp_rank,
+    )
+
+
+async def probe_once(
+    rc: ReplicaConfig,
+    adapter: EngineAdapter,
+    state: ReplicaState,
+    session: aiohttp.ClientSession,
+    timeout_s: float,
+    now: float,
+) -> str | None:
+    """Probe `rc` once and apply the answers to `state`; returns why it is not ready."""
+    headers = {"Authorization": f"Bearer {rc.api_key}"} if rc.api_key else {}
+    outcomes = await fetch_round(session, rc.url, tuple(adapter.probe_paths), headers, timeout_s)
+    if rc.pool_tokens is not None and state.capacity_tokens is None:
+        # A pinned pool is the capacity for engines that cannot report one (the
+        # adapters only call a replica ready once its capacity is known).
+        state.capacity_tokens = rc.pool_tokens
+    adapter.apply(state, answered(outcomes), now)
+    return explain(rc.url, rc.engine, adapter, outcomes, state)
 
 
 class ReplicaWatcher:
@@ -54,50 +88,34 @@ class ReplicaWatcher:
         self._door = door
         self._cfg = cfg
         self._adapter = adapter_for(rc.engine, kv_layout=rc.kv_layout)
-        self.state = ReplicaState(
-            name=rc.name,
-            base_url=rc.url,
-            engine=rc.engine,
-            labels=dict(rc.labels),
-            block_size=rc.block_size or 16,
-            max_running=rc.max_running,
-            dp_rank=rc.dp_rank,
-        )
-        self._headers = {"Authorization": f"Bearer {rc.api_key}"} if rc.api_key else {}
+        self.state = new_state(rc)
         self._was_ready: bool | None = None
         self.hysteresis = ProbeHysteresis(cfg.fail_threshold, cfg.success_threshold)
-
-    async def _probe(self, path: str) -> tuple[int, str] | None:
-        try:
-            async with asyncio.timeout(self._cfg.probe_timeout_s):
-                async with self._session.get(self.config.url + path, headers=self._headers) as r:
-                    return r.status, await r.text(errors="replace")
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            log.debug("probe %s%s failed: %r", self.config.name, path, e)
-            return None
+        # Why the last round left it not ready (None: it was ready); the most recent
+        # such cause, kept after it clears, and the wall-clock times of the last good
+        # round and of that cause's first round (/admin/replicas shows them).
+        self.error: str | None = None
+        self.last_error: str | None = None
+        self.last_error_at: float | None = None
+        self.last_ok: float | None = None
 
     async def refresh(self) -> None:
         """One discovery round: probe, apply, upsert."""
-        paths = tuple(self._adapter.probe_paths)
         loop = asyncio.get_running_loop()
         # The round is stamped with its start: the answers describe the engine at some
         # moment after it (admission compares it with when a request was abandoned).
         now = loop.time()
-        answers = await asyncio.gather(*(self._probe(p) for p in paths))
-        # Adapters read a missing path as "unreachable".
-        results = {p: a for p, a in zip(paths, answers, strict=True) if a is not None}
         state = self.state
-        if self.config.pool_tokens is not None and state.capacity_tokens is None:
-            # A pinned pool is the capacity for engines that cannot report one (the
-            # adapters only call a replica ready once its capacity is known).
-            state.capacity_tokens = self.config.pool_tokens
         before = copy.deepcopy(state) if self.hysteresis.ready else None
-        self._adapter.apply(state, results, now)
-        observed = bool(state.ready)
+        error = await probe_once(
+            self.config, self._adapter, state, self._session, self._cfg.probe_timeout_s, now
+        )
+        observed = error is None  # ready, with a known pool
+        changed = error is not None and error != self.error
+        self._note(error)
         ready = self.hysteresis.observe(observed)
         if ready and not observed and before is not None:
             # A failed round within the hysteresis: keep the last good view.
-            log.debug("probe round of %s failed; still ready (hysteresis)", state.name)
             state = self.state = before
         elif not ready:
             state.ready = False
@@ -106,20 +124,45 @@ class ReplicaWatcher:
             state.block_size = self.config.block_size
         self.upsert()
         if state.ready != self._was_ready:
-            log.info(
-                "replica %s is %s",
+            self._log_readiness()
+        elif changed:
+            # Once per change of cause, at warning level: the operator's first clue.
+            log.warning(
+                "replica %s: %s%s",
                 state.name,
-                "ready" if state.ready else "not ready",
-                extra={
-                    "fields": {
-                        "replica": state.name,
-                        "ready": state.ready,
-                        "capacity_tokens": self.config.pool_tokens or state.capacity_tokens,
-                        "models": list(state.models),
-                    }
-                },
+                error,
+                " (still ready: hysteresis)" if state.ready else "",
+                extra={"fields": {"replica": state.name, "ready": state.ready, "error": error}},
             )
-            self._was_ready = state.ready
+
+    def _log_readiness(self) -> None:
+        state = self.state
+        why = f": {self.error}" if not state.ready and self.error else ""
+        (log.info if state.ready else log.warning)(
+            "replica %s is %s%s",
+            state.name,
+            "ready" if state.ready else "not ready",
+            why,
+            extra={
+                "fields": {
+                    "replica": state.name,
+                    "ready": state.ready,
+                    "error": None if state.ready else self.error,
+                    "capacity_tokens": self.config.pool_tokens or state.capacity_tokens,
+                    "models": list(state.models),
+                }
+            },
+        )
+        self._was_ready = state.ready
+
+    def _note(self, error: str | None) -> None:
+        """Keep the round's error and the wall-clock times /admin/replicas shows."""
+        wall = time.time()
+        if error is None:
+            self.last_ok = wall
+        elif error != self.error:
+            self.last_error, self.last_error_at = error, wall
+        self.error = error
 
     def upsert(self) -> None:
         """Push the current state (with pinned values) into admission."""

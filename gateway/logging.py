@@ -11,11 +11,19 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from datetime import UTC, datetime
 from typing import Any
 
 ACCESS_LOGGER = "kvgate.access"
 access_log = logging.getLogger(ACCESS_LOGGER)
 log = logging.getLogger("kvgate")
+
+
+def iso8601(t: float | None) -> str | None:
+    """A wall-clock time (``time.time()``) as ISO 8601 UTC to the millisecond."""
+    if t is None:
+        return None
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class JsonFormatter(logging.Formatter):
