@@ -28,6 +28,7 @@ from admission.estimate import TokenEstimator
 from admission.report import AdmissionReport
 from admission.tenants import TenantLimiter
 from gateway.admin import replicas_snapshot, require_admin
+from gateway.checks import exposure_warning
 from gateway.config import GatewayConfig
 from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
@@ -37,6 +38,7 @@ from gateway.http import hide_server_version, server_kwargs
 from gateway.http import install as install_error_handler
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
+from gateway.models_api import ModelsApi
 from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
 from gateway.ratelimit import rate_limit_headers
 from gateway.relay import Relay
@@ -204,12 +206,7 @@ def build_app(
     async def completions(request: web.Request) -> web.StreamResponse:
         return await st.pipeline.handle(request, "completion")
 
-    async def models(request: web.Request) -> web.Response:
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "kvgate"}
-            for m in sorted(st.door.report.models())
-        ]
-        return _json({"object": "list", "data": data})
+    models = ModelsApi(lambda: st.tenants, st.door.report.models)
 
     # ------------------------------------------------------------------ operations
     async def health(request: web.Request) -> web.Response:
@@ -270,7 +267,8 @@ def build_app(
     handlers: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
         ("POST", "/v1/chat/completions", chat),
         ("POST", "/v1/completions", completions),
-        ("GET", "/v1/models", models),
+        ("GET", "/v1/models", models.list),
+        ("GET", "/v1/models/{model}", models.get),
         ("GET", "/health", health),
         ("GET", "/ready", ready),
         ("GET", "/metrics", metrics),
@@ -393,6 +391,8 @@ class Gateway:
             sock: socket.socket = server.sockets[0]
             self.port = sock.getsockname()[1]
         log.info("kvgate listening on %s", self.url, extra={"fields": {"url": self.url}})
+        if (warning := exposure_warning(self.config, self.host)) is not None:
+            log.warning(warning, extra={"fields": {"host": self.host}})
 
     async def drain(self, limit_s: float = 10.0) -> bool:
         """Wait until no request is in flight and no abandoned request's reservation is

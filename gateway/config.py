@@ -19,10 +19,11 @@ carry the same file everywhere:
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -110,6 +111,17 @@ class ReplicaConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _openai_pool_is_pinned(self) -> ReplicaConfig:
+        # Nothing in the OpenAI API reports a KV pool: without a pin the replica could
+        # never be used (admission routes nothing to an unknown pool).
+        if self.engine == "openai" and self.pool_tokens is None:
+            raise ValueError(
+                "pool_tokens: required with engine openai (a plain OpenAI server reports "
+                "no KV pool; give its size in tokens)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _layout_is_llamacpp(self) -> ReplicaConfig:
         if self.kv_layout != "auto" and self.engine != "llamacpp":
             raise ValueError(
@@ -127,6 +139,74 @@ class ReplicaConfig(_Strict):
                 str(k): (str(x).lower() if isinstance(x, bool) else str(x)) for k, x in v.items()
             }
         return v
+
+
+class ReplicaGroupConfig(_Strict):
+    """Replicas found by DNS, as Envoy's strict-DNS clusters and Kubernetes headless
+    Services work: every address `host` resolves to is one replica, re-resolved every
+    ``resolve_interval_s`` (gateway/dns.py). A new address joins once its probe finds it
+    ready; a vanished one takes no new request at once, and leaves when its running
+    requests have ended.
+
+    ``record: A`` (IPv4) or ``AAAA`` (IPv6) take the port from ``port``; ``SRV`` reads
+    target and port from the records (``_http._tcp.vllm.ns.svc.cluster.local``). Each
+    replica is named ``<name>-<address>:<port>`` and addressed by its IP. The other fields
+    are a replica's (`ReplicaConfig`), applied to every address.
+    """
+
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    host: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")]
+    port: Annotated[int, Field(gt=0, le=65535)] | None = None
+    record: Literal["A", "AAAA", "SRV"] = "A"
+    scheme: Literal["http", "https"] = "http"
+    resolve_interval_s: PositiveFloat = 5.0
+    engine: Engine = "vllm"
+    pool_tokens: Annotated[int, Field(gt=0)] | None = None
+    block_size: Annotated[int, Field(gt=0)] | None = None
+    max_running: Annotated[int, Field(gt=0)] | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    api_key: str | None = None
+    kv_layout: Literal["auto", "per_slot", "unified"] = "auto"
+
+    @model_validator(mode="after")
+    def _port_or_srv(self) -> ReplicaGroupConfig:
+        if self.record == "SRV" and self.port is not None:
+            raise ValueError("port: SRV records carry the port; leave port out")
+        if self.record != "SRV" and self.port is None:
+            raise ValueError(f"port: required with record {self.record} (or use record SRV)")
+        try:
+            self.replica("check", "http://127.0.0.1:1")  # the replica fields' own rules
+        except ValidationError as e:
+            raise ValueError(
+                "; ".join(x["msg"].removeprefix("Value error, ") for x in e.errors())
+            ) from None
+        return self
+
+    def replica(self, name: str, url: str) -> ReplicaConfig:
+        """The replica at one resolved address."""
+        fields = self.model_dump(
+            include={
+                "engine",
+                "pool_tokens",
+                "block_size",
+                "max_running",
+                "labels",
+                "api_key",
+                "kv_layout",
+            }
+        )
+        return ReplicaConfig.model_validate({**fields, "name": name, "url": url})
+
+    def describe(self) -> str:
+        return f"{self.record} {self.host}" + (f" port {self.port}" if self.port else "")
+
+
+class DnsConfig(_Strict):
+    """The resolver of `replica_groups`: ``servers`` as ``host:port`` (or ``host``, port
+    53); empty: the system's (/etc/resolv.conf)."""
+
+    servers: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    timeout_s: PositiveFloat = 2.0
 
 
 class UpstreamConfig(_Strict):
@@ -281,6 +361,9 @@ class StateConfig(_Strict):
 class GatewayConfig(_Strict):
     listen: ListenConfig = Field(default_factory=ListenConfig)
     replicas: list[ReplicaConfig] = Field(default_factory=list)
+    # Replicas found by DNS (a Kubernetes headless Service): gateway/dns.py.
+    replica_groups: list[ReplicaGroupConfig] = Field(default_factory=list)
+    dns: DnsConfig = Field(default_factory=DnsConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
@@ -319,6 +402,10 @@ class GatewayConfig(_Strict):
             if r.name in seen:
                 raise ValueError(f"replicas: duplicate replica name {r.name!r}")
             seen.add(r.name)
+        for g in self.replica_groups:
+            if g.name in seen:
+                raise ValueError(f"replica_groups: duplicate name {g.name!r}")
+            seen.add(g.name)
         return self
 
     @model_validator(mode="after")
@@ -357,8 +444,43 @@ def _format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(root)"
-        lines.append(f"{loc}: {e['msg']}")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden" and e["loc"]:
+            msg = "unknown field"
+            near = difflib.get_close_matches(
+                str(e["loc"][-1]), _fields_at(e["loc"][:-1]), n=1, cutoff=0.6
+            )
+            if near:
+                msg += f" (did you mean {near[0]!r}?)"
+        lines.append(f"{loc}: {msg}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the model at `loc` (a validation error's path), for a
+    misspelt field's "did you mean"; [] where the path leaves the models."""
+    model: Any = GatewayConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None:
+            return []
+        model = _model_in(field.annotation)
+        if model is None:
+            return []
+    return list(model.model_fields) if isinstance(model, type) else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (itself, in a list, an Optional...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def _parse_api_keys(value: str) -> dict[str, str]:
@@ -420,6 +542,15 @@ def config_from_mapping(
         raise ConfigError(_format_validation_error(e)) from None
 
 
+def _yaml_error(path: str | Path, e: yaml.YAMLError) -> str:
+    """A YAML error as ``file:line:column: problem`` (PyYAML names ``<unicode string>``)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    context = getattr(e, "context", None)
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+
+
 def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -> GatewayConfig:
     """Read, validate and override a YAML config file. Raises ConfigError."""
     data: Any = None
@@ -431,5 +562,10 @@ def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ConfigError(f"config {path} is not valid YAML: {e}") from None
-    return config_from_mapping(data, env)
+            raise ConfigError(_yaml_error(path, e)) from None
+    try:
+        return config_from_mapping(data, env)
+    except ConfigError as e:
+        if path is None:
+            raise
+        raise ConfigError(f"{path}: {e}") from None

@@ -112,7 +112,9 @@ async def test_a_stopped_replica_is_down_not_full(replica, gateway, discovery_lo
     rep = (await admin_replicas(gw))["r0"]
     assert "connection refused" in rep["error"] and ISO.match(rep["last_ok"])
     went = [x for x in discovery_log.records if "is not ready" in x.getMessage()]
-    assert went and went[0].levelno == logging.WARNING and "connection refused" in went[0].getMessage()
+    assert (
+        went and went[0].levelno == logging.WARNING and "connection refused" in went[0].getMessage()
+    )
 
 
 async def test_an_unknown_model_is_503_while_a_replica_is_unprobed_then_404(
