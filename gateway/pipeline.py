@@ -44,6 +44,7 @@ from gateway.discovery import Discovery
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError, invalid_request
 from gateway.failover import Failover
+from gateway.logging import REQUEST_ID
 from gateway.metrics import GatewayMetrics
 from gateway.relay import Relay
 from gateway.schemas import (
@@ -183,6 +184,7 @@ class Pipeline:
             arrival=now,
         )
         task = self.in_flight.enter(ctx)
+        bound = REQUEST_ID.set(ctx.request_id)  # on every log line of this request
         try:
             if self.draining:
                 raise shutting_down(self.config)
@@ -220,6 +222,7 @@ class Pipeline:
             finally:
                 self.release(ctx)
                 self.in_flight.leave(task)
+                REQUEST_ID.reset(bound)
 
     # ================================================================== stages
     def authenticate(self, request: web.Request, ctx: RequestContext) -> None:
