@@ -32,6 +32,7 @@ from gateway.checks import exposure_warning
 from gateway.config import GatewayConfig
 from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
+from gateway.dns import DnsGroups
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
 from gateway.http import hide_server_version, server_kwargs
@@ -43,6 +44,7 @@ from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
 from gateway.ratelimit import rate_limit_headers
 from gateway.relay import Relay
 from gateway.sharing import StateCollector, StateSync, make_backend
+from gateway.shutdown import log_pending_tasks
 from gateway.state import StateBackend
 from gateway.tokenizers import load_token_counters
 from gateway.upstream import make_session
@@ -72,6 +74,7 @@ class GatewayState:
         counters = load_token_counters(config.tokenizers)
         self.estimator = TokenEstimator(config.admission, tokenizer_for=counters.get)
         self.discovery: Discovery
+        self.dns: DnsGroups  # replicas from DNS (replica_groups)
         self.pipeline: Pipeline
         self.metrics: GatewayMetrics
         self.sync: StateSync | None = None  # the lease loop (shared state), if any
@@ -155,6 +158,8 @@ def build_app(
         )
         pipeline_ref.append(st.pipeline)
         await st.discovery.start()
+        st.dns = DnsGroups(config.replica_groups, config.dns, st.discovery)
+        await st.dns.start()
         backend = state_backend if state_backend is not None else make_backend(config.state)
         if backend is not None:
             st.sync = StateSync(
@@ -178,6 +183,7 @@ def build_app(
             st.pipeline.close()
             if st.sync is not None:
                 await st.sync.stop()
+            await st.dns.stop()
             await st.discovery.stop()
             await st.door.stop()
             await session.close()
@@ -284,34 +290,6 @@ def build_app(
 _RUNNER_SHUTDOWN_S = 2.0
 _STUCK_REPORT_S = 6.0  # a stop this long logs where it waits
 _STOP_LIMIT_S = 10.0  # and this long is given up on
-
-
-def _await_chain(task: asyncio.Task[Any]) -> str:
-    """Where `task` waits: its coroutines from the outermost to the innermost (a task's
-    own stack shows only the outermost), then what the innermost awaits."""
-    out: list[str] = []
-    obj: Any = task.get_coro()
-    for _ in range(64):
-        frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
-        if frame is None:
-            out.append(type(obj).__name__)  # a future or a task: it waits on that
-            break
-        code = frame.f_code
-        out.append(f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}:{frame.f_lineno}")
-        nxt = getattr(obj, "cr_await", None) or getattr(obj, "gi_yieldfrom", None)
-        if nxt is None:
-            break
-        obj = nxt
-    return " -> ".join(out)
-
-
-def _log_pending_tasks(current: asyncio.Task[Any] | None) -> None:
-    """Where the stopping task waits (its whole await chain), then every other task."""
-    tasks = [current] if current is not None else []
-    tasks += [t for t in asyncio.all_tasks() if t is not current and not t.done()]
-    for task in tasks:
-        role = "stopping" if task is current else "pending"
-        log.warning("kvgate: %s task %s at %s", role, task.get_name(), _await_chain(task))
 
 
 class Gateway:
@@ -452,7 +430,7 @@ class Gateway:
         # Every request is answered by now. If stopping overruns, say what it waits for
         # (the stacks of the tasks left), and give up on it after a bound: a cleanup that
         # hangs must not keep a drained process from exiting.
-        report = loop.call_later(_STUCK_REPORT_S, _log_pending_tasks, asyncio.current_task())
+        report = loop.call_later(_STUCK_REPORT_S, log_pending_tasks, asyncio.current_task())
         try:
             async with asyncio.timeout(_STOP_LIMIT_S):
                 if self.state.sync is not None:

@@ -26,6 +26,7 @@ import contextlib
 import copy
 import logging
 import time
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -94,6 +95,9 @@ class ReplicaWatcher:
         # Why the last round left it not ready (None: it was ready); the most recent
         # such cause, kept after it clears, and the wall-clock times of the last good
         # round and of that cause's first round (/admin/replicas shows them).
+        # True until a probe finds it ready: admission does not hear of it before.
+        self.join_when_ready = False
+        self.retired = False
         self.error: str | None = None
         self.last_error: str | None = None
         self.last_error_at: float | None = None
@@ -122,7 +126,10 @@ class ReplicaWatcher:
         self._known_models.update(state.models)
         if self.config.block_size:
             state.block_size = self.config.block_size
-        self.upsert()
+        if state.ready:
+            self.join_when_ready = False
+        if not self.join_when_ready:
+            self.upsert()
         if state.ready != self._was_ready:
             self._log_readiness()
         elif changed:
@@ -166,6 +173,8 @@ class ReplicaWatcher:
 
     def upsert(self) -> None:
         """Push the current state (with pinned values) into admission."""
+        if self.retired:  # a round that was under way when it was retired
+            return
         self._door.upsert_replica(
             self.state,
             asyncio.get_running_loop().time(),
@@ -183,8 +192,33 @@ class ReplicaWatcher:
                 log.exception("discovery round for %s failed", self.config.name)
 
 
+@dataclass(slots=True, frozen=True)
+class Endpoint:
+    """Where a replica's requests go: its URL and the headers sent with them."""
+
+    url: str
+    headers: dict[str, str]  # Content-Type and the replica's key (tokenize calls)
+    upstream_headers: dict[str, str]  # and the vLLM data-parallel rank it is pinned to
+
+    @classmethod
+    def of(cls, rc: ReplicaConfig) -> Endpoint:
+        h = {"Content-Type": "application/json"}
+        if rc.api_key:
+            h["Authorization"] = f"Bearer {rc.api_key}"
+        up = dict(h)
+        if rc.dp_rank is not None:  # pinned to the engine rank whose ledger admitted it
+            up["X-data-parallel-rank"] = str(rc.dp_rank)
+        return cls(rc.url, h, up)
+
+
 class Discovery:
-    """All watchers, plus what the pipeline reads from them."""
+    """All watchers, plus what the pipeline reads from them.
+
+    The set of replicas can change while serving (DNS groups, a reloaded config): `add`
+    probes a new replica and starts its watcher; `retire` stops one at once (admission
+    takes no new request for it, `AdmissionDoor.remove_replica`) while its running
+    requests finish; its `Endpoint` stays readable until the ledger has forgotten it.
+    """
 
     def __init__(
         self,
@@ -193,33 +227,90 @@ class Discovery:
         door: AdmissionDoor,
         cfg: DiscoveryConfig,
     ) -> None:
+        self._session = session
+        self._door = door
+        self._cfg = cfg
         # Every model any replica ever served: bounds the model label of metrics.
         self.known_models: set[str] = set()
-        self.watchers = {
-            rc.name: ReplicaWatcher(rc, session, door, cfg, self.known_models) for rc in replicas
-        }
-        self._tasks: list[asyncio.Task[None]] = []
+        self.watchers: dict[str, ReplicaWatcher] = {}
+        self.endpoints: dict[str, Endpoint] = {}
+        self._retired: set[str] = set()  # endpoints kept while requests may still use them
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        for rc in replicas:
+            self._watch(rc)
+
+    def _watch(self, rc: ReplicaConfig, join_when_ready: bool = False) -> ReplicaWatcher:
+        w = ReplicaWatcher(rc, self._session, self._door, self._cfg, self.known_models)
+        w.join_when_ready = join_when_ready
+        self.watchers[rc.name] = w
+        self.endpoints[rc.name] = Endpoint.of(rc)
+        self._retired.discard(rc.name)
+        return w
 
     async def start(self) -> None:
-        results = await asyncio.gather(
-            *(w.refresh() for w in self.watchers.values()), return_exceptions=True
-        )
-        for name, r in zip(self.watchers, results, strict=True):
+        await self._first_rounds(list(self.watchers.values()))
+
+    async def _first_rounds(self, watchers: list[ReplicaWatcher]) -> None:
+        results = await asyncio.gather(*(w.refresh() for w in watchers), return_exceptions=True)
+        for w, r in zip(watchers, results, strict=True):
             if isinstance(r, Exception):
-                log.error("first discovery round for %s failed: %r", name, r)
+                log.error("first discovery round for %s failed: %r", w.config.name, r)
         loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(w.run(), name=f"kvgate-discovery-{name}")
-            for name, w in self.watchers.items()
-        ]
+        for w in watchers:
+            name = w.config.name
+            if self.watchers.get(name) is w and name not in self._tasks:
+                self._tasks[name] = loop.create_task(w.run(), name=f"kvgate-discovery-{name}")
+
+    async def add(self, replicas: list[ReplicaConfig], *, join_when_ready: bool = False) -> None:
+        """Watch new replicas (a name already watched is replaced); each is probed at
+        once. `join_when_ready`: admission hears of one only once a probe finds it ready
+        (an address from DNS is nobody's replica until it answers)."""
+        for rc in replicas:
+            if rc.name in self.watchers:
+                self.retire(rc.name)
+        await self._first_rounds([self._watch(rc, join_when_ready) for rc in replicas])
+
+    def retire(self, name: str) -> None:
+        """Stop watching `name`: no new request goes to it from now on; running ones
+        finish, and the ledger forgets it when the last is released."""
+        w = self.watchers.pop(name, None)
+        if w is None:
+            return
+        w.retired = True
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+        self._door.remove_replica(name)
+        self._retired.add(name)
+        log.info(
+            "replica %s retired", name, extra={"fields": {"replica": name, "url": w.config.url}}
+        )
+
+    def prune(self) -> None:
+        """Forget the endpoints of retired replicas the ledger no longer holds."""
+        if not self._retired:
+            return
+        held = set(self._door.report.replica_names())
+        for name in [n for n in self._retired if n not in held]:
+            self._retired.discard(name)
+            self.endpoints.pop(name, None)
+
+    def same_server(self, name: str) -> frozenset[str]:
+        """The replicas behind `name`'s URL (the ranks of one vLLM data-parallel server):
+        a refused connection says every one of them is down."""
+        ep = self.endpoints.get(name)
+        if ep is None:
+            return frozenset({name})
+        return frozenset(n for n, w in self.watchers.items() if w.config.url == ep.url) | {name}
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._tasks.values())
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        self._tasks = []
+        self._tasks = {}
 
     def mark_down(self, name: str) -> None:
         """The request path found `name` down (refused connection): it stays out until
