@@ -53,10 +53,14 @@ class Dnsmasq:
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 
-    async def start(self) -> None:
+    def _launch(self) -> None:
         self.proc = subprocess.Popen(
             self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
+
+    async def start(self) -> None:
+        self._launch()
+        assert self.proc is not None
         for _ in range(100):  # until it answers on its port
             if self.proc.poll() is not None:
                 raise RuntimeError(f"dnsmasq exited {self.proc.returncode}: {self._args}")
