@@ -75,6 +75,18 @@ class AdmissionController:
         """The routing policy admission asks where an admitted request goes."""
         return self._placement.router
 
+    def reconfigure(self, config: AdmissionConfig, router: Router | None, now: float) -> Events:
+        """Take reloaded settings for decisions from now on (a replica's learned limit
+        keeps what it learned, and new replicas' limits start from the new settings);
+        `router` replaces the routing policy. Returns the queued requests they admit."""
+        self._saw(now)
+        self.config = self._ledger.config = self._queue.config = config
+        self._shedding.config = config
+        self._learning = Learning(config)  # its derived settings; it keeps no other state
+        if router is not None:
+            self._placement.set_router(router)
+        return self._queue.settle(now)
+
     def _saw(self, now: float) -> None:
         ledger = self._ledger
         if now > ledger.latest:

@@ -43,6 +43,7 @@ from gateway.models_api import ModelsApi
 from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
 from gateway.ratelimit import rate_limit_headers
 from gateway.relay import Relay
+from gateway.reload import Reloader
 from gateway.sharing import StateCollector, StateSync, make_backend
 from gateway.shutdown import log_pending_tasks
 from gateway.state import StateBackend
@@ -75,6 +76,7 @@ class GatewayState:
         self.estimator = TokenEstimator(config.admission, tokenizer_for=counters.get)
         self.discovery: Discovery
         self.dns: DnsGroups  # replicas from DNS (replica_groups)
+        self.reloader: Reloader | None = None
         self.pipeline: Pipeline
         self.metrics: GatewayMetrics
         self.sync: StateSync | None = None  # the lease loop (shared state), if any
@@ -107,6 +109,7 @@ def build_app(
     picker: Router | None = None,
     state_backend: StateBackend | None = None,
     workers_hint: int = 1,
+    config_path: str | None = None,
 ) -> web.Application:
     """The kvgate aiohttp application for `config` (not yet started).
 
@@ -160,6 +163,9 @@ def build_app(
         await st.discovery.start()
         st.dns = DnsGroups(config.replica_groups, config.dns, st.discovery)
         await st.dns.start()
+        if config_path is not None:  # live reload: SIGHUP, or the file changed
+            st.reloader = Reloader(st, config_path, st.metrics.registry, workers=workers_hint)
+            st.reloader.start()
         backend = state_backend if state_backend is not None else make_backend(config.state)
         if backend is not None:
             st.sync = StateSync(
@@ -183,6 +189,8 @@ def build_app(
             st.pipeline.close()
             if st.sync is not None:
                 await st.sync.stop()
+            if st.reloader is not None:
+                await st.reloader.stop()
             await st.dns.stop()
             await st.discovery.stop()
             await st.door.stop()
@@ -231,7 +239,7 @@ def build_app(
 
     async def admin_replicas(request: web.Request) -> web.Response:
         try:
-            require_admin(request, config.auth.admin_token)
+            require_admin(request, st.config.auth.admin_token)
         except ApiError as e:
             return e.response()
         return _json(
@@ -245,7 +253,7 @@ def build_app(
 
     async def admin_state(request: web.Request) -> web.Response:
         try:
-            require_admin(request, config.auth.admin_token)
+            require_admin(request, st.config.auth.admin_token)
         except ApiError as e:
             return e.response()
         if st.sync is None:
@@ -305,13 +313,18 @@ class Gateway:
         state_backend: StateBackend | None = None,
         workers_hint: int = 1,
         reuse_port: bool = False,
+        config_path: str | None = None,
     ) -> None:
         self.config = config
         self.host = host if host is not None else config.listen.host
         self.port = port if port is not None else config.listen.port
         self.reuse_port = reuse_port  # SO_REUSEPORT: several processes on one port
         self.app = build_app(
-            config, picker=picker, state_backend=state_backend, workers_hint=workers_hint
+            config,
+            picker=picker,
+            state_backend=state_backend,
+            workers_hint=workers_hint,
+            config_path=config_path,
         )
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -319,6 +332,14 @@ class Gateway:
     @property
     def state(self) -> GatewayState:
         return self.app[STATE_KEY]
+
+    async def reload(self, why: str = "SIGHUP") -> bool:
+        """Reload the config file it was started with (gateway/reload.py)."""
+        reloader = self.state.reloader
+        if reloader is None:
+            log.warning("kvgate: %s, but there is no config file to reload", why)
+            return False
+        return await reloader.reload(why)
 
     @property
     def door(self) -> AdmissionDoor:

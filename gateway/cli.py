@@ -144,7 +144,7 @@ def serve_main(argv: Sequence[str]) -> int:
         uvloop = None  # type: ignore[assignment]
     runner = uvloop.run if uvloop is not None else asyncio.run
     try:
-        runner(_serve(config, reuse_port=worker, workers=workers))
+        runner(_serve(config, reuse_port=worker, workers=workers, path=args.config))
     except KeyboardInterrupt:
         pass
     except ConfigError as e:  # raised while building the app (e.g. a tokenizer file)
@@ -244,8 +244,14 @@ def _supervise(argv: list[str], workers: int) -> int:
             if p.poll() is None:
                 p.send_signal(sig)
 
+    def hangup(sig: int, _frame: object) -> None:  # each worker reloads its config
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGHUP, hangup)
     for i in range(workers):
         env = {
             **os.environ,
@@ -280,7 +286,9 @@ def _supervise(argv: list[str], workers: int) -> int:
     return status if status >= 0 else 128 - status
 
 
-async def _serve(config, *, reuse_port: bool = False, workers: int = 1) -> None:  # type: ignore[no-untyped-def]
+async def _serve(
+    config, *, reuse_port: bool = False, workers: int = 1, path: str | None = None
+) -> None:  # type: ignore[no-untyped-def]
     from gateway.app import Gateway
     from gateway.runtime import tune_gc
 
@@ -297,7 +305,15 @@ async def _serve(config, *, reuse_port: bool = False, workers: int = 1) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    gw = Gateway(config, reuse_port=reuse_port, workers_hint=workers)
+    gw = Gateway(config, reuse_port=reuse_port, workers_hint=workers, config_path=path)
+    reloads: set[asyncio.Task[bool]] = set()
+
+    def on_hangup() -> None:  # SIGHUP: reload the config (gateway/reload.py)
+        task = loop.create_task(gw.reload("SIGHUP"))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
     await gw.start()
     tune_gc()  # gateway/runtime.py: collect young objects less often once it is up
     try:

@@ -266,8 +266,12 @@ class Discovery:
         once. `join_when_ready`: admission hears of one only once a probe finds it ready
         (an address from DNS is nobody's replica until it answers)."""
         for rc in replicas:
-            if rc.name in self.watchers:
-                self.retire(rc.name)
+            old = self.watchers.get(rc.name)
+            if old is not None:  # replaced: admission keeps the replica and its ledger
+                old.retired = True
+                task = self._tasks.pop(rc.name, None)
+                if task is not None:
+                    task.cancel()
         await self._first_rounds([self._watch(rc, join_when_ready) for rc in replicas])
 
     def retire(self, name: str) -> None:

@@ -106,7 +106,7 @@ class GroupWatcher:
         self, group: ReplicaGroupConfig, resolver: dns.asyncresolver.Resolver, discovery: Discovery
     ) -> None:
         self.group = group
-        self._resolver = resolver
+        self.resolver = resolver
         self._discovery = discovery
         self.members: dict[Address, str] = {}  # address -> replica name
         self.error: str | None = None
@@ -114,7 +114,7 @@ class GroupWatcher:
     async def resolve_once(self) -> None:
         g = self.group
         try:
-            now = await resolve_group(self._resolver, g)
+            now = await resolve_group(self.resolver, g)
         except ResolveFailed as e:
             if str(e) != self.error:
                 log.warning(
@@ -168,6 +168,7 @@ class DnsGroups:
         self, groups: list[ReplicaGroupConfig], cfg: DnsConfig, discovery: Discovery
     ) -> None:
         self._discovery = discovery
+        self._cfg = cfg
         self._resolver = make_resolver(cfg) if groups else None
         self.groups: dict[str, GroupWatcher] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -175,22 +176,25 @@ class DnsGroups:
 
     async def start(self) -> None:
         """The first resolution of every group (and its probes) before serving."""
-        await self.apply(self._pending, self._resolver)
+        await self.apply(self._pending, self._cfg)
         self._pending = []
 
-    async def apply(
-        self, groups: list[ReplicaGroupConfig], resolver: dns.asyncresolver.Resolver | None
-    ) -> None:
+    async def apply(self, groups: list[ReplicaGroupConfig], cfg: DnsConfig) -> None:
         """Make the groups these (a reload): new ones start, removed ones retire their
-        replicas, changed ones are replaced."""
-        if resolver is not None:
-            self._resolver = resolver
+        replicas, changed ones are replaced; a changed resolver serves every group."""
+        if groups and (self._resolver is None or cfg != self._cfg):
+            self._resolver = make_resolver(cfg)
+            for w in self.groups.values():
+                w.resolver = self._resolver
+        self._cfg = cfg
         wanted = {g.name: g for g in groups}
         for name in [n for n, w in self.groups.items() if wanted.get(n) != w.group]:
             self._stop(name)
+        resolver = self._resolver
         fresh = [g for g in groups if g.name not in self.groups]
-        assert self._resolver is not None or not fresh
-        watchers = [GroupWatcher(g, self._resolver, self._discovery) for g in fresh]  # type: ignore[arg-type]
+        if not fresh or resolver is None:
+            return
+        watchers = [GroupWatcher(g, resolver, self._discovery) for g in fresh]
         for w in watchers:
             self.groups[w.group.name] = w
         await asyncio.gather(*(w.resolve_once() for w in watchers))
