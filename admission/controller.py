@@ -37,6 +37,7 @@ from admission.ledger import Ledger, Reservation
 from admission.placement import Placement
 from admission.refusals import refuse_or_clamp, unknown_model
 from admission.report import AdmissionReport
+from admission.scaling import ScalingSignal
 from admission.settling import Settling, TenantLimits
 from admission.shedding import Shedding
 from admission.types import AdmissionRequest, Admit, Completion, Decision, Events, Shed
@@ -63,7 +64,10 @@ class AdmissionController:
         self._queue = Settling(config, self._ledger, self._placement, tenants)
         self._shedding = Shedding(config, self._views, self._queue, seed)
         self._learning = Learning(config)
-        self._report = AdmissionReport(self._ledger, self._queue, self._shedding, self._placement)
+        self._scaling = ScalingSignal()  # the demand the scaling signal reads
+        self._report = AdmissionReport(
+            self._ledger, self._queue, self._shedding, self._placement, self._scaling
+        )
 
     @property
     def report(self) -> AdmissionReport:
@@ -210,6 +214,8 @@ class AdmissionController:
         queue = self._queue
         if rid in self._ledger.reservations or rid in queue.queued:
             raise ValueError(f"request id {rid!r} is already admitted or queued")
+        if not req.avoid:  # a failover's second submit is the same demand
+            self._scaling.arrived(req.model, now)
         if req.retry_key is not None:
             self._shedding.returning.discard(req.model, req.retry_key)  # it is back
         view = self._views.view(req.model)
@@ -337,6 +343,7 @@ class AdmissionController:
         at_admit = self._queue.queue.released(res.request_id, true_tokens)  # tenant accounting
         self._learning.stream_gap(rep, completion, at_admit, now)
         self._ledger.free(res, now)
+        self._scaling.served(res.model, now - res.admitted_at, res.tokens + res.covered, now)
         self._learning.released(rep, res, completion, now)
         self._placement.released(res.request_id, res.replica, now)
         self._ledger.forget_if_gone(rep)

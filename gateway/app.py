@@ -43,6 +43,7 @@ from gateway.models_api import ModelsApi
 from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
 from gateway.ratelimit import rate_limit_headers
 from gateway.relay import Relay
+from gateway.scaling import DesiredReplicas
 from gateway.reload import Reloader
 from gateway.sharing import StateCollector, StateSync, make_backend
 from gateway.shutdown import log_pending_tasks
@@ -178,6 +179,7 @@ def build_app(
             )
             await st.sync.start()
             st.pipeline.state_gate = st.sync.gate
+        st.metrics.registry.register(DesiredReplicas(report))
         st.metrics.registry.register(
             StateCollector(
                 config.state.backend if backend is None else backend.name, st.sync, report
