@@ -2,8 +2,8 @@
 
 Little's law, per model: the requests that must run at once to serve the demand are
 the arrival rate times the time one takes to serve (L = lambda * W), and one replica
-runs as many as its learned running limit allows (within its hard cap and, without a
-cap, as many of the model's mean KV need as its pool holds). So
+runs as many as its learned running limit allows, within its hard cap and within as
+many of the model's mean KV need as its pool holds. So
 
     desired = ceil(arrival rate * mean service time / mean concurrency per replica)
 
@@ -102,9 +102,9 @@ class ScalingSignal:
 
 
 def _slots(allowed: int | None, pool: int, tokens: float | None) -> float | None:
-    """Requests one replica runs at once: its allowance, else what its pool holds."""
-    if allowed is not None:
-        return float(allowed)
-    if tokens:
-        return pool / tokens
-    return None
+    """Requests one replica runs at once: its allowance, within what its pool holds of
+    the model's mean need (the KV ceiling binds first on a small pool)."""
+    held = pool / tokens if tokens else None
+    if allowed is None:
+        return held
+    return float(allowed) if held is None else min(float(allowed), held)

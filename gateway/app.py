@@ -43,8 +43,8 @@ from gateway.models_api import ModelsApi
 from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
 from gateway.ratelimit import rate_limit_headers
 from gateway.relay import Relay
-from gateway.scaling import DesiredReplicas
 from gateway.reload import Reloader
+from gateway.scaling import DesiredReplicas
 from gateway.sharing import StateCollector, StateSync, make_backend
 from gateway.shutdown import log_pending_tasks
 from gateway.state import StateBackend

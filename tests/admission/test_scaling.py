@@ -39,4 +39,6 @@ def test_shed_demand_counts_and_a_pool_bounds_uncapped_replicas() -> None:
             sig.served("m", 1.0, 1000, s + i / 8)  # 8/s served, 1,000 tokens each
     # No running cap: a pool of 4,000 tokens holds 4 such requests.
     assert sig.desired("m", 10.0, [(None, 4000), (None, 4000)]) == 5  # 20 x 1 / 4
+    # A running allowance above what the pool holds: the pool binds.
+    assert sig.desired("m", 10.0, [(8, 4000), (8, 4000)]) == 5
     assert sig.desired("other", 10.0, []) is None
