@@ -40,6 +40,7 @@ from admission.patience import ClientEnd, ClientPatience
 from admission.placement import Placement
 from admission.refusals import refuse_or_clamp, unknown_model
 from admission.report import AdmissionReport
+from admission.scaling import ScalingSignal
 from admission.settling import Settling, TenantLimits
 from admission.shedding import Shedding
 from admission.types import AdmissionRequest, Admit, Completion, Decision, Events, Shed
@@ -67,8 +68,14 @@ class AdmissionController:
         self._shedding = Shedding(config, self._views, self._queue, seed)
         self._learning = Learning(config)
         self._patience = ClientPatience()
+        self._scaling = ScalingSignal()  # the demand the scaling signal reads
         self._report = AdmissionReport(
-            self._ledger, self._queue, self._shedding, self._placement, self._patience
+            self._ledger,
+            self._queue,
+            self._shedding,
+            self._placement,
+            self._patience,
+            self._scaling,
         )
 
     @property
@@ -80,6 +87,18 @@ class AdmissionController:
     def router(self) -> Router:
         """The routing policy admission asks where an admitted request goes."""
         return self._placement.router
+
+    def reconfigure(self, config: AdmissionConfig, router: Router | None, now: float) -> Events:
+        """Take reloaded settings for decisions from now on (a replica's learned limit
+        keeps what it learned, and new replicas' limits start from the new settings);
+        `router` replaces the routing policy. Returns the queued requests they admit."""
+        self._saw(now)
+        self.config = self._ledger.config = self._queue.config = config
+        self._shedding.config = config
+        self._learning = Learning(config)  # its derived settings; it keeps no other state
+        if router is not None:
+            self._placement.set_router(router)
+        return self._queue.settle(now)
 
     def _saw(self, now: float) -> None:
         ledger = self._ledger
@@ -204,10 +223,16 @@ class AdmissionController:
         queue = self._queue
         if rid in self._ledger.reservations or rid in queue.queued:
             raise ValueError(f"request id {rid!r} is already admitted or queued")
+        if not req.avoid:  # a failover's second submit is the same demand
+            self._scaling.arrived(req.model, now)
         if req.retry_key is not None:
             self._shedding.returning.discard(req.model, req.retry_key)  # it is back
         view = self._views.view(req.model)
         if not view.present:
+            if any(r.present and not r.models for r in self._ledger.replicas.values()):
+                # A replica has not told its models yet (never answered a probe): the
+                # model may be its; "not found" would not be retried.
+                return Decision(Shed(rid, "models_unknown", self._shedding.clamp(None)))
             return Decision(unknown_model(req))
         # One replica per shape answers for all of that shape (admission/candidates.py).
         if view.known_shapes and not any(r.can_ever_fit(req) for r in view.known_shapes):
@@ -235,7 +260,9 @@ class AdmissionController:
             if r.can_ever_fit(req):
                 raw = max(raw, r.tokens_for(req))
         if not raw:
-            return Decision(Shed(rid, "no_replica", self._shedding.clamp(None)))
+            # Down is not full: none of the model's replicas ready, or none that fits.
+            reason = "no_replica" if any(r.usable for r in view.present) else "no_replica_ready"
+            return Decision(Shed(rid, reason, self._shedding.clamp(None)))
         predicted = self._views.predict(req, view) if req.latency_budget is not None else 0.0
         entry = queue.entry(req, raw, predicted, now)
         events: Events = []
@@ -346,6 +373,7 @@ class AdmissionController:
         at_admit = self._queue.queue.released(res.request_id, true_tokens)  # tenant accounting
         self._learning.stream_gap(rep, completion, at_admit, now)
         self._ledger.free(res, now)
+        self._scaling.served(res.model, now - res.admitted_at, res.tokens + res.covered, now)
         self._learning.released(rep, res, completion, now)
         self._placement.released(res.request_id, res.replica, now)
         self._ledger.forget_if_gone(rep)

@@ -44,15 +44,20 @@ class Placement:
         # Where a request goes is routing's decision (routing.scheduler builds it from the
         # config's profiles, a test or bench hands one in); admission only calls it and its
         # hooks, and imports routing's types, never its policies.
-        self.router = router
         self._ledger = ledger
+        self.set_router(router)
+        # Expected-TTFT choices between a full warm replica and a free cold one
+        # (`_wait_for_warm`), by outcome: exported beside routing's decisions.
+        self.ttft_choices: dict[str, int] = {}
+
+    def set_router(self, router: Router) -> None:
+        """Route with `router` from now on (a reloaded config). Requests the old one
+        placed end without telling it: routing's memory of them starts afresh."""
+        self.router = router
         self._placed_hook = getattr(router, "placed", None)
         self._released_hook = getattr(router, "released", None)
         self._hints_hook = getattr(router, "hints", None)
         self._warm_hook = getattr(router, "warm", None)
-        # Expected-TTFT choices between a full warm replica and a free cold one
-        # (`_wait_for_warm`), by outcome: exported beside routing's decisions.
-        self.ttft_choices: dict[str, int] = {}
 
     def released(self, request_id: str, replica: str, now: float) -> None:
         """Tell routing a request it placed has ended."""

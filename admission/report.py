@@ -16,6 +16,7 @@ from admission.ledger import Ledger
 from admission.limit import RunningLimit
 from admission.patience import ClientPatience, PatienceReading
 from admission.placement import Placement
+from admission.scaling import ScalingSignal
 from admission.settling import Settling
 from admission.shedding import Shedding
 from admission.types import Admit, ReplicaUsage
@@ -47,12 +48,26 @@ class AdmissionReport:
         shedding: Shedding,
         placement: Placement,
         patience: ClientPatience | None = None,
+        scaling: ScalingSignal | None = None,
     ) -> None:
         self._ledger = ledger
         self._patience = patience if patience is not None else ClientPatience()
         self._queue = queue
         self._shedding = shedding
         self._placement = placement
+        self._scaling = scaling if scaling is not None else ScalingSignal()
+
+    # ------------------------------------------------------------------ scaling
+    def desired_replicas(self, now: float) -> dict[str, int]:
+        """Per model with demand seen, the replicas it needs (admission/scaling.py)."""
+        out: dict[str, int] = {}
+        views = self._ledger.views
+        for model in self._scaling.models():
+            ready = [(r.allowed, r.effective) for r in views.serving(model) if r.usable]
+            n = self._scaling.desired(model, now, ready)
+            if n is not None:
+                out[model] = n
+        return out
 
     # ------------------------------------------------------------------ ledger
     @property

@@ -367,6 +367,30 @@ class TenantLimiter:
         lim.tenants.setdefault(DEFAULT_TENANT, TenantState(name=DEFAULT_TENANT))
         return lim
 
+    def reconfigure(
+        self,
+        tenants: Iterable[TenantConfig],
+        plain_keys: Mapping[str, str] | None = None,
+        now: float = 0.0,
+    ) -> None:
+        """Take reloaded tenants and keys in place (everything holding this limiter, or
+        its ``tenants`` dict, sees them). What a kept tenant spent stays spent where
+        its rate is unchanged, and its share of shared limits is kept."""
+        new = TenantLimiter.from_config(tenants, plain_keys)
+        for name, st in new.tenants.items():
+            old = self.tenants.get(name)
+            if old is None:
+                continue
+            if old.rpm is not None and st.rpm is not None and old.rpm.total == st.rpm.total:
+                st.rpm = old.rpm
+            if old.tpm is not None and st.tpm is not None and old.tpm.total == st.tpm.total:
+                st.tpm = old.tpm
+            if old.share != 1.0:
+                new.set_share(name, old.share, now)
+        self.tenants.clear()
+        self.tenants.update(new.tenants)
+        self.keys = new.keys
+
     @property
     def auth_required(self) -> bool:
         """True once any key is configured: then every request must carry one."""

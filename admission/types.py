@@ -113,7 +113,9 @@ class Shed:
     """Refused for now: 503 (overload) or 429 (tenant limit) with Retry-After."""
 
     request_id: str
-    reason: str  # queue_full | deadline | queue_timeout | no_replica | rate_limited ...
+    # queue_full | deadline | queue_timeout | no_replica (none fits) | no_replica_ready |
+    # models_unknown (a replica has not listed its models yet) | rate_limited ...
+    reason: str
     retry_after: float  # seconds, honest estimate of when capacity frees
     status: int = 503
 

@@ -13,6 +13,7 @@ configured admin token the admin API is closed (401), never open.
 from __future__ import annotations
 
 import hmac
+import time
 from typing import Any
 
 from aiohttp import web
@@ -21,6 +22,7 @@ from admission.health import OutlierDetector
 from admission.report import AdmissionReport
 from gateway.discovery import Discovery
 from gateway.errors import ApiError
+from gateway.logging import iso8601
 
 
 def replicas_snapshot(
@@ -28,7 +30,11 @@ def replicas_snapshot(
     discovery: Discovery,
     outliers: OutlierDetector | None = None,
     now: float = 0.0,
+    wall: float | None = None,
 ) -> dict[str, Any]:
+    """`now` is the loop's clock (what admission stamps with), `wall` the same instant
+    on the wall clock: times are shown as ISO 8601 UTC."""
+    wall = time.time() if wall is None else wall
     usage = {u.name: u for u in report.replica_usage()}
     queue = {m: report.queue_depth(m) for m in sorted(discovery.known_models)}
     out = []
@@ -66,7 +72,13 @@ def replicas_snapshot(
                 "engine_running": s.engine_running,
                 "engine_waiting": s.engine_waiting,
                 "engine_kv_usage": s.kv_usage,
-                "updated_at": s.updated_at,
+                "updated_at": iso8601(wall - (now - s.updated_at)) if s.updated_at else None,
+                # Why the last probe round left it not ready (None: it was ready), the most
+                # recent such cause and when it began, and the last round that was good.
+                "error": w.error,
+                "last_error": w.last_error,
+                "last_error_at": iso8601(w.last_error_at),
+                "last_ok": iso8601(w.last_ok),
             }
         )
     # What admission learned of clients that state no timeout (admission/patience.py).

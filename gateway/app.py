@@ -28,9 +28,11 @@ from admission.estimate import TokenEstimator
 from admission.report import AdmissionReport
 from admission.tenants import TenantLimiter
 from gateway.admin import replicas_snapshot, require_admin
+from gateway.checks import exposure_warning
 from gateway.config import GatewayConfig
 from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
+from gateway.dns import DnsGroups
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
 from gateway.http import hide_server_version, server_kwargs
@@ -39,10 +41,14 @@ from gateway.kvevents import KVEventSubscriber, start_kv_events
 from gateway.kvtokens import PromptTokenIds
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
+from gateway.models_api import ModelsApi
 from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
 from gateway.ratelimit import rate_limit_headers
 from gateway.relay import Relay
+from gateway.reload import Reloader
+from gateway.scaling import DesiredReplicas
 from gateway.sharing import StateCollector, StateSync, make_backend
+from gateway.shutdown import log_pending_tasks
 from gateway.state import StateBackend
 from gateway.tokenizers import load_token_counters
 from gateway.upstream import make_session
@@ -79,6 +85,8 @@ class GatewayState:
         counters = load_token_counters(config.tokenizers)
         self.estimator = TokenEstimator(config.admission, tokenizer_for=counters.get)
         self.discovery: Discovery
+        self.dns: DnsGroups  # replicas from DNS (replica_groups)
+        self.reloader: Reloader | None = None
         self.pipeline: Pipeline
         self.metrics: GatewayMetrics
         self.sync: StateSync | None = None  # the lease loop (shared state), if any
@@ -112,6 +120,7 @@ def build_app(
     picker: Router | None = None,
     state_backend: StateBackend | None = None,
     workers_hint: int = 1,
+    config_path: str | None = None,
 ) -> web.Application:
     """The kvgate aiohttp application for `config` (not yet started).
 
@@ -173,6 +182,11 @@ def build_app(
             st.pipeline.prompt_token_ids = PromptTokenIds(
                 config, st.discovery, session, st.kv_index
             )
+        st.dns = DnsGroups(config.replica_groups, config.dns, st.discovery)
+        await st.dns.start()
+        if config_path is not None:  # live reload: SIGHUP, or the file changed
+            st.reloader = Reloader(st, config_path, st.metrics.registry, workers=workers_hint)
+            st.reloader.start()
         backend = state_backend if state_backend is not None else make_backend(config.state)
         if backend is not None:
             st.sync = StateSync(
@@ -185,6 +199,7 @@ def build_app(
             )
             await st.sync.start()
             st.pipeline.state_gate = st.sync.gate
+        st.metrics.registry.register(DesiredReplicas(report))
         st.metrics.registry.register(
             StateCollector(
                 config.state.backend if backend is None else backend.name, st.sync, report
@@ -198,6 +213,9 @@ def build_app(
                 await subscriber.stop()
             if st.sync is not None:
                 await st.sync.stop()
+            if st.reloader is not None:
+                await st.reloader.stop()
+            await st.dns.stop()
             await st.discovery.stop()
             await st.door.stop()
             await session.close()
@@ -226,12 +244,7 @@ def build_app(
     async def completions(request: web.Request) -> web.StreamResponse:
         return await st.pipeline.handle(request, "completion")
 
-    async def models(request: web.Request) -> web.Response:
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "kvgate"}
-            for m in sorted(st.door.report.models())
-        ]
-        return _json({"object": "list", "data": data})
+    models = ModelsApi(lambda: st.tenants, st.door.report.models)
 
     # ------------------------------------------------------------------ operations
     async def health(request: web.Request) -> web.Response:
@@ -250,7 +263,7 @@ def build_app(
 
     async def admin_replicas(request: web.Request) -> web.Response:
         try:
-            require_admin(request, config.auth.admin_token)
+            require_admin(request, st.config.auth.admin_token)
         except ApiError as e:
             return e.response()
         return _json(
@@ -264,7 +277,7 @@ def build_app(
 
     async def admin_state(request: web.Request) -> web.Response:
         try:
-            require_admin(request, config.auth.admin_token)
+            require_admin(request, st.config.auth.admin_token)
         except ApiError as e:
             return e.response()
         if st.sync is None:
@@ -292,7 +305,8 @@ def build_app(
     handlers: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
         ("POST", "/v1/chat/completions", chat),
         ("POST", "/v1/completions", completions),
-        ("GET", "/v1/models", models),
+        ("GET", "/v1/models", models.list),
+        ("GET", "/v1/models/{model}", models.get),
         ("GET", "/health", health),
         ("GET", "/ready", ready),
         ("GET", "/metrics", metrics),
@@ -310,34 +324,6 @@ _STUCK_REPORT_S = 6.0  # a stop this long logs where it waits
 _STOP_LIMIT_S = 10.0  # and this long is given up on
 
 
-def _await_chain(task: asyncio.Task[Any]) -> str:
-    """Where `task` waits: its coroutines from the outermost to the innermost (a task's
-    own stack shows only the outermost), then what the innermost awaits."""
-    out: list[str] = []
-    obj: Any = task.get_coro()
-    for _ in range(64):
-        frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
-        if frame is None:
-            out.append(type(obj).__name__)  # a future or a task: it waits on that
-            break
-        code = frame.f_code
-        out.append(f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}:{frame.f_lineno}")
-        nxt = getattr(obj, "cr_await", None) or getattr(obj, "gi_yieldfrom", None)
-        if nxt is None:
-            break
-        obj = nxt
-    return " -> ".join(out)
-
-
-def _log_pending_tasks(current: asyncio.Task[Any] | None) -> None:
-    """Where the stopping task waits (its whole await chain), then every other task."""
-    tasks = [current] if current is not None else []
-    tasks += [t for t in asyncio.all_tasks() if t is not current and not t.done()]
-    for task in tasks:
-        role = "stopping" if task is current else "pending"
-        log.warning("kvgate: %s task %s at %s", role, task.get_name(), _await_chain(task))
-
-
 class Gateway:
     """An embeddable kvgate: ``async with Gateway(config) as gw: gw.url, gw.report``."""
 
@@ -351,13 +337,18 @@ class Gateway:
         state_backend: StateBackend | None = None,
         workers_hint: int = 1,
         reuse_port: bool = False,
+        config_path: str | None = None,
     ) -> None:
         self.config = config
         self.host = host if host is not None else config.listen.host
         self.port = port if port is not None else config.listen.port
         self.reuse_port = reuse_port  # SO_REUSEPORT: several processes on one port
         self.app = build_app(
-            config, picker=picker, state_backend=state_backend, workers_hint=workers_hint
+            config,
+            picker=picker,
+            state_backend=state_backend,
+            workers_hint=workers_hint,
+            config_path=config_path,
         )
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -365,6 +356,14 @@ class Gateway:
     @property
     def state(self) -> GatewayState:
         return self.app[STATE_KEY]
+
+    async def reload(self, why: str = "SIGHUP") -> bool:
+        """Reload the config file it was started with (gateway/reload.py)."""
+        reloader = self.state.reloader
+        if reloader is None:
+            log.warning("kvgate: %s, but there is no config file to reload", why)
+            return False
+        return await reloader.reload(why)
 
     @property
     def door(self) -> AdmissionDoor:
@@ -415,6 +414,8 @@ class Gateway:
             sock: socket.socket = server.sockets[0]
             self.port = sock.getsockname()[1]
         log.info("kvgate listening on %s", self.url, extra={"fields": {"url": self.url}})
+        if (warning := exposure_warning(self.config, self.host)) is not None:
+            log.warning(warning, extra={"fields": {"host": self.host}})
 
     async def drain(self, limit_s: float = 10.0) -> bool:
         """Wait until no request is in flight and no abandoned request's reservation is
@@ -474,7 +475,7 @@ class Gateway:
         # Every request is answered by now. If stopping overruns, say what it waits for
         # (the stacks of the tasks left), and give up on it after a bound: a cleanup that
         # hangs must not keep a drained process from exiting.
-        report = loop.call_later(_STUCK_REPORT_S, _log_pending_tasks, asyncio.current_task())
+        report = loop.call_later(_STUCK_REPORT_S, log_pending_tasks, asyncio.current_task())
         try:
             async with asyncio.timeout(_STOP_LIMIT_S):
                 if self.state.sync is not None:

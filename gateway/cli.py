@@ -77,7 +77,17 @@ def _resolve(target: str) -> Callable[[Sequence[str]], int | None]:
 def serve_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvgate serve", description="Run the kvgate gateway.")
     parser.add_argument("--config", "-c", help="YAML config (docs/configuration.md)", default=None)
-    parser.add_argument("--check", action="store_true", help="validate the config and exit")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the config as serve does, print what serve would refuse, and exit",
+    )
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="with --check: contact each replica once and print what kvgate learns from it "
+        "(exit 1 when one is not ready)",
+    )
     parser.add_argument(
         "--workers",
         type=int,
@@ -88,7 +98,10 @@ def serve_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.probe and not args.check:
+        parser.error("--probe goes with --check")
 
+    from gateway.checks import exposure_warning, serve_problems
     from gateway.config import ConfigError, load_config
     from gateway.logging import configure_logging
 
@@ -97,35 +110,27 @@ def serve_main(argv: Sequence[str]) -> int:
     except ConfigError as e:
         print(f"kvgate: {e}", file=sys.stderr)
         return 2
-    if args.check:
-        from gateway.tokenizers import load_token_counters
-
-        try:
-            load_token_counters(config.tokenizers)
-        except ConfigError as e:
-            print(f"kvgate: {e}", file=sys.stderr)
-            return 2
-        print(f"kvgate: config OK ({len(config.replicas)} replicas)")
-        return 0
-    if not config.replicas:
-        print(
-            "kvgate: invalid configuration:\n  replicas: at least one replica is required",
-            file=sys.stderr,
-        )
+    # One validation for both: --check passes exactly what serve accepts.
+    problems = serve_problems(config, args.workers)
+    if problems:
+        where = f"{args.config}: " if args.config else ""
+        print(f"kvgate: {where}invalid configuration:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
+    if args.check:
+        if (warning := exposure_warning(config)) is not None:
+            print(f"kvgate: warning: {warning}", file=sys.stderr)
+        n = len(config.replicas)
+        groups = f", {len(config.replica_groups)} DNS groups" if config.replica_groups else ""
+        print(f"kvgate: config OK ({n} replicas{groups})")
+        if not args.probe:
+            return 0
+        from gateway.checks import probe_report
+
+        lines: list[str] = []
+        status = asyncio.run(probe_report(config, lines))
+        print("\n".join(lines))
+        return status
     if args.workers > 1:
-        problems = []
-        if config.state.backend != "redis":
-            problems.append(
-                "state.backend: --workers N > 1 needs the redis backend, so the processes "
-                "share each replica's pool (set state.backend: redis and state.redis_url, "
-                "or KVGATE_STATE_BACKEND=redis and KVGATE_REDIS_URL)"
-            )
-        if config.listen.port == 0:
-            problems.append("listen.port: --workers N > 1 needs a fixed port, not 0")
-        if problems:
-            print("kvgate: invalid configuration:\n  " + "\n  ".join(problems), file=sys.stderr)
-            return 2
         return _supervise(list(argv), args.workers)
     configure_logging(config.logging.level, access=config.logging.access_log)
     worker = os.environ.get(_WORKER_ENV) is not None
@@ -139,7 +144,7 @@ def serve_main(argv: Sequence[str]) -> int:
         uvloop = None  # type: ignore[assignment]
     runner = uvloop.run if uvloop is not None else asyncio.run
     try:
-        runner(_serve(config, reuse_port=worker, workers=workers))
+        runner(_serve(config, reuse_port=worker, workers=workers, path=args.config))
     except KeyboardInterrupt:
         pass
     except ConfigError as e:  # raised while building the app (e.g. a tokenizer file)
@@ -239,8 +244,14 @@ def _supervise(argv: list[str], workers: int) -> int:
             if p.poll() is None:
                 p.send_signal(sig)
 
+    def hangup(sig: int, _frame: object) -> None:  # each worker reloads its config
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGHUP, hangup)
     for i in range(workers):
         env = {
             **os.environ,
@@ -275,7 +286,9 @@ def _supervise(argv: list[str], workers: int) -> int:
     return status if status >= 0 else 128 - status
 
 
-async def _serve(config, *, reuse_port: bool = False, workers: int = 1) -> None:  # type: ignore[no-untyped-def]
+async def _serve(
+    config, *, reuse_port: bool = False, workers: int = 1, path: str | None = None
+) -> None:  # type: ignore[no-untyped-def]
     from gateway.app import Gateway
     from gateway.runtime import tune_gc
 
@@ -292,7 +305,15 @@ async def _serve(config, *, reuse_port: bool = False, workers: int = 1) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    gw = Gateway(config, reuse_port=reuse_port, workers_hint=workers)
+    gw = Gateway(config, reuse_port=reuse_port, workers_hint=workers, config_path=path)
+    reloads: set[asyncio.Task[bool]] = set()
+
+    def on_hangup() -> None:  # SIGHUP: reload the config (gateway/reload.py)
+        task = loop.create_task(gw.reload("SIGHUP"))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
     await gw.start()
     tune_gc()  # gateway/runtime.py: collect young objects less often once it is up
     try:

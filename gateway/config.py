@@ -19,127 +19,42 @@ carry the same file everywhere:
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     FilePath,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
 from admission.config import AdmissionConfig
 from admission.tenants import TenantConfig
+from gateway.replica_config import (  # noqa: F401 - re-exported: the config's own types
+    DnsConfig,
+    Engine,
+    KVEventsSource,
+    PositiveFloat,
+    ReplicaConfig,
+    ReplicaGroupConfig,
+    _Strict,
+)
 from routing.config import FilterRef, ProfileConfig, RoutingConfig
-
-Engine = Literal["vllm", "sglang", "llamacpp", "openai"]
-PositiveFloat = Annotated[float, Field(gt=0)]
 
 
 class ConfigError(Exception):
     """Invalid configuration; the message names every offending field."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 class ListenConfig(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
-
-
-class KVEventsSource(_Strict):
-    """Where a vLLM started with ``--kv-events-config`` publishes its KV cache events
-    (gateway/kvevents.py): its PUB ``endpoint`` (the engine binds ``tcp://*:PORT``;
-    kvgate connects to ``tcp://HOST:PORT``), its ``replay_endpoint`` if it has one, and
-    the ``topic`` it was given."""
-
-    endpoint: Annotated[str, Field(pattern=r"^(tcp|ipc)://")]
-    replay_endpoint: Annotated[str, Field(pattern=r"^(tcp|ipc)://")] | None = None
-    topic: str = ""
-
-
-class ReplicaConfig(_Strict):
-    """One engine replica kvgate may send requests to."""
-
-    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
-    url: Annotated[str, Field(pattern=r"^https?://")]
-    engine: Engine = "vllm"
-    # Pinned KV pool size in tokens; wins over what the engine reports. Use it when the
-    # engine does not expose its pool (llama.cpp, hosted OpenAI-compatible servers) or to
-    # deliberately keep a replica below its real pool.
-    pool_tokens: Annotated[int, Field(gt=0)] | None = None
-    block_size: Annotated[int, Field(gt=0)] | None = None
-    max_running: Annotated[int, Field(gt=0)] | None = None
-    labels: dict[str, str] = Field(default_factory=dict)
-    # Bearer token kvgate sends to this replica (hosted OpenAI-compatible servers).
-    api_key: str | None = None
-    # llama.cpp only: the KV layout llama-server was started with, which it does not
-    # report. auto: one pool of the reported per-slot context (the safe reading) until
-    # the server's /slots prove its slots hold more; per_slot: `-np N` without
-    # `--kv-unified` (pool = slots x per-slot context); unified: `--kv-unified` (one pool;
-    # also for `-c` with a `--kv-unified-per-slot` below `-c / -np`, which auto misreads).
-    # See routing/adapters/llamacpp.py. A pinned pool_tokens wins over any of them.
-    kv_layout: Literal["auto", "per_slot", "unified"] = "auto"
-    # vLLM only: a server started with `--data-parallel-size N` runs N engines, each with
-    # its own KV pool, behind one URL. With N here the replica becomes N replicas
-    # `<name>-dp<k>`, one per engine rank, each with a ledger of its own (its pool read
-    # from the metrics labelled engine="k"), and every request is pinned to the rank it
-    # was admitted on with vLLM's `X-data-parallel-rank` header. `pool_tokens` and
-    # `max_running` apply to each rank. Left at 1 on a DP server, the ranks' pools are
-    # summed and vLLM's own balancer picks the rank (see docs/admission.md, data parallel).
-    data_parallel_size: Annotated[int, Field(ge=1)] = 1
-    # The engine rank this replica entry addresses (set by the expansion above, or by
-    # hand to address one rank of a DP server); None: the whole server.
-    dp_rank: Annotated[int, Field(ge=0)] | None = None
-    # vLLM only: its KV events, for the precise prefix index (routing/kvindex.py).
-    kv_events: KVEventsSource | None = None
-
-    @field_validator("url")
-    @classmethod
-    def _strip_slash(cls, v: str) -> str:
-        return v.rstrip("/")
-
-    @model_validator(mode="after")
-    def _data_parallel_is_vllm(self) -> ReplicaConfig:
-        if (self.data_parallel_size > 1 or self.dp_rank is not None) and self.engine != "vllm":
-            raise ValueError(
-                f"data_parallel_size/dp_rank: apply to engine vllm only, not {self.engine!r}"
-            )
-        if self.dp_rank is not None and self.data_parallel_size > 1:
-            if self.dp_rank >= self.data_parallel_size:
-                raise ValueError(
-                    f"dp_rank: {self.dp_rank} is not below data_parallel_size "
-                    f"{self.data_parallel_size}"
-                )
-        return self
-
-    @model_validator(mode="after")
-    def _layout_is_llamacpp(self) -> ReplicaConfig:
-        if self.kv_layout != "auto" and self.engine != "llamacpp":
-            raise ValueError(
-                f"kv_layout: {self.kv_layout!r} applies to engine llamacpp only, "
-                f"not {self.engine!r}"
-            )
-        return self
-
-    @field_validator("labels", mode="before")
-    @classmethod
-    def _labels_as_strings(cls, v: Any) -> Any:
-        # YAML turns `speculative: true` into a bool; labels are strings everywhere else.
-        if isinstance(v, Mapping):
-            return {
-                str(k): (str(x).lower() if isinstance(x, bool) else str(x)) for k, x in v.items()
-            }
-        return v
 
 
 class UpstreamConfig(_Strict):
@@ -294,6 +209,9 @@ class StateConfig(_Strict):
 class GatewayConfig(_Strict):
     listen: ListenConfig = Field(default_factory=ListenConfig)
     replicas: list[ReplicaConfig] = Field(default_factory=list)
+    # Replicas found by DNS (a Kubernetes headless Service): gateway/dns.py.
+    replica_groups: list[ReplicaGroupConfig] = Field(default_factory=list)
+    dns: DnsConfig = Field(default_factory=DnsConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
@@ -332,6 +250,10 @@ class GatewayConfig(_Strict):
             if r.name in seen:
                 raise ValueError(f"replicas: duplicate replica name {r.name!r}")
             seen.add(r.name)
+        for g in self.replica_groups:
+            if g.name in seen:
+                raise ValueError(f"replica_groups: duplicate name {g.name!r}")
+            seen.add(g.name)
         return self
 
     @model_validator(mode="after")
@@ -373,8 +295,43 @@ def _format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(root)"
-        lines.append(f"{loc}: {e['msg']}")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden" and e["loc"]:
+            msg = "unknown field"
+            near = difflib.get_close_matches(
+                str(e["loc"][-1]), _fields_at(e["loc"][:-1]), n=1, cutoff=0.6
+            )
+            if near:
+                msg += f" (did you mean {near[0]!r}?)"
+        lines.append(f"{loc}: {msg}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the model at `loc` (a validation error's path), for a
+    misspelt field's "did you mean"; [] where the path leaves the models."""
+    model: Any = GatewayConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None:
+            return []
+        model = _model_in(field.annotation)
+        if model is None:
+            return []
+    return list(model.model_fields) if isinstance(model, type) else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (itself, in a list, an Optional...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def _parse_api_keys(value: str) -> dict[str, str]:
@@ -436,6 +393,15 @@ def config_from_mapping(
         raise ConfigError(_format_validation_error(e)) from None
 
 
+def _yaml_error(path: str | Path, e: yaml.YAMLError) -> str:
+    """A YAML error as ``file:line:column: problem`` (PyYAML names ``<unicode string>``)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    context = getattr(e, "context", None)
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+
+
 def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -> GatewayConfig:
     """Read, validate and override a YAML config file. Raises ConfigError."""
     data: Any = None
@@ -447,5 +413,10 @@ def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ConfigError(f"config {path} is not valid YAML: {e}") from None
-    return config_from_mapping(data, env)
+            raise ConfigError(_yaml_error(path, e)) from None
+    try:
+        return config_from_mapping(data, env)
+    except ConfigError as e:
+        if path is None:
+            raise
+        raise ConfigError(f"{path}: {e}") from None

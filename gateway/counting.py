@@ -223,12 +223,6 @@ class PromptCounter:
         # model -> (the watchers' updated_at when computed, limits): limits change only
         # when an adapter applies a discovery round, which stamps updated_at.
         self._limits: dict[str, tuple[tuple[float, ...], Limits]] = {}
-        self._headers: dict[str, dict[str, str]] = {}
-        for rc in config.replicas:
-            h = {"Content-Type": "application/json"}
-            if rc.api_key:
-                h["Authorization"] = f"Bearer {rc.api_key}"
-            self._headers[rc.name] = h
 
     # ------------------------------------------------------------------ no IO
     def measure(self, ctx: RequestContext) -> Measured:
@@ -420,7 +414,10 @@ class PromptCounter:
     ) -> tuple[int, bool]:
         """(tokens, exact) from the replica; raises on any failure."""
         url = w.config.url
-        headers = {**self._headers[w.config.name], "X-Request-Id": ctx.request_id}
+        headers = {
+            **self._discovery.endpoints[w.config.name].headers,
+            "X-Request-Id": ctx.request_id,
+        }
         path, data = first
         answer = await self._post(url + path, data, headers)
         if engine == "llamacpp":

@@ -44,6 +44,16 @@ def rate_limited(policy: TenantState, limit: str, tokens: int, wait: float, now:
     )
 
 
+# Sheds that say a replica is down or not yet known, not full (a 503 all the same).
+_NOT_READY = {
+    "no_replica_ready": "No replica serving `{model}` is ready (down, starting or ejected)",
+    "models_unknown": (
+        "The model `{model}` is not served by any replica known so far, and some replica "
+        "has not answered its first probe yet"
+    ),
+}
+
+
 def tenant_limit(shed: Shed) -> str:
     """Which of its tenant's caps a 429 shed hit (the ``limit`` label of its metric)."""
     return "concurrency" if shed.reason == "tenant_concurrency" else "queue"
@@ -68,6 +78,15 @@ def shed_error(shed: Shed, ctx: RequestContext, policy: TenantState) -> ApiError
             429,
             f"{what} Please try again in {go_duration(shed.retry_after)}.",
             code="rate_limit_exceeded",
+            retry_after=shed.retry_after,
+            outcome=f"shed_{shed.reason}",
+        )
+    if shed.reason in _NOT_READY:
+        return ApiError(
+            shed.status,
+            f"{_NOT_READY[shed.reason].format(model=ctx.model)}; "
+            f"retry after {max(1, math.ceil(shed.retry_after))} s.",
+            code=shed.reason,
             retry_after=shed.retry_after,
             outcome=f"shed_{shed.reason}",
         )

@@ -25,16 +25,51 @@ import asyncio
 import contextlib
 import copy
 import logging
+import time
+from dataclasses import dataclass
 
 import aiohttp
 
 from admission.health import ProbeHysteresis
 from gateway.config import DiscoveryConfig, ReplicaConfig
 from gateway.door import AdmissionDoor
-from routing.adapters import adapter_for
+from gateway.probe import answered, explain, fetch_round
+from routing.adapters import EngineAdapter, adapter_for
 from routing.types import ReplicaState
 
 log = logging.getLogger("kvgate.discovery")
+
+
+def new_state(rc: ReplicaConfig) -> ReplicaState:
+    """A replica's state before its first probe: what its config says."""
+    return ReplicaState(
+        name=rc.name,
+        base_url=rc.url,
+        engine=rc.engine,
+        labels=dict(rc.labels),
+        block_size=rc.block_size or 16,
+        max_running=rc.max_running,
+        dp_rank=rc.dp_rank,
+    )
+
+
+async def probe_once(
+    rc: ReplicaConfig,
+    adapter: EngineAdapter,
+    state: ReplicaState,
+    session: aiohttp.ClientSession,
+    timeout_s: float,
+    now: float,
+) -> str | None:
+    """Probe `rc` once and apply the answers to `state`; returns why it is not ready."""
+    headers = {"Authorization": f"Bearer {rc.api_key}"} if rc.api_key else {}
+    outcomes = await fetch_round(session, rc.url, tuple(adapter.probe_paths), headers, timeout_s)
+    if rc.pool_tokens is not None and state.capacity_tokens is None:
+        # A pinned pool is the capacity for engines that cannot report one (the
+        # adapters only call a replica ready once its capacity is known).
+        state.capacity_tokens = rc.pool_tokens
+    adapter.apply(state, answered(outcomes), now)
+    return explain(rc.url, rc.engine, adapter, outcomes, state)
 
 
 class ReplicaWatcher:
@@ -54,75 +89,92 @@ class ReplicaWatcher:
         self._door = door
         self._cfg = cfg
         self._adapter = adapter_for(rc.engine, kv_layout=rc.kv_layout)
-        self.state = ReplicaState(
-            name=rc.name,
-            base_url=rc.url,
-            engine=rc.engine,
-            labels=dict(rc.labels),
-            block_size=rc.block_size or 16,
-            max_running=rc.max_running,
-            dp_rank=rc.dp_rank,
-        )
-        self._headers = {"Authorization": f"Bearer {rc.api_key}"} if rc.api_key else {}
+        self.state = new_state(rc)
         self._was_ready: bool | None = None
         self.hysteresis = ProbeHysteresis(cfg.fail_threshold, cfg.success_threshold)
-
-    async def _probe(self, path: str) -> tuple[int, str] | None:
-        try:
-            async with asyncio.timeout(self._cfg.probe_timeout_s):
-                async with self._session.get(self.config.url + path, headers=self._headers) as r:
-                    return r.status, await r.text(errors="replace")
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            log.debug("probe %s%s failed: %r", self.config.name, path, e)
-            return None
+        # Why the last round left it not ready (None: it was ready); the most recent
+        # such cause, kept after it clears, and the wall-clock times of the last good
+        # round and of that cause's first round (/admin/replicas shows them).
+        # True until a probe finds it ready: admission does not hear of it before.
+        self.join_when_ready = False
+        self.retired = False
+        self.error: str | None = None
+        self.last_error: str | None = None
+        self.last_error_at: float | None = None
+        self.last_ok: float | None = None
 
     async def refresh(self) -> None:
         """One discovery round: probe, apply, upsert."""
-        paths = tuple(self._adapter.probe_paths)
         loop = asyncio.get_running_loop()
         # The round is stamped with its start: the answers describe the engine at some
         # moment after it (admission compares it with when a request was abandoned).
         now = loop.time()
-        answers = await asyncio.gather(*(self._probe(p) for p in paths))
-        # Adapters read a missing path as "unreachable".
-        results = {p: a for p, a in zip(paths, answers, strict=True) if a is not None}
         state = self.state
-        if self.config.pool_tokens is not None and state.capacity_tokens is None:
-            # A pinned pool is the capacity for engines that cannot report one (the
-            # adapters only call a replica ready once its capacity is known).
-            state.capacity_tokens = self.config.pool_tokens
         before = copy.deepcopy(state) if self.hysteresis.ready else None
-        self._adapter.apply(state, results, now)
-        observed = bool(state.ready)
+        error = await probe_once(
+            self.config, self._adapter, state, self._session, self._cfg.probe_timeout_s, now
+        )
+        observed = error is None  # ready, with a known pool
+        changed = error is not None and error != self.error
+        self._note(error)
         ready = self.hysteresis.observe(observed)
         if ready and not observed and before is not None:
             # A failed round within the hysteresis: keep the last good view.
-            log.debug("probe round of %s failed; still ready (hysteresis)", state.name)
             state = self.state = before
         elif not ready:
             state.ready = False
         self._known_models.update(state.models)
         if self.config.block_size:
             state.block_size = self.config.block_size
-        self.upsert()
+        if state.ready:
+            self.join_when_ready = False
+        if not self.join_when_ready:
+            self.upsert()
         if state.ready != self._was_ready:
-            log.info(
-                "replica %s is %s",
+            self._log_readiness()
+        elif changed:
+            # Once per change of cause, at warning level: the operator's first clue.
+            log.warning(
+                "replica %s: %s%s",
                 state.name,
-                "ready" if state.ready else "not ready",
-                extra={
-                    "fields": {
-                        "replica": state.name,
-                        "ready": state.ready,
-                        "capacity_tokens": self.config.pool_tokens or state.capacity_tokens,
-                        "models": list(state.models),
-                    }
-                },
+                error,
+                " (still ready: hysteresis)" if state.ready else "",
+                extra={"fields": {"replica": state.name, "ready": state.ready, "error": error}},
             )
-            self._was_ready = state.ready
+
+    def _log_readiness(self) -> None:
+        state = self.state
+        why = f": {self.error}" if not state.ready and self.error else ""
+        (log.info if state.ready else log.warning)(
+            "replica %s is %s%s",
+            state.name,
+            "ready" if state.ready else "not ready",
+            why,
+            extra={
+                "fields": {
+                    "replica": state.name,
+                    "ready": state.ready,
+                    "error": None if state.ready else self.error,
+                    "capacity_tokens": self.config.pool_tokens or state.capacity_tokens,
+                    "models": list(state.models),
+                }
+            },
+        )
+        self._was_ready = state.ready
+
+    def _note(self, error: str | None) -> None:
+        """Keep the round's error and the wall-clock times /admin/replicas shows."""
+        wall = time.time()
+        if error is None:
+            self.last_ok = wall
+        elif error != self.error:
+            self.last_error, self.last_error_at = error, wall
+        self.error = error
 
     def upsert(self) -> None:
         """Push the current state (with pinned values) into admission."""
+        if self.retired:  # a round that was under way when it was retired
+            return
         self._door.upsert_replica(
             self.state,
             asyncio.get_running_loop().time(),
@@ -140,8 +192,33 @@ class ReplicaWatcher:
                 log.exception("discovery round for %s failed", self.config.name)
 
 
+@dataclass(slots=True, frozen=True)
+class Endpoint:
+    """Where a replica's requests go: its URL and the headers sent with them."""
+
+    url: str
+    headers: dict[str, str]  # Content-Type and the replica's key (tokenize calls)
+    upstream_headers: dict[str, str]  # and the vLLM data-parallel rank it is pinned to
+
+    @classmethod
+    def of(cls, rc: ReplicaConfig) -> Endpoint:
+        h = {"Content-Type": "application/json"}
+        if rc.api_key:
+            h["Authorization"] = f"Bearer {rc.api_key}"
+        up = dict(h)
+        if rc.dp_rank is not None:  # pinned to the engine rank whose ledger admitted it
+            up["X-data-parallel-rank"] = str(rc.dp_rank)
+        return cls(rc.url, h, up)
+
+
 class Discovery:
-    """All watchers, plus what the pipeline reads from them."""
+    """All watchers, plus what the pipeline reads from them.
+
+    The set of replicas can change while serving (DNS groups, a reloaded config): `add`
+    probes a new replica and starts its watcher; `retire` stops one at once (admission
+    takes no new request for it, `AdmissionDoor.remove_replica`) while its running
+    requests finish; its `Endpoint` stays readable until the ledger has forgotten it.
+    """
 
     def __init__(
         self,
@@ -150,33 +227,94 @@ class Discovery:
         door: AdmissionDoor,
         cfg: DiscoveryConfig,
     ) -> None:
+        self._session = session
+        self._door = door
+        self._cfg = cfg
         # Every model any replica ever served: bounds the model label of metrics.
         self.known_models: set[str] = set()
-        self.watchers = {
-            rc.name: ReplicaWatcher(rc, session, door, cfg, self.known_models) for rc in replicas
-        }
-        self._tasks: list[asyncio.Task[None]] = []
+        self.watchers: dict[str, ReplicaWatcher] = {}
+        self.endpoints: dict[str, Endpoint] = {}
+        self._retired: set[str] = set()  # endpoints kept while requests may still use them
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        for rc in replicas:
+            self._watch(rc)
+
+    def _watch(self, rc: ReplicaConfig, join_when_ready: bool = False) -> ReplicaWatcher:
+        w = ReplicaWatcher(rc, self._session, self._door, self._cfg, self.known_models)
+        w.join_when_ready = join_when_ready
+        self.watchers[rc.name] = w
+        self.endpoints[rc.name] = Endpoint.of(rc)
+        self._retired.discard(rc.name)
+        return w
 
     async def start(self) -> None:
-        results = await asyncio.gather(
-            *(w.refresh() for w in self.watchers.values()), return_exceptions=True
-        )
-        for name, r in zip(self.watchers, results, strict=True):
+        await self._first_rounds(list(self.watchers.values()))
+
+    async def _first_rounds(self, watchers: list[ReplicaWatcher]) -> None:
+        results = await asyncio.gather(*(w.refresh() for w in watchers), return_exceptions=True)
+        for w, r in zip(watchers, results, strict=True):
             if isinstance(r, Exception):
-                log.error("first discovery round for %s failed: %r", name, r)
+                log.error("first discovery round for %s failed: %r", w.config.name, r)
         loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(w.run(), name=f"kvgate-discovery-{name}")
-            for name, w in self.watchers.items()
-        ]
+        for w in watchers:
+            name = w.config.name
+            if self.watchers.get(name) is w and name not in self._tasks:
+                self._tasks[name] = loop.create_task(w.run(), name=f"kvgate-discovery-{name}")
+
+    async def add(self, replicas: list[ReplicaConfig], *, join_when_ready: bool = False) -> None:
+        """Watch new replicas (a name already watched is replaced); each is probed at
+        once. `join_when_ready`: admission hears of one only once a probe finds it ready
+        (an address from DNS is nobody's replica until it answers)."""
+        for rc in replicas:
+            old = self.watchers.get(rc.name)
+            if old is not None:  # replaced: admission keeps the replica and its ledger
+                old.retired = True
+                task = self._tasks.pop(rc.name, None)
+                if task is not None:
+                    task.cancel()
+        await self._first_rounds([self._watch(rc, join_when_ready) for rc in replicas])
+
+    def retire(self, name: str) -> None:
+        """Stop watching `name`: no new request goes to it from now on; running ones
+        finish, and the ledger forgets it when the last is released."""
+        w = self.watchers.pop(name, None)
+        if w is None:
+            return
+        w.retired = True
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+        self._door.remove_replica(name)
+        self._retired.add(name)
+        log.info(
+            "replica %s retired", name, extra={"fields": {"replica": name, "url": w.config.url}}
+        )
+
+    def prune(self) -> None:
+        """Forget the endpoints of retired replicas the ledger no longer holds."""
+        if not self._retired:
+            return
+        held = set(self._door.report.replica_names())
+        for name in [n for n in self._retired if n not in held]:
+            self._retired.discard(name)
+            self.endpoints.pop(name, None)
+
+    def same_server(self, name: str) -> frozenset[str]:
+        """The replicas behind `name`'s URL (the ranks of one vLLM data-parallel server):
+        a refused connection says every one of them is down."""
+        ep = self.endpoints.get(name)
+        if ep is None:
+            return frozenset({name})
+        return frozenset(n for n, w in self.watchers.items() if w.config.url == ep.url) | {name}
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._tasks.values())
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        self._tasks = []
+        self._tasks = {}
 
     def mark_down(self, name: str) -> None:
         """The request path found `name` down (refused connection): it stays out until

@@ -22,6 +22,7 @@ import logging
 import math
 from collections.abc import Callable
 
+from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.patience import ClientEnd
 from admission.report import AdmissionReport
@@ -222,6 +223,11 @@ class AdmissionDoor:
     ) -> None:
         """Take another process's learned running limit for `replica` (shared state)."""
         self._resolve(self._controller.adopt_limit(replica, value, reason, self._time(now)))
+
+    def reconfigure(self, config: AdmissionConfig, router: Router | None = None) -> None:
+        """Reloaded admission settings (and routing policy), from now on."""
+        self._resolve(self._controller.reconfigure(config, router, self._loop.time()))
+        self._rearm()
 
     def set_tenants(self, tenants: Callable[[str], TenantLimits | None]) -> None:
         self._controller.set_tenants(tenants)

@@ -73,12 +73,6 @@ class Failover:
         # The pipeline's release stage: a retry gives its failed admission back first.
         self._release = release
         self._retry_once = config.upstream.retry_once
-        # The engine ranks of a vLLM data-parallel server share its URL: a refused
-        # connection says every one of them is down.
-        self._same_server = {
-            rc.name: frozenset(o.name for o in config.replicas if o.url == rc.url)
-            for rc in config.replicas
-        }
         self._loop = asyncio.get_running_loop()
         self.ejection = OutlierEjection.from_config(
             config.outlier, [rc.name for rc in config.replicas]
@@ -140,7 +134,7 @@ class Failover:
             extra={"fields": {"replica": replica, "kind": f.kind, "request_id": ctx.request_id}},
         )
         if f.kind == "connect":
-            for name in self._same_server[replica]:
+            for name in self.discovery.same_server(replica):
                 self.door.mark_unready(name, self._loop.time())
                 self.discovery.mark_down(name)
         if not (f.retryable and self._retry_once and ctx.attempts == 0):
@@ -197,7 +191,7 @@ class Failover:
         """
         ctx.attempts += 1
         self._release(ctx)
-        avoid = ctx.avoid | self._same_server[failed]
+        avoid = ctx.avoid | self.discovery.same_server(failed)
         if kind != "dropped" or self._serves_elsewhere(ctx.model, avoid):
             ctx.avoid = avoid
         # else a connection lost on the model's only server: the retry goes back to it, as

@@ -44,6 +44,7 @@ from gateway.door import AdmissionDoor
 from gateway.errors import ApiError, invalid_request
 from gateway.failover import Failover
 from gateway.kvtokens import PromptTokenIds
+from gateway.logging import REQUEST_ID
 from gateway.metrics import GatewayMetrics
 from gateway.relay import Relay
 from gateway.schemas import (
@@ -118,16 +119,8 @@ class Pipeline:
         self._retries = RetryMemory(
             config.admission.retry_memory_s, config.admission.retry_memory_entries
         )
-        # Per-replica constants, computed once: URL and the headers sent upstream.
-        self._urls = {rc.name: rc.url for rc in config.replicas}
-        self._headers: dict[str, dict[str, str]] = {}
-        for rc in config.replicas:
-            h = {"Content-Type": "application/json"}
-            if rc.api_key:
-                h["Authorization"] = f"Bearer {rc.api_key}"
-            if rc.dp_rank is not None:  # pinned to the engine rank whose ledger admitted it
-                h["X-data-parallel-rank"] = str(rc.dp_rank)
-            self._headers[rc.name] = h
+        # Per-replica URL and headers: discovery's endpoints (replicas come and go).
+        self._endpoints = discovery.endpoints
         # Prefix block hashes are computed once per request, only when a routing profile
         # reads them or a replica of the model counts shared prefixes once
         # (admission.prefixshare).
@@ -186,6 +179,7 @@ class Pipeline:
             arrival=now,
         )
         task = self.in_flight.enter(ctx)
+        bound = REQUEST_ID.set(ctx.request_id)  # on every log line of this request
         try:
             if self.draining:
                 raise shutting_down(self.config)
@@ -225,6 +219,7 @@ class Pipeline:
             finally:
                 self.release(ctx)
                 self.in_flight.leave(task)
+                REQUEST_ID.reset(bound)
 
     # ================================================================== stages
     def authenticate(self, request: web.Request, ctx: RequestContext) -> None:
@@ -431,9 +426,10 @@ class Pipeline:
         while True:
             replica = ctx.replica
             assert replica is not None
-            headers = {**self._headers[replica], "X-Request-Id": ctx.request_id}
+            endpoint = self._endpoints[replica]
+            headers = {**endpoint.upstream_headers, "X-Request-Id": ctx.request_id}
             try:
-                resp = await self.relay.forward(request, ctx, self._urls[replica], headers, data)
+                resp = await self.relay.forward(request, ctx, endpoint.url, headers, data)
             except UpstreamFailure as f:
                 if await self.failover.recovered(ctx, replica, f):
                     continue  # admitted elsewhere: send it there

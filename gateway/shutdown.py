@@ -10,12 +10,16 @@ and queued requests get from the moment shutdown begins (`draining`).
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any
 
 from aiohttp import web
 
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext
 from gateway.errors import ApiError
+
+log = logging.getLogger("kvgate")
 
 
 def shutting_down(config: GatewayConfig) -> ApiError:
@@ -86,3 +90,31 @@ class InFlight:
                 pass
             return resp
         return err.response({"x-request-id": ctx.request_id})
+
+
+def _await_chain(task: asyncio.Task[Any]) -> str:
+    """Where `task` waits: its coroutines from the outermost to the innermost (a task's
+    own stack shows only the outermost), then what the innermost awaits."""
+    out: list[str] = []
+    obj: Any = task.get_coro()
+    for _ in range(64):
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
+        if frame is None:
+            out.append(type(obj).__name__)  # a future or a task: it waits on that
+            break
+        code = frame.f_code
+        out.append(f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}:{frame.f_lineno}")
+        nxt = getattr(obj, "cr_await", None) or getattr(obj, "gi_yieldfrom", None)
+        if nxt is None:
+            break
+        obj = nxt
+    return " -> ".join(out)
+
+
+def log_pending_tasks(current: asyncio.Task[Any] | None) -> None:
+    """Where the stopping task waits (its whole await chain), then every other task."""
+    tasks = [current] if current is not None else []
+    tasks += [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    for task in tasks:
+        role = "stopping" if task is current else "pending"
+        log.warning("kvgate: %s task %s at %s", role, task.get_name(), _await_chain(task))

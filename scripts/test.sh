@@ -18,12 +18,15 @@ while IFS='=' read -r key value; do
   export "$key=$value"
 done <<<"$vllm_env"
 
-# Debian tools the deploy tests run (tests/deploy): prometheus and promtool (the
-# dashboard and alert rules are checked by Prometheus itself) and docker-compose (its
-# `config` validates the compose file offline, with no engine).
+# Debian tools the tests run: prometheus and promtool (tests/deploy: the dashboard and
+# alert rules are checked by Prometheus itself), docker-compose (its `config` validates
+# the compose file offline, with no engine) and dnsmasq.
 need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+# dnsmasq (no system service: the binary only) is the DNS server tests/gateway/test_dns.py
+# starts on loopback and changes records of while kvgate runs.
+[ -x /usr/sbin/dnsmasq ] || command -v dnsmasq >/dev/null 2>&1 || need+=(dnsmasq-base)
 if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}") >/dev/null
 fi

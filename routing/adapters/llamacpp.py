@@ -65,6 +65,7 @@ KvLayout = Literal["auto", "per_slot", "unified"]
 class LlamaCppAdapter:
     engine = "llamacpp"
     probe_paths: tuple[str, ...] = ("/props", "/v1/models", "/slots")
+    missing_capacity = "no n_ctx in /props: is this llama.cpp's llama-server? (engine: llamacpp)"
 
     def __init__(self, kv_layout: KvLayout = "auto") -> None:
         if kv_layout not in ("auto", "per_slot", "unified"):

@@ -20,6 +20,7 @@ from routing.types import ReplicaState
 class OpenAIAdapter:
     engine = "openai"
     probe_paths: tuple[str, ...] = ("/v1/models",)
+    missing_capacity = "an openai server reports no KV pool: set pool_tokens"
 
     def apply(self, state: ReplicaState, responses: Responses, now: float) -> None:
         state.updated_at = now

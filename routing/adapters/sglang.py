@@ -49,6 +49,9 @@ def _lookup(info: dict[str, Any], key: str) -> int | None:
 class SGLangAdapter:
     engine = "sglang"
     probe_paths: tuple[str, ...] = ("/server_info", "/metrics", "/v1/models")
+    missing_capacity = (
+        "no max_total_num_tokens in /server_info or /metrics: is this SGLang? (engine: sglang)"
+    )
 
     def apply(self, state: ReplicaState, responses: Responses, now: float) -> None:
         state.updated_at = now

@@ -61,6 +61,8 @@ from routing.types import ReplicaState
 class VLLMAdapter:
     engine = "vllm"
     probe_paths: tuple[str, ...] = ("/metrics", "/v1/models")
+    # Why a replica that answered every probe is still not ready (gateway/probe.py).
+    missing_capacity = "no vllm:cache_config_info in /metrics: is this vLLM? (engine: vllm)"
 
     def apply(self, state: ReplicaState, responses: Responses, now: float) -> None:
         state.updated_at = now

@@ -129,7 +129,7 @@ def test_known_but_unready_replica_limits_still_refuse() -> None:
     verdict = ctrl.submit(request("long", 600, 10), 0.0).verdict
     assert isinstance(verdict, Refuse) and verdict.status == 400
     shed = ctrl.submit(request("short", 10, 10), 0.0).verdict
-    assert isinstance(shed, Shed) and shed.reason == "no_replica" and shed.status == 503
+    assert isinstance(shed, Shed) and shed.reason == "no_replica_ready" and shed.status == 503
 
 
 def test_replica_without_capacity_receives_nothing() -> None:
@@ -137,7 +137,7 @@ def test_replica_without_capacity_receives_nothing() -> None:
     ctrl.upsert_replica(replica(capacity=None), 0.0)
     assert ctrl.report.models() == set()
     verdict = ctrl.submit(request("a"), 0.0).verdict
-    assert isinstance(verdict, Shed) and verdict.reason == "no_replica"
+    assert isinstance(verdict, Shed) and verdict.reason == "no_replica_ready"
     # A pinned capacity makes it usable.
     ctrl.upsert_replica(replica(capacity=None), 1.0, pinned_capacity=500)
     assert ctrl.report.models() == {"m"}

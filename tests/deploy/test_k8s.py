@@ -265,4 +265,25 @@ def test_the_configmap_is_a_valid_kvgate_config(
         check=False,
     )
     assert r.returncode == 0, r.stderr
-    assert "config OK (2 replicas)" in r.stdout
+    assert "config OK (0 replicas, 1 DNS groups)" in r.stdout
+
+
+def test_engines_from_a_headless_service_and_scaled_on_the_signal() -> None:
+    # The group in the ConfigMap names the example headless Service, at its port.
+    group = yaml.safe_load((K8S / "base" / "kvgate.yaml").read_text())["replica_groups"][0]
+    (svc,) = yaml.safe_load_all((K8S / "examples" / "vllm-headless-service.yaml").read_text())
+    validate(svc)
+    assert svc["spec"]["clusterIP"] == "None"
+    ns = svc["metadata"]["namespace"]
+    assert group["host"] == f"{svc['metadata']['name']}.{ns}.svc.cluster.local"
+    assert group["port"] == svc["spec"]["ports"][0]["port"]
+    # KEDA scales that Deployment on the gauge, as the HPA's replicas = its value.
+    (scaled,) = yaml.safe_load_all((K8S / "examples" / "vllm-scaledobject.yaml").read_text())
+    assert scaled["kind"] == "ScaledObject" and scaled["metadata"]["namespace"] == ns
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"]["name"] == svc["spec"]["selector"]["app.kubernetes.io/name"]
+    (trigger,) = spec["triggers"]
+    query = trigger["metadata"]["query"]
+    assert trigger["type"] == "prometheus" and query.startswith("max(kvgate_model_desired_replicas")
+    assert trigger["metadata"]["metricType"] == "AverageValue"
+    assert trigger["metadata"]["threshold"] == "1"

@@ -69,6 +69,8 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
         routing: dict[str, Any] | None = None,
         tenants: list[dict[str, Any]] | None = None,
         outlier: dict[str, Any] | None = None,
+        replica_groups: list[dict[str, Any]] | None = None,
+        dns: dict[str, Any] | None = None,
         **replica_fields: Any,
     ) -> Gateway:
         if replicas is None:
@@ -94,6 +96,8 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
             "routing": routing or {},
             "tenants": tenants or [],
             "outlier": outlier or {},
+            "replica_groups": replica_groups or [],
+            "dns": dns or {},
         }
         gw = Gateway(config_from_mapping(data, env={}), host="127.0.0.1", port=0)
         await gw.start()

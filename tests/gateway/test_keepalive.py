@@ -115,7 +115,9 @@ async def test_no_connection_idle_as_long_as_the_engines_close_is_reused(replica
     url = await relay.start()
     try:
         # Probes off after the first round: only requests use the pool.
-        gw = await gateway(replicas=[{"name": "r0", "url": url}], discovery={"refresh_interval_s": 60.0})
+        gw = await gateway(
+            replicas=[{"name": "r0", "url": url}], discovery={"refresh_interval_s": 60.0}
+        )
         async with aiohttp.ClientSession() as client:
             for pause in (0.0, 4.5):
                 await asyncio.sleep(pause)

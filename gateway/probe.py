@@ -1,0 +1,103 @@
+"""One probe round of one replica, and why it left the replica not ready, in words.
+
+`fetch_round` GETs the adapter's probe paths and keeps, per path, either the answer
+(status, body) or what went wrong (refused, timed out, a TLS or DNS error). The adapter
+reads only the answers; `explain` reads the rest and the state the adapter left, and
+names the first cause an operator can act on:
+
+- the URL ends in ``/v1`` (the ``base_url`` habit): kvgate adds ``/v1/...`` itself;
+- a path that could not be fetched (``connection refused``, ``timed out after 2 s``);
+- a path that answered an HTTP error (404 on an engine's own path: is this that engine?);
+- everything answered but the engine's pool or models are missing (the adapter's
+  ``missing_capacity`` words it: ``no vllm:cache_config_info in /metrics: is this vLLM?``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import aiohttp
+
+from routing.adapters import EngineAdapter
+from routing.types import ReplicaState
+
+# path -> (status, body) when it answered, else the failure in words
+Outcomes = dict[str, tuple[int, str] | str]
+
+_ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp's llama-server"}
+
+
+def failure_words(e: BaseException, timeout_s: float) -> str:
+    """A fetch failure as an operator reads it (no library class names)."""
+    if isinstance(e, TimeoutError):
+        return f"timed out after {timeout_s:g} s"
+    if isinstance(e, aiohttp.ClientConnectorDNSError):
+        return f"cannot resolve the host ({e.os_error.strerror or e.os_error})"
+    if isinstance(e, aiohttp.ClientConnectorError):
+        err = e.os_error
+        if isinstance(err, ConnectionRefusedError):
+            return "connection refused"
+        return f"cannot connect ({err.strerror or err})"
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection without answering"
+    if isinstance(e, aiohttp.ClientResponseError):
+        return f"bad HTTP answer ({e.message})"
+    return str(e) or type(e).__name__
+
+
+async def fetch_round(
+    session: aiohttp.ClientSession,
+    url: str,
+    paths: tuple[str, ...],
+    headers: Mapping[str, str],
+    timeout_s: float,
+) -> Outcomes:
+    """GET every path of one replica at once; never raises for a network failure."""
+
+    async def one(path: str) -> tuple[int, str] | str:
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with session.get(url + path, headers=headers) as r:
+                    return r.status, await r.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return failure_words(e, timeout_s)
+
+    answers = await asyncio.gather(*(one(p) for p in paths))
+    return dict(zip(paths, answers, strict=True))
+
+
+def answered(outcomes: Outcomes) -> dict[str, tuple[int, str]]:
+    """What the adapter reads: the paths that answered (a missing one is unreachable)."""
+    return {p: a for p, a in outcomes.items() if not isinstance(a, str)}
+
+
+def explain(
+    url: str,
+    engine: str,
+    adapter: EngineAdapter,
+    outcomes: Outcomes,
+    state: ReplicaState,
+) -> str | None:
+    """Why this round leaves the replica not ready (None: it is ready)."""
+    if state.ready and state.capacity_tokens is not None:
+        return None
+    if url.rstrip("/").endswith("/v1"):
+        root = url.rstrip("/")[: -len("/v1")]
+        return f"the URL ends in /v1: give the server's root ({root}); kvgate adds /v1/... itself"
+    name = _ENGINE_NAMES.get(engine)
+    for path, a in outcomes.items():
+        if isinstance(a, str):
+            return f"GET {url}{path}: {a}"
+    for path, (status, _body) in outcomes.items():
+        if status != 200:
+            why = f"GET {url}{path} answered HTTP {status}"
+            if status == 404 and name is not None and path != "/v1/models":
+                why += f": is this {name}? (engine: {engine})"
+            return why
+    if not state.models:
+        return f"GET {url}/v1/models lists no model"
+    if state.capacity_tokens is None:
+        hint = getattr(adapter, "missing_capacity", None)
+        return hint or f"the engine reports no KV pool: set pool_tokens (engine: {engine})"
+    return f"the engine's answers do not make it ready (engine: {engine})"
