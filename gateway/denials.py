@@ -22,7 +22,7 @@ def rate_limited(policy: TenantState, limit: str, tokens: int, wait: float, now:
     g = policy.rpm if limit == "requests" else policy.tpm
     assert g is not None
     label = "requests per min (RPM)" if limit == "requests" else "tokens per min (TPM)"
-    cap = math.floor(g.limit)
+    cap = g.total  # the tenant's limit, across every gateway process (gateway.ratelimit)
     requested = 1 if limit == "requests" else tokens
     if not math.isfinite(wait):
         return ApiError(
@@ -33,11 +33,18 @@ def rate_limited(policy: TenantState, limit: str, tokens: int, wait: float, now:
             param=None,
             outcome=f"rate_limited_{limit}",
         )
-    used = cap - g.remaining(now)
+    left = g.fleet_remaining(now)
+    shared = ""
+    if left >= requested:  # the tenant has room, but not this process's leased share
+        shared = (
+            f" The budget is shared by several gateway processes and this one's share "
+            f"({math.floor(g.limit)}) is in use until its lease grows."
+        )
     return ApiError(
         429,
         f"Rate limit reached for tenant {policy.name} on {label}: Limit {cap}, Used "
-        f"{used}, Requested {requested}. Please try again in {go_duration(wait)}.",
+        f"{cap - left}, Requested {requested}.{shared} Please try again in "
+        f"{go_duration(wait)}.",
         code="rate_limit_exceeded",
         retry_after=wait,
         outcome=f"rate_limited_{limit}",
