@@ -106,6 +106,30 @@ async def test_slow_body_gets_408(replica, gateway):
     assert srv.core.stats().num_finished == 0  # it never reached the engine
 
 
+async def test_slow_body_connection_is_closed_after_its_408(replica, gateway):
+    """The 408 says ``Connection: close``, and the connection closes with it: kvgate does
+    not linger (aiohttp's 10 s) reading a body it has already answered."""
+    gw = await gateway(await replica(), limits=SLOW)
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":"
+        )
+        await writer.drain()
+        async with asyncio.timeout(10.0):
+            head = await reader.readuntil(b"\r\n\r\n")
+        answered = loop.time()
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert b"connection: close" in head.lower(), head
+        assert await _closed_by_server(reader, within=5.0), "still open 5 s after the 408"
+        closed = loop.time()
+    finally:
+        writer.close()
+    assert closed - answered < 1.0, f"closed {closed - answered:.1f} s after the 408"
+
+
 async def test_client_that_never_reads_its_stream_is_cut_and_released(replica, gateway):
     # Slow enough that the whole answer takes several write timeouts even on a loaded
     # machine: the cut must come long before the engine would finish.
