@@ -103,6 +103,7 @@ class Shed:
     reason: str  # queue_full | deadline | queue_timeout | no_replica | rate_limited ...
     retry_after: float  # seconds, honest estimate of when capacity frees
     status: int = 503
+    binds: str = ""  # the ceiling that keeps it out (admission.binding), when known
 
 
 @dataclass(slots=True, frozen=True)

@@ -51,6 +51,24 @@ def rate_limited(policy: TenantState, limit: str, tokens: int, wait: float, now:
     )
 
 
+# Which ceiling keeps a shed request out (admission.binding), in words.
+_BINDS = {
+    "kv_pool": "are at KV capacity",
+    "kv_share": "are at KV capacity for this gateway process (its leased slice of the pool)",
+    "running_learned": (
+        "are at the running limit kvgate learned for them (their KV pool has room)"
+    ),
+    "running_cap": "are at their running-request cap (max_running; their KV pool has room)",
+    "running_share": (
+        "are at this gateway process's leased share of their running limit "
+        "(their KV pool has room)"
+    ),
+    "tenant_concurrency": "are busy with as many of this tenant's requests as it may run",
+    "queue": "have a queue ahead longer than this request can wait for",
+    "no_replica": "are not ready",
+}
+
+
 def tenant_limit(shed: Shed) -> str:
     """Which of its tenant's caps a 429 shed hit (the ``limit`` label of its metric)."""
     return "concurrency" if shed.reason == "tenant_concurrency" else "queue"
@@ -78,9 +96,10 @@ def shed_error(shed: Shed, ctx: RequestContext, policy: TenantState) -> ApiError
             retry_after=shed.retry_after,
             outcome=f"shed_{shed.reason}",
         )
+    why = _BINDS.get(shed.binds, "are at capacity")
     return ApiError(
         shed.status,
-        f"All replicas serving {ctx.model} are at KV capacity ({shed.reason}); "
+        f"All replicas serving {ctx.model} {why} ({shed.reason}); "
         f"retry after {max(1, math.ceil(shed.retry_after))} s.",
         code="overloaded",
         retry_after=shed.retry_after,
