@@ -60,8 +60,7 @@ _BINDS = {
     ),
     "running_cap": "are at their running-request cap (max_running; their KV pool has room)",
     "running_share": (
-        "are at this gateway process's leased share of their running limit "
-        "(their KV pool has room)"
+        "are at this gateway process's leased share of their running limit (their KV pool has room)"
     ),
     "tenant_concurrency": "are busy with as many of this tenant's requests as it may run",
     "queue": "have a queue ahead longer than this request can wait for",

@@ -115,7 +115,7 @@ async def test_slow_body_connection_is_closed_after_its_408(replica, gateway):
     try:
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":"
+            b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model":'
         )
         await writer.drain()
         async with asyncio.timeout(10.0):
