@@ -434,6 +434,8 @@ class StateSync:
                 "running_limit": d.running_limit,
                 "share_running": d.share_running,
                 "running": d.running,
+                "queued": d.queued,
+                "queued_tokens": d.queued_tokens,
             }
         tenants = {st.name: {"share": st.share} for st in self._tenant_states()}
         return {
