@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -265,6 +266,17 @@ async def judge_http(r: aiohttp.ClientResponse, stream: bool, cut_after: int | N
     return "contract_broken:a stream that ended without [DONE] or an error event"
 
 
+def refused(exc: BaseException) -> bool:
+    """The SDK's connection error was a refused connection (httpx.ConnectError): the
+    gateway it knows was down, and nothing was sent (its retries all landed there too)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, httpx.ConnectError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 class Clients:
     def __init__(self, rig: Rig, seed: int, tally: Tally) -> None:
         self.rig = rig
@@ -362,6 +374,8 @@ class Clients:
                     # A stream's error event: the SDK raises APIError with its body.
                     if e.body is not None and not isinstance(e, openai.APIConnectionError):
                         outcome = "documented"
+                    elif refused(e):
+                        outcome = "excused:refused"  # its gateway was down: nothing sent
                     elif self.excused(gw, start):
                         outcome = "excused:killed"
                     elif isinstance(e, openai.APITimeoutError):
