@@ -277,6 +277,15 @@ def refused(exc: BaseException) -> bool:
     return False
 
 
+def causes(exc: BaseException) -> str:
+    """The exception chain's types and first words, for a lost request's sample."""
+    out, seen = [], exc.__cause__ or exc.__context__
+    while seen is not None and len(out) < 4:
+        out.append(f"{type(seen).__name__}: {str(seen)[:50]}")
+        seen = seen.__cause__ or seen.__context__
+    return " <- ".join(out) or "no cause"
+
+
 class Clients:
     def __init__(self, rig: Rig, seed: int, tally: Tally) -> None:
         self.rig = rig
@@ -381,7 +390,7 @@ class Clients:
                     elif isinstance(e, openai.APITimeoutError):
                         outcome = "lost:sdk timeout"
                     else:
-                        outcome = f"lost:{type(e).__name__} {str(e)[:60]}"
+                        outcome = f"lost:{type(e).__name__} ({causes(e)})"
                 except (aiohttp.ClientError, ConnectionError, ValueError) as e:
                     outcome = f"contract_broken:{type(e).__name__}"
                 kind, _, detail = outcome.partition(":")

@@ -126,9 +126,9 @@ async def test_processes_sharing_one_engine_keep_its_whole_pool(
             pool = max(st["replicas"]["r0"]["effective_tokens"] for st in states)
             sampler = Sampler(engine.url, nodes)
             watch = asyncio.get_running_loop().create_task(sampler.run(s))
-            clients, each = 12, 2  # 12 clients per process (over twice what its slice runs), 2 each
+            clients, each = 12, 3  # 12 clients per process (over twice what its slice runs), 3 each
             try:
-                async with asyncio.timeout(50):
+                async with asyncio.timeout(80):
                     await asyncio.gather(
                         *(load(s, n, each, statuses) for n in nodes for _ in range(clients))
                     )
