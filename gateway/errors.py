@@ -93,6 +93,7 @@ class ApiError(Exception):
         )
         if self.close:
             resp.force_close()
+            resp["kvgate_close_after"] = True  # gateway.http.CLOSE_AFTER: closed once sent
         return resp
 
     def sse_event(self) -> bytes:

@@ -45,6 +45,8 @@ from aiohttp.web_protocol import RequestHandler
 from gateway.errors import ApiError
 
 log = logging.getLogger("kvgate.http")
+# Set on a response (`ApiError.response` with ``close``) whose connection ends with it.
+CLOSE_AFTER = "kvgate_close_after"
 SERVER = "kvgate"
 
 
@@ -75,10 +77,11 @@ class OpenAIErrorRequestHandler(RequestHandler):
         self, request: Any, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
         out = await super().finish_response(request, resp, start_time)
-        if not resp.keep_alive and not request.content.is_eof():
-            # An answer that ends the connection before its body arrived (the 408 of a
-            # slow body): close now, once it is written, instead of lingering (aiohttp's
-            # 10 s) to read a body nobody will use from a client already answered.
+        if resp.get(CLOSE_AFTER) and not request.content.is_eof():
+            # The 408 of a body that did not arrive: close now, once it is written,
+            # instead of lingering (aiohttp's 10 s) to read a body nobody will use. Other
+            # answers to unread bodies (a 413) linger as aiohttp does, so a client still
+            # sending is not reset before it reads its answer.
             self.force_close()
         return out
 
