@@ -47,6 +47,10 @@ def retry_after_headers(seconds: float) -> dict[str, str]:
     }
 
 
+# Set on a response whose connection ends with it (gateway.http closes it once written).
+CLOSE_AFTER = web.ResponseKey("kvgate_close_after", bool)
+
+
 class ApiError(Exception):
     """An error answered to the client as an OpenAI error object."""
 
@@ -93,7 +97,7 @@ class ApiError(Exception):
         )
         if self.close:
             resp.force_close()
-            resp["kvgate_close_after"] = True  # gateway.http.CLOSE_AFTER: closed once sent
+            resp[CLOSE_AFTER] = True  # gateway.http closes the connection once it is sent
         return resp
 
     def sse_event(self) -> bytes:

@@ -42,11 +42,9 @@ from typing import Any
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
-from gateway.errors import ApiError
+from gateway.errors import CLOSE_AFTER, ApiError
 
 log = logging.getLogger("kvgate.http")
-# Set on a response (`ApiError.response` with ``close``) whose connection ends with it.
-CLOSE_AFTER = "kvgate_close_after"
 SERVER = "kvgate"
 
 
