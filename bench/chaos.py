@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -267,11 +266,12 @@ async def judge_http(r: aiohttp.ClientResponse, stream: bool, cut_after: int | N
 
 
 def refused(exc: BaseException) -> bool:
-    """The SDK's connection error was a refused connection (httpx.ConnectError): the
-    gateway it knows was down, and nothing was sent (its retries all landed there too)."""
+    """The SDK's connection error was a refused connection: the gateway it knows was
+    down, and nothing was sent (its retries all landed there too). Read from the chain's
+    ConnectionRefusedError: the SDK ships its own copy of httpx (``httpx2``)."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, httpx.ConnectError):
+        if isinstance(seen, ConnectionRefusedError):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
