@@ -27,6 +27,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 
+from admission.binding import binding_ceiling
 from admission.config import AdmissionConfig
 from admission.fit import round_up
 from admission.retries import ReturningBacklog
@@ -179,7 +180,8 @@ class Shedding:
         key = req.retry_key if req.retry_key is not None else req.request_id
         expires = now + delay * (1.0 + j) + max(self.config.min_retry_after_s, 0.25 * delay)
         self.returning.add(req.model, key, req.arrival, expires, raw, req.tenant)
-        return Shed(req.request_id, reason, delay)
+        binds = binding_ceiling(self._views.serving(req.model), raw, self._queue.capped(req.tenant))
+        return Shed(req.request_id, reason, delay, binds=binds)
 
     def judge(self, entry: Entry, now: float) -> tuple[Queued | Shed, list[Shed]]:
         """Whether a just-queued `entry` that could not be admitted may wait: Queued, or

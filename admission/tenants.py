@@ -176,7 +176,10 @@ class Gcra:
     refill at the rate it held when it spent them (the lease gives that rate back to the
     others as they refill), so the budget stays in use in the meantime."""
 
-    __slots__ = ("total", "share", "refill", "tat", "wanted", "wanted_until", "share_wait_s")
+    __slots__ = (
+        "total", "share", "refill", "tat", "wanted", "wanted_until", "share_wait_s",
+        "others_used", "others_at",
+    )  # fmt: skip
 
     def __init__(self, limit: int) -> None:
         self.total = limit
@@ -191,6 +194,10 @@ class Gcra:
         # How soon a share can grow: the lease renewal the shell runs (set by it; a
         # minute, the window, when nothing renews shares).
         self.share_wait_s = _WINDOW_S
+        # Cells the tenant's other gateway processes had spent and not refilled, as the
+        # shared state reported them at this process's last lease renewal (`others_at`).
+        self.others_used = 0.0
+        self.others_at = -math.inf
 
     @property
     def limit(self) -> float:
@@ -253,6 +260,24 @@ class Gcra:
     def reset(self, now: float) -> float:
         """Seconds until the bucket is full again."""
         return max(0.0, self.tat - now)
+
+    # The tenant's whole budget across every gateway process (what clients are told):
+    # this process's spending now plus the others' as of the last renewal. That part is
+    # at most one renewal old (``state.renew_interval_s``, 0.5 s by default): what they
+    # spent or refilled since shows at the next one.
+    def set_others(self, cells: float, now: float) -> None:
+        self.others_used = max(0.0, cells)
+        self.others_at = now
+
+    def fleet_used(self, now: float) -> float:
+        return self.used(now) + self.others_used
+
+    def fleet_remaining(self, now: float) -> int:
+        return max(0, math.floor(self.total - self.fleet_used(now) + 1e-9))
+
+    def fleet_reset(self, now: float) -> float:
+        """Seconds until the tenant's whole budget is full again at its configured rate."""
+        return max(self.reset(now), self.fleet_used(now) * _WINDOW_S / self.total)
 
     def set_share(self, fraction: float, now: float, refill: float | None = None) -> None:
         """Scale the limit to `fraction` and the refill to `refill` (at least the

@@ -118,6 +118,7 @@ class Shed:
     reason: str
     retry_after: float  # seconds, honest estimate of when capacity frees
     status: int = 503
+    binds: str = ""  # the ceiling that keeps it out (admission.binding), when known
 
 
 @dataclass(slots=True, frozen=True)

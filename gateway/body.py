@@ -37,6 +37,7 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
             408,
             f"The request body did not arrive within {timeout_s:g} s.",
             code="body_timeout",
+            close=True,  # the rest of the body is not awaited (gateway.http)
         ) from None
     if len(raw) > max_bytes:
         raise _too_large(max_bytes)

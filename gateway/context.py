@@ -84,6 +84,7 @@ class RequestContext:
     usage_prompt: int | None = None
     usage_completion: int | None = None
     upstream_error: str | None = None  # failure kind once the stream had started
+    done_seen: bool = False  # the engine's ``data: [DONE]`` was among the events relayed
     # A non-stream request kvgate stopped waiting for (client gone, timeout) while the
     # engine had it: the engine may still be generating it (its reservation is held).
     upstream_abandoned: bool = False

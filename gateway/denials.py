@@ -22,7 +22,7 @@ def rate_limited(policy: TenantState, limit: str, tokens: int, wait: float, now:
     g = policy.rpm if limit == "requests" else policy.tpm
     assert g is not None
     label = "requests per min (RPM)" if limit == "requests" else "tokens per min (TPM)"
-    cap = math.floor(g.limit)
+    cap = g.total  # the tenant's limit, across every gateway process (gateway.ratelimit)
     requested = 1 if limit == "requests" else tokens
     if not math.isfinite(wait):
         return ApiError(
@@ -33,15 +33,39 @@ def rate_limited(policy: TenantState, limit: str, tokens: int, wait: float, now:
             param=None,
             outcome=f"rate_limited_{limit}",
         )
-    used = cap - g.remaining(now)
+    left = g.fleet_remaining(now)
+    shared = ""
+    if left >= requested:  # the tenant has room, but not this process's leased share
+        shared = (
+            f" The budget is shared by several gateway processes and this one's share "
+            f"({math.floor(g.limit)}) is in use until its lease grows."
+        )
     return ApiError(
         429,
         f"Rate limit reached for tenant {policy.name} on {label}: Limit {cap}, Used "
-        f"{used}, Requested {requested}. Please try again in {go_duration(wait)}.",
+        f"{cap - left}, Requested {requested}.{shared} Please try again in "
+        f"{go_duration(wait)}.",
         code="rate_limit_exceeded",
         retry_after=wait,
         outcome=f"rate_limited_{limit}",
     )
+
+
+# Which ceiling keeps a shed request out (admission.binding), in words.
+_BINDS = {
+    "kv_pool": "are at KV capacity",
+    "kv_share": "are at KV capacity for this gateway process (its leased slice of the pool)",
+    "running_learned": (
+        "are at the running limit kvgate learned for them (their KV pool has room)"
+    ),
+    "running_cap": "are at their running-request cap (max_running; their KV pool has room)",
+    "running_share": (
+        "are at this gateway process's leased share of their running limit (their KV pool has room)"
+    ),
+    "tenant_concurrency": "are busy with as many of this tenant's requests as it may run",
+    "queue": "have a queue ahead longer than this request can wait for",
+    "no_replica": "are not ready",
+}
 
 
 # Sheds that say a replica is down or not yet known, not full (a 503 all the same).
@@ -90,9 +114,10 @@ def shed_error(shed: Shed, ctx: RequestContext, policy: TenantState) -> ApiError
             retry_after=shed.retry_after,
             outcome=f"shed_{shed.reason}",
         )
+    why = _BINDS.get(shed.binds, "are at capacity")
     return ApiError(
         shed.status,
-        f"All replicas serving {ctx.model} are at KV capacity ({shed.reason}); "
+        f"All replicas serving {ctx.model} {why} ({shed.reason}); "
         f"retry after {max(1, math.ceil(shed.retry_after))} s.",
         code="overloaded",
         retry_after=shed.retry_after,

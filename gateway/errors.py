@@ -47,6 +47,10 @@ def retry_after_headers(seconds: float) -> dict[str, str]:
     }
 
 
+# Set on a response whose connection ends with it (gateway.http closes it once written).
+CLOSE_AFTER = web.ResponseKey("kvgate_close_after", bool)
+
+
 class ApiError(Exception):
     """An error answered to the client as an OpenAI error object."""
 
@@ -60,6 +64,7 @@ class ApiError(Exception):
         type: str | None = None,
         retry_after: float | None = None,
         outcome: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -70,6 +75,7 @@ class ApiError(Exception):
         self.retry_after = retry_after
         # Short label for metrics and the access log; defaults to the code.
         self.outcome = outcome or code or f"http_{status}"
+        self.close = close  # the answer ends the connection (Connection: close)
 
     def body(self) -> dict[str, dict[str, str | None]]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
@@ -83,12 +89,16 @@ class ApiError(Exception):
             headers.update(retry_after_headers(self.retry_after))
         if extra_headers:
             headers.update(extra_headers)
-        return web.Response(
+        resp = web.Response(
             status=self.status,
             body=self.to_bytes(),
             content_type="application/json",
             headers=headers,
         )
+        if self.close:
+            resp.force_close()
+            resp[CLOSE_AFTER] = True  # gateway.http closes the connection once it is sent
+        return resp
 
     def sse_event(self) -> bytes:
         """The error as one SSE event, for failures after a stream has started (the status

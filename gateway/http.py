@@ -10,7 +10,8 @@ Policy, and why:
 - **A slow client cannot hold a connection.** A connection that has not sent a complete
   request head within ``limits.header_timeout_s`` of opening (or of its last answer) is
   closed (aiohttp's keep-alive timer: slowloris); a body must arrive within
-  ``limits.body_timeout_s`` (408, `gateway.pipeline`); a client that takes none of its
+  ``limits.body_timeout_s`` (408, `gateway.body`, and the connection is closed with it);
+  a client that takes none of its
   answer for ``limits.client_write_timeout_s`` is cut (`gateway.relay`).
 - **A client that stops reading costs a bounded buffer.** Linux grows a socket's send
   buffer up to ``net.ipv4.tcp_wmem``'s maximum (4 MiB by default): a stuck client would
@@ -41,7 +42,7 @@ from typing import Any
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
-from gateway.errors import ApiError
+from gateway.errors import CLOSE_AFTER, ApiError
 
 log = logging.getLogger("kvgate.http")
 SERVER = "kvgate"
@@ -69,6 +70,18 @@ class OpenAIErrorRequestHandler(RequestHandler):
                 except OSError:  # pragma: no cover - a platform without the option
                     pass
         super().connection_made(transport)
+
+    async def finish_response(
+        self, request: Any, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        out = await super().finish_response(request, resp, start_time)
+        if resp.get(CLOSE_AFTER) and not request.content.is_eof():
+            # The 408 of a body that did not arrive: close now, once it is written,
+            # instead of lingering (aiohttp's 10 s) to read a body nobody will use. Other
+            # answers to unread bodies (a 413) linger as aiohttp does, so a client still
+            # sending is not reset before it reads its answer.
+            self.force_close()
+        return out
 
     def handle_error(
         self,

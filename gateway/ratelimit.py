@@ -1,8 +1,11 @@
 """OpenAI's rate-limit headers and durations, from a tenant's limits (`admission.tenants`).
 
-The headers carry true values: ``x-ratelimit-limit-*`` the limit, ``-remaining-*`` what
-this moment leaves, ``-reset-*`` when it is whole again, for requests (rpm) and tokens
-(tpm); a tenant with no limit of a kind sends no headers of that kind.
+The headers carry true values: ``x-ratelimit-limit-*`` the tenant's configured limit,
+``-remaining-*`` what this moment leaves of it, ``-reset-*`` when it is whole again, for
+requests (rpm) and tokens (tpm); a tenant with no limit of a kind sends no headers of
+that kind. With several gateway processes sharing a tenant's budget (the Redis state
+backend) they describe the whole budget, not this process's leased share: the others'
+spending is the one the shared state reported at the last lease renewal (`Gcra.fleet_used`).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ def rate_limit_headers(limiter: TenantLimiter, tenant: str, now: float) -> dict[
     for kind, g in (("requests", st.rpm), ("tokens", st.tpm)):
         if g is None:
             continue
-        out[f"x-ratelimit-limit-{kind}"] = str(math.floor(g.limit))
-        out[f"x-ratelimit-remaining-{kind}"] = str(g.remaining(now))
-        out[f"x-ratelimit-reset-{kind}"] = go_duration(g.reset(now))
+        out[f"x-ratelimit-limit-{kind}"] = str(g.total)
+        out[f"x-ratelimit-remaining-{kind}"] = str(g.fleet_remaining(now))
+        out[f"x-ratelimit-reset-{kind}"] = go_duration(g.fleet_reset(now))
     return out
 
 

@@ -397,6 +397,9 @@ class Relay:
         up: aiohttp.ClientResponse | None = None
         resp: web.StreamResponse | None = None
         clean = False
+        # [DONE] reached the client's socket: a client that closes after it has its
+        # whole answer (it need not wait for the chunked body's last bytes).
+        done_out = False
         failure: UpstreamFailure | None = None
         # A timeout while writing (wd.writing) is the client's stall, not the engine's.
         wd = _Watchdog(
@@ -427,6 +430,7 @@ class Relay:
                             if resp is None:
                                 resp = await self._start_client_stream(request, ctx, up)
                             await _write(resp, out)
+                            done_out = ctx.done_seen
                             wd.writing = False
                             now = loop.time()
                             if ctx.first_byte_at is None:
@@ -449,6 +453,13 @@ class Relay:
                 except asyncio.CancelledError:
                     if wd.expired():
                         raise TimeoutError from None
+                    task = asyncio.current_task()
+                    if done_out and ctx.upstream_error is None and task is not None:
+                        # aiohttp cancels the handler when its client closes; one that
+                        # closes after [DONE] had its whole answer: a completion.
+                        task.uncancel()
+                        ctx.outcome = "ok"
+                        return resp if resp is not None else web.Response(status=499)
                     raise
             except TimeoutError:
                 if wd.writing and loop.time() < total_deadline:
@@ -469,6 +480,9 @@ class Relay:
                     retryable=resp is None,
                 )
             except ClientGone:
+                if done_out and ctx.upstream_error is None:
+                    ctx.outcome = "ok"
+                    return resp if resp is not None else web.Response(status=499)
                 ctx.outcome = "client_disconnect"
                 ctx.status = 499
                 # Nobody reads this response; aiohttp drops it on the closed transport.
@@ -499,9 +513,10 @@ class Relay:
                 if not await self._end(request, resp, ctx):
                     return resp
             except ConnectionError:
-                ctx.outcome = "client_disconnect"
-                ctx.status = 499
-                return resp
+                if not (done_out and ctx.upstream_error is None):
+                    ctx.outcome = "client_disconnect"
+                    ctx.status = 499
+                    return resp
             # An error event from the engine ended it: an upstream error, not a completion.
             ctx.outcome = "ok" if ctx.upstream_error is None else f"upstream_{ctx.upstream_error}"
             return resp
@@ -629,6 +644,7 @@ class Relay:
             return None  # comments, keep-alives, other fields: pass through
         at = start + 6 if buf.startswith(b" ", start + 5) else start + 5
         if buf.startswith(b"[DONE]", at):
+            ctx.done_seen = True
             return None
         if buf.startswith(b'{"error"', at):
             try:

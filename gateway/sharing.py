@@ -26,6 +26,9 @@ Tenant budgets
     an idle one's decays, and the limiter scales this process's limits to the granted
     fraction
     (`TenantLimiter.set_share`). The fractions of all processes sum to at most 1.
+    Each process also reports the cells it spent of each kind (``spent:<name>:<kind>``,
+    asking for nothing), so its rate-limit headers tell the tenant's whole limit and what
+    is left of it fleet-wide (`Gcra.fleet_used`), not its own share.
 
 Redis unreachable (``on_unreachable``)
     ``fail-open``: the process keeps admitting from its slices, each cut to at most 1/N of
@@ -67,7 +70,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from admission.report import AdmissionReport, PoolDemand
-from admission.tenants import TenantLimiter, TenantState
+from admission.tenants import Gcra, TenantLimiter, TenantState
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
@@ -100,6 +103,12 @@ def tenant_held(st: TenantState, now: float) -> float:
         if g is not None and g.total > 0:
             held = max(held, g.used(now) / g.total)
     return min(1.0, held)
+
+
+def spent(g: Gcra, now: float) -> int:
+    """Cells of a tenant's bucket this process spent and has not refilled, reported so
+    that every process tells its clients what is left of the whole budget."""
+    return math.ceil(g.used(now) - 1e-9)
 
 
 def _limited(st: TenantState) -> bool:
@@ -270,6 +279,11 @@ class StateSync:
                     # demand, and the share can grow within a renewal or two.
                     g.share_wait_s = 2 * self.config.renew_interval_s
                     want = max(want, g.demand(now))
+                for kind, g in (("requests", st.rpm), ("tokens", st.tpm)):
+                    if g is not None:  # reported only: what the clients' headers tell
+                        requests.append(
+                            LeaseRequest(f"spent:{st.name}:{kind}", g.total, 0, spent(g, now))
+                        )
                 requests.append(
                     LeaseRequest(
                         f"tenant:{st.name}",
@@ -311,6 +325,9 @@ class StateSync:
                 others_tokens=pool.others_used if pool is not None else 0,
             )
         for st in tenants:
+            for kind, g in (("requests", st.rpm), ("tokens", st.tpm)):
+                if g is not None and (spent_lease := leases.get(f"spent:{st.name}:{kind}")):
+                    g.set_others(spent_lease.others_used, now)
             lease = leases.get(f"tenant:{st.name}")
             if lease is not None:
                 units, refill = lease.granted, lease.refill()
@@ -417,6 +434,8 @@ class StateSync:
                 "running_limit": d.running_limit,
                 "share_running": d.share_running,
                 "running": d.running,
+                "queued": d.queued,
+                "queued_tokens": d.queued_tokens,
             }
         tenants = {st.name: {"share": st.share} for st in self._tenant_states()}
         return {

@@ -191,11 +191,20 @@ def test_set_share_scales_rates_and_concurrency() -> None:
     lim.set_share("a", 0.25, 0.0)
     st = lim.get("a")
     assert (st.max_concurrent, st.max_queued) == (2, 2)
-    assert rate_limit_headers(lim, "a", 0.0)["x-ratelimit-limit-requests"] == "15"
+    assert st.rpm is not None and st.rpm.limit == 15
     for _ in range(15):
         assert lim.check("a", 1, 0.0).limit is None
         lim.charge("a", 1, 0.0)
     assert lim.check("a", 1, 0.0).limit == "requests"
+    # The headers tell the tenant's limit and what is left of it across processes: the
+    # others reported 30 spent at the last renewal.
+    st.rpm.set_others(30, 0.0)
+    headers = rate_limit_headers(lim, "a", 0.0)
+    assert headers["x-ratelimit-limit-requests"] == "60"
+    assert headers["x-ratelimit-remaining-requests"] == "15"
+    # Full again when this process's 15 have refilled at its quarter of the rate.
+    assert headers["x-ratelimit-reset-requests"] == "1m0s"
+    st.rpm.set_others(0, 0.0)  # alone again
     # A request over this process's share but within the total: a minute, not never.
     assert lim.check("a", 2000, 100.0) == RateVerdict("tokens", 60.0)
     lim.set_share("a", 1.0, 0.0)

@@ -285,3 +285,22 @@ async def test_a_shed_request_that_comes_back_is_not_counted_twice(replica, gate
             # Expected back once: its own earlier shed does not count ahead of it.
             assert gw.report.returning() == 1, attempt
         big.close()
+
+
+async def test_a_shed_by_the_learned_running_limit_says_so_not_kv_capacity(replica, gateway):
+    """The learned limit lets one request run while the pool is almost empty: the one
+    that cannot wait is told the running limit binds, not that the KV pool is full."""
+    srv = await replica(speed=5.0)
+    gw = await gateway(
+        srv,
+        pool_tokens=100_000,
+        admission={"learn_limit": True, "initial_limit": 1, "queue_max_per_model": 0},
+    )
+    async with aiohttp.ClientSession() as s:
+        held = await hold_pool(s, gw, 200)
+        async with s.post(gw.url + "/v1/chat/completions", json=body(16)) as r:
+            assert r.status == 503
+            message = (await r.json())["error"]["message"]
+        held.close()
+    assert "running limit kvgate learned" in message, message
+    assert "KV capacity" not in message, message

@@ -106,6 +106,30 @@ async def test_slow_body_gets_408(replica, gateway):
     assert srv.core.stats().num_finished == 0  # it never reached the engine
 
 
+async def test_slow_body_connection_is_closed_after_its_408(replica, gateway):
+    """The 408 says ``Connection: close``, and the connection closes with it: kvgate does
+    not linger (aiohttp's 10 s) reading a body it has already answered."""
+    gw = await gateway(await replica(), limits=SLOW)
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model":'
+        )
+        await writer.drain()
+        async with asyncio.timeout(10.0):
+            head = await reader.readuntil(b"\r\n\r\n")
+        answered = loop.time()
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert b"connection: close" in head.lower(), head
+        assert await _closed_by_server(reader, within=5.0), "still open 5 s after the 408"
+        closed = loop.time()
+    finally:
+        writer.close()
+    assert closed - answered < 1.0, f"closed {closed - answered:.1f} s after the 408"
+
+
 async def test_client_that_never_reads_its_stream_is_cut_and_released(replica, gateway):
     # Slow enough that the whole answer takes several write timeouts even on a loaded
     # machine: the cut must come long before the engine would finish.
@@ -183,3 +207,84 @@ async def test_client_that_stops_reading_at_the_end_of_its_stream_is_released(re
         writer.close()
     text = gw.state.metrics.render().decode()
     assert 'outcome="client_stalled"' in text
+
+
+class TailDelay:
+    """A TCP relay in front of a replica that holds what follows an engine's ``[DONE]``
+    (the chunked body's end) for `delay_s`: a real engine writes the two apart, and this
+    makes the gap between them long enough for a client to close inside it."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.target_port = target_port
+        self.delay_s = delay_s
+        self.server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, hold: bool) -> None:
+        try:
+            while data := await r.read(65536):
+                at = data.find(b"data: [DONE]\n\n") if hold else -1
+                if at >= 0:
+                    cut = at + len(b"data: [DONE]\n\n") + 2  # with the chunk's CRLF
+                    w.write(data[:cut])
+                    await w.drain()
+                    await asyncio.sleep(self.delay_s)
+                    data = data[cut:]
+                w.write(data)
+                await w.drain()
+        except ConnectionError:
+            pass
+        finally:
+            w.close()
+
+    async def _conn(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection("127.0.0.1", self.target_port)
+        await asyncio.gather(self._pipe(cr, uw, False), self._pipe(ur, cw, True))
+
+
+async def test_a_stream_closed_right_after_its_done_is_ok(replica, gateway):
+    """A client that closes its connection as soon as it reads ``[DONE]`` (before the
+    chunked body's last bytes) got its whole answer: the outcome is ``ok``, not a
+    disconnect."""
+    from tests.gateway.test_ops import scrape
+
+    srv = await replica()
+    tail = TailDelay(int(srv.url.rsplit(":", 1)[1]), 0.3)
+    await tail.start()
+    gw = await gateway(replicas=[{"name": "r0", "url": tail.url}])
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+         "stream": True}
+    ).encode()  # fmt: skip
+    runs = 3
+    for _ in range(runs):
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        await writer.drain()
+        seen = b""
+        async with asyncio.timeout(10.0):
+            while b"data: [DONE]" not in seen:
+                got = await reader.read(4096)
+                assert got, seen
+                seen += got
+        writer.transport.abort()  # gone at once, as a client done with its answer is
+    assert await wait_for(lambda: gw.state.pipeline.inflight == 0, within=10.0)
+    live = await scrape(gw)
+    outcomes = {
+        dict(labels)["outcome"]: v for (name, labels), v in live.items()
+        if name == "kvgate_requests_total"
+    }  # fmt: skip
+    assert outcomes.get("ok") == runs, outcomes
+    assert gw.report.reserved_tokens() == 0
+    assert tail.server is not None
+    tail.server.close()

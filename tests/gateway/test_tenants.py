@@ -346,7 +346,8 @@ async def test_a_larger_share_admits_waiting_requests_at_once(replica, gateway):
             gw.url + "/v1/chat/completions", json=body(200, stream=True), headers=auth(KEY_A)
         )
         assert len(await read_events(held, 1)) == 1
-        assert held.headers["x-ratelimit-limit-requests"] == "50"
+        # The headers tell the tenant's limit, not this process's share of it.
+        assert held.headers["x-ratelimit-limit-requests"] == "100"
         waiting = asyncio.create_task(post(s, gw, KEY_A, body()))
         assert await wait_for(lambda: gw.report.tenant_queued("a") == 1)
         gw.state.set_tenant_share("a", 1.0)

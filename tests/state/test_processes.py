@@ -517,3 +517,48 @@ async def test_workers_die_with_a_killed_supervisor(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_rate_limit_headers_tell_the_tenants_limit_across_three_processes(
+    tmp_path: Path, redis_url: str, prefix: str, replica: Any, nodes: list[Node]
+) -> None:
+    """Three processes each lease a third of a tenant's rpm 60: the headers and the 429
+    still tell the tenant's limit (60, not the 20 of one share) and what is left of it
+    across the three (the others' spending as of the last renewal)."""
+    rpm = 60
+    await _start_rpm_tenant(tmp_path, redis_url, prefix, replica, nodes, rpm)
+    body = {**BODY, "max_tokens": 2}
+    auth = {"Authorization": "Bearer sk-team-a"}
+    loop = asyncio.get_running_loop()
+
+    async def send(s: aiohttp.ClientSession, node: Node) -> tuple[int, dict[str, str], Any]:
+        async with s.post(node.url + "/v1/chat/completions", json=body, headers=auth) as r:
+            return r.status, dict(r.headers), await r.json()
+
+    async with aiohttp.ClientSession() as s:
+        await states_when(s, nodes, all_see(3), "not every process sees three")
+        t0 = loop.time()
+        spent = 0
+        for node in (nodes[1], nodes[2]):
+            for _ in range(5):
+                status, _, _ = await send(s, node)
+                assert status == 200
+                spent += 1
+        await asyncio.sleep(1.0)  # two renewals: the others' spending reaches node 0
+        status, headers, _ = await send(s, nodes[0])
+        spent += 1
+        refilled = (loop.time() - t0) * rpm / 60.0
+        assert status == 200
+        assert headers["x-ratelimit-limit-requests"] == str(rpm)
+        remaining = int(headers["x-ratelimit-remaining-requests"])
+        # What is left of the tenant's 60 across the three, not of node 0's share.
+        assert rpm - spent - 1 <= remaining <= rpm - spent + refilled + 1, (remaining, spent)
+        # Node 0 alone until it is refused: the 429 names the tenant's limit too.
+        for _ in range(rpm):
+            status, headers, err = await send(s, nodes[0])
+            if status == 429:
+                break
+        assert status == 429, "node 0 never reached the tenant's limit"
+        assert headers["x-ratelimit-limit-requests"] == str(rpm)
+        message = err["error"]["message"]
+        assert f"Limit {rpm}," in message, message
