@@ -174,7 +174,7 @@ async def test_missed_events_are_replayed_and_a_restarted_engine_starts_empty(
             server.start_vllm,
             vllm_path("KVGATE_VLLM_PYTHON"),
             vllm_path("KVGATE_VLLM_MODEL"),
-            server.port,
+            port=server.port,
         )
         assert await until(lambda: gw.report.replica_usage()[0].ready, 30.0)
         first = prompt(rng, system, 50)

