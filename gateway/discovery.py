@@ -22,7 +22,6 @@ only after that many good rounds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import time
@@ -34,6 +33,7 @@ from admission.health import ProbeHysteresis
 from gateway.config import DiscoveryConfig, ReplicaConfig
 from gateway.door import AdmissionDoor
 from gateway.probe import answered, explain, fetch_round
+from gateway.tasks import cancel_all
 from routing.adapters import EngineAdapter, adapter_for
 from routing.types import ReplicaState
 
@@ -308,12 +308,7 @@ class Discovery:
         return frozenset(n for n, w in self.watchers.items() if w.config.url == ep.url) | {name}
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(self._tasks.values())
         self._tasks = {}
 
     def mark_down(self, name: str) -> None:

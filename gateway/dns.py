@@ -20,7 +20,6 @@ failure's cause is logged once, at warning level.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 
@@ -32,6 +31,7 @@ import dns.resolver
 
 from gateway.config import DnsConfig, ReplicaConfig, ReplicaGroupConfig
 from gateway.discovery import Discovery
+from gateway.tasks import cancel_all
 
 log = logging.getLogger("kvgate.discovery")
 
@@ -211,10 +211,5 @@ class DnsGroups:
         w.retire_all()
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(self._tasks.values())
         self._tasks = {}

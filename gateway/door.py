@@ -37,6 +37,7 @@ from admission.types import (
     Shed,
     Verdict,
 )
+from gateway.tasks import cancel_all
 from routing.types import ReplicaState, Router
 
 log = logging.getLogger("kvgate.admission")
@@ -80,11 +81,8 @@ class AdmissionDoor:
             self._task = self._loop.create_task(self._expiry_loop(), name="kvgate-expiry")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_all([self._task])
+        self._task = None
         for rid, fut in list(self._waiters.items()):
             if not fut.done():
                 fut.set_result(Shed(rid, "shutdown", 1.0))

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from gateway.config import GatewayConfig, KVEventsSource
 from gateway.discovery import Discovery
+from gateway.tasks import cancel_all
 from routing.kvevents import END_SEQ, BadMessage, decode
 from routing.kvindex import GAP, EngineBlocks, KVIndex
 
@@ -54,11 +55,8 @@ class KVEventSubscriber:
         )
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_all([self._task])
+        self._task = None
 
     async def _run(self) -> None:
         import zmq

@@ -14,6 +14,7 @@ import orjson
 from aiohttp import web
 
 from admission.tenants import TenantLimiter
+from gateway.apikey import tenant_of
 from gateway.errors import ApiError
 
 
@@ -34,20 +35,7 @@ class ModelsApi:
 
     def _visible(self, request: web.Request) -> list[str]:
         limiter = self._tenants()
-        key = ""
-        if limiter.auth_required:
-            auth = request.headers.get("Authorization", "")
-            key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        tenant = limiter.authenticate(key)
-        if tenant is None:
-            raise ApiError(
-                401,
-                "Incorrect API key provided."
-                if key
-                else "Missing API key: send Authorization: Bearer <key>.",
-                code="invalid_api_key",
-                outcome="unauthorized",
-            )
+        tenant = tenant_of(limiter, request)
         policy = limiter.get(tenant)
         return sorted(m for m in self._served() if policy.may_use(m))
 

@@ -34,6 +34,7 @@ from admission.retries import RetryMemory
 from admission.tenants import TenantLimiter
 from admission.types import Admit, Refuse, Shed
 from gateway.accounting import Accounting, completion, patience_seen
+from gateway.apikey import tenant_of
 from gateway.body import loads, read_body
 from gateway.config import GatewayConfig
 from gateway.context import Kind, RequestContext, admission_request
@@ -223,24 +224,9 @@ class Pipeline:
 
     # ================================================================== stages
     def authenticate(self, request: web.Request, ctx: RequestContext) -> None:
-        """API key -> tenant (by its SHA-256 digest, compared in constant time). Without
-        configured keys every request is tenant default. Only the key decides the tenant:
-        no header can name another."""
+        """API key -> tenant (gateway/apikey.py), and the tenant's defaults."""
         limiter = self.tenants
-        key = ""
-        if limiter.auth_required:
-            auth = request.headers.get("Authorization", "")
-            key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        tenant = limiter.authenticate(key)
-        if tenant is None:
-            raise ApiError(
-                401,
-                "Incorrect API key provided."
-                if key
-                else "Missing API key: send Authorization: Bearer <key>.",
-                code="invalid_api_key",
-                outcome="unauthorized",
-            )
+        tenant = tenant_of(limiter, request)
         ctx.tenant = tenant
         policy = limiter.get(tenant)
         ctx.tenant_default_workload = policy.default_workload

@@ -28,7 +28,6 @@ change to one is logged as needing a restart, and the rest of the reload applies
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from pathlib import Path
@@ -38,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from gateway.checks import serve_problems
 from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.tasks import cancel_all
 from routing.scheduler import build_router
 
 if TYPE_CHECKING:
@@ -101,11 +101,8 @@ class Reloader:
         self._task = asyncio.get_running_loop().create_task(self._watch(), name="kvgate-reload")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_all([self._task])
+        self._task = None
 
     async def _watch(self) -> None:
         while True:
