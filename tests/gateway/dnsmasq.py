@@ -21,11 +21,21 @@ DNSMASQ = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
 
 
 def free_udp_port() -> int:
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    """A loopback port free for both UDP and TCP: dnsmasq binds both (a port free for
+    UDP alone made it exit 2 once, when TCP had it)."""
+    while True:
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        u.bind(("127.0.0.1", 0))
+        port = u.getsockname()[1]
+        t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            t.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            t.close()
+            u.close()
+        return port
 
 
 class Dnsmasq:

@@ -129,7 +129,7 @@ async def test_processes_sharing_one_engine_keep_its_whole_pool(
             pool = max(st["replicas"]["r0"]["effective_tokens"] for st in states)
             sampler = Sampler(engine.url, nodes)
             watch = asyncio.get_running_loop().create_task(sampler.run(s))
-            clients, each = 12, 3  # 12 clients per process (over twice what its slice runs), 3 each
+            clients, each = 16, 3  # 16 clients per process (about three times what its slice runs)
             try:
                 async with asyncio.timeout(80):
                     await asyncio.gather(
