@@ -78,7 +78,7 @@ log = logging.getLogger("kvgate.counting")
 # Engines whose servers count prompts for us (the endpoints are in the module docstring).
 TOKENIZE_ENGINES = frozenset({"vllm", "sglang", "llamacpp"})
 # Chat-completion fields that change what vLLM's chat template renders.
-_TEMPLATE_FIELDS = (
+TEMPLATE_FIELDS = (
     "add_generation_prompt",
     "continue_final_message",
     "add_special_tokens",
@@ -399,7 +399,7 @@ class PromptCounter:
         if engine == "llamacpp":
             return "/apply-template", json.dumps(out).encode()
         out["model"] = ctx.model
-        for k in _TEMPLATE_FIELDS:
+        for k in TEMPLATE_FIELDS:
             if k in body:
                 out[k] = body[k]
         return "/tokenize", json.dumps(out).encode()

@@ -21,19 +21,13 @@ import aiohttp
 
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext
+from gateway.counting import TEMPLATE_FIELDS
 from gateway.discovery import Discovery
 from gateway.schemas import CompletionRequest
 from routing.kvindex import KVIndex, token_block_hashes
 
 log = logging.getLogger("kvgate.kvtokens")
 
-_TEMPLATE_FIELDS = (
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "chat_template",
-    "chat_template_kwargs",
-)
 CACHE_ENTRIES = 2048
 
 
@@ -85,7 +79,7 @@ class PromptTokenIds:
             out = {"model": ctx.model, "messages": body.get("messages", [])}
             if body.get("tools"):
                 out["tools"] = body["tools"]
-            for k in _TEMPLATE_FIELDS:
+            for k in TEMPLATE_FIELDS:
                 if k in body:
                     out[k] = body[k]
         data = json.dumps(out).encode()
