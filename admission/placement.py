@@ -21,7 +21,7 @@ from typing import Protocol
 from admission.ledger import Ledger
 from admission.replica import Replica
 from admission.types import AdmissionRequest, Admit
-from routing.types import Router, RouteRequest
+from routing.types import Router
 
 # `Placement.place`'s answer when replicas fit but routing's filters rejected them all.
 REJECTED = object()
@@ -109,24 +109,12 @@ class Placement:
                         break
             if complete:
                 break  # the first order was walked to its end: nothing else fits
-        route = RouteRequest(
-            request_id=req.request_id,
-            model=req.model,
-            need_tokens=entry.raw,
-            workload=req.workload,
-            prefix_hashes=req.prefix_hashes,
-            session=req.session,
-            now=now,
-            tenant=req.tenant,
-            prompt_tokens=req.prompt_tokens,
-            ttft_target_s=req.ttft_target_s,
-            itl_target_s=req.itl_target_s,
-            token_hashes=req.token_hashes,
-            token_block_size=req.token_block_size,
-        )
+        # Routing reads the request itself (it is a RouteRequest), set for this decision.
+        req.need_tokens = entry.raw
+        req.now = now
         hinted: list[str] = []
         if not complete and self._hints_hook is not None:
-            hinted = self._hints_hook(route)
+            hinted = self._hints_hook(req)
             for name in hinted:
                 if name not in fit:
                     rep = reps.get(name)
@@ -141,7 +129,7 @@ class Placement:
                         short.append(rep)  # type: ignore[arg-type]
         if not short:
             return None
-        choice = self.router.pick(route, [r.cand for r in short])
+        choice = self.router.pick(req, [r.cand for r in short])
         if choice is None and not complete:
             rest = [
                 r
@@ -151,7 +139,7 @@ class Placement:
             for r in rest:
                 fit[r.name] = True
             if rest:
-                choice = self.router.pick(route, [r.cand for r in short + rest])
+                choice = self.router.pick(req, [r.cand for r in short + rest])
         if choice is None:
             return REJECTED
         rep = reps.get(choice.name)
@@ -163,17 +151,16 @@ class Placement:
                 full = not all(fit.values())
             else:
                 full = any(not fit.get(name, True) for name in hinted)
-            if full and self._wait_for_warm(req, route, rep, fit, now):
+            if full and self._wait_for_warm(req, rep, fit, now):
                 return REJECTED  # waits for the warm replica without blocking anyone
         admit = ledger.reserve(rep, req, now)
         if self._placed_hook is not None:
-            self._placed_hook(route, rep.cand, now)
+            self._placed_hook(req, rep.cand, now)
         return admit
 
     def _wait_for_warm(
         self,
         req: AdmissionRequest,
-        route: RouteRequest,
         chosen: Replica,
         fit: dict[str, bool],
         now: float,
@@ -189,7 +176,7 @@ class Placement:
         either, or without a drain rate on the warm one, there is no basis to wait and
         the request starts now. Routing names the warm replicas (`Router.warm`); this is
         admission's when, not routing's where."""
-        warm = self._warm_hook(route)  # type: ignore[misc]
+        warm = self._warm_hook(req)  # type: ignore[misc]
         if not warm:
             return False
         name, cached = warm[0]

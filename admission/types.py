@@ -11,19 +11,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from routing.types import RouteRequest
 
-@dataclass(slots=True)
-class AdmissionRequest:
-    request_id: str
-    model: str
-    prompt_tokens: int  # estimated (or exact) prompt tokens
+
+@dataclass(slots=True, kw_only=True)
+class AdmissionRequest(RouteRequest):
+    """The request as admission knows it: the `RouteRequest` routing reads (identity,
+    model, tenant, workload, prompt length, prefix chains, session, SLO targets), with
+    what admission adds. One object: the gateway builds it once and fills it stage by
+    stage; admission hands it to routing as it is, with `need_tokens` and `now` set for
+    the decision at hand."""
+
     expected_output: int  # output tokens to reserve: min(max_tokens, learned quantile)
     max_tokens: int  # declared output bound (for the never-fits check)
-    tenant: str = "default"
     priority: int = 0  # higher is served first
     arrival: float = 0.0
     deadline: float = float("inf")  # absolute time by which it must be admitted
-    workload: str = "chat"
     # True when `prompt_tokens` is an exact count (a tokenizer, the engine's /tokenize,
     # token ids). Only an exact count may be refused as too long: an estimate that puts
     # a request over a limit is forwarded with a reservation clamped to the limit, and
@@ -51,20 +54,10 @@ class AdmissionRequest:
     # False when the client set no output bound (`max_tokens` is then kvgate's own guess):
     # an engine that does not preempt may generate until the slot's context is full.
     max_tokens_given: bool = True
-    # For routing (routing.types.RouteRequest): the prompt's block hash chain, computed
-    # once by the gateway when a profile reads it, and the client's session key.
-    prefix_hashes: tuple[int, ...] = ()
-    session: str | None = None
     # Whole tokens each block of `prefix_hashes` holds at least (a lower bound, from the
     # most characters per token seen for the model): what a prefix shared with running
     # requests saves on a replica that caches prefixes (admission.prefixshare). 0: none.
     prefix_block_tokens: int = 0
-    # The prompt's token-block chain for the precise prefix index (routing.kvindex).
-    token_hashes: tuple[int, ...] = ()
-    token_block_size: int = 0
-    # The tenant's SLO targets (seconds; None: none), for SLO-aware placement.
-    ttft_target_s: float | None = None
-    itl_target_s: float | None = None
     # Replicas this request must not be placed on: those that already failed it (a
     # retry, as Envoy's previous_hosts predicate). Held for this request only, also
     # when it is admitted later from the queue; the replicas stay usable for others.

@@ -107,9 +107,14 @@ class Candidate:
     predicted_itl_s: float | None = None
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class RouteRequest:
     """What the routing pipeline may know about a request.
+
+    One object per request, built once by the gateway and referenced, never copied:
+    admission's `AdmissionRequest` extends it, and admission sets `need_tokens` (the KV
+    need on the replicas being weighed) and `now` (the decision time) before each
+    decision. A plugin reads it during a call and must not keep it across calls.
 
     `prefix_hashes` is the prompt's block hash chain (routing.prefix.block_hashes),
     computed once per request by the gateway; `session` the client's session key
@@ -121,7 +126,7 @@ class RouteRequest:
 
     request_id: str
     model: str
-    need_tokens: int
+    need_tokens: int = 0
     workload: str = "chat"
     prefix_hashes: tuple[int, ...] = ()
     session: str | None = None

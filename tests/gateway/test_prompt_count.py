@@ -182,11 +182,11 @@ def test_estimate_wrong_by_2x_either_way_refuses_nothing_wrongly(
         rid = f"q{i}"
         verdict = ctrl.submit(
             AdmissionRequest(
-                rid,
-                "m",
-                ctx.prompt_tokens,
-                ctx.expected_output,
-                ctx.max_tokens,
+                request_id=rid,
+                model="m",
+                prompt_tokens=ctx.prompt_tokens,
+                expected_output=ctx.expected_output,
+                max_tokens=ctx.max_tokens,
                 prompt_exact=ctx.prompt_exact,
             ),
             0.0,
