@@ -31,9 +31,9 @@ async def dnsmasq(tmp_path) -> Any:
         d.stop()
 
 
-async def engines(replica, *hosts: str) -> list[Any]:
-    first = await replica(host=hosts[0])
-    rest = [await replica(host=h, port=first.port) for h in hosts[1:]]
+async def engines(replica, *hosts: str, **kw: Any) -> list[Any]:
+    first = await replica(host=hosts[0], **kw)
+    rest = [await replica(host=h, port=first.port, **kw) for h in hosts[1:]]
     return [first, *rest]
 
 
@@ -59,7 +59,9 @@ async def stream(s: aiohttp.ClientSession, url: str, max_tokens: int) -> str:
 async def test_replicas_follow_the_records_and_a_vanished_one_drains(
     replica, gateway, dnsmasq
 ) -> None:
-    a, b, c = await engines(replica, "127.0.0.2", "127.0.0.3", "127.0.0.4")
+    # Slow engines (real time, about a second a stream): the streams on .2 outlast the DNS
+    # change and the new replica's probe (at x50 they ended first on a quiet machine).
+    a, b, c = await engines(replica, "127.0.0.2", "127.0.0.3", "127.0.0.4", speed=1.0)
     port = a.port
     dns = await dnsmasq()
     # .9 is in DNS but nothing answers there: it never joins admission.
