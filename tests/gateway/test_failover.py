@@ -109,9 +109,11 @@ async def test_retries_after_a_crash_never_go_back_to_the_dead_replica(replica, 
 async def test_retries_after_a_sigkill_never_go_back_to_the_killed_engine(replica, gateway):
     """The same with a real process: an `enginesim serve` SIGKILLed while it runs two
     requests and the live replica is full."""
-    proc, url = await _spawn("--profile", "tiny", "--speed", "5")
+    # Real time (x1): the two requests on r0 are still running when it is killed, also on
+    # a quiet machine (at x5 all eight could finish before the poll saw them).
+    proc, url = await _spawn("--profile", "tiny", "--speed", "1")
     try:
-        alive = await replica(speed=5.0)
+        alive = await replica(speed=1.0)
         gw = await gateway(
             alive,
             replicas=[
