@@ -59,7 +59,7 @@ def completion(ctx: RequestContext, now: float) -> Completion | None:
             return Completion(ok=False, latency_budget=budget)
         return None
     ttft = itl = None
-    if ctx.stream and ctx.first_byte_at is not None:
+    if ctx.req.stream and ctx.first_byte_at is not None:
         ttft = ctx.first_byte_at - ctx.admitted_at
         itl = inter_token_latency(ctx)
     return Completion(
@@ -67,7 +67,7 @@ def completion(ctx: RequestContext, now: float) -> Completion | None:
         service_s=now - ctx.admitted_at,
         ttft_s=ttft,
         itl_s=itl,
-        prompt_tokens=ctx.usage_prompt if ctx.usage_prompt is not None else ctx.prompt_tokens,
+        prompt_tokens=ctx.usage_prompt if ctx.usage_prompt is not None else ctx.req.prompt_tokens,
         completion_tokens=_completion_tokens(ctx),
         latency_budget=budget,
     )
@@ -90,7 +90,7 @@ def patience_seen(ctx: RequestContext, now: float) -> ClientEnd | None:
     else:
         return None
     waited = now - ctx.arrival
-    if not ctx.stream:
+    if not ctx.req.stream:
         return ClientEnd(waited, left)
     first = ctx.first_byte_at
     if not left:
@@ -134,18 +134,18 @@ class Accounting:
 
     def account(self, ctx: RequestContext, now: float) -> None:
         """Learn from the engine's usage, count the outcome, write the access line."""
-        model_label = ctx.model if ctx.model in self.known_models else "_unknown"
+        model_label = ctx.req.model if ctx.req.model in self.known_models else "_unknown"
         if ctx.outcome == "ok":
             self._learn(ctx)
         self._account_tenant(ctx, now)
         m = self.metrics
         m.count_request(model_label, ctx.outcome)
-        m.count_workload(ctx.workload, ctx.outcome)
+        m.count_workload(ctx.req.workload, ctx.outcome)
         ttft = None
         if ctx.first_byte_at is not None:
             ttft = ctx.first_byte_at - ctx.arrival
             m.ttft.observe(ttft)
-            m.observe_workload_ttft(ctx.workload, ttft)
+            m.observe_workload_ttft(ctx.req.workload, ttft)
             if (itl := inter_token_latency(ctx)) is not None:
                 m.itl.observe(itl)
         if access_log_enabled():  # the line is built only when someone reads it
@@ -158,14 +158,14 @@ class Accounting:
         """Teach the estimator a completed request's true prompt and output tokens."""
         if ctx.usage_prompt is not None:
             self.metrics.observe_prompt_estimate(
-                ctx.prompt_tokens, ctx.usage_prompt, ctx.prompt_exact
+                ctx.req.prompt_tokens, ctx.usage_prompt, ctx.req.prompt_exact
             )
-            if not ctx.prompt_exact and ctx.prompt_chars and ctx.prompt_countable:
+            if not ctx.req.prompt_exact and ctx.prompt_chars and ctx.prompt_countable:
                 self.estimator.observe_prompt(
-                    ctx.model, ctx.prompt_chars, ctx.num_messages, ctx.usage_prompt
+                    ctx.req.model, ctx.prompt_chars, ctx.num_messages, ctx.usage_prompt
                 )
         if ctx.usage_completion is not None:
-            self.estimator.observe_output(ctx.model, ctx.usage_completion)
+            self.estimator.observe_output(ctx.req.model, ctx.usage_completion)
 
     def _account_tenant(self, ctx: RequestContext, now: float) -> None:
         """Settle the rate charge (the engine's usage, or a refund if never admitted) and
@@ -178,7 +178,7 @@ class Accounting:
                 true = (ctx.usage_prompt or 0) + (ctx.usage_completion or 0)
                 self.tenants.correct(charge, true, now)
         m = self.metrics
-        tenant = ctx.tenant
+        tenant = ctx.req.tenant
         m.tenant_request(tenant, ctx.outcome)
         if ctx.usage_prompt is not None:
             m.tenant_tokens(tenant, "prompt", ctx.usage_prompt)
@@ -198,13 +198,13 @@ class Accounting:
 def _slo(m: GatewayMetrics, policy: TenantState, ctx: RequestContext, ok: bool, now: float) -> None:
     """Count the request against each of its tenant's targets it can be judged on (TTFT
     and ITL: streams; end to end: all): a failed request (5xx, shed) misses them."""
-    tenant = ctx.tenant
+    tenant = ctx.req.tenant
     if policy.e2e_s is not None:
         m.tenant_slo(tenant, "e2e", ok and now - ctx.arrival <= policy.e2e_s)
-    if policy.ttft_s is not None and ctx.stream:
+    if policy.ttft_s is not None and ctx.req.stream:
         ttft = ctx.first_byte_at - ctx.arrival if ctx.first_byte_at is not None else None
         m.tenant_slo(tenant, "ttft", ok and ttft is not None and ttft <= policy.ttft_s)
-    if policy.itl_s is not None and ctx.stream:
+    if policy.itl_s is not None and ctx.req.stream:
         itl = inter_token_latency(ctx)
         if ok and itl is None:
             return  # one event: no gap to judge
@@ -215,16 +215,16 @@ def _access_fields(ctx: RequestContext, ttft: float | None, now: float) -> dict[
     completion_tokens = _completion_tokens(ctx)
     return {
         "request_id": ctx.request_id,
-        "tenant": ctx.tenant,
-        "model": ctx.model or None,
+        "tenant": ctx.req.tenant,
+        "model": ctx.req.model or None,
         "kind": ctx.kind,
-        "stream": ctx.stream,
-        "workload": ctx.workload,
+        "stream": ctx.req.stream,
+        "workload": ctx.req.workload,
         "replica": ctx.replica,
         "outcome": ctx.outcome,
         "status": ctx.status,
         "prompt_tokens": ctx.usage_prompt,
-        "prompt_tokens_est": ctx.prompt_tokens or None,
+        "prompt_tokens_est": ctx.req.prompt_tokens or None,
         "completion_tokens": completion_tokens or None,
         "reserved_tokens": ctx.reserved or None,
         "queue_wait_s": round(ctx.admitted_at - ctx.arrival, 6) if ctx.admitted_at else None,

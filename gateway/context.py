@@ -1,18 +1,17 @@
 """Per-request state carried through the pipeline stages.
 
 Each stage reads what earlier stages filled in and adds its own part; the account and
-release stages at the end read all of it. `admission_request` is what admission is told
-of a request (at its first admission and at a retry's), `RequestContext.admitted` what
-an admission writes back. A plain slotted dataclass: one allocation per
-request, attribute access without dict lookups.
+release stages at the end read all of it. `req` is the one request object admission
+and routing are given (the stages fill it; a retry changes its id, deadline and the
+replicas it avoids), `RequestContext.admitted` what an admission writes back. Plain
+slotted dataclasses: attribute access without dict lookups.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from admission.tenants import TenantState
 from admission.types import AdmissionRequest, Admit
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -25,53 +24,33 @@ class RequestContext:
     kind: Kind
     upstream_path: str
     arrival: float
-    tenant: str = "default"
+    # The one request object admission and routing read (admission.types.AdmissionRequest,
+    # a routing.types.RouteRequest): the stages fill it in place, nothing copies it.
+    req: AdmissionRequest = field(default_factory=lambda: blank_request(""))
     # The tenant's default workload class (tenants[].default_workload), set by
     # authenticate; classify uses it when the request has no x-workload header.
     tenant_default_workload: str | None = None
-    priority: int = 0  # x-kvgate-priority clamped to the tenant's range (tenant_limits)
     rate_charge: Any = None  # admission.tenants.Charge: refunded or corrected at the end
     # parse
     raw: bytes = b""
     body: dict[str, Any] | None = None
     parsed: ChatCompletionRequest | CompletionRequest | None = None
-    model: str = ""
-    stream: bool = False
     client_wants_usage: bool = False
     # estimate
     prompt_chars: int = 0
     num_messages: int = 1
-    prompt_exact: bool = False
     # False when the prompt has parts a character count cannot describe (images, audio):
     # its usage must not teach the estimator's chars-per-token.
     prompt_countable: bool = True
-    prompt_tokens: int = 0
-    max_tokens: int = 0
-    max_tokens_given: bool = True  # False: the client set no output bound
-    expected_output: int = 0
-    # classify
-    workload: str = "chat"
-    # route (routing.types.RouteRequest): prompt block hash chain, session key
-    prefix_hashes: tuple[int, ...] = ()
-    prefix_block_tokens: int = 0  # AdmissionRequest.prefix_block_tokens
-    token_hashes: tuple[int, ...] = ()  # AdmissionRequest.token_hashes (gateway/kvevents.py)
-    token_block_size: int = 0
-    session: str | None = None
-    # admit
-    deadline: float = float("inf")
-    # The client's own timeout (x-stainless-read-timeout); once admitted, the budget it
-    # was admitted under (that, or its clients' learned patience: admission/patience.py).
+    # admit: the latency budget it was admitted under (the client's stated timeout, or
+    # its clients' learned patience: admission/patience.py).
     latency_budget: float | None = None
     patience_stated: bool = False  # the client said how long it waits (a header)
-    last_retry: bool = False
-    retry_key: int | None = None  # digest of (tenant, model, body): the same request retried
     admission_id: str | None = None
     replica: str | None = None
     reserved: int = 0
     admitted_at: float | None = None
     attempts: int = 0
-    # The replicas that failed this request: its retry is never placed on them.
-    avoid: frozenset[str] = frozenset()
     # (replica, failure kind) of an error answer that awaits the retry's outcome: charged
     # to that replica (outlier ejection) only if another one then completes the request.
     unjudged: tuple[str, str] | None = None
@@ -96,6 +75,10 @@ class RequestContext:
     status: int = 0
     outcome: str = "unknown"
 
+    def __post_init__(self) -> None:
+        if not self.req.request_id:
+            self.req.request_id = self.request_id
+
     def admitted(self, a: Admit, now: float) -> None:
         """Record the admission `a` (the first, or a retry's on another replica)."""
         self.admission_id = a.request_id
@@ -105,41 +88,8 @@ class RequestContext:
         self.admitted_at = now
 
 
-def admission_request(
-    ctx: RequestContext,
-    rid: str,
-    *,
-    arrival: float,
-    deadline: float,
-    priority: int = 0,
-    targets: TenantState | None = None,
-) -> AdmissionRequest:
-    """What admission needs to know of a request, from its context."""
-    ttft_target = targets.ttft_s if targets is not None else None
-    itl_target = targets.itl_s if targets is not None else None
+def blank_request(request_id: str) -> AdmissionRequest:
+    """A request before its stages have filled it in (model, counts, class, chains)."""
     return AdmissionRequest(
-        request_id=rid,
-        model=ctx.model,
-        prompt_tokens=ctx.prompt_tokens,
-        expected_output=ctx.expected_output,
-        max_tokens=ctx.max_tokens,
-        tenant=ctx.tenant,
-        priority=priority,
-        arrival=arrival,
-        deadline=deadline,
-        workload=ctx.workload,
-        prompt_exact=ctx.prompt_exact,
-        last_retry=ctx.last_retry,
-        latency_budget=ctx.latency_budget,
-        stream=ctx.stream,
-        retry_key=ctx.retry_key,
-        max_tokens_given=ctx.max_tokens_given,
-        prefix_hashes=ctx.prefix_hashes,
-        prefix_block_tokens=ctx.prefix_block_tokens,
-        token_hashes=ctx.token_hashes,
-        token_block_size=ctx.token_block_size,
-        session=ctx.session,
-        ttft_target_s=ttft_target,
-        itl_target_s=itl_target,
-        avoid=ctx.avoid,
+        request_id=request_id, model="", expected_output=0, max_tokens=0, prompt_exact=False
     )

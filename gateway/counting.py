@@ -229,7 +229,7 @@ class PromptCounter:
         """Fill the context's prompt fields from characters, token ids or a local tokenizer."""
         parsed = ctx.parsed
         est = self._estimator
-        model = ctx.model
+        model = ctx.req.model
         local = est.has_tokenizer(model)
         limits = self._limits_of(model)
         if isinstance(parsed, ChatCompletionRequest):
@@ -239,13 +239,15 @@ class PromptCounter:
             ctx.num_messages = shape.messages
             ctx.prompt_chars = shape.chars
             ctx.prompt_countable = shape.countable
-            ctx.prompt_exact = False
+            ctx.req.prompt_exact = False
             m = Measured(shape.text, limits, shape, media)
             if local:
                 m.floor = sum(self._count_local(model, p) for p in shape.pieces if p)
-                ctx.prompt_tokens = m.floor + shape.messages * self._overhead + media
+                ctx.req.prompt_tokens = m.floor + shape.messages * self._overhead + media
             else:
-                ctx.prompt_tokens = est.prompt_tokens(model, shape.chars, shape.messages) + media
+                ctx.req.prompt_tokens = (
+                    est.prompt_tokens(model, shape.chars, shape.messages) + media
+                )
             return m
         assert isinstance(parsed, CompletionRequest)
         text, ids = parsed.prompt_parts()
@@ -253,14 +255,14 @@ class PromptCounter:
         ctx.prompt_chars = len(text)
         ctx.prompt_countable = True
         if ids is not None:
-            ctx.prompt_exact = True
-            ctx.prompt_tokens = max(1, ids)
+            ctx.req.prompt_exact = True
+            ctx.req.prompt_tokens = max(1, ids)
         elif local:
-            ctx.prompt_exact = True
-            ctx.prompt_tokens = max(1, self._count_local(model, text))
+            ctx.req.prompt_exact = True
+            ctx.req.prompt_tokens = max(1, self._count_local(model, text))
         else:
-            ctx.prompt_exact = False
-            ctx.prompt_tokens = est.prompt_tokens(model, len(text), 0)
+            ctx.req.prompt_exact = False
+            ctx.req.prompt_tokens = est.prompt_tokens(model, len(text), 0)
         return Measured(text, limits)
 
     def _limits_of(self, model: str) -> Limits:
@@ -275,22 +277,25 @@ class PromptCounter:
 
     def near_limit(self, ctx: RequestContext, m: Measured) -> bool:
         """The count is not exact and the request is near (or over) a limit."""
-        return not ctx.prompt_exact and m.limits.near(
-            ctx.prompt_tokens, ctx.max_tokens, ctx.expected_output, self._cfg.near_limit_margin
+        return not ctx.req.prompt_exact and m.limits.near(
+            ctx.req.prompt_tokens,
+            ctx.req.max_tokens,
+            ctx.req.expected_output,
+            self._cfg.near_limit_margin,
         )
 
     def settle(self, ctx: RequestContext, m: Measured) -> None:
         """Decide whether a text count without the template may be refused on (module
         docstring, point 5)."""
-        if ctx.prompt_exact or m.floor is None:
+        if ctx.req.prompt_exact or m.floor is None:
             return
         limits = m.limits
         if m.media_tokens == 0 and limits.fits(
-            ctx.prompt_tokens, ctx.max_tokens, ctx.expected_output
+            ctx.req.prompt_tokens, ctx.req.max_tokens, ctx.req.expected_output
         ):
-            ctx.prompt_exact = True
-        elif not limits.fits(m.floor, ctx.max_tokens, ctx.expected_output):
-            ctx.prompt_exact = True
+            ctx.req.prompt_exact = True
+        elif not limits.fits(m.floor, ctx.req.max_tokens, ctx.req.expected_output):
+            ctx.req.prompt_exact = True
 
     def _count_local(self, model: str, text: str) -> int:
         est = self._estimator
@@ -326,7 +331,7 @@ class PromptCounter:
         if shape is not None and not shape.countable:
             self._metrics.count_prompt_count("unavailable")
             return False
-        w = self._target(ctx.model)
+        w = self._target(ctx.req.model)
         if w is None:
             self._metrics.count_prompt_count("unavailable")
             return False
@@ -335,7 +340,7 @@ class PromptCounter:
         if chat and engine == "sglang" and m.floor is not None:
             return False  # SGLang counts the text only, which is already counted
         first = self._request(ctx, m, engine)
-        key = (engine, ctx.model, _digest(first[1]))
+        key = (engine, ctx.req.model, _digest(first[1]))
         cached = self._cache.get(key)
         if cached is not None:
             tokens, exact = cached
@@ -370,14 +375,14 @@ class PromptCounter:
                 # An exact count is as good a sample of the model's text as the engine's
                 # usage: it teaches the estimator before any response arrives.
                 self._estimator.observe_prompt(
-                    ctx.model, ctx.prompt_chars, ctx.num_messages, tokens
+                    ctx.req.model, ctx.prompt_chars, ctx.num_messages, tokens
                 )
         if exact:
-            ctx.prompt_tokens = max(1, tokens)
-            ctx.prompt_exact = True
+            ctx.req.prompt_tokens = max(1, tokens)
+            ctx.req.prompt_exact = True
         else:  # the text without its template (SGLang chat)
             m.floor = tokens
-            ctx.prompt_tokens = tokens + ctx.num_messages * self._overhead + m.media_tokens
+            ctx.req.prompt_tokens = tokens + ctx.num_messages * self._overhead + m.media_tokens
         return True
 
     def _request(self, ctx: RequestContext, m: Measured, engine: str) -> tuple[str, bytes]:
@@ -387,18 +392,18 @@ class PromptCounter:
             if engine == "llamacpp":
                 out: dict[str, Any] = {"content": m.text, "add_special": True}
             else:
-                out = {"model": ctx.model, "prompt": m.text}
+                out = {"model": ctx.req.model, "prompt": m.text}
             return "/tokenize", json.dumps(out).encode()
         if engine == "sglang":
             text = "\n".join(p for p in m.shape.pieces if p)
-            out = {"model": ctx.model, "prompt": text, "add_special_tokens": False}
+            out = {"model": ctx.req.model, "prompt": text, "add_special_tokens": False}
             return "/tokenize", json.dumps(out).encode()
         out = {"messages": body.get("messages", [])}
         if body.get("tools"):
             out["tools"] = body["tools"]
         if engine == "llamacpp":
             return "/apply-template", json.dumps(out).encode()
-        out["model"] = ctx.model
+        out["model"] = ctx.req.model
         for k in TEMPLATE_FIELDS:
             if k in body:
                 out[k] = body[k]

@@ -86,7 +86,7 @@ def tenant_limit(shed: Shed) -> str:
 def shed_error(shed: Shed, ctx: RequestContext, policy: TenantState) -> ApiError:
     """The answer of a shed request: a 429 naming the tenant's cap, else a 503."""
     if shed.status == 429:
-        tenant = ctx.tenant
+        tenant = ctx.req.tenant
         if tenant_limit(shed) == "concurrency":
             what = (
                 f"Concurrency limit reached for tenant {tenant}: "
@@ -108,7 +108,7 @@ def shed_error(shed: Shed, ctx: RequestContext, policy: TenantState) -> ApiError
     if shed.reason in _NOT_READY:
         return ApiError(
             shed.status,
-            f"{_NOT_READY[shed.reason].format(model=ctx.model)}; "
+            f"{_NOT_READY[shed.reason].format(model=ctx.req.model)}; "
             f"retry after {max(1, math.ceil(shed.retry_after))} s.",
             code=shed.reason,
             retry_after=shed.retry_after,
@@ -117,7 +117,7 @@ def shed_error(shed: Shed, ctx: RequestContext, policy: TenantState) -> ApiError
     why = _BINDS.get(shed.binds, "are at capacity")
     return ApiError(
         shed.status,
-        f"All replicas serving {ctx.model} {why} ({shed.reason}); "
+        f"All replicas serving {ctx.req.model} {why} ({shed.reason}); "
         f"retry after {max(1, math.ceil(shed.retry_after))} s.",
         code="overloaded",
         retry_after=shed.retry_after,

@@ -39,7 +39,7 @@ from admission.health import OutlierDetector
 from admission.tenants import TenantLimiter
 from admission.types import Admit, Queued, Shed
 from gateway.config import GatewayConfig
-from gateway.context import RequestContext, admission_request
+from gateway.context import RequestContext
 from gateway.discovery import Discovery
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
@@ -153,7 +153,7 @@ class Failover:
             answer.outcome = f"upstream_{f.kind}"
             if answer.status in (429, 503) and answer.retry_after is None:
                 answer.retry_after = self.door.report.retry_after(
-                    ctx.model, ctx.reserved or ctx.prompt_tokens, self._loop.time()
+                    ctx.req.model, ctx.reserved or ctx.req.prompt_tokens, self._loop.time()
                 )
             return answer
         if f.kind == "timeout":
@@ -191,26 +191,19 @@ class Failover:
         """
         ctx.attempts += 1
         self._release(ctx)
-        avoid = ctx.avoid | self.discovery.same_server(failed)
-        if kind != "dropped" or self._serves_elsewhere(ctx.model, avoid):
-            ctx.avoid = avoid
+        avoid = ctx.req.avoid | self.discovery.same_server(failed)
+        if kind != "dropped" or self._serves_elsewhere(ctx.req.model, avoid):
+            ctx.req.avoid = avoid
         # else a connection lost on the model's only server: the retry goes back to it, as
         # a client's own would (a crashed engine refuses it at once). Refused, timed out
         # or answered with an error, the same server would only fail it again.
         rid = f"{ctx.request_id}.{ctx.attempts}"
         ctx.admission_id = rid
-        verdict = self.door.submit(
-            # First arrival: ahead of the requests that came after it.
-            admission_request(
-                ctx,
-                rid,
-                arrival=ctx.arrival,
-                deadline=ctx.deadline,
-                priority=ctx.priority,
-                targets=self.tenants.tenants.get(ctx.tenant),
-            ),
-            self._loop.time(),
-        )
+        # The same request object, now under the retry's id; first arrival: ahead of
+        # the requests that came after it.
+        ctx.req.request_id = rid
+        ctx.req.arrival = ctx.arrival
+        verdict = self.door.submit(ctx.req, self._loop.time())
         if isinstance(verdict, Queued):
             verdict = await self.door.wait_queued(rid)
         if isinstance(verdict, Shed) and verdict.reason == "shutdown":

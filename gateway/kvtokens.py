@@ -32,7 +32,7 @@ CACHE_ENTRIES = 2048
 
 
 class PromptTokenIds:
-    """Fills ``ctx.token_hashes`` / ``token_block_size`` (module docstring)."""
+    """Fills ``ctx.req.token_hashes`` / ``token_block_size`` (module docstring)."""
 
     def __init__(
         self,
@@ -55,7 +55,9 @@ class PromptTokenIds:
         names = [
             n
             for n in self._names
-            if n in watchers and watchers[n].state.ready and ctx.model in watchers[n].state.models
+            if n in watchers
+            and watchers[n].state.ready
+            and ctx.req.model in watchers[n].state.models
         ]
         sizes = self._kv.block_sizes(names)
         if not sizes:
@@ -63,8 +65,8 @@ class PromptTokenIds:
         ids = await self._ids(ctx, names)
         if ids:
             size = min(sizes)
-            ctx.token_hashes = token_block_hashes(ids, size)
-            ctx.token_block_size = size
+            ctx.req.token_hashes = token_block_hashes(ids, size)
+            ctx.req.token_block_size = size
 
     async def _ids(self, ctx: RequestContext, names: list[str]) -> tuple[int, ...] | None:
         body: dict[str, Any] = ctx.body or {}
@@ -74,9 +76,9 @@ class PromptTokenIds:
                 return tuple(prompt)
             if not isinstance(prompt, str):
                 return None  # batched prompts: no single chain
-            out: dict[str, Any] = {"model": ctx.model, "prompt": prompt}
+            out: dict[str, Any] = {"model": ctx.req.model, "prompt": prompt}
         else:
-            out = {"model": ctx.model, "messages": body.get("messages", [])}
+            out = {"model": ctx.req.model, "messages": body.get("messages", [])}
             if body.get("tools"):
                 out["tools"] = body["tools"]
             for k in TEMPLATE_FIELDS:

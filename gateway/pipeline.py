@@ -37,7 +37,7 @@ from gateway.accounting import Accounting, completion, patience_seen
 from gateway.apikey import tenant_of
 from gateway.body import loads, read_body
 from gateway.config import GatewayConfig
-from gateway.context import Kind, RequestContext, admission_request
+from gateway.context import Kind, RequestContext
 from gateway.counting import PromptCounter
 from gateway.denials import rate_limited, refused_error, shed_error, tenant_limit
 from gateway.discovery import Discovery
@@ -227,7 +227,7 @@ class Pipeline:
         """API key -> tenant (gateway/apikey.py), and the tenant's defaults."""
         limiter = self.tenants
         tenant = tenant_of(limiter, request)
-        ctx.tenant = tenant
+        ctx.req.tenant = tenant
         policy = limiter.get(tenant)
         ctx.tenant_default_workload = policy.default_workload
         request[TENANT_KEY] = tenant  # rate-limit headers on whatever answer follows
@@ -250,8 +250,8 @@ class Pipeline:
         ctx.raw = raw
         ctx.body = body
         ctx.parsed = parsed
-        ctx.model = parsed.model
-        ctx.stream = parsed.stream
+        ctx.req.model = parsed.model
+        ctx.req.stream = parsed.stream
         ctx.client_wants_usage = parsed.wants_usage
 
     async def estimate(self, ctx: RequestContext) -> str:
@@ -274,40 +274,42 @@ class Pipeline:
         """Output tokens to reserve, from history, within the context the prompt leaves."""
         assert ctx.parsed is not None
         bound = ctx.parsed.output_bound
-        max_len = self.discovery.max_model_len(ctx.model)
-        limit = max(1, (max_len - ctx.prompt_tokens) if max_len else MAX_TOKENS_CEILING)
-        ctx.expected_output = self.estimator.expected_output(ctx.model, bound, limit)
+        max_len = self.discovery.max_model_len(ctx.req.model)
+        limit = max(1, (max_len - ctx.req.prompt_tokens) if max_len else MAX_TOKENS_CEILING)
+        ctx.req.expected_output = self.estimator.expected_output(ctx.req.model, bound, limit)
         # Without a client bound the engine may generate up to the context; admission's
         # never-fits check then uses what we reserve, and an engine that does not preempt
         # is reserved its whole context.
-        ctx.max_tokens = bound if bound is not None else ctx.expected_output
-        ctx.max_tokens_given = ctx.parsed.bounds_output
+        ctx.req.max_tokens = bound if bound is not None else ctx.req.expected_output
+        ctx.req.max_tokens_given = ctx.parsed.bounds_output
 
     def classify(self, request: web.Request, ctx: RequestContext, text: str) -> None:
         """Workload class, and what routing reads of the prompt: its block hash chain
         (when a profile needs it) and the session key (``x-session-id``, else ``user``)."""
         if self._prefix is not None and (
-            self._route_prefix or self.report.shares_prefix(ctx.model)
+            self._route_prefix or self.report.shares_prefix(ctx.req.model)
         ):
-            ctx.prefix_hashes = block_hashes(text, *self._prefix)
-            if ctx.prefix_hashes and self.config.admission.share_prefix:
+            ctx.req.prefix_hashes = block_hashes(text, *self._prefix)
+            if ctx.req.prefix_hashes and self.config.admission.share_prefix:
                 # A lower bound on the tokens of a block: the most characters per token
                 # seen, with a margin for text denser than any whole prompt seen.
-                most = self.estimator.most_chars_per_token(ctx.model)
+                most = self.estimator.most_chars_per_token(ctx.req.model)
                 if most is not None:
-                    ctx.prefix_block_tokens = int(self._prefix[0] / (most * _SHARED_CHARS_MARGIN))
+                    ctx.req.prefix_block_tokens = int(
+                        self._prefix[0] / (most * _SHARED_CHARS_MARGIN)
+                    )
         session = request.headers.get(H_SESSION)
         if not session and ctx.body is not None:
             user = ctx.body.get("user")
             session = user if isinstance(user, str) and user else None
-        ctx.session = session
+        ctx.req.session = session
         parsed = ctx.parsed
         has_tools = False
         if isinstance(parsed, ChatCompletionRequest):
             has_tools = bool(parsed.tools) or any(
                 m.role in ("tool", "function") for m in parsed.messages
             )
-        ctx.workload = classify_workload(
+        ctx.req.workload = classify_workload(
             request.headers.get(H_WORKLOAD),
             text,
             has_tools=has_tools,
@@ -326,11 +328,11 @@ class Pipeline:
         account stage corrects it to the engine's usage, or refunds it if it was never
         admitted. Concurrency and queue caps are admission's (admission.fairqueue)."""
         limiter = self.tenants
-        policy = limiter.get(ctx.tenant)
-        if not policy.may_use(ctx.model):
+        policy = limiter.get(ctx.req.tenant)
+        if not policy.may_use(ctx.req.model):
             raise ApiError(
                 404,
-                f"The model `{ctx.model}` does not exist or you do not have access to it.",
+                f"The model `{ctx.req.model}` does not exist or you do not have access to it.",
                 code="model_not_found",
                 param="model",
                 outcome="model_not_found",
@@ -343,16 +345,16 @@ class Pipeline:
                 raise invalid_request(
                     f"{H_PRIORITY} must be an integer.", param=H_PRIORITY
                 ) from None
-        ctx.priority = policy.clamp_priority(asked)
+        ctx.req.priority = policy.clamp_priority(asked)
         if policy.rpm is None and policy.tpm is None:
             return
         now = self._loop.time()
-        tokens = ctx.prompt_tokens + ctx.expected_output
-        verdict = limiter.check(ctx.tenant, tokens, now)
+        tokens = ctx.req.prompt_tokens + ctx.req.expected_output
+        verdict = limiter.check(ctx.req.tenant, tokens, now)
         if verdict.limit is not None:
-            self.metrics.tenant_rate_limited(ctx.tenant, verdict.limit)
+            self.metrics.tenant_rate_limited(ctx.req.tenant, verdict.limit)
             raise rate_limited(policy, verdict.limit, tokens, verdict.retry_after, now)
-        ctx.rate_charge = limiter.charge(ctx.tenant, tokens, now)
+        ctx.rate_charge = limiter.charge(ctx.req.tenant, tokens, now)
 
     async def admit(self, request: web.Request, ctx: RequestContext) -> None:
         """Admit now, wait in the queue, or answer shed/refuse.
@@ -367,40 +369,35 @@ class Pipeline:
         if self.state_gate is not None and (closed := self.state_gate()) is not None:
             raise closed
         now = self._loop.time()
-        cap = self.tenants.get(ctx.tenant).queue_timeout_s or self._queue_timeout
-        deadline = read_stated(request, ctx, cap, now)
-        priority = ctx.priority  # clamped to the tenant's range by tenant_limits
-        ctx.deadline = deadline
+        req = ctx.req
+        cap = self.tenants.get(req.tenant).queue_timeout_s or self._queue_timeout
+        req.deadline = read_stated(request, ctx, cap, now)
         ctx.admission_id = ctx.request_id
         # A retry of a request kvgate shed keeps its first arrival, i.e. its place in line
         # (admission/retries.py). The key is a digest: the memory never holds bodies.
-        retry_key = ctx.retry_key = hash((ctx.tenant, ctx.model, ctx.raw))
-        first = self._retries.first_arrival(retry_key, now, ctx.tenant)
-        req = admission_request(
-            ctx,
-            ctx.request_id,
-            arrival=now if first is None else first,
-            deadline=ctx.deadline,
-            priority=priority,
-            targets=self.tenants.tenants.get(ctx.tenant),
-        )
+        retry_key = req.retry_key = hash((req.tenant, req.model, ctx.raw))
+        first = self._retries.first_arrival(retry_key, now, req.tenant)
+        req.arrival = now if first is None else first
+        targets = self.tenants.tenants.get(req.tenant)
+        req.ttft_target_s = targets.ttft_s if targets is not None else None
+        req.itl_target_s = targets.itl_s if targets is not None else None
         verdict, _queued = await self.door.admit(req)
         if isinstance(verdict, Admit):
             if first is not None:
-                self._retries.forget(retry_key, ctx.tenant)
+                self._retries.forget(retry_key, ctx.req.tenant)
             ctx.admitted(verdict, self._loop.time())
             ctx.latency_budget = verdict.latency_budget  # stated, or learned
             self.metrics.queue_wait.observe(ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
-            self.metrics.tenant_queue_wait(ctx.tenant, ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
+            self.metrics.tenant_queue_wait(ctx.req.tenant, ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
             return
         if isinstance(verdict, Shed):
             if verdict.reason == "shutdown":
                 raise shutting_down(self.config)
-            self._retries.remember(retry_key, req.arrival, self._loop.time(), ctx.tenant)
+            self._retries.remember(retry_key, req.arrival, self._loop.time(), ctx.req.tenant)
             self.metrics.shed.labels(verdict.reason).inc()
             if verdict.status == 429:
-                self.metrics.tenant_rate_limited(ctx.tenant, tenant_limit(verdict))
-            raise shed_error(verdict, ctx, self.tenants.get(ctx.tenant))
+                self.metrics.tenant_rate_limited(ctx.req.tenant, tenant_limit(verdict))
+            raise shed_error(verdict, ctx, self.tenants.get(ctx.req.tenant))
         assert isinstance(verdict, Refuse)
         raise refused_error(verdict, ctx)
 
@@ -425,7 +422,7 @@ class Pipeline:
 
     def on_progress(self, ctx: RequestContext) -> None:
         """A stream outgrew its reservation: ask for more (never cuts the stream)."""
-        total = ctx.prompt_tokens + ctx.generated
+        total = ctx.req.prompt_tokens + ctx.generated
         want = total + max(16, total // 8)
         if ctx.admission_id and self.door.top_up(ctx.admission_id, want, self._loop.time()):
             res = self.report.reservation(ctx.admission_id)
@@ -444,7 +441,7 @@ class Pipeline:
         if ctx.admission_id is None:
             return
         if (seen := patience_seen(ctx, self._loop.time())) is not None:
-            self.door.client_ended(ctx.tenant, ctx.model, ctx.stream, seen)
+            self.door.client_ended(ctx.req.tenant, ctx.req.model, ctx.req.stream, seen)
         if ctx.upstream_abandoned and ctx.replica is not None:
             ctx.upstream_abandoned = False
             self.door.abandon(ctx.admission_id, completion(ctx, self._loop.time()))

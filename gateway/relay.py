@@ -301,7 +301,7 @@ class Relay:
     def upstream_body(ctx: RequestContext) -> bytes:
         """The bytes sent to the engine: the client's own bytes, except that a stream
         that did not ask for usage gets ``include_usage`` added (`with_include_usage`)."""
-        if not ctx.stream or ctx.client_wants_usage or ctx.body is None:
+        if not ctx.req.stream or ctx.client_wants_usage or ctx.body is None:
             return ctx.raw
         return with_include_usage(ctx.raw, ctx.body)
 
@@ -321,7 +321,7 @@ class Relay:
         in-stream error event and are reported through ``ctx.outcome``.
         """
         url = base_url + ctx.upstream_path
-        if ctx.stream:
+        if ctx.req.stream:
             return await self._stream(request, ctx, url, headers, data)
         return await self._unary(ctx, url, headers, data)
 
@@ -438,7 +438,7 @@ class Relay:
                                 if self._on_first_token is not None:
                                     self._on_first_token(ctx)
                             ctx.last_event_at = now
-                            if ctx.generated + ctx.prompt_tokens > ctx.topup_at:
+                            if ctx.generated + ctx.req.prompt_tokens > ctx.topup_at:
                                 self._on_progress(ctx)
                         wd.last = loop.time()
                     if buf:  # trailing bytes without a final blank line: pass them on

@@ -31,12 +31,12 @@ def read_stated(request: web.Request, ctx: RequestContext, cap_s: float, now: fl
     if hdr is not None:
         deadline = now + min(cap_s, _seconds(hdr, H_QUEUE_TIMEOUT))
     if (read := request.headers.get(H_READ_TIMEOUT)) is not None:
-        ctx.latency_budget = _seconds(read, H_READ_TIMEOUT) or None
+        ctx.req.latency_budget = _seconds(read, H_READ_TIMEOUT) or None
     # Said nothing: admission uses its clients' learned patience, and learns from it.
-    ctx.patience_stated = hdr is not None or ctx.latency_budget is not None
+    ctx.patience_stated = hdr is not None or ctx.req.latency_budget is not None
     if (count := request.headers.get(H_RETRY_COUNT)) is not None:
         try:
-            ctx.last_retry = int(count) >= SDK_DEFAULT_MAX_RETRIES
+            ctx.req.last_retry = int(count) >= SDK_DEFAULT_MAX_RETRIES
         except ValueError:
             raise invalid_request(
                 f"{H_RETRY_COUNT} must be an integer.", param=H_RETRY_COUNT

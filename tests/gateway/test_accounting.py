@@ -23,7 +23,8 @@ def ctx(**fields: object) -> RequestContext:
         request_id="kvg-test-1", kind="chat", upstream_path="/v1/chat/completions", arrival=10.0
     )
     for name, value in fields.items():
-        setattr(c, name, value)
+        # Request facts (model, stream, counts) live on the one request object.
+        setattr(c if name in RequestContext.__dataclass_fields__ else c.req, name, value)
     return c
 
 

@@ -119,7 +119,7 @@ def test_existing_stream_options_are_merged():
 
 def test_the_pipeline_sends_the_patched_body():
     c = RequestContext(request_id="t", kind="chat", upstream_path="/", arrival=0.0)
-    c.stream = True
+    c.req.stream = True
     c.raw = b'{"model":"m","stream":true,"top_k":3}'
     c.body = json.loads(c.raw)
     assert Relay.upstream_body(c) == (
@@ -174,7 +174,7 @@ def _relay() -> Relay:
 
 def _ctx(wants_usage: bool) -> RequestContext:
     c = RequestContext(request_id="t", kind="chat", upstream_path="/", arrival=0.0)
-    c.stream = True
+    c.req.stream = True
     c.client_wants_usage = wants_usage
     return c
 

@@ -158,7 +158,8 @@ async def test_a_stream_client_with_a_total_deadline_is_learned_as_one(replica, 
 
 
 def _stream_ctx(**fields) -> RequestContext:
-    ctx = RequestContext("r", "chat", "/v1/chat/completions", arrival=0.0, stream=True)
+    ctx = RequestContext("r", "chat", "/v1/chat/completions", arrival=0.0)
+    ctx.req.stream = True
     ctx.admission_id = "r"
     ctx.outcome = "client_disconnect"
     for k, v in fields.items():

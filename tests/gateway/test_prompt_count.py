@@ -92,9 +92,9 @@ def test_a_local_tokenizer_counts_tool_calls_and_tool_messages(tmp_path: Path) -
         + len('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'.split())
     )
     assert m.floor == words
-    assert ctx.prompt_tokens == words + 3 * cfg.admission.per_message_overhead_tokens
+    assert ctx.req.prompt_tokens == words + 3 * cfg.admission.per_message_overhead_tokens
     counter.settle(ctx, m)
-    assert ctx.prompt_exact  # no limit known: the overhead guess cannot change a verdict
+    assert ctx.req.prompt_exact  # no limit known: the overhead guess cannot change a verdict
 
 
 def test_media_parts_get_an_allowance_and_are_not_countable() -> None:
@@ -115,9 +115,9 @@ def test_media_parts_get_an_allowance_and_are_not_countable() -> None:
     counter = _counter(cfg, TokenEstimator(cfg.admission), [_replica(2048, 100_000)])
     ctx = _ctx(chat([{"role": "user", "content": parts}]))
     m = counter.measure(ctx)
-    assert ctx.prompt_tokens >= 3750 and not ctx.prompt_countable
+    assert ctx.req.prompt_tokens >= 3750 and not ctx.prompt_countable
     counter.settle(ctx, m)
-    assert not ctx.prompt_exact
+    assert not ctx.req.prompt_exact
 
 
 def test_limits_near_and_fits_follow_admission() -> None:
@@ -140,7 +140,7 @@ def test_limits_are_recomputed_when_discovery_applies_a_round() -> None:
     counter = _counter(cfg, TokenEstimator(cfg.admission), [replica], ctrl)
     body = {"model": "m", "prompt": "x", "max_tokens": 1800}
     ctx = _ctx(CompletionRequest.model_validate(body))
-    ctx.max_tokens = ctx.expected_output = 1800
+    ctx.req.max_tokens = ctx.req.expected_output = 1800
     assert counter.near_limit(ctx, counter.measure(ctx)) is False  # 1,801 < 0.9 x 2,048
     replica.state.max_model_len = 1900  # a redeploy with a shorter context...
     assert counter.near_limit(ctx, counter.measure(ctx)) is False  # ...not yet applied
@@ -175,26 +175,26 @@ def test_estimate_wrong_by_2x_either_way_refuses_nothing_wrongly(
         prompt = "abc " * true_tokens  # 4 chars a token by construction
         ctx = _ctx(CompletionRequest.model_validate({"model": "m", "prompt": prompt}))
         m = counter.measure(ctx)
-        ctx.max_tokens = ctx.expected_output = max_tokens
+        ctx.req.max_tokens = ctx.req.expected_output = max_tokens
         if counter.near_limit(ctx, m) and exact_available:
-            ctx.prompt_tokens, ctx.prompt_exact = true_tokens, True  # the replica's count
+            ctx.req.prompt_tokens, ctx.req.prompt_exact = true_tokens, True  # the replica's count
         counter.settle(ctx, m)
         rid = f"q{i}"
         verdict = ctrl.submit(
             AdmissionRequest(
                 request_id=rid,
                 model="m",
-                prompt_tokens=ctx.prompt_tokens,
-                expected_output=ctx.expected_output,
-                max_tokens=ctx.max_tokens,
-                prompt_exact=ctx.prompt_exact,
+                prompt_tokens=ctx.req.prompt_tokens,
+                expected_output=ctx.req.expected_output,
+                max_tokens=ctx.req.max_tokens,
+                prompt_exact=ctx.req.prompt_exact,
             ),
             0.0,
         ).verdict
         truly_fits = true_tokens + max_tokens <= 2048
         if isinstance(verdict, Refuse):
             assert not truly_fits, f"{true_tokens} tokens refused on a guess of {guess_error}x"
-            assert ctx.prompt_exact
+            assert ctx.req.prompt_exact
             refused_truly_over += 1
         else:
             assert isinstance(verdict, Admit), verdict
@@ -247,7 +247,8 @@ def _discovery(watchers: list[SimpleNamespace]) -> SimpleNamespace:
 
 def _ctx(parsed: ChatCompletionRequest | CompletionRequest) -> RequestContext:
     kind = "chat" if isinstance(parsed, ChatCompletionRequest) else "completion"
-    ctx = RequestContext("t", kind, "/", 0.0, parsed=parsed, model=parsed.model)
+    ctx = RequestContext("t", kind, "/", 0.0, parsed=parsed)
+    ctx.req.model = parsed.model
     ctx.body = parsed.body
     return ctx
 

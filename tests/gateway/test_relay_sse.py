@@ -44,7 +44,7 @@ def ctx(wants_usage: bool) -> RequestContext:
     c = RequestContext(
         request_id="t", kind="chat", upstream_path="/v1/chat/completions", arrival=0.0
     )
-    c.stream = True
+    c.req.stream = True
     c.client_wants_usage = wants_usage
     return c
 
@@ -92,7 +92,7 @@ def test_upstream_body_adds_include_usage_only_when_needed():
     assert sent["top_k"] == 3  # everything else untouched
     c.client_wants_usage = True
     assert Relay.upstream_body(c) is c.raw  # forwarded as the client sent it
-    c.stream = False
+    c.req.stream = False
     assert Relay.upstream_body(c) is c.raw
 
 
