@@ -1,13 +1,14 @@
 """The replica sections of kvgate's config: one engine replica (`ReplicaConfig`), the
 replicas found by DNS (`ReplicaGroupConfig`, gateway/dns.py) and its resolver
-(`DnsConfig`). gateway/config.py assembles them into the whole file's model."""
+(`DnsConfig`); both kinds of replica entry share `ReplicaSettings`. gateway/config.py
+assembles them into the whole file's model."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Engine = Literal["vllm", "sglang", "llamacpp", "openai"]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -28,11 +29,11 @@ class KVEventsSource(_Strict):
     topic: str = ""
 
 
-class ReplicaConfig(_Strict):
-    """One engine replica kvgate may send requests to."""
+class ReplicaSettings(_Strict):
+    """What kvgate needs to know of an engine replica besides where it is: the fields a
+    replica (`ReplicaConfig`) and a DNS group of them (`ReplicaGroupConfig`) share, with
+    their rules, written once."""
 
-    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
-    url: Annotated[str, Field(pattern=r"^https?://")]
     engine: Engine = "vllm"
     # Pinned KV pool size in tokens; wins over what the engine reports. Use it when the
     # engine does not expose its pool (llama.cpp, hosted OpenAI-compatible servers) or to
@@ -50,6 +51,43 @@ class ReplicaConfig(_Strict):
     # also for `-c` with a `--kv-unified-per-slot` below `-c / -np`, which auto misreads).
     # See routing/adapters/llamacpp.py. A pinned pool_tokens wins over any of them.
     kv_layout: Literal["auto", "per_slot", "unified"] = "auto"
+
+    @model_validator(mode="after")
+    def _openai_pool_is_pinned(self) -> ReplicaSettings:
+        # Nothing in the OpenAI API reports a KV pool: without a pin the replica could
+        # never be used (admission routes nothing to an unknown pool).
+        if self.engine == "openai" and self.pool_tokens is None:
+            raise ValueError(
+                "pool_tokens: required with engine openai (a plain OpenAI server reports "
+                "no KV pool; give its size in tokens)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _layout_is_llamacpp(self) -> ReplicaSettings:
+        if self.kv_layout != "auto" and self.engine != "llamacpp":
+            raise ValueError(
+                f"kv_layout: {self.kv_layout!r} applies to engine llamacpp only, "
+                f"not {self.engine!r}"
+            )
+        return self
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _labels_as_strings(cls, v: Any) -> Any:
+        # YAML turns `speculative: true` into a bool; labels are strings everywhere else.
+        if isinstance(v, Mapping):
+            return {
+                str(k): (str(x).lower() if isinstance(x, bool) else str(x)) for k, x in v.items()
+            }
+        return v
+
+
+class ReplicaConfig(ReplicaSettings):
+    """One engine replica kvgate may send requests to."""
+
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    url: Annotated[str, Field(pattern=r"^https?://")]
     # vLLM only: a server started with `--data-parallel-size N` runs N engines, each with
     # its own KV pool, behind one URL. With N here the replica becomes N replicas
     # `<name>-dp<k>`, one per engine rank, each with a ledger of its own (its pool read
@@ -83,38 +121,8 @@ class ReplicaConfig(_Strict):
                 )
         return self
 
-    @model_validator(mode="after")
-    def _openai_pool_is_pinned(self) -> ReplicaConfig:
-        # Nothing in the OpenAI API reports a KV pool: without a pin the replica could
-        # never be used (admission routes nothing to an unknown pool).
-        if self.engine == "openai" and self.pool_tokens is None:
-            raise ValueError(
-                "pool_tokens: required with engine openai (a plain OpenAI server reports "
-                "no KV pool; give its size in tokens)"
-            )
-        return self
 
-    @model_validator(mode="after")
-    def _layout_is_llamacpp(self) -> ReplicaConfig:
-        if self.kv_layout != "auto" and self.engine != "llamacpp":
-            raise ValueError(
-                f"kv_layout: {self.kv_layout!r} applies to engine llamacpp only, "
-                f"not {self.engine!r}"
-            )
-        return self
-
-    @field_validator("labels", mode="before")
-    @classmethod
-    def _labels_as_strings(cls, v: Any) -> Any:
-        # YAML turns `speculative: true` into a bool; labels are strings everywhere else.
-        if isinstance(v, Mapping):
-            return {
-                str(k): (str(x).lower() if isinstance(x, bool) else str(x)) for k, x in v.items()
-            }
-        return v
-
-
-class ReplicaGroupConfig(_Strict):
+class ReplicaGroupConfig(ReplicaSettings):
     """Replicas found by DNS, as Envoy's strict-DNS clusters and Kubernetes headless
     Services work: every address `host` resolves to is one replica, re-resolved every
     ``resolve_interval_s`` (gateway/dns.py). A new address joins once its probe finds it
@@ -124,7 +132,7 @@ class ReplicaGroupConfig(_Strict):
     ``record: A`` (IPv4) or ``AAAA`` (IPv6) take the port from ``port``; ``SRV`` reads
     target and port from the records (``_http._tcp.vllm.ns.svc.cluster.local``). Each
     replica is named ``<name>-<address>:<port>`` and addressed by its IP. The other fields
-    are a replica's (`ReplicaConfig`), applied to every address.
+    are a replica's (`ReplicaSettings`), applied to every address.
     """
 
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -133,13 +141,6 @@ class ReplicaGroupConfig(_Strict):
     record: Literal["A", "AAAA", "SRV"] = "A"
     scheme: Literal["http", "https"] = "http"
     resolve_interval_s: PositiveFloat = 5.0
-    engine: Engine = "vllm"
-    pool_tokens: Annotated[int, Field(gt=0)] | None = None
-    block_size: Annotated[int, Field(gt=0)] | None = None
-    max_running: Annotated[int, Field(gt=0)] | None = None
-    labels: dict[str, str] = Field(default_factory=dict)
-    api_key: str | None = None
-    kv_layout: Literal["auto", "per_slot", "unified"] = "auto"
 
     @model_validator(mode="after")
     def _port_or_srv(self) -> ReplicaGroupConfig:
@@ -147,27 +148,11 @@ class ReplicaGroupConfig(_Strict):
             raise ValueError("port: SRV records carry the port; leave port out")
         if self.record != "SRV" and self.port is None:
             raise ValueError(f"port: required with record {self.record} (or use record SRV)")
-        try:
-            self.replica("check", "http://127.0.0.1:1")  # the replica fields' own rules
-        except ValidationError as e:
-            raise ValueError(
-                "; ".join(x["msg"].removeprefix("Value error, ") for x in e.errors())
-            ) from None
         return self
 
     def replica(self, name: str, url: str) -> ReplicaConfig:
         """The replica at one resolved address."""
-        fields = self.model_dump(
-            include={
-                "engine",
-                "pool_tokens",
-                "block_size",
-                "max_running",
-                "labels",
-                "api_key",
-                "kv_layout",
-            }
-        )
+        fields = self.model_dump(include=set(ReplicaSettings.model_fields))
         return ReplicaConfig.model_validate({**fields, "name": name, "url": url})
 
     def describe(self) -> str:
