@@ -173,6 +173,38 @@ async def one_request(
             fail_left -= 1
 
 
+Plan = list[tuple[float, dict, dict, str]]  # (send at, body, headers, kind) per request
+
+
+async def run_plan(url: str, plan: Plan, args: argparse.Namespace) -> tuple[list, float]:
+    """Send every request of `plan` at its time (open loop); (kind, result) pairs and the
+    wall time."""
+    results: list[tuple[str, dict]] = []
+
+    async def fire(http: aiohttp.ClientSession, at: float, body: dict, hdrs: dict, kind: str):
+        await asyncio.sleep(at)
+        results.append((kind, await one_request(http, url, body, hdrs, args)))
+
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        await asyncio.gather(*(fire(http, *step) for step in plan))
+    return results, time.monotonic() - t0
+
+
+def per_kind(results: list[tuple[str, dict]]) -> dict:
+    """Completions, tokens/s and TTFT of the coding and the chat requests."""
+    out: dict = {}
+    for kind in ("coding", "chat"):
+        ok = [r for k, r in results if k == kind and r["ok"]]
+        tps = [r["tps"] for r in ok]
+        out[f"{kind}_completed"] = len(ok)
+        out[f"{kind}_sent"] = sum(1 for k, _ in results if k == kind)
+        out[f"{kind}_tps_mean"] = statistics.fmean(tps) if tps else None
+        out[f"{kind}_tps_median"] = statistics.median(tps) if tps else None
+        out[f"{kind}_ttft_p50"] = statistics.median(r["ttft"] for r in ok) if ok else None
+    return out
+
+
 async def one_level(
     contender: str, rate: float, args: argparse.Namespace, workdir: Path, run: int
 ) -> dict:
@@ -193,10 +225,13 @@ async def one_level(
         with stopping(gw):
             await wait_http(gw.url + "/ready", proc=gw)
             rng = random.Random(f"{args.seed}-{rate}-{run}")
-            results: list[tuple[str, dict]] = []
-
-            async def fire(http: aiohttp.ClientSession, at: float, coding: bool) -> None:
-                await asyncio.sleep(at)
+            times, t = [], 0.0
+            for _ in range(max(args.min_requests, round(rate * args.duration))):
+                t += rng.expovariate(rate)
+                times.append(t)
+            plan = []
+            for i, at in enumerate(times):
+                coding = i % 2 == 0
                 body = {
                     "model": MODEL,
                     "messages": [{"role": "user", "content": prompt(rng, coding)}],
@@ -208,29 +243,11 @@ async def one_level(
                     "x-workload": "coding" if coding else "chat",
                     "x-stainless-read-timeout": f"{args.timeout / args.speed:.3f}",
                 }
-                res = await one_request(http, gw.url, body, headers, args)
-                results.append(("coding" if coding else "chat", res))
-
-            t = 0.0
-            plan = []
-            n = max(args.min_requests, round(rate * args.duration))
-            for i in range(n):
-                t += rng.expovariate(rate)
-                plan.append((t / args.speed, i % 2 == 0))
-            t0 = time.monotonic()
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-                await asyncio.gather(*(fire(http, at, c) for at, c in plan))
-            wall = time.monotonic() - t0
+                plan.append((at / args.speed, body, headers, "coding" if coding else "chat"))
+            results, wall = await run_plan(gw.url, plan, args)
         spec_steps = sum([await engine_counter(u, "vllm:spec_decode_num_drafts") for u in urls])
     out: dict = {"contender": contender, "rate": rate, "run": run, "wall_s": wall}
-    for kind in ("coding", "chat"):
-        ok = [r for k, r in results if k == kind and r["ok"]]
-        tps = [r["tps"] for r in ok]
-        out[f"{kind}_completed"] = len(ok)
-        out[f"{kind}_sent"] = sum(1 for k, _ in results if k == kind)
-        out[f"{kind}_tps_mean"] = statistics.fmean(tps) if tps else None
-        out[f"{kind}_tps_median"] = statistics.median(tps) if tps else None
-        out[f"{kind}_ttft_p50"] = statistics.median(r["ttft"] for r in ok) if ok else None
+    out.update(per_kind(results))
     out["spec_steps"] = spec_steps
     return out
 
@@ -302,15 +319,9 @@ async def one_level_real(
     cfg["routing"] = PROFILES[contender]
     gw = start_gateway(cfg, workdir=workdir, log=workdir / f"kvgate-{contender}-{rate}-{run}.log")
     rng = random.Random(f"{args.seed}-{rate}-{run}")  # the same traffic for every contender
-    results: list[tuple[str, dict]] = []
     with stopping(gw):
         await wait_http(gw.url + "/ready", proc=gw)
-
-        async def fire(http: aiohttp.ClientSession, at: float, body: dict, kind: str) -> None:
-            await asyncio.sleep(at)
-            headers = {"x-stainless-read-timeout": f"{args.timeout:.3f}"}  # as the SDK does
-            results.append((kind, await one_request(http, gw.url, body, headers, args)))
-
+        headers = {"x-stainless-read-timeout": f"{args.timeout:.3f}"}  # as the SDK does
         t = 0.0
         plan = []
         n = max(args.min_requests, round(rate * args.duration))
@@ -318,23 +329,13 @@ async def one_level_real(
             t += rng.expovariate(rate)
             coding = i % 2 == 0
             body = real_body(rng, coding, f"{contender}-{run}-{i}", args)
-            plan.append((t, body, "coding" if coding else "chat"))
-        t0 = time.monotonic()
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            await asyncio.gather(*(fire(http, at, b, k) for at, b, k in plan))
-        wall = time.monotonic() - t0
+            plan.append((t, body, headers, "coding" if coding else "chat"))
+        results, wall = await run_plan(gw.url, plan, args)
         decisions = await routing_decisions(gw.url)
     after = [await spec_counters(u) for u in urls]
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
     out: dict = {"contender": contender, "rate": rate, "run": run, "wall_s": wall}
-    for kind in ("coding", "chat"):
-        ok = [r for k, r in results if k == kind and r["ok"]]
-        tps = [r["tps"] for r in ok]
-        out[f"{kind}_completed"] = len(ok)
-        out[f"{kind}_sent"] = sum(1 for k, _ in results if k == kind)
-        out[f"{kind}_tps_mean"] = statistics.fmean(tps) if tps else None
-        out[f"{kind}_tps_median"] = statistics.median(tps) if tps else None
-        out[f"{kind}_ttft_p50"] = statistics.median(r["ttft"] for r in ok) if ok else None
+    out.update(per_kind(results))
     spec = delta[0]
     out["spec_steps"] = spec["spec_decode_num_drafts"]
     out["spec_acceptance"] = (
