@@ -44,6 +44,14 @@ class Picker(Protocol):
     def choose(self, req: RouteRequest, scored: Sequence[tuple[float, Candidate]]) -> Candidate: ...
 
 
+@runtime_checkable
+class BatchScorer(Protocol):
+    """A scorer that also scores a decision's candidates in one call, the same numbers
+    as `score` gives each: what depends on the request alone is computed once."""
+
+    def scores(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]: ...
+
+
 KIND_PROTOCOLS: dict[str, type] = {"filter": Filter, "scorer": Scorer, "picker": Picker}
 
 

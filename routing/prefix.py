@@ -19,7 +19,7 @@ Index
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import xxhash
@@ -86,6 +86,9 @@ class PrefixIndex:
         """Touch the chain, leaf first (the root ends most recent), evicting the least
         recently used blocks beyond capacity."""
         lru = self._lru
+        if all(map(lru.__contains__, hashes)):  # a returning chain: every block held
+            deque(map(lru.move_to_end, reversed(hashes)), maxlen=0)
+            return
         holders = self._holders
         for h in reversed(hashes):
             if h in lru:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from routing.config import ProfileConfig, RoutingConfig
 from routing.plugin import (
+    BatchScorer,
     ExplainHook,
     Filter,
     FirstTokenHook,
@@ -75,6 +76,10 @@ class Profile:
             p.first_token for p in plugins if isinstance(p, FirstTokenHook)
         )
         self.needs_prefix = any(reads_prefix(p) for p in plugins)
+        # Each scorer as one call over the candidates (its own `scores` where it has one).
+        self._batch = tuple(
+            (s.scores if isinstance(s, BatchScorer) else _one_by_one(s), w) for s, w in self.scorers
+        )
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
         total = 0.0
@@ -95,7 +100,29 @@ class Profile:
             return None
         if len(kept) == 1 and not self.scorers:
             return kept[0]
-        return self.picker.choose(req, [(self.score(req, c), c) for c in kept])
+        # `score` for every candidate, a scorer at a time (the same sums, in its order).
+        totals = [0.0] * len(kept)
+        for scores, weight in self._batch:
+            totals = [
+                t + weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+                for t, s in zip(totals, scores(req, kept), strict=True)
+            ]
+        stale = self.stale_after_s
+        if any(c.view_age_s > stale for c in kept):
+            totals = [
+                t * self.stale_factor if c.view_age_s > stale else t
+                for t, c in zip(totals, kept, strict=True)
+            ]
+        return self.picker.choose(req, list(zip(totals, kept, strict=True)))
+
+
+def _one_by_one(scorer: Scorer):  # noqa: ANN202 (a closure over one scorer)
+    score = scorer.score
+
+    def scores(req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        return [score(req, c) for c in candidates]
+
+    return scores
 
 
 class SchedulingRouter:

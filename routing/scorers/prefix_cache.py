@@ -17,7 +17,7 @@ approximate index.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from routing.plugin import (
@@ -31,6 +31,7 @@ from routing.plugin import (
     params_of,
 )
 from routing.prefix import PrefixIndex
+from routing.prefixmatch import PrefixMatches
 from routing.types import Candidate, RouteRequest
 
 
@@ -54,6 +55,8 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
         self._indexes: dict[str, PrefixIndex] = {}
         # hash -> replicas whose index holds it (kept exact by the indexes).
         self._holders: dict[int, tuple[str, ...]] = {}
+        # The request's matches per replica, walked once per decision.
+        self._matches = PrefixMatches(self._indexes, self._kv)
 
     def index(self, replica: str) -> PrefixIndex | None:
         return self._indexes.get(replica)
@@ -100,54 +103,43 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
         return out
 
     def explain(self, req: RouteRequest, chosen: Candidate) -> str | None:
-        exact = self.engine_match(req, chosen.name, chosen.engine.prefix_cache_queries_total)
-        if exact is not None:
-            return "prefix_warm" if exact else None
-        if not req.prefix_hashes:
+        if not req.token_hashes and not req.prefix_hashes:
             return None
-        idx = self._indexes.get(chosen.name)
-        return "prefix_warm" if idx is not None and idx.match(req.prefix_hashes[:1]) else None
+        return "prefix_warm" if self.matched(req, chosen)[1] else None
 
     def engine_match(self, req: RouteRequest, name: str, queries: float | None) -> int | None:
         """Leading blocks of the prompt's token chain the replica's engine holds, from
         its KV events; None where there are none to trust (the approximate index then)."""
-        kv = self._kv
-        if kv is None or not req.token_hashes:
-            return None
-        blocks = kv.get(name)
-        if blocks is None or blocks.block_size != req.token_block_size:
-            return None
-        if not blocks.usable(req.now, queries):
-            return None
-        return blocks.match(req.token_hashes)
+        return self._matches.engine(req, name, queries)
+
+    def matched(self, req: RouteRequest, candidate: Candidate) -> tuple[bool, int]:
+        """(from the engine's own events?, leading blocks of the prompt held there)."""
+        return self._matches.get(req, candidate)
+
+    def cached_each(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[int]:
+        """`cached_tokens` of each candidate (the request's terms read once)."""
+        prompt, tbs = req.prompt_tokens, req.token_block_size
+        bc, cpt = self.block_chars, self.chars_per_token
+        out = []
+        for exact, blocks in self._matches.each(req, candidates):
+            if not blocks:
+                out.append(0)
+                continue
+            cached = blocks * tbs if exact else int(blocks * bc / cpt)
+            out.append(min(prompt or cached, cached))
+        return out
 
     def cached_tokens(self, req: RouteRequest, candidate: Candidate) -> int:
         """Prompt tokens `candidate` is expected to hold cached: the engine's own blocks
         where it publishes them, else the index's matched blocks x block_chars /
         chars_per_token; within the prompt."""
-        q = candidate.engine.prefix_cache_queries_total
-        exact = self.engine_match(req, candidate.name, q)
-        if exact is not None:
-            return min(req.prompt_tokens or exact * req.token_block_size,
-                       exact * req.token_block_size)  # fmt: skip
-        hashes = req.prefix_hashes
-        idx = self._indexes.get(candidate.name)
-        if not hashes or idx is None:
-            return 0
-        cached = int(idx.match(hashes) * self.block_chars / self.chars_per_token)
-        return min(req.prompt_tokens or cached, cached)
+        return self.cached_each(req, (candidate,))[0]
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
-        exact = self.engine_match(req, candidate.name, candidate.engine.prefix_cache_queries_total)
-        if exact is not None:
-            return exact / len(req.token_hashes)
-        hashes = req.prefix_hashes
-        if not hashes:
+        exact, blocks = self.matched(req, candidate)
+        if not blocks:
             return 0.0
-        idx = self._indexes.get(candidate.name)
-        if idx is None:
-            return 0.0
-        return idx.match(hashes) / len(hashes)
+        return blocks / len(req.token_hashes if exact else req.prefix_hashes)
 
     def capacity_for(self, candidate: Candidate) -> int:
         blocks = int(candidate.effective_capacity * self.chars_per_token / self.block_chars)
@@ -165,6 +157,7 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
         elif idx.capacity != capacity:
             idx.resize(capacity)
         idx.insert(req.prefix_hashes)
+        self._matches.forget()  # the index changed: matches are walked again
 
 
 def _deepest_holders(
