@@ -79,6 +79,17 @@ class FirstTokenHook(Protocol):
 
 
 @runtime_checkable
+class PromptCachedHook(Protocol):
+    """The engine said how many prompt tokens of a request this plugin saw placed it
+    held cached (``usage.prompt_tokens_details.cached_tokens``), with that request's
+    characters per engine token; before its release."""
+
+    def prompt_cached(
+        self, request_id: str, cached_tokens: int, chars_per_token: float, now: float
+    ) -> None: ...
+
+
+@runtime_checkable
 class HintHook(Protocol):
     """Replicas to score for `req` whatever their headroom (admission adds them to its
     shortlist of the roomiest): a warm prefix, the session's replica, a speculating one."""

@@ -10,7 +10,7 @@ leave nothing return None: admission keeps the request queued without holding an
 `SchedulingRouter` picks the profile of the request's model, else of its workload class
 (routing.config: the built-in class profiles when the config names no default), else the
 default, and forwards admission's ``placed`` / ``released`` (and ``hints``, ``warm``,
-``first_token``) to the plugins that take those hooks (routing.plugin). It counts its
+``first_token``, ``prompt_cached``) to the plugins that take those hooks (routing.plugin). It counts its
 decisions by reason and by (workload, scoring), and keeps each placed request's route
 until it is released, so the gateway's access line can say how it was placed.
 """
@@ -29,6 +29,7 @@ from routing.plugin import (
     Picker,
     PlacementHook,
     PluginEnv,
+    PromptCachedHook,
     ReleaseHook,
     Scorer,
     WarmHook,
@@ -74,6 +75,9 @@ class Profile:
         self.warm_hooks = tuple(p.warm for p in plugins if isinstance(p, WarmHook))
         self.first_token_hooks = tuple(
             p.first_token for p in plugins if isinstance(p, FirstTokenHook)
+        )
+        self.prompt_cached_hooks = tuple(
+            p.prompt_cached for p in plugins if isinstance(p, PromptCachedHook)
         )
         self.needs_prefix = any(reads_prefix(p) for p in plugins)
         # Each scorer as one call over the candidates (its own `scores` where it has one).
@@ -204,7 +208,7 @@ class SchedulingRouter:
         profile = self.profile_for(req.model, req.workload)
         for hook in profile.placed_hooks:
             hook(req, candidate, now)
-        if profile.released_hooks or profile.first_token_hooks:
+        if profile.released_hooks or profile.first_token_hooks or profile.prompt_cached_hooks:
             self._owner[req.request_id] = profile
         rid, route = self._last
         if rid == req.request_id:
@@ -216,6 +220,16 @@ class SchedulingRouter:
         if profile is not None:
             for hook in profile.first_token_hooks:
                 hook(request_id, now)
+
+    def prompt_cached(
+        self, request_id: str, cached_tokens: int, chars_per_token: float, now: float
+    ) -> None:
+        """The engine held `cached_tokens` of a placed request's prompt (its answer's
+        usage): the prefix plugins correct their expectations (routing.prefixfeedback)."""
+        profile = self._owner.get(request_id)
+        if profile is not None:
+            for hook in profile.prompt_cached_hooks:
+                hook(request_id, cached_tokens, chars_per_token, now)
 
     def released(self, request_id: str, replica: str, now: float) -> None:
         self._routes.pop(request_id, None)

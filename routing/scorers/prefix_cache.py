@@ -12,7 +12,8 @@ Where a replica's engine publishes its KV events (routing.kvindex, ``env.kv_inde
 and the request carries its token-block chain, that replica is matched against what
 its engine says it holds instead: exact blocks of the engine's block size, evictions
 and restarts included. A replica whose events are missing or stale keeps the
-approximate index.
+approximate index, corrected by what its engine says it held for each request
+(``prompt_cached``, routing.prefixfeedback).
 """
 
 from __future__ import annotations
@@ -26,16 +27,28 @@ from routing.plugin import (
     PlacementHook,
     PluginEnv,
     PrefixReader,
+    PromptCachedHook,
+    ReleaseHook,
     Scorer,
     WarmHook,
     params_of,
 )
 from routing.prefix import PrefixIndex
+from routing.prefixfeedback import HitFeedback
 from routing.prefixmatch import PrefixMatches
 from routing.types import Candidate, RouteRequest
 
 
-class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, PrefixReader):
+class PrefixCacheScorer(
+    Scorer,
+    PlacementHook,
+    ReleaseHook,
+    PromptCachedHook,
+    HintHook,
+    WarmHook,
+    ExplainHook,
+    PrefixReader,
+):
     """Expected cached-prefix fraction of the prompt on each replica (module docstring)."""
 
     name = "prefix_cache"
@@ -57,6 +70,8 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
         self._holders: dict[int, tuple[str, ...]] = {}
         # The request's matches per replica, walked once per decision.
         self._matches = PrefixMatches(self._indexes, self._kv)
+        # The engines' answers correct the approximate index (routing.prefixfeedback).
+        self.feedback = HitFeedback(self._indexes, block_chars)
 
     def index(self, replica: str) -> PrefixIndex | None:
         return self._indexes.get(replica)
@@ -156,8 +171,23 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
             )
         elif idx.capacity != capacity:
             idx.resize(capacity)
+        exact, predicted = self._matches.get(req, candidate)
+        if not exact:  # the engine's answer will say what it held (module docstring)
+            self.feedback.placed(
+                req.request_id, candidate.name, idx, req.prefix_hashes, predicted,
+                candidate.block_size,
+            )  # fmt: skip
         idx.insert(req.prefix_hashes)
         self._matches.forget()  # the index changed: matches are walked again
+
+    def prompt_cached(
+        self, request_id: str, cached_tokens: int, chars_per_token: float, now: float
+    ) -> None:
+        if self.feedback.answered(request_id, cached_tokens, chars_per_token):
+            self._matches.forget()  # a horizon moved
+
+    def released(self, request_id: str, replica: str, now: float) -> None:
+        self.feedback.forget(request_id)
 
 
 def _deepest_holders(

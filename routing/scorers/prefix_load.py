@@ -86,6 +86,7 @@ class PrefixLoadScorer(PrefixCacheScorer, BatchScorer, FirstTokenHook, ReleaseHo
         self.pending.done(request_id)
 
     def released(self, request_id: str, replica: str, now: float) -> None:
+        super().released(request_id, replica, now)
         self.pending.done(request_id)
 
 
