@@ -112,7 +112,7 @@ class PrefixCacheScorer(
                 continue
             blocks = idx.match(hashes)
             if blocks:
-                cached = int(blocks * self.block_chars / self.chars_per_token)
+                cached = int(blocks * self.block_chars / self.cpt_of(name))
                 out.append((name, min(req.prompt_tokens or cached, cached)))
         out.sort(key=lambda x: -x[1])
         return out
@@ -134,13 +134,13 @@ class PrefixCacheScorer(
     def cached_each(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[int]:
         """`cached_tokens` of each candidate (the request's terms read once)."""
         prompt, tbs = req.prompt_tokens, req.token_block_size
-        bc, cpt = self.block_chars, self.chars_per_token
+        bc, cpt, learned = self.block_chars, self.chars_per_token, self.feedback.chars_per_token
         out = []
-        for exact, blocks in self._matches.each(req, candidates):
+        for c, (exact, blocks) in zip(candidates, self._matches.each(req, candidates), strict=True):
             if not blocks:
                 out.append(0)
                 continue
-            cached = blocks * tbs if exact else int(blocks * bc / cpt)
+            cached = blocks * tbs if exact else int(blocks * bc / learned.get(c.name, cpt))
             out.append(min(prompt or cached, cached))
         return out
 
@@ -156,8 +156,13 @@ class PrefixCacheScorer(
             return 0.0
         return blocks / len(req.token_hashes if exact else req.prefix_hashes)
 
+    def cpt_of(self, replica: str) -> float:
+        """Characters per engine token on `replica`: its answers' (routing.prefixfeedback),
+        else the configured ``chars_per_token``."""
+        return self.feedback.chars_per_token.get(replica, self.chars_per_token)
+
     def capacity_for(self, candidate: Candidate) -> int:
-        blocks = int(candidate.effective_capacity * self.chars_per_token / self.block_chars)
+        blocks = int(candidate.effective_capacity * self.cpt_of(candidate.name) / self.block_chars)
         return max(1, min(self.max_blocks_per_replica, blocks))
 
     def placed(self, req: RouteRequest, candidate: Candidate, now: float) -> None:
