@@ -50,31 +50,39 @@ class PrefixMatches:
         """(from the engine's own events?, leading prompt blocks held) on `candidate`:
         the engine's blocks where it publishes trusted events (`trusted`), else the
         approximate index's."""
-        return self.each(req, (candidate,))[0]
+        queries = candidate.engine.prefix_cache_queries_total
+        got = self._for(req).get(candidate.name)
+        if got is None or got[0] != queries:
+            got = self._walk(req, candidate.name, queries)
+        return got[1], got[2]
 
     def each(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[tuple[bool, int]]:
         """`get` for each candidate, in one pass."""
         memo = self._for(req)
-        trusted = self.trusted
-        indexes = self._indexes
-        hashes = req.prefix_hashes
+        walk = self._walk
         out = []
         for c in candidates:
-            name = c.name
             queries = c.engine.prefix_cache_queries_total
-            got = memo.get(name)
+            got = memo.get(c.name)
             if got is None or got[0] != queries:
-                if trusted(req, name, queries) is not None:
-                    depths = self._depths
-                    if depths is None:
-                        depths = self._depths = self._kv.depths(req.token_hashes)
-                    got = (queries, True, depths.get(name, 0))
-                else:
-                    idx = indexes.get(name)
-                    got = (queries, False, idx.match(hashes) if idx is not None and hashes else 0)
-                memo[name] = got
+                got = walk(req, c.name, queries)
             out.append((got[1], got[2]))
         return out
+
+    def _walk(
+        self, req: RouteRequest, name: str, queries: float | None
+    ) -> tuple[float | None, bool, int]:
+        if self._kv is not None and self.trusted(req, name, queries) is not None:
+            depths = self._depths
+            if depths is None:
+                depths = self._depths = self._kv.depths(req.token_hashes)
+            got = (queries, True, depths.get(name, 0))
+        else:
+            idx = self._indexes.get(name)
+            hashes = req.prefix_hashes
+            got = (queries, False, idx.match(hashes) if idx is not None and hashes else 0)
+        self._memo[name] = got
+        return got
 
     def trusted(self, req: RouteRequest, name: str, queries: float | None) -> Any:
         """The replica's engine blocks (routing.kvindex.EngineBlocks) where its events

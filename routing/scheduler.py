@@ -17,7 +17,7 @@ until it is released, so the gateway's access line can say how it was placed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from routing.config import ProfileConfig, RoutingConfig
 from routing.plugin import (
@@ -120,7 +120,8 @@ class Profile:
         return self.picker.choose(req, list(zip(totals, kept, strict=True)))
 
 
-def _one_by_one(scorer: Scorer):  # noqa: ANN202 (a closure over one scorer)
+def _one_by_one(scorer: Scorer) -> Callable[[RouteRequest, Sequence[Candidate]], list[float]]:
+    """`scores` for a scorer that has only `score`."""
     score = scorer.score
 
     def scores(req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:

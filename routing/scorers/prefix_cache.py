@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from routing.plugin import (
+    BatchScorer,
     ExplainHook,
     HintHook,
     PlacementHook,
@@ -41,6 +42,7 @@ from routing.types import Candidate, RouteRequest
 
 class PrefixCacheScorer(
     Scorer,
+    BatchScorer,
     PlacementHook,
     ReleaseHook,
     PromptCachedHook,
@@ -155,6 +157,14 @@ class PrefixCacheScorer(
         if not blocks:
             return 0.0
         return blocks / len(req.token_hashes if exact else req.prefix_hashes)
+
+    def scores(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        """`score` of each candidate, in one pass."""
+        tokens, chars = len(req.token_hashes), len(req.prefix_hashes)
+        return [
+            (blocks / (tokens if exact else chars)) if blocks else 0.0
+            for exact, blocks in self._matches.each(req, candidates)
+        ]
 
     def cpt_of(self, replica: str) -> float:
         """Characters per engine token on `replica`: its answers' (routing.prefixfeedback),
