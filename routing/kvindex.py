@@ -24,7 +24,7 @@ subscribes again.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from functools import partial
 from itertools import islice, takewhile
 from operator import eq
@@ -217,6 +217,15 @@ class EngineBlocks:
             if h not in held:
                 return i
         return len(chain)
+
+    def match_with(self, chain: Sequence[int], start: int, also: Container[int]) -> int:
+        """`match`, the walk going on from `start` through blocks held or in `also`."""
+        held = self._held
+        n = len(chain)
+        i = start
+        while i < n and (chain[i] in held or chain[i] in also):
+            i += 1
+        return i
 
     def usable(self, now: float, queries_total: float | None) -> bool:
         """Subscribed, and not silent while its engine served prompts (module docstring)."""

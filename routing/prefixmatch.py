@@ -5,7 +5,8 @@ cost, the explanation, the placement's prefill count, admission's expected-TTFT
 choice). `PrefixMatches` walks the prompt's chains once per request and replica and
 remembers the answer until the request, the engines' KV events (`KVIndex.version`) or
 the approximate index (`forget`) change. The engines' blocks are walked once for every
-replica together (`KVIndex.depths`, against the index of holders), not once per replica.
+replica together (`KVIndex.depths`, against the index of holders), not once per replica;
+prompts still in prefill on a replica count as held there (routing.prefill.PrefillBlocks).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from routing.prefill import PrefillBlocks
 from routing.prefix import PrefixIndex
 from routing.types import Candidate, RouteRequest
 
@@ -21,11 +23,14 @@ class PrefixMatches:
     """(from the engine's events?, leading prompt blocks held) per replica, for the
     request last asked about (module docstring)."""
 
-    __slots__ = ("_indexes", "_kv", "_req", "_version", "_memo", "_depths")
+    __slots__ = ("_indexes", "_kv", "_prefilling", "_req", "_version", "_memo", "_depths")
 
-    def __init__(self, indexes: Mapping[str, PrefixIndex], kv: Any) -> None:
+    def __init__(
+        self, indexes: Mapping[str, PrefixIndex], kv: Any, prefilling: PrefillBlocks
+    ) -> None:
         self._indexes = indexes  # the approximate index per replica (routing.prefix)
         self._kv = kv  # the engines' own blocks (routing.kvindex.KVIndex), or None
+        self._prefilling = prefilling  # prompts placed and not yet stored (routing.prefill)
         self._req: RouteRequest | None = None
         self._version = -1
         self._memo: dict[str, tuple[float | None, bool, int]] = {}
@@ -72,11 +77,16 @@ class PrefixMatches:
     def _walk(
         self, req: RouteRequest, name: str, queries: float | None
     ) -> tuple[float | None, bool, int]:
-        if self._kv is not None and self.trusted(req, name, queries) is not None:
+        blocks = self.trusted(req, name, queries) if self._kv is not None else None
+        if blocks is not None:
             depths = self._depths
             if depths is None:
                 depths = self._depths = self._kv.depths(req.token_hashes)
-            got = (queries, True, depths.get(name, 0))
+            depth = depths.get(name, 0)
+            also = self._prefilling.of(name)
+            if also:  # prompts in prefill there count as held (routing.prefill)
+                depth = blocks.match_with(req.token_hashes, depth, also)
+            got = (queries, True, depth)
         else:
             idx = self._indexes.get(name)
             hashes = req.prefix_hashes

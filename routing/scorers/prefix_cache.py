@@ -24,6 +24,7 @@ from typing import Any
 from routing.plugin import (
     BatchScorer,
     ExplainHook,
+    FirstTokenHook,
     HintHook,
     PlacementHook,
     PluginEnv,
@@ -34,6 +35,7 @@ from routing.plugin import (
     WarmHook,
     params_of,
 )
+from routing.prefill import PrefillBlocks
 from routing.prefix import PrefixIndex
 from routing.prefixfeedback import HitFeedback
 from routing.prefixmatch import PrefixMatches
@@ -45,6 +47,7 @@ class PrefixCacheScorer(
     BatchScorer,
     PlacementHook,
     ReleaseHook,
+    FirstTokenHook,
     PromptCachedHook,
     HintHook,
     WarmHook,
@@ -70,8 +73,10 @@ class PrefixCacheScorer(
         self._indexes: dict[str, PrefixIndex] = {}
         # hash -> replicas whose index holds it (kept exact by the indexes).
         self._holders: dict[int, tuple[str, ...]] = {}
+        # Token chains placed on publishing replicas and not yet through their prefill.
+        self.prefilling = PrefillBlocks()
         # The request's matches per replica, walked once per decision.
-        self._matches = PrefixMatches(self._indexes, self._kv)
+        self._matches = PrefixMatches(self._indexes, self._kv, self.prefilling)
         # The engines' answers correct the approximate index (routing.prefixfeedback).
         self.feedback = HitFeedback(self._indexes, block_chars)
 
@@ -187,13 +192,19 @@ class PrefixCacheScorer(
         elif idx.capacity != capacity:
             idx.resize(capacity)
         exact, predicted = self._matches.get(req, candidate)
-        if not exact:  # the engine's answer will say what it held (module docstring)
+        if exact:  # stored by the engine once prefilled; until then, in prefill there
+            self.prefilling.add(req.request_id, candidate.name, req.token_hashes)
+        else:  # the engine's answer will say what it held (module docstring)
             self.feedback.placed(
                 req.request_id, candidate.name, idx, req.prefix_hashes, predicted,
                 candidate.block_size,
             )  # fmt: skip
         idx.insert(req.prefix_hashes)
         self._matches.forget()  # the index changed: matches are walked again
+
+    def first_token(self, request_id: str, now: float) -> None:
+        if self.prefilling.done(request_id):
+            self._matches.forget()
 
     def prompt_cached(
         self, request_id: str, cached_tokens: int, chars_per_token: float, now: float
@@ -203,6 +214,8 @@ class PrefixCacheScorer(
 
     def released(self, request_id: str, replica: str, now: float) -> None:
         self.feedback.forget(request_id)
+        if self.prefilling.done(request_id):
+            self._matches.forget()
 
 
 def _deepest_holders(

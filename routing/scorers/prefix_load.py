@@ -27,13 +27,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from routing.plugin import BatchScorer, FirstTokenHook, PluginEnv, ReleaseHook, params_of
+from routing.plugin import PluginEnv, params_of
 from routing.prefill import PendingPrefill
 from routing.scorers.prefix_cache import PrefixCacheScorer
 from routing.types import Candidate, RouteRequest
 
 
-class PrefixLoadScorer(PrefixCacheScorer, BatchScorer, FirstTokenHook, ReleaseHook):
+class PrefixLoadScorer(PrefixCacheScorer):
     """Cached prefix against prefill and decode load, as one cost (module docstring)."""
 
     name = "prefix_load"
@@ -83,6 +83,7 @@ class PrefixLoadScorer(PrefixCacheScorer, BatchScorer, FirstTokenHook, ReleaseHo
         self.pending.add(req.request_id, candidate.name, uncached)
 
     def first_token(self, request_id: str, now: float) -> None:
+        super().first_token(request_id, now)
         self.pending.done(request_id)
 
     def released(self, request_id: str, replica: str, now: float) -> None:

@@ -212,3 +212,26 @@ def test_a_request_asked_again_after_the_engine_changed_is_matched_again() -> No
     assert scorer.cached_tokens(text, cand("b")) == 0  # type: ignore[attr-defined]
     scorer.placed(text, cand("b"), 0.3)  # type: ignore[attr-defined]
     assert scorer.cached_tokens(text, cand("b")) == 8  # type: ignore[attr-defined]
+
+
+def test_a_prompt_in_prefill_counts_as_held_where_it_was_placed() -> None:
+    """Its engine stores a prompt's blocks as it prefills them: until then the events do
+    not show them, and the next request of the same tenant must still see that replica
+    warm (the engine shares a prefix once computed), not go cold elsewhere."""
+    kv = KVIndex(stale_after_s=10.0)
+    scorer = build("scorer", "prefix_load", {}, PluginEnv(block_chars=8, kv_index=kv))
+    system = list(range(16))
+    chain = token_block_hashes(system + [99] * 8, BS)
+    for i, name in enumerate(("a", "b")):  # each engine holds one unrelated block
+        other = Stored((h(50 + i),), None, (1000 + i,) * BS, BS)
+        kv.replica(name).apply(0, [other], 0.0, queries_total=0.0)
+    first = RouteRequest("r1", "m", 24, prompt_tokens=24, prefix_hashes=(1,), token_hashes=chain,
+                         token_block_size=BS)  # fmt: skip
+    scorer.placed(first, cand("a", 0.0), 0.0)  # type: ignore[attr-defined]
+    nxt = token_block_hashes(system + [7] * 8, BS)  # the same system prompt, its own turn
+    second = RouteRequest("r2", "m", 24, prompt_tokens=24, token_hashes=nxt, token_block_size=BS)
+    assert scorer.cached_tokens(second, cand("a", 0.0)) == 16  # type: ignore[attr-defined]
+    assert scorer.cached_tokens(second, cand("b", 0.0)) == 0  # type: ignore[attr-defined]
+    scorer.first_token("r1", 0.1)  # type: ignore[attr-defined]
+    # Prefilled: what the engine holds is what its events say (none came here).
+    assert scorer.cached_tokens(second, cand("a", 0.0)) == 0  # type: ignore[attr-defined]
