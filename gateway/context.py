@@ -62,6 +62,7 @@ class RequestContext:
     topup_at: int = 0
     usage_prompt: int | None = None
     usage_completion: int | None = None
+    usage_cached: int | None = None  # prompt_tokens_details.cached_tokens: its prefix hit
     upstream_error: str | None = None  # failure kind once the stream had started
     done_seen: bool = False  # the engine's ``data: [DONE]`` was among the events relayed
     # A non-stream request kvgate stopped waiting for (client gone, timeout) while the

@@ -32,6 +32,7 @@ log = logging.getLogger("kvgate.kvevents")
 
 REPLAY_TIMEOUT_S = 2.0
 POLL_MS = 1000  # how often a silent subscription is checked for staleness
+DRAIN_MAX = 256  # messages read in one go before the loop's other tasks run
 
 
 class KVEventSubscriber:
@@ -68,11 +69,21 @@ class KVEventSubscriber:
             sub = zctx.socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
             sub.connect(self.source.endpoint)
+            # The same socket without asyncio: what is queued is read at once, since an
+            # await per message costs the loop more than decoding and applying it.
+            now_queued = zmq.Socket.shadow(sub.underlying)
             self.subscriptions += 1
             try:
                 while True:
                     if await sub.poll(POLL_MS):
-                        await self._on_message(await sub.recv_multipart(), loop.time())
+                        for _ in range(DRAIN_MAX):
+                            try:
+                                frames = now_queued.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            await self._on_message(frames, loop.time())
+                        else:
+                            await asyncio.sleep(0)  # a full batch: let the others run
                     elif self.blocks.last_seq is not None and not self.blocks.usable(
                         loop.time(), self._queries()
                     ):

@@ -440,6 +440,10 @@ class Pipeline:
         """
         if ctx.admission_id is None:
             return
+        if ctx.usage_cached is not None and ctx.usage_prompt and ctx.prompt_chars:
+            self.door.prompt_cached(
+                ctx.admission_id, ctx.usage_cached, ctx.prompt_chars / ctx.usage_prompt
+            )
         if (seen := patience_seen(ctx, self._loop.time())) is not None:
             self.door.client_ended(ctx.req.tenant, ctx.req.model, ctx.req.stream, seen)
         if ctx.upstream_abandoned and ctx.replica is not None:

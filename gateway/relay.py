@@ -266,6 +266,9 @@ def _record_usage(ctx: RequestContext, usage: object) -> None:
             ctx.usage_prompt = p
         if isinstance(c, int):
             ctx.usage_completion = c
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            ctx.usage_cached = details["cached_tokens"]
 
 
 async def _write(resp: web.StreamResponse, data: bytes) -> None:

@@ -72,8 +72,19 @@ def _fields(raw: Any) -> tuple[str, dict[str, Any]]:
     raise BadMessage(f"an event is neither a map nor an array: {type(raw).__name__}")
 
 
+_HASH_TYPES = frozenset((bytes, int))  # exact types: a bool is not a block hash
+
+
+def _hashes(raw: Any) -> tuple[bytes | int, ...]:
+    hashes = tuple(raw or ())
+    if not _HASH_TYPES.issuperset(map(type, hashes)):  # one pass, in C
+        bad = next(h for h in hashes if type(h) not in _HASH_TYPES)
+        raise BadMessage(f"a block hash is {type(bad).__name__}")
+    return hashes
+
+
 def _hash(h: Any) -> bytes | int:
-    if isinstance(h, bytes | int) and not isinstance(h, bool):
+    if type(h) in _HASH_TYPES:
         return h
     raise BadMessage(f"a block hash is {type(h).__name__}")
 
@@ -82,16 +93,11 @@ def event_of(raw: Any) -> Event | None:
     """One decoded event; None for a kind this index does not use."""
     kind, f = _fields(raw)
     if kind == "BlockStored":
-        hashes = tuple(_hash(h) for h in f.get("block_hashes") or ())
         parent = f.get("parent_block_hash")
         extra = f.get("extra_keys")
-        keyed = (
-            bool(f.get("lora_name"))
-            or bool(f.get("lora_id"))
-            or (bool(extra) and any(e for e in extra))
-        )
+        keyed = bool(f.get("lora_name")) or bool(f.get("lora_id")) or (bool(extra) and any(extra))
         return Stored(
-            hashes,
+            _hashes(f.get("block_hashes")),
             None if parent is None else _hash(parent),
             tuple(f.get("token_ids") or ()),
             int(f.get("block_size") or 0),
@@ -99,7 +105,7 @@ def event_of(raw: Any) -> Event | None:
             keyed,
         )
     if kind == "BlockRemoved":
-        return Removed(tuple(_hash(h) for h in f.get("block_hashes") or ()), f.get("medium"))
+        return Removed(_hashes(f.get("block_hashes")), f.get("medium"))
     if kind == "AllBlocksCleared":
         return Cleared()
     return None
@@ -113,7 +119,8 @@ def decode(frames: Sequence[bytes]) -> tuple[int, list[Event]]:
         raise BadMessage(f"expected [topic, 8-byte seq, payload], got {len(frames)} frames")
     seq = int.from_bytes(frames[1], "big", signed=True)
     try:
-        payload = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+        # Arrays as tuples: the events keep them as they come, without a copy.
+        payload = msgpack.unpackb(frames[2], raw=False, strict_map_key=False, use_list=False)
     except Exception as e:  # msgpack's own exception types
         raise BadMessage(f"payload is not msgpack: {e}") from None
     if not isinstance(payload, list | tuple) or len(payload) < 2:

@@ -24,7 +24,10 @@ subscribes again.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
+from functools import partial
+from itertools import islice, takewhile
+from operator import eq
 
 import xxhash
 
@@ -59,7 +62,7 @@ class EngineBlocks:
     __slots__ = (
         "name", "block_size", "_own", "_held", "_holders", "last_seq", "last_event_at",
         "queries_at_event", "stale_after_s", "events", "gaps", "restarts", "resyncs",
-        "unchained", "_replayed",
+        "unchained", "_replayed", "_owner",
     )  # fmt: skip
 
     def __init__(
@@ -67,8 +70,10 @@ class EngineBlocks:
         name: str,
         holders: dict[int, tuple[str, ...]] | None = None,
         stale_after_s: float = 10.0,
+        owner: KVIndex | None = None,
     ) -> None:
         self.name = name
+        self._owner = owner  # its version moves with every change here
         self.block_size: int | None = None
         self._own: dict[bytes | int, int] = {}  # engine hash -> kvgate's chain hash
         self._held: dict[int, int] = {}  # chain hash -> engine blocks that carry it
@@ -124,6 +129,8 @@ class EngineBlocks:
         self.last_seq = seq
         self.last_event_at = now
         self.queries_at_event = queries_total
+        if self._owner is not None:
+            self._owner.version += 1
         for ev in events:
             self.events += 1
             if isinstance(ev, Stored):
@@ -194,6 +201,8 @@ class EngineBlocks:
                 holders.pop(own, None)
 
     def clear(self) -> None:
+        if self._owner is not None:
+            self._owner.version += 1
         self._replayed.clear()
         for own in list(self._held):
             self._held[own] = 1
@@ -208,6 +217,15 @@ class EngineBlocks:
             if h not in held:
                 return i
         return len(chain)
+
+    def match_with(self, chain: Sequence[int], start: int, also: Container[int]) -> int:
+        """`match`, the walk going on from `start` through blocks held or in `also`."""
+        held = self._held
+        n = len(chain)
+        i = start
+        while i < n and (chain[i] in held or chain[i] in also):
+            i += 1
+        return i
 
     def usable(self, now: float, queries_total: float | None) -> bool:
         """Subscribed, and not silent while its engine served prompts (module docstring)."""
@@ -229,12 +247,46 @@ class KVIndex:
         self.stale_after_s = stale_after_s
         self.holders: dict[int, tuple[str, ...]] = {}
         self._replicas: dict[str, EngineBlocks] = {}
+        # Moves with every applied message and every clear: a reader that memoizes a
+        # match (the prefix scorer, per request) knows when to walk again.
+        self.version = 0
 
     def replica(self, name: str) -> EngineBlocks:
         got = self._replicas.get(name)
         if got is None:
-            got = self._replicas[name] = EngineBlocks(name, self.holders, self.stale_after_s)
+            got = self._replicas[name] = EngineBlocks(name, self.holders, self.stale_after_s, self)
         return got
+
+    def depths(self, chain: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of `chain` each replica's engine holds, for every replica that
+        holds its first block (absent: 0), in one walk of the chain against `holders`
+        (as `EngineBlocks.match` per replica: a replica's walk ends at its first miss).
+        Successive blocks mostly have the same holders (a prompt's blocks are stored
+        together), so a run of them is one comparison each, made in C."""
+        holders = self.holders
+        n = len(chain)
+        alive = holders.get(chain[0]) if n else None
+        if not alive:
+            return {}
+        out: dict[str, int] = {}
+        i = 1
+        while i < n:
+            same = partial(eq, alive)
+            i += len(list(takewhile(same, map(holders.get, islice(chain, i, None)))))
+            here = holders.get(chain[i]) if i < n else None
+            if not here:
+                break
+            kept = tuple(r for r in alive if r in here)
+            for r in alive:
+                if r not in here:
+                    out[r] = i  # its walk ends here
+            if not kept:
+                return out
+            alive = kept
+            i += 1
+        for r in alive:
+            out[r] = i
+        return out
 
     def get(self, name: str) -> EngineBlocks | None:
         return self._replicas.get(name)

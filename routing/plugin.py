@@ -44,6 +44,14 @@ class Picker(Protocol):
     def choose(self, req: RouteRequest, scored: Sequence[tuple[float, Candidate]]) -> Candidate: ...
 
 
+@runtime_checkable
+class BatchScorer(Protocol):
+    """A scorer that also scores a decision's candidates in one call, the same numbers
+    as `score` gives each: what depends on the request alone is computed once."""
+
+    def scores(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]: ...
+
+
 KIND_PROTOCOLS: dict[str, type] = {"filter": Filter, "scorer": Scorer, "picker": Picker}
 
 
@@ -68,6 +76,17 @@ class FirstTokenHook(Protocol):
     release comes first and stands for it)."""
 
     def first_token(self, request_id: str, now: float) -> None: ...
+
+
+@runtime_checkable
+class PromptCachedHook(Protocol):
+    """The engine said how many prompt tokens of a request this plugin saw placed it
+    held cached (``usage.prompt_tokens_details.cached_tokens``), with that request's
+    characters per engine token; before its release."""
+
+    def prompt_cached(
+        self, request_id: str, cached_tokens: int, chars_per_token: float, now: float
+    ) -> None: ...
 
 
 @runtime_checkable

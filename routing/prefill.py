@@ -43,3 +43,45 @@ class PendingPrefill:
 
     def requests(self) -> int:
         return len(self._by_request)
+
+
+class PrefillBlocks:
+    """The token blocks of prompts in prefill per replica: placed there and not yet
+    through their first token. A replica's KV events say what its engine stored; a
+    prompt being prefilled is not stored yet, and the next request of its tenant
+    placed as if it were not there would go cold to another replica. The precise index
+    counts these blocks as held on top of the engine's (routing.prefixmatch)."""
+
+    __slots__ = ("_by_request", "_by_replica")
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._by_replica: dict[str, dict[int, int]] = {}  # chain hash -> prompts holding it
+
+    def add(self, request_id: str, replica: str, chain: tuple[int, ...]) -> None:
+        self.done(request_id)
+        self._by_request[request_id] = (replica, chain)
+        held = self._by_replica.setdefault(replica, {})
+        for h in chain:
+            held[h] = held.get(h, 0) + 1
+
+    def done(self, request_id: str) -> bool:
+        """Its first token came (or it ended); True if it was counted."""
+        got = self._by_request.pop(request_id, None)
+        if got is None:
+            return False
+        replica, chain = got
+        held = self._by_replica[replica]
+        for h in chain:
+            n = held[h] - 1
+            if n:
+                held[h] = n
+            else:
+                del held[h]
+        if not held:
+            del self._by_replica[replica]
+        return True
+
+    def of(self, replica: str) -> dict[int, int] | None:
+        """The chain hashes in prefill on `replica` (None: none)."""
+        return self._by_replica.get(replica)

@@ -15,12 +15,21 @@ Index
     last, so eviction takes the leaves of the oldest chains first, as engines free a
     sequence's blocks in reverse. A lookup walks the chain from the start and stops at
     the first miss.
+
+Aging
+    Each block carries the index's touch count at its last touch, so its age is the
+    blocks touched on that replica since. The engine's cache holds less than kvgate
+    placed (output blocks and running requests take room, other clients add their own):
+    its answers (routing.prefixfeedback) teach a `horizon`, the age past which a block
+    is taken as evicted there. A lookup stops at the first block older than it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import count
 
 import xxhash
 
@@ -57,7 +66,7 @@ class PrefixIndex:
     eviction), so the warm replicas of a prompt are found without asking every index.
     """
 
-    __slots__ = ("_lru", "capacity", "_holders", "_name")
+    __slots__ = ("_lru", "capacity", "_holders", "_name", "clock", "horizon")
 
     def __init__(
         self,
@@ -67,31 +76,54 @@ class PrefixIndex:
         holders: dict[int, tuple[str, ...]] | None = None,
     ) -> None:
         self.capacity = max(0, capacity)
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._lru: OrderedDict[int, int] = OrderedDict()  # hash -> clock at its last touch
         self._holders = holders
         self._name = name
+        self.clock = 0  # blocks touched so far
+        # The learned age (in blocks touched since) past which the engine no longer holds
+        # a block (module docstring, Aging); infinite until its answers say otherwise.
+        self.horizon = math.inf
 
     def __len__(self) -> int:
         return len(self._lru)
 
     def match(self, hashes: Sequence[int]) -> int:
-        """Leading blocks of `hashes` present; the walk stops at the first miss."""
+        """Leading blocks of `hashes` present, and within the horizon; the walk stops at
+        the first miss."""
         lru = self._lru
+        if self.horizon == math.inf:
+            for i, h in enumerate(hashes):
+                if h not in lru:
+                    return i
+            return len(hashes)
+        oldest = self.clock - self.horizon
         for i, h in enumerate(hashes):
-            if h not in lru:
+            t = lru.get(h)
+            if t is None or t < oldest:
                 return i
         return len(hashes)
+
+    def stamps(self, hashes: Sequence[int]) -> list[int | None]:
+        """The clock at each block's last touch (None: not held), whatever the horizon."""
+        return list(map(self._lru.get, hashes))
 
     def insert(self, hashes: Sequence[int]) -> None:
         """Touch the chain, leaf first (the root ends most recent), evicting the least
         recently used blocks beyond capacity."""
         lru = self._lru
+        start = self.clock + 1
+        self.clock += len(hashes)
+        if all(map(lru.__contains__, hashes)):  # a returning chain: every block held
+            deque(map(lru.move_to_end, reversed(hashes)), maxlen=0)
+            lru.update(zip(reversed(hashes), count(start)))
+            return
         holders = self._holders
-        for h in reversed(hashes):
+        for t, h in enumerate(reversed(hashes), start):
             if h in lru:
                 lru.move_to_end(h)
+                lru[h] = t
             else:
-                lru[h] = None
+                lru[h] = t
                 if holders is not None:
                     holders[h] = holders.get(h, ()) + (self._name,)
         self._evict()

@@ -10,17 +10,18 @@ leave nothing return None: admission keeps the request queued without holding an
 `SchedulingRouter` picks the profile of the request's model, else of its workload class
 (routing.config: the built-in class profiles when the config names no default), else the
 default, and forwards admission's ``placed`` / ``released`` (and ``hints``, ``warm``,
-``first_token``) to the plugins that take those hooks (routing.plugin). It counts its
+``first_token``, ``prompt_cached``) to the plugins that take those hooks (routing.plugin). It counts its
 decisions by reason and by (workload, scoring), and keeps each placed request's route
 until it is released, so the gateway's access line can say how it was placed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from routing.config import ProfileConfig, RoutingConfig
 from routing.plugin import (
+    BatchScorer,
     ExplainHook,
     Filter,
     FirstTokenHook,
@@ -28,6 +29,7 @@ from routing.plugin import (
     Picker,
     PlacementHook,
     PluginEnv,
+    PromptCachedHook,
     ReleaseHook,
     Scorer,
     WarmHook,
@@ -74,7 +76,14 @@ class Profile:
         self.first_token_hooks = tuple(
             p.first_token for p in plugins if isinstance(p, FirstTokenHook)
         )
+        self.prompt_cached_hooks = tuple(
+            p.prompt_cached for p in plugins if isinstance(p, PromptCachedHook)
+        )
         self.needs_prefix = any(reads_prefix(p) for p in plugins)
+        # Each scorer as one call over the candidates (its own `scores` where it has one).
+        self._batch = tuple(
+            (s.scores if isinstance(s, BatchScorer) else _one_by_one(s), w) for s, w in self.scorers
+        )
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
         total = 0.0
@@ -95,7 +104,30 @@ class Profile:
             return None
         if len(kept) == 1 and not self.scorers:
             return kept[0]
-        return self.picker.choose(req, [(self.score(req, c), c) for c in kept])
+        # `score` for every candidate, a scorer at a time (the same sums, in its order).
+        totals = [0.0] * len(kept)
+        for scores, weight in self._batch:
+            totals = [
+                t + weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+                for t, s in zip(totals, scores(req, kept), strict=True)
+            ]
+        stale = self.stale_after_s
+        if any(c.view_age_s > stale for c in kept):
+            totals = [
+                t * self.stale_factor if c.view_age_s > stale else t
+                for t, c in zip(totals, kept, strict=True)
+            ]
+        return self.picker.choose(req, list(zip(totals, kept, strict=True)))
+
+
+def _one_by_one(scorer: Scorer) -> Callable[[RouteRequest, Sequence[Candidate]], list[float]]:
+    """`scores` for a scorer that has only `score`."""
+    score = scorer.score
+
+    def scores(req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        return [score(req, c) for c in candidates]
+
+    return scores
 
 
 class SchedulingRouter:
@@ -177,7 +209,7 @@ class SchedulingRouter:
         profile = self.profile_for(req.model, req.workload)
         for hook in profile.placed_hooks:
             hook(req, candidate, now)
-        if profile.released_hooks or profile.first_token_hooks:
+        if profile.released_hooks or profile.first_token_hooks or profile.prompt_cached_hooks:
             self._owner[req.request_id] = profile
         rid, route = self._last
         if rid == req.request_id:
@@ -189,6 +221,16 @@ class SchedulingRouter:
         if profile is not None:
             for hook in profile.first_token_hooks:
                 hook(request_id, now)
+
+    def prompt_cached(
+        self, request_id: str, cached_tokens: int, chars_per_token: float, now: float
+    ) -> None:
+        """The engine held `cached_tokens` of a placed request's prompt (its answer's
+        usage): the prefix plugins correct their expectations (routing.prefixfeedback)."""
+        profile = self._owner.get(request_id)
+        if profile is not None:
+            for hook in profile.prompt_cached_hooks:
+                hook(request_id, cached_tokens, chars_per_token, now)
 
     def released(self, request_id: str, replica: str, now: float) -> None:
         self._routes.pop(request_id, None)

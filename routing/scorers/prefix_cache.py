@@ -12,29 +12,48 @@ Where a replica's engine publishes its KV events (routing.kvindex, ``env.kv_inde
 and the request carries its token-block chain, that replica is matched against what
 its engine says it holds instead: exact blocks of the engine's block size, evictions
 and restarts included. A replica whose events are missing or stale keeps the
-approximate index.
+approximate index, corrected by what its engine says it held for each request
+(``prompt_cached``, routing.prefixfeedback).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from routing.plugin import (
+    BatchScorer,
     ExplainHook,
+    FirstTokenHook,
     HintHook,
     PlacementHook,
     PluginEnv,
     PrefixReader,
+    PromptCachedHook,
+    ReleaseHook,
     Scorer,
     WarmHook,
     params_of,
 )
+from routing.prefill import PrefillBlocks
 from routing.prefix import PrefixIndex
+from routing.prefixfeedback import HitFeedback
+from routing.prefixmatch import PrefixMatches
 from routing.types import Candidate, RouteRequest
 
 
-class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, PrefixReader):
+class PrefixCacheScorer(
+    Scorer,
+    BatchScorer,
+    PlacementHook,
+    ReleaseHook,
+    FirstTokenHook,
+    PromptCachedHook,
+    HintHook,
+    WarmHook,
+    ExplainHook,
+    PrefixReader,
+):
     """Expected cached-prefix fraction of the prompt on each replica (module docstring)."""
 
     name = "prefix_cache"
@@ -54,6 +73,12 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
         self._indexes: dict[str, PrefixIndex] = {}
         # hash -> replicas whose index holds it (kept exact by the indexes).
         self._holders: dict[int, tuple[str, ...]] = {}
+        # Token chains placed on publishing replicas and not yet through their prefill.
+        self.prefilling = PrefillBlocks()
+        # The request's matches per replica, walked once per decision.
+        self._matches = PrefixMatches(self._indexes, self._kv, self.prefilling)
+        # The engines' answers correct the approximate index (routing.prefixfeedback).
+        self.feedback = HitFeedback(self._indexes, block_chars)
 
     def index(self, replica: str) -> PrefixIndex | None:
         return self._indexes.get(replica)
@@ -94,63 +119,65 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
                 continue
             blocks = idx.match(hashes)
             if blocks:
-                cached = int(blocks * self.block_chars / self.chars_per_token)
+                cached = int(blocks * self.block_chars / self.cpt_of(name))
                 out.append((name, min(req.prompt_tokens or cached, cached)))
         out.sort(key=lambda x: -x[1])
         return out
 
     def explain(self, req: RouteRequest, chosen: Candidate) -> str | None:
-        exact = self.engine_match(req, chosen.name, chosen.engine.prefix_cache_queries_total)
-        if exact is not None:
-            return "prefix_warm" if exact else None
-        if not req.prefix_hashes:
+        if not req.token_hashes and not req.prefix_hashes:
             return None
-        idx = self._indexes.get(chosen.name)
-        return "prefix_warm" if idx is not None and idx.match(req.prefix_hashes[:1]) else None
+        return "prefix_warm" if self.matched(req, chosen)[1] else None
 
     def engine_match(self, req: RouteRequest, name: str, queries: float | None) -> int | None:
         """Leading blocks of the prompt's token chain the replica's engine holds, from
         its KV events; None where there are none to trust (the approximate index then)."""
-        kv = self._kv
-        if kv is None or not req.token_hashes:
-            return None
-        blocks = kv.get(name)
-        if blocks is None or blocks.block_size != req.token_block_size:
-            return None
-        if not blocks.usable(req.now, queries):
-            return None
-        return blocks.match(req.token_hashes)
+        return self._matches.engine(req, name, queries)
+
+    def matched(self, req: RouteRequest, candidate: Candidate) -> tuple[bool, int]:
+        """(from the engine's own events?, leading blocks of the prompt held there)."""
+        return self._matches.get(req, candidate)
+
+    def cached_each(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[int]:
+        """`cached_tokens` of each candidate (the request's terms read once)."""
+        prompt, tbs = req.prompt_tokens, req.token_block_size
+        bc, cpt, learned = self.block_chars, self.chars_per_token, self.feedback.chars_per_token
+        out = []
+        for c, (exact, blocks) in zip(candidates, self._matches.each(req, candidates), strict=True):
+            if not blocks:
+                out.append(0)
+                continue
+            cached = blocks * tbs if exact else int(blocks * bc / learned.get(c.name, cpt))
+            out.append(min(prompt or cached, cached))
+        return out
 
     def cached_tokens(self, req: RouteRequest, candidate: Candidate) -> int:
         """Prompt tokens `candidate` is expected to hold cached: the engine's own blocks
         where it publishes them, else the index's matched blocks x block_chars /
         chars_per_token; within the prompt."""
-        q = candidate.engine.prefix_cache_queries_total
-        exact = self.engine_match(req, candidate.name, q)
-        if exact is not None:
-            return min(req.prompt_tokens or exact * req.token_block_size,
-                       exact * req.token_block_size)  # fmt: skip
-        hashes = req.prefix_hashes
-        idx = self._indexes.get(candidate.name)
-        if not hashes or idx is None:
-            return 0
-        cached = int(idx.match(hashes) * self.block_chars / self.chars_per_token)
-        return min(req.prompt_tokens or cached, cached)
+        return self.cached_each(req, (candidate,))[0]
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
-        exact = self.engine_match(req, candidate.name, candidate.engine.prefix_cache_queries_total)
-        if exact is not None:
-            return exact / len(req.token_hashes)
-        hashes = req.prefix_hashes
-        if not hashes:
+        exact, blocks = self.matched(req, candidate)
+        if not blocks:
             return 0.0
-        idx = self._indexes.get(candidate.name)
-        if idx is None:
-            return 0.0
-        return idx.match(hashes) / len(hashes)
+        return blocks / len(req.token_hashes if exact else req.prefix_hashes)
+
+    def scores(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        """`score` of each candidate, in one pass."""
+        tokens, chars = len(req.token_hashes), len(req.prefix_hashes)
+        return [
+            (blocks / (tokens if exact else chars)) if blocks else 0.0
+            for exact, blocks in self._matches.each(req, candidates)
+        ]
+
+    def cpt_of(self, replica: str) -> float:
+        """Characters per engine token on `replica`: its answers' (routing.prefixfeedback),
+        else the configured ``chars_per_token``."""
+        return self.feedback.chars_per_token.get(replica, self.chars_per_token)
 
     def capacity_for(self, candidate: Candidate) -> int:
-        blocks = int(candidate.effective_capacity * self.chars_per_token / self.block_chars)
+        blocks = int(candidate.effective_capacity * self.cpt_of(candidate.name) / self.block_chars)
         return max(1, min(self.max_blocks_per_replica, blocks))
 
     def placed(self, req: RouteRequest, candidate: Candidate, now: float) -> None:
@@ -164,7 +191,31 @@ class PrefixCacheScorer(Scorer, PlacementHook, HintHook, WarmHook, ExplainHook, 
             )
         elif idx.capacity != capacity:
             idx.resize(capacity)
+        exact, predicted = self._matches.get(req, candidate)
+        if exact:  # stored by the engine once prefilled; until then, in prefill there
+            self.prefilling.add(req.request_id, candidate.name, req.token_hashes)
+        else:  # the engine's answer will say what it held (module docstring)
+            self.feedback.placed(
+                req.request_id, candidate.name, idx, req.prefix_hashes, predicted,
+                candidate.block_size,
+            )  # fmt: skip
         idx.insert(req.prefix_hashes)
+        self._matches.forget()  # the index changed: matches are walked again
+
+    def first_token(self, request_id: str, now: float) -> None:
+        if self.prefilling.done(request_id):
+            self._matches.forget()
+
+    def prompt_cached(
+        self, request_id: str, cached_tokens: int, chars_per_token: float, now: float
+    ) -> None:
+        if self.feedback.answered(request_id, cached_tokens, chars_per_token):
+            self._matches.forget()  # a horizon moved
+
+    def released(self, request_id: str, replica: str, now: float) -> None:
+        self.feedback.forget(request_id)
+        if self.prefilling.done(request_id):
+            self._matches.forget()
 
 
 def _deepest_holders(

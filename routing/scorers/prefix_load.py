@@ -24,16 +24,16 @@ already prefilling, instead of piling onto the one that holds the system prompt.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from routing.plugin import FirstTokenHook, PluginEnv, ReleaseHook, params_of
+from routing.plugin import PluginEnv, params_of
 from routing.prefill import PendingPrefill
 from routing.scorers.prefix_cache import PrefixCacheScorer
 from routing.types import Candidate, RouteRequest
 
 
-class PrefixLoadScorer(PrefixCacheScorer, FirstTokenHook, ReleaseHook):
+class PrefixLoadScorer(PrefixCacheScorer):
     """Cached prefix against prefill and decode load, as one cost (module docstring)."""
 
     name = "prefix_load"
@@ -64,15 +64,30 @@ class PrefixLoadScorer(PrefixCacheScorer, FirstTokenHook, ReleaseHook):
         pool = max(1, candidate.effective_capacity)
         return 1.0 / (1.0 + self.cost(req, candidate) / pool)
 
+    def scores(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        """`score` of each candidate (the same arithmetic, the request's terms once)."""
+        prompt = max(0, req.prompt_tokens)
+        pending = self.pending.tokens
+        weight = self.decode_weight
+        out = []
+        for c, cached in zip(candidates, self.cached_each(req, candidates), strict=True):
+            prefill = pending(c.name) + max(0, prompt - cached) + 1
+            pool = max(1, c.effective_capacity)
+            held = max(0, pool - c.free_tokens)
+            out.append(1.0 / (1.0 + prefill * (1.0 + weight * held / pool) / pool))
+        return out
+
     def placed(self, req: RouteRequest, candidate: Candidate, now: float) -> None:
         uncached = max(0, req.prompt_tokens - self.cached_tokens(req, candidate))
         super().placed(req, candidate, now)
         self.pending.add(req.request_id, candidate.name, uncached)
 
     def first_token(self, request_id: str, now: float) -> None:
+        super().first_token(request_id, now)
         self.pending.done(request_id)
 
     def released(self, request_id: str, replica: str, now: float) -> None:
+        super().released(request_id, replica, now)
         self.pending.done(request_id)
 
 

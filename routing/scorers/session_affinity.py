@@ -7,14 +7,14 @@ The table holds at most ``max_sessions`` sessions; expired ones are pruned on pl
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from routing.plugin import HintHook, PlacementHook, PluginEnv, Scorer, params_of
+from routing.plugin import BatchScorer, HintHook, PlacementHook, PluginEnv, Scorer, params_of
 from routing.types import Candidate, RouteRequest
 
 
-class SessionAffinityScorer(Scorer, PlacementHook, HintHook):
+class SessionAffinityScorer(Scorer, BatchScorer, PlacementHook, HintHook):
     """1 for the replica that last served the request's session within `ttl_s`."""
 
     name = "session_affinity"
@@ -46,6 +46,14 @@ class SessionAffinityScorer(Scorer, PlacementHook, HintHook):
             return 0.0
         got = self._table.get(req.session)
         return 1.0 if got is not None and got[0] == candidate.name and got[1] > req.now else 0.0
+
+    def scores(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        """`score` of each candidate: the session's replica looked up once."""
+        got = self._table.get(req.session) if req.session is not None else None
+        if got is None or got[1] <= req.now:
+            return [0.0] * len(candidates)
+        name = got[0]
+        return [1.0 if c.name == name else 0.0 for c in candidates]
 
     def placed(self, req: RouteRequest, candidate: Candidate, now: float) -> None:
         if req.session is None:

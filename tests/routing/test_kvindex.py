@@ -159,3 +159,79 @@ def test_live_copies_of_replayed_messages_are_duplicates_not_a_restart() -> None
     assert blocks.apply(3, [], 1.0) == DUPLICATE
     assert blocks.apply(4, [], 1.1) == APPLIED and len(blocks) == 1
     assert blocks.apply(0, [], 2.0) == RESTARTED and len(blocks) == 0
+
+
+def test_one_walk_of_the_holders_gives_each_replicas_own_match() -> None:
+    """`KVIndex.depths` walks a chain once against the holders of every block; it must
+    give each replica what its own walk gives (`EngineBlocks.match`), with holes in a
+    replica's blocks (a parent evicted before its child) and holders that differ from
+    block to block."""
+    import random
+
+    rng = random.Random(5)
+    kv = KVIndex()
+    prompts = [[rng.randrange(50) for _ in range(BS * 12)] for _ in range(3)]
+    seqs = dict.fromkeys(range(6), 0)
+    engine_hash = iter(range(1, 10**6))
+    for _ in range(300):
+        r = rng.randrange(6)
+        blocks = kv.replica(f"r{r}")
+        ids = rng.choice(prompts)[: BS * rng.randint(1, 12)]
+        if rng.random() < 0.7:
+            ev: object = Stored(tuple(next(engine_hash) for _ in range(len(ids) // BS)), None,
+                                tuple(ids), BS)  # fmt: skip
+        else:  # evict a random block of that replica's (holes included)
+            own = list(blocks._own) or [0]
+            ev = Removed((rng.choice(own),))
+        blocks.apply(seqs[r], [ev], 0.0)
+        seqs[r] += 1
+        for p in prompts:
+            chain = token_block_hashes(p, BS)
+            want = {n: kv.get(n).match(chain) for n in kv.names()}
+            assert kv.depths(chain) == {n: d for n, d in want.items() if d}
+
+
+def test_a_request_asked_again_after_the_engine_changed_is_matched_again() -> None:
+    """A decision remembers each candidate's match for its request; an event applied
+    (or a placement) in between must not leave the old answer standing."""
+    kv = KVIndex(stale_after_s=10.0)
+    scorer = build("scorer", "prefix_load", {}, PluginEnv(block_chars=8, kv_index=kv))
+    prompt = list(range(16))
+    chain = token_block_hashes(prompt, BS)
+    req = RouteRequest("r", "m", 10, prompt_tokens=16, token_hashes=chain, token_block_size=BS)
+    a = kv.replica("a")
+    a.apply(0, [], 0.0, queries_total=0.0)
+    assert scorer.cached_tokens(req, cand("a", 0.0)) == 0  # type: ignore[attr-defined]
+    _, ev = decode(message(1, [stored([h(1), h(2)], None, prompt[:8])]))
+    a.apply(1, ev, 0.1, queries_total=0.0)
+    assert scorer.cached_tokens(req, cand("a", 0.0)) == 8  # type: ignore[attr-defined]
+    a.apply(2, [Removed((h(2),))], 0.2, queries_total=0.0)
+    assert scorer.cached_tokens(req, cand("a", 0.0)) == 4  # type: ignore[attr-defined]
+    # The approximate index, for a replica without events, changes at placement.
+    text = RouteRequest("t", "m", 10, prompt_tokens=64, prefix_hashes=(1, 2, 3, 4))
+    assert scorer.cached_tokens(text, cand("b")) == 0  # type: ignore[attr-defined]
+    scorer.placed(text, cand("b"), 0.3)  # type: ignore[attr-defined]
+    assert scorer.cached_tokens(text, cand("b")) == 8  # type: ignore[attr-defined]
+
+
+def test_a_prompt_in_prefill_counts_as_held_where_it_was_placed() -> None:
+    """Its engine stores a prompt's blocks as it prefills them: until then the events do
+    not show them, and the next request of the same tenant must still see that replica
+    warm (the engine shares a prefix once computed), not go cold elsewhere."""
+    kv = KVIndex(stale_after_s=10.0)
+    scorer = build("scorer", "prefix_load", {}, PluginEnv(block_chars=8, kv_index=kv))
+    system = list(range(16))
+    chain = token_block_hashes(system + [99] * 8, BS)
+    for i, name in enumerate(("a", "b")):  # each engine holds one unrelated block
+        other = Stored((h(50 + i),), None, (1000 + i,) * BS, BS)
+        kv.replica(name).apply(0, [other], 0.0, queries_total=0.0)
+    first = RouteRequest("r1", "m", 24, prompt_tokens=24, prefix_hashes=(1,), token_hashes=chain,
+                         token_block_size=BS)  # fmt: skip
+    scorer.placed(first, cand("a", 0.0), 0.0)  # type: ignore[attr-defined]
+    nxt = token_block_hashes(system + [7] * 8, BS)  # the same system prompt, its own turn
+    second = RouteRequest("r2", "m", 24, prompt_tokens=24, token_hashes=nxt, token_block_size=BS)
+    assert scorer.cached_tokens(second, cand("a", 0.0)) == 16  # type: ignore[attr-defined]
+    assert scorer.cached_tokens(second, cand("b", 0.0)) == 0  # type: ignore[attr-defined]
+    scorer.first_token("r1", 0.1)  # type: ignore[attr-defined]
+    # Prefilled: what the engine holds is what its events say (none came here).
+    assert scorer.cached_tokens(second, cand("a", 0.0)) == 0  # type: ignore[attr-defined]
