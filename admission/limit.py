@@ -59,7 +59,8 @@ of the first requests after a change does not dilute them.
 Between windows, the engine's own signals act at once (each discovery round):
 
 * **Preemptions** (the engine's counter rose): kvgate admitted more than the engine
-  could keep resident; the limit drops to 75% of what was running.
+  could keep resident; the limit drops to 75% of the most that ran since the last round
+  (the count at this instant may be a lull: on the real vLLM it cut 10 to 1).
 * **The engine's waiting queue** (two rounds in a row with requests waiting inside the
   engine while kvgate holds more than it runs, and its pool at least 90% used): the
   engine's pool holds fewer than kvgate admitted, so the limit drops to what it runs.
@@ -127,6 +128,7 @@ class RunningLimit:
         "windows",
         "others",
         "_opened",
+        "_peak",
     )
 
     def __init__(self, settings: LimitSettings, now: float = 0.0) -> None:
@@ -143,6 +145,7 @@ class RunningLimit:
         self._started = now
         self._area = 0.0  # integral of running requests over the window
         self._running = 0
+        self._peak = 0  # most running since the last engine round
         self._last = now
         # allowed limit -> [seconds, running-seconds, work tokens] of busy windows there
         self._points: dict[int, list[float]] = {}
@@ -166,6 +169,7 @@ class RunningLimit:
             self._area += (self._running + self.others) * (now - self._last)
             self._last = now
         self._running = running
+        self._peak = max(self._peak, running)
 
     def completed(
         self,
@@ -254,6 +258,10 @@ class RunningLimit:
     ) -> None:
         """One discovery round's view of the engine, against what kvgate holds there."""
         running += self.others  # what every gateway process holds there
+        # The engine preempted at some moment since the last round, when up to the peak
+        # ran: a cut is judged against that, not against a lull at this instant.
+        peak = max(running, self._peak + self.others)
+        self._peak = self._running
         if preemptions_total is not None:
             before = self._preemptions
             self._preemptions = preemptions_total
@@ -266,7 +274,7 @@ class RunningLimit:
                 and 0 < running <= max(1, int(self.value))
             ):
                 self._slow_start = False
-                self._set(min(self.value, running) * 0.75, "preemption", now, cap)
+                self._set(min(self.value, peak) * 0.75, "preemption", now, cap)
                 return
         # A request waits inside the engine for a moment as a matter of course (a prefill
         # waits for the step's token budget); it is kvgate's doing only when the engine

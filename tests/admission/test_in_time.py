@@ -140,3 +140,17 @@ def test_the_sdk_at_32_completes_every_request_near_the_best_fixed_concurrency(v
     assert report.completed == len(items), (report.timed_out, report.failed)
     assert report.wall_s <= 1.10 * best
     assert report.preemptions == 0
+
+
+def test_a_preemption_cut_is_judged_against_what_ran_not_a_lull() -> None:
+    """Seen on the real vLLM: slow start reached 10, the engine preempted, and the next
+    discovery round fell in a lull with one request running: the limit was cut to 1 (75%
+    of that one), and took the rest of the run to climb back. The engine preempted while
+    up to ten ran: the cut is 75% of that."""
+    lim = RunningLimit(LimitSettings(initial=10))
+    sig = {"waiting": 0, "engine_running": 1, "kv_usage": 0.9, "cap": None}
+    lim.engine_signals(preemptions_total=0, running=0, now=0.0, **sig)
+    lim.running_changed(10, 0.5)
+    lim.running_changed(1, 1.5)
+    lim.engine_signals(preemptions_total=3, running=1, now=2.0, **sig)
+    assert lim.reason == "preemption" and lim.value == pytest.approx(7.5)
