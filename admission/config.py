@@ -134,8 +134,9 @@ class AdmissionConfig(BaseModel):
         0.6,
         gt=0.0,
         le=1.0,
-        description="Share of a client's own timeout (x-stainless-read-timeout) a request's "
-        "service may take; the rest is left for queueing.",
+        description="Share of a client's timeout (stated, or its learned patience) the "
+        "learned limit lets a window's slowest request's service take (aimed at from 15% "
+        "inside); a queued request waits while its predicted service still fits the rest.",
     )
     latency_target_quantile: float = Field(
         0.5,

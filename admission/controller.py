@@ -374,6 +374,6 @@ class AdmissionController:
         self._learning.stream_gap(rep, completion, at_admit, now)
         self._ledger.free(res, now)
         self._scaling.served(res.model, now - res.admitted_at, res.tokens + res.covered, now)
-        self._learning.released(rep, res, completion, now)
+        self._learning.released(rep, res, completion, now, at_admit)
         self._placement.released(res.request_id, res.replica, now)
         self._ledger.forget_if_gone(rep)

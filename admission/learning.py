@@ -68,16 +68,24 @@ class Learning:
         model.add(load, completion.itl_s, now)
 
     def released(
-        self, rep: Replica, res: Reservation, completion: Completion | None, now: float
+        self,
+        rep: Replica,
+        res: Reservation,
+        completion: Completion | None,
+        now: float,
+        at_admit: int | None = None,
     ) -> None:
         """After a reservation is freed: learn its completion (None teaches nothing) and
-        tell the limit the running count moved."""
+        tell the limit the running count moved. `at_admit`: the replica's running count
+        when it was admitted."""
         if completion is not None:
-            self._completed(rep, res, completion, now)
+            self._completed(rep, res, completion, now, at_admit)
         if rep.limit is not None:
             rep.limit.running_changed(rep.running, now)
 
-    def _completed(self, rep: Replica, res: Reservation, c: Completion, now: float) -> None:
+    def _completed(
+        self, rep: Replica, res: Reservation, c: Completion, now: float, at_admit: int | None
+    ) -> None:
         """Feed one completion to the replica's latency history and learned limit."""
         prompt = c.prompt_tokens or 0
         work = prompt + (c.completion_tokens or 0)
@@ -89,17 +97,26 @@ class Learning:
         if rep.limit is None:
             return
         targets = self._targets.get(res.model) or self._targets.get("*")
-        ratio = latency_ratio(
-            service_s=c.service_s,
-            ttft_s=c.ttft_s,
-            itl_s=c.itl_s,
-            # The client's stated timeout, else the patience its request was admitted under.
-            budget_s=c.latency_budget if c.latency_budget is not None else res.budget,
-            budget_fraction=self.config.latency_budget_fraction,
-            targets=targets,
-            # A stream whose budget bounds the whole response is scored on all of it.
-            stream=c.ttft_s is not None and not res.budget_whole,
-        )
+        # The client's stated timeout, else the patience its request was admitted under.
+        budget = c.latency_budget if c.latency_budget is not None else res.budget
+        ttft = c.ttft_s
+        if not c.ok:
+            ttft = None  # scored on what it was served for (below), or as a failure
+        ratio: tuple[float | None, float | None] = (None, None)
+        if c.ok or (c.service_s is not None and _queue_spent(c.service_s, budget)):
+            # A failure that brings its service is a client that left after part of its
+            # budget went to the queue: the service it got is a lower bound, not proof
+            # of a slow replica (the queue's deadline judged it, admission/settling.py).
+            ratio = latency_ratio(
+                service_s=c.service_s,
+                ttft_s=ttft,
+                itl_s=c.itl_s if c.ok else None,
+                budget_s=budget,
+                budget_fraction=self.config.latency_budget_fraction,
+                targets=targets,
+                # A stream whose budget bounds the whole response is scored on all of it.
+                stream=c.ttft_s is not None and not res.budget_whole,
+            )
         rep.limit.completed(
             now,
             res.admitted_at,
@@ -107,4 +124,16 @@ class Learning:
             work_tokens=work or res.tokens + res.covered,
             ratio=ratio,
             cap=rep.cap,
+            # The load it was served at: the mean of the running counts at its start and
+            # its end (before its slot is freed).
+            load=(rep.running + 1 + at_admit) / 2 if at_admit is not None else None,
         )
+
+
+_SERVED_WHOLE = 0.9  # a failed request served for this share of its budget: the replica's
+
+
+def _queue_spent(service_s: float, budget: float | None) -> bool:
+    """Whether a failed request's client left while less than `_SERVED_WHOLE` of its
+    budget went to its service (the rest was spent queued)."""
+    return budget is not None and budget > 0 and service_s < _SERVED_WHOLE * budget

@@ -37,11 +37,21 @@ Per window:
   ``knee_efficiency`` of an average request's throughput: ``N = K * (1 / e - 1)``. This
   is seed 001's sweep done live, every window a sweep point. The knee stops growth; it
   never pulls the limit down (noisy points would), latency does that.
-* **Growth.** While the replica is kept busy and latency allows it, the limit grows:
-  doubling from a cold start (slow start, on windows of half the evidence) until the
-  first bound is met, then by ``limit_probe_step`` per window. Growth never exceeds what
-  the latency score predicts the replica can take (``mean_running / r``) nor the knee.
-  A replica kvgate does not keep busy gives no evidence, and its limit holds.
+* **Growth.** While the replica is kept busy and latency allows it, the limit grows.
+  From a cold start it grows as TCP's slow start does: one more per request served in
+  time (under half its latency aim) while the replica is busy, so it doubles in about
+  one service time and a burst on a healthy replica is not queued behind it; never past
+  what that completion predicts (the load it was served at over its score). Slow start
+  ends at a completion past half its aim (TCP's ssthresh), at any cut, or at the knee
+  (what it grew past the knee is given back). From then on the limit grows by
+  ``limit_probe_step`` per window. Growth never exceeds what the latency score predicts
+  the replica can take (``mean_running / r``) nor the knee. A replica kvgate does not
+  keep busy gives no evidence, and its limit holds.
+* **Failures.** A request the replica failed (an upstream error or timeout, a client
+  that left at its timeout while being served) scores ``FAILURE_RATIO``; a client that
+  left after the queue took most of its budget brings the service it got, a lower bound
+  (admission/learning.py): the queue's misjudgement is not the replica's slowness, and
+  cutting the limit for it lengthens the queue that caused it.
 
 Rates are measured between the window's first and last completions, so the service time
 of the first requests after a change does not dilute them.
@@ -49,7 +59,8 @@ of the first requests after a change does not dilute them.
 Between windows, the engine's own signals act at once (each discovery round):
 
 * **Preemptions** (the engine's counter rose): kvgate admitted more than the engine
-  could keep resident; the limit drops to 75% of what was running.
+  could keep resident; the limit drops to 75% of the most that ran since the last round
+  (the count at this instant may be a lull: on the real vLLM it cut 10 to 1).
 * **The engine's waiting queue** (two rounds in a row with requests waiting inside the
   engine while kvgate holds more than it runs, and its pool at least 90% used): the
   engine's pool holds fewer than kvgate admitted, so the limit drops to what it runs.
@@ -67,6 +78,7 @@ from dataclasses import dataclass
 FAILURE_RATIO = 2.0
 _INSIDE_HARD = 0.85  # aim this far inside a client's timeout budget (its slowest request)
 _INSIDE_SOFT = 0.95  # and this far inside a configured target (its quantile)
+_SLOW_START_END = 0.5  # slow start ends at a completion this far to its latency aim
 _BAND = 1.05  # cut only when a score is this far past its aim; between, the limit holds
 _POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortage
 
@@ -115,6 +127,8 @@ class RunningLimit:
         "_waiting_rounds",
         "windows",
         "others",
+        "_opened",
+        "_peak",
     )
 
     def __init__(self, settings: LimitSettings, now: float = 0.0) -> None:
@@ -123,6 +137,7 @@ class RunningLimit:
         self.reason = "cold_start"
         self._slow_start = True
         self._changed_at = now
+        self._opened = self.value  # the limit when the window opened
         self._count = 0  # completions in the window
         self._hard: list[float] = []  # ratios against clients' own timeouts
         self._soft: list[float] = []  # ratios against configured latency targets
@@ -130,6 +145,7 @@ class RunningLimit:
         self._started = now
         self._area = 0.0  # integral of running requests over the window
         self._running = 0
+        self._peak = 0  # most running since the last engine round
         self._last = now
         # allowed limit -> [seconds, running-seconds, work tokens] of busy windows there
         self._points: dict[int, list[float]] = {}
@@ -153,6 +169,7 @@ class RunningLimit:
             self._area += (self._running + self.others) * (now - self._last)
             self._last = now
         self._running = running
+        self._peak = max(self._peak, running)
 
     def completed(
         self,
@@ -163,10 +180,20 @@ class RunningLimit:
         work_tokens: int,
         ratio: tuple[float | None, float | None],
         cap: int | None,
+        load: float | None = None,
     ) -> None:
         """A request admitted at `admitted_at` ended at `now`; `ratio` is its measured /
         target latency ratio against its client's timeout and against the configured
-        targets (`latency_ratio`; None where it had none)."""
+        targets (`latency_ratio`; None where it had none); `load` the number running
+        while it was served (None: what runs now)."""
+        hard, soft = ratio
+        if not ok and hard is None:
+            # Failed by the replica (an upstream error or timeout, a client that left at
+            # its timeout while being served). A client that left after part of its
+            # budget went to the queue brings the service it got: a lower bound.
+            hard = FAILURE_RATIO
+        if self._slow_start and ok:
+            self._slow_grow(hard, soft, cap, load)
         if admitted_at < self._changed_at:
             return  # admitted under an earlier limit: no evidence about this one
         if self._count == 0:
@@ -178,17 +205,45 @@ class RunningLimit:
         else:
             self._work += max(0, work_tokens)
         self._count += 1
-        hard, soft = ratio
-        if not ok:
-            hard = FAILURE_RATIO
         if hard is not None:
             self._hard.append(hard)
         if soft is not None:
             self._soft.append(soft)
         # Slow start needs less evidence to double than a decision near the knee.
         window = self._s.window // 2 if self._slow_start else self._s.window
-        if self._count > max(window, math.ceil(self.value)):
+        # (The limit as the window opened: slow start grows it under a window's feet.)
+        if self._count > max(window, math.ceil(self._opened)):
             self._close_window(now, cap)
+
+    def _slow_grow(
+        self, hard: float | None, soft: float | None, cap: int | None, load: float | None
+    ) -> None:
+        """Slow start, as TCP's: one more per request served in time while the replica
+        is kept busy, so the limit doubles in about one service time, not one window.
+        Never past what this completion's latency predicts the replica takes
+        (``load / ratio``, the load it was served at: past the knee latency grows with
+        the batch, and while the limit grows a completion reports a lighter load than
+        runs now), nor the cap."""
+        running = self._running + self.others
+        if running < self.allowed(cap):
+            return  # not kept busy: no evidence for more
+        scores = []
+        if hard is not None:
+            scores.append(hard / _INSIDE_HARD)
+        if soft is not None:
+            scores.append(soft / _INSIDE_SOFT)
+        ratio = max(scores) if scores else 0.0
+        if ratio > _SLOW_START_END:
+            # Half way to its aim (TCP's ssthresh): from here the windows probe, each
+            # judged at one setting, as completions lag the growing load.
+            self._slow_start = False
+            return
+        served_at = running if load is None else min(running, load + self.others)
+        room = served_at / ratio if ratio > 0 else math.inf
+        value = min(self.value + 1.0, room, float(cap) if cap is not None else math.inf)
+        if value > self.value:
+            self.value = value
+            self.reason = "slow_start"
 
     def engine_signals(
         self,
@@ -203,6 +258,10 @@ class RunningLimit:
     ) -> None:
         """One discovery round's view of the engine, against what kvgate holds there."""
         running += self.others  # what every gateway process holds there
+        # The engine preempted at some moment since the last round, when up to the peak
+        # ran: a cut is judged against that, not against a lull at this instant.
+        peak = max(running, self._peak + self.others)
+        self._peak = self._running
         if preemptions_total is not None:
             before = self._preemptions
             self._preemptions = preemptions_total
@@ -215,7 +274,7 @@ class RunningLimit:
                 and 0 < running <= max(1, int(self.value))
             ):
                 self._slow_start = False
-                self._set(min(self.value, running) * 0.75, "preemption", now, cap)
+                self._set(min(self.value, peak) * 0.75, "preemption", now, cap)
                 return
         # A request waits inside the engine for a moment as a matter of course (a prefill
         # waits for the step's token budget); it is kvgate's doing only when the engine
@@ -259,7 +318,9 @@ class RunningLimit:
         if self._soft:
             aims.append(_quantile(self._soft, self._s.target_quantile) / _INSIDE_SOFT)
         ratio = max(aims) if aims else None  # 1.0 = exactly at the aimed-at point
-        allowed = self.allowed(cap)
+        # The setting the window measured: the limit as it opened (slow start grows it
+        # during the window, and what runs follows with a lag).
+        allowed = min(self.allowed(cap), max(1, int(self._opened)))
         busy = mean_running >= 0.8 * allowed
         if busy and goodput > 0:
             # One point per setting: windows at the same limit pool their time and work,
@@ -279,7 +340,17 @@ class RunningLimit:
         if not busy:
             self._reset_window(now)  # no evidence for more: hold
             return
-        grow = self.value * 2.0 if self._slow_start else self.value * (1.0 + self._s.probe_step)
+        if self._slow_start:
+            # Growth was per completion (`_slow_grow`); the knee, once fitted, ends it,
+            # and what slow start grew past the knee (its points showed it buys nothing)
+            # is given back.
+            if self.knee is not None and self.value >= self.knee:
+                self._slow_start = False
+                self._set(max(1.0, self.knee), "knee", now, cap)
+                return
+            self._reset_window(now)
+            return
+        grow = self.value * (1.0 + self._s.probe_step)
         grow = max(grow, self.value + 1.0)
         bounds: list[tuple[float, str]] = [(grow, "probe")]
         if ratio is not None and ratio > 0:
@@ -335,6 +406,7 @@ class RunningLimit:
         self._reset_window(now)
 
     def _reset_window(self, now: float) -> None:
+        self._opened = self.value
         self._count = 0
         self._hard = []
         self._soft = []

@@ -109,18 +109,22 @@ class Settling:
     def entry(self, req: AdmissionRequest, raw: int, predicted: float, now: float) -> Entry:
         """The queue entry of `req`, with the deadline it may wait until.
 
-        A client that said how long it waits (its read timeout) queues only while the
-        predicted service (`predicted`; a stream: its first token) still fits after the
-        wait; the configured queue timeout (the tenant's own first) is the default for
-        clients that say nothing. It may queue for the part of the budget the learned
-        limit does not give to service (1 - latency_budget_fraction), and less when its
-        own predicted service leaves less; a request predicted to need (nearly) all of it
-        still queues briefly: the prediction is an upper estimate, and shedding it
-        forever helps nobody."""
+        A client that said how long it waits (its read timeout), or whose patience was
+        learned, queues only while the predicted service (`predicted`, an upper estimate
+        at the replica's allowed load; a stream: its first token) still fits after the
+        wait: the queue takes what service leaves, not a fixed share, since in a closed
+        loop the clients' time is set by throughput and the learned limit keeps service
+        itself inside the budget. Before any service was seen it may queue for half its
+        budget. A request predicted to need (nearly) all of it still queues briefly
+        (a tenth): the prediction is an upper estimate, and shedding it forever helps
+        nobody. The configured queue timeout (the tenant's own first) is the default for
+        clients that say nothing."""
         if req.latency_budget is not None:
             budget = req.latency_budget
-            share = (1.0 - self.config.latency_budget_fraction) * budget
-            slack = max(min(share, budget - predicted), 0.1 * budget)
+            if predicted <= 0:
+                slack = 0.5 * budget  # no service seen yet: half for the queue, half for it
+            else:
+                slack = max(budget - predicted, 0.1 * budget)
             deadline = min(req.deadline, now + slack)
         else:
             policy = self.tenant_of(req.tenant)

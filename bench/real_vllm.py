@@ -20,16 +20,10 @@ One run, in order:
    one replica, its URL (no cap, no pool; only logging turned down and an admin token to
    read its report afterwards).
 
-Client kinds, the same retries (two) and per-attempt timeout for both:
-
-sdk
-    the official openai SDK, ``AsyncOpenAI(timeout=T, max_retries=2)``, its defaults
-    otherwise: it states T in ``x-stainless-read-timeout`` and retries 408/409/429/5xx,
-    timeouts and broken connections after Retry-After or its own backoff.
-plain
-    aiohttp with a total timeout of T per attempt that it never states; 429/503 retried
-    after Retry-After, timeouts, other 5xx and broken connections after 0.5 s / 1 s, at
-    most two retries in all.
+Client kinds (bench/closed_loop.py, shared with bench/parity_sweep.py), the same retries
+(two) and per-attempt timeout T for both: ``sdk``, the official openai SDK with its
+defaults but ``timeout=T`` (it states T); ``plain``, aiohttp with a total timeout T per
+attempt that it never states, retrying 429/503 after Retry-After.
 
 Targets (issue 17): through kvgate every request completes (all fit), no attempt times
 out, no more engine preemptions than the best fixed concurrency's, wall time within
@@ -51,25 +45,23 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.real_engine import SDK_BACKOFF_S  # noqa: E402
+from bench.closed_loop import CLIENTS, PLAIN_BACKOFF_S, RETRIES, Outcome, drive  # noqa: E402
 from kvgate_demo.demo import start_gateway, stopping, wait_http  # noqa: E402
 from tests.realengine.vllm import MODEL_NAME, VllmServer, vllm_path  # noqa: E402
 
 POOL_TOKENS = 8192  # the tiny model's KV is 1 KiB a token (REAL_ENGINE_NOTES.md)
 SWEEP = (4, 8, 16, 32)
 KVGATE_CONCURRENCY = 32
-RETRIES = 2
 TIMEOUT_FACTOR = 1.5
 CALIBRATION_CONCURRENCY = 8
 PROMPT_TOKENS = (600, 1800)
@@ -124,154 +116,6 @@ def body(req: Request) -> dict[str, Any]:
         "max_tokens": req.max_tokens,
         "ignore_eos": True,
     }
-
-
-@dataclass
-class Outcome:
-    """What the clients saw of one contender."""
-
-    requests: int
-    completed: int = 0
-    timed_out: int = 0  # requests whose last attempt timed out
-    failed: int = 0  # requests that ended in any other error
-    attempts: int = 0
-    attempt_timeouts: int = 0
-    shed: int = 0  # 429/503 answers (each retried while retries remain)
-    retries: int = 0
-    wall_s: float = 0.0
-    latencies: list[float] = field(default_factory=list)  # completed: first send to end
-    errors: list[str] = field(default_factory=list)
-
-
-class SdkClient:
-    """The official openai SDK with its defaults but the timeout. httpx's event hooks see
-    every attempt the SDK makes, so its retries and the sheds behind them are counted."""
-
-    def __init__(self, url: str, timeout_s: float, out: Outcome) -> None:
-        self.out = out
-        self.responses = 0
-
-        async def on_request(_: httpx.Request) -> None:
-            out.attempts += 1
-
-        async def on_response(r: httpx.Response) -> None:
-            self.responses += 1
-            if r.status_code in (429, 503):
-                out.shed += 1
-
-        http = openai.DefaultAsyncHttpxClient(
-            event_hooks={"request": [on_request], "response": [on_response]}
-        )
-        self.client = openai.AsyncOpenAI(
-            base_url=url + "/v1",
-            api_key="bench",
-            timeout=timeout_s,
-            max_retries=RETRIES,
-            http_client=http,
-        )
-
-    async def send(self, req: Request) -> None:
-        b = body(req)
-        try:
-            await self.client.chat.completions.create(
-                model=b["model"],
-                messages=b["messages"],
-                max_tokens=b["max_tokens"],
-                extra_body={"ignore_eos": True},
-            )
-            self.out.completed += 1
-        except openai.APITimeoutError:
-            self.out.timed_out += 1
-        except openai.APIError as e:
-            self.out.failed += 1
-            self.out.errors.append(f"{type(e).__name__}: {str(e)[:160]}")
-
-    async def close(self) -> None:
-        await self.client.close()
-        self.out.retries = self.out.attempts - self.out.requests
-        # An attempt with no answer timed out (or lost its connection: the SDK's errors
-        # name which for the last attempt only).
-        self.out.attempt_timeouts = self.out.attempts - self.responses
-
-
-class PlainClient:
-    """aiohttp with a total timeout per attempt that it never states."""
-
-    def __init__(self, url: str, timeout_s: float, out: Outcome) -> None:
-        self.url, self.out = url, out
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-
-    async def attempt(self, b: dict[str, Any]) -> tuple[str, float | None]:
-        """("done" | "shed" | "timeout" | "error", seconds to wait before a retry)."""
-        self.out.attempts += 1
-        try:
-            async with self.session.post(
-                self.url + "/v1/chat/completions", json=b, timeout=self.timeout
-            ) as r:
-                payload = await r.read()
-                if r.status == 200:
-                    return "done", None
-                if r.status in (429, 503):
-                    self.out.shed += 1
-                    return "shed", retry_after_s(r.headers.get("Retry-After"))
-                self.out.errors.append(f"HTTP {r.status}: {payload[:160].decode(errors='replace')}")
-                return ("error" if r.status >= 500 else "final"), None
-        except TimeoutError:
-            self.out.attempt_timeouts += 1
-            return "timeout", None
-        except aiohttp.ClientError as e:
-            self.out.errors.append(f"{type(e).__name__}: {e}")
-            return "error", None
-
-    async def send(self, req: Request) -> None:
-        b = body(req)
-        for retry in range(RETRIES + 1):
-            kind, wait = await self.attempt(b)
-            if kind == "done":
-                self.out.completed += 1
-                return
-            if kind == "final" or retry == RETRIES:
-                break
-            self.out.retries += 1
-            await asyncio.sleep(wait if wait is not None else SDK_BACKOFF_S[retry])
-        if kind == "timeout":
-            self.out.timed_out += 1
-        else:
-            self.out.failed += 1
-
-    async def close(self) -> None:
-        await self.session.close()
-
-
-def retry_after_s(raw: str | None) -> float | None:
-    """A plain client reads Retry-After (seconds) and nothing kvgate-specific."""
-    try:
-        return max(0.0, float(raw)) if raw is not None else None
-    except ValueError:
-        return None
-
-
-CLIENTS = {"sdk": SdkClient, "plain": PlainClient}
-
-
-async def drive(client: Any, reqs: list[Request], concurrency: int, out: Outcome) -> None:
-    """A closed loop: `concurrency` workers, each sends its next request when one ends."""
-    queue = list(reversed(reqs))
-    loop = asyncio.get_running_loop()
-
-    async def worker() -> None:
-        while queue:
-            req = queue.pop()
-            t0 = loop.time()
-            before = out.completed
-            await client.send(req)
-            if out.completed > before:
-                out.latencies.append(loop.time() - t0)
-
-    t0 = time.monotonic()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    out.wall_s = time.monotonic() - t0
 
 
 def start_engine(label: str, workdir: Path) -> VllmServer:
@@ -333,7 +177,7 @@ async def contender(
             out = Outcome(requests=len(reqs))
             client = CLIENTS[client_kind](url, timeout_s, out)
             try:
-                await drive(client, reqs, concurrency, out)
+                await drive(client, [body(r) for r in reqs], concurrency, out)
             finally:
                 await client.close()
             if gw is not None:
@@ -565,7 +409,7 @@ def write(
         "clients": {
             "sdk": f"openai {openai.__version__} AsyncOpenAI(timeout=T, max_retries={RETRIES})",
             "plain": "aiohttp, total timeout T per attempt (unstated), 429/503 after "
-            f"Retry-After, timeouts/5xx after {SDK_BACKOFF_S} s, {RETRIES} retries",
+            f"Retry-After, timeouts/5xx after {PLAIN_BACKOFF_S} s, {RETRIES} retries",
             "timeout": f"T = {TIMEOUT_FACTOR} x the worst latency straight at c8 (per rep)",
         },
         "kvgate": "fresh `python -m gateway.cli serve`, replicas: [{name, url}] only "

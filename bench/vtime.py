@@ -335,7 +335,8 @@ def run(
                 res = ctrl.report.reservation(att.rid)
                 budget = res.latency_budget if res is not None else None
                 spent = budget is not None and now - att.start >= 0.9 * budget
-                gone = Completion(ok=False) if res is not None and spent else None
+                served = now - att.admitted_at if att.admitted_at is not None else None
+                gone = Completion(ok=False, service_s=served) if res is not None and spent else None
                 ended(att, True)
                 handle(ctrl.release(att.rid, now, gone))
                 finish(att)

@@ -55,8 +55,9 @@ def completion(ctx: RequestContext, now: float) -> Completion | None:
             and budget is not None
             and now - ctx.arrival >= _BUDGET_SPENT * budget
         ):
-            # The client left at the timeout it declared: the replica failed it.
-            return Completion(ok=False, latency_budget=budget)
+            # The client left at the timeout it declared: the replica failed it, unless
+            # the queue took most of it (admission/learning.py reads the service it got).
+            return Completion(ok=False, service_s=now - ctx.admitted_at, latency_budget=budget)
         return None
     ttft = itl = None
     if ctx.req.stream and ctx.first_byte_at is not None:
