@@ -326,7 +326,7 @@ class AdmissionController:
         stream, where. Teaches that population's patience (admission/patience.py);
         admits nobody."""
         self._saw(now)
-        self._patience.observe(tenant, model, stream, end)
+        self._patience.observe(tenant, model, stream, end, now)
 
     def top_up(self, request_id: str, total_tokens: int, now: float) -> bool:
         """Grow a reservation to cover `total_tokens` (prompt + generated so far).

@@ -47,6 +47,13 @@ least its wait for the first token), and the budget of a stream is
 * per chunk (most departures mid-stream came after a stall): the quiet curve's p10
   bounds the first token and every gap, as the SDK's stated read timeout does.
 
+Clients that leave together (within ``TOGETHER_S`` of a close's first departure) but
+arrived apart (more than ``COHORT_S`` from its arrival) did not each run out of
+patience: something ended them at once (a load generator stopping mid-run, a client
+process killed, a network path dropped). Such a mass close counts once, its first
+departure; the others count as having stayed as long as they did. A cohort that arrived
+together and leaves together (one timeout, one moment) is not a mass close: each counts.
+
 Memory: ``WINDOW`` observations per population, at most ``POPULATIONS`` populations
 (tenants come from configured keys, models from discovery; the oldest is dropped).
 """
@@ -64,6 +71,8 @@ POPULATIONS = 1024
 STALL_GAPS = 10.0  # a last gap this many times the stream's mean gap is a stall
 REFRESH_STAYS = 16  # stays between two computations of the estimate
 SHAPE_MEMORY = 64  # departures mid-stream that decide a stream budget's shape
+TOGETHER_S = 0.02  # departures this close to a close's first one are part of that close
+COHORT_S = 0.002  # arrivals this close to that first one's: one cohort, each counts
 
 
 def km_quantile(observations: list[tuple[float, bool]], q: float) -> float | None:
@@ -170,13 +179,24 @@ class Population:
     """One population's curves: total time, and for streams the quiet stretches and
     where its clients left (while the stream flowed, or after a stall)."""
 
-    __slots__ = ("total", "quiet", "flowing", "stalled")
+    __slots__ = ("total", "quiet", "flowing", "stalled", "_close_at", "_close_arrived")
 
     def __init__(self) -> None:
         self.total = Patience()
         self.quiet = Patience()  # streams only
         self.flowing = 0  # departures mid-stream while tokens flowed
         self.stalled = 0  # departures mid-stream after a stall
+        self._close_at = -math.inf  # when the current close's first departure left
+        self._close_arrived = 0.0  # and when that client had arrived
+
+    def left_alone(self, end: ClientEnd, now: float) -> bool:
+        """Whether a departure at `now` is its client's own (else part of a mass close
+        that its first departure already counted)."""
+        arrived = now - end.waited_s
+        if now - self._close_at >= TOGETHER_S:
+            self._close_at, self._close_arrived = now, arrived  # a new close begins
+            return True
+        return abs(arrived - self._close_arrived) <= COHORT_S
 
     @property
     def per_chunk(self) -> bool:
@@ -212,10 +232,12 @@ class ClientPatience:
     def __init__(self) -> None:
         self._pops: OrderedDict[tuple[str, str, bool], Population] = OrderedDict()
 
-    def observe(self, tenant: str, model: str, stream: bool, end: ClientEnd) -> None:
-        """One ended request of a client that stated no timeout. A stream's `quiet_s` is
-        the quiet stretch it left in (or at least sat through); `stalled`, for a
-        departure after the first token, whether it came after a stall."""
+    def observe(
+        self, tenant: str, model: str, stream: bool, end: ClientEnd, now: float
+    ) -> None:
+        """One ended request of a client that stated no timeout, at `now`. A stream's
+        `quiet_s` is the quiet stretch it left in (or at least sat through); `stalled`,
+        for a departure after the first token, whether it came after a stall."""
         key = (tenant, model, stream)
         pop = self._pops.get(key)
         if pop is None:
@@ -226,11 +248,12 @@ class ClientPatience:
             self._pops.move_to_end(key)
         if not math.isfinite(end.waited_s):
             return
-        pop.total.observe(end.waited_s, end.left)
+        left = end.left and pop.left_alone(end, now)
+        pop.total.observe(end.waited_s, left)
         quiet = end.quiet_s
         if stream and quiet is not None and math.isfinite(quiet):
-            pop.quiet.observe(quiet, end.left)
-        if end.left and end.stalled is not None:
+            pop.quiet.observe(quiet, left)
+        if left and end.stalled is not None:
             if end.stalled:
                 pop.stalled += 1
             else:

@@ -147,10 +147,41 @@ def _stream_departures(pop: ClientPatience, n: int, *, stalled: bool) -> None:
     for i in range(n):
         if stalled:
             # Per-chunk clients: each leaves after a 2 s stall, whenever it comes.
-            pop.observe("t", "m", True, ClientEnd(5.0 + i, True, 2.0, True))
+            pop.observe("t", "m", True, ClientEnd(5.0 + i, True, 2.0, True), 10.0 * i)
         else:
             # Whole-stream clients: each leaves at 4 s, while tokens flow.
-            pop.observe("t", "m", True, ClientEnd(4.0, True, 0.02, False))
+            pop.observe("t", "m", True, ClientEnd(4.0, True, 0.02, False), 10.0 * i)
+
+
+def test_a_mass_close_is_one_departure_not_a_patience() -> None:
+    """A load generator that stops mid-run closes every stream at one instant, each after
+    an ordinary gap (here, a gap ten times the chunks' mean): clients that arrived apart
+    and left together ran out of nothing. Seen as patience, they taught a per-chunk
+    budget of 6 ms (wrk in front of kvgate) and every later stream was shed."""
+    pop = ClientPatience()
+    now = 0.0
+    for run in range(2):
+        for i in range(120):  # served streams: first token after ~20 ms
+            now += 0.01
+            pop.observe("t", "m", True, ClientEnd(0.03, False, 0.02), now)
+        for i in range(32):  # the generator stops: every open stream closes at once
+            end = ClientEnd(0.001 * (i + 1), True, 0.006, True)
+            pop.observe("t", "m", True, end, now + 0.0001 * i)
+    assert pop.budget("t", "m", True) is None  # nothing learned: the default applies
+    # The same departures spread over time, each after its own 6 ms stall: learned.
+    spread = ClientPatience()
+    for i in range(MIN_EVENTS * 2):
+        spread.observe("t", "m", True, ClientEnd(0.03, False, 0.02), 1.0 * i)
+        spread.observe("t", "m", True, ClientEnd(0.001 * (i + 1), True, 0.006, True), i + 0.5)
+    assert spread.budget("t", "m", True) == Budget(0.006, whole=False)
+
+
+def test_a_cohort_that_arrived_together_and_leaves_together_counts_whole() -> None:
+    pop = ClientPatience()
+    for i in range(MIN_EVENTS):  # sent at 0 with one 3 s timeout: they leave at one moment
+        at = 3.0 + 0.001 * i
+        pop.observe("t", "m", False, ClientEnd(at, True), at)
+    assert pop.budget("t", "m", False) == Budget(3.0)
 
 
 def test_a_stream_budget_takes_the_shape_of_where_its_clients_leave() -> None:
@@ -163,8 +194,8 @@ def test_a_stream_budget_takes_the_shape_of_where_its_clients_leave() -> None:
     # Departures before the first token say nothing of the shape: a whole-stream
     # deadline is assumed, the stricter one.
     early = ClientPatience()
-    for _ in range(MIN_EVENTS):
-        early.observe("t", "m", True, ClientEnd(3.0, True, 3.0, None))
+    for i in range(MIN_EVENTS):
+        early.observe("t", "m", True, ClientEnd(3.0, True, 3.0, None), 10.0 * i)
     assert early.budget("t", "m", True) == Budget(3.0, whole=True)
 
 
@@ -174,7 +205,7 @@ def test_a_stream_is_scored_on_what_its_clients_wait_for(stalled: bool) -> None:
     ctrl.upsert_replica(replica("r1", 100_000), 0.0)
     for i in range(MIN_EVENTS):
         end = ClientEnd(5.0 + i, True, 2.0, True) if stalled else ClientEnd(4.0, True, 0.02, False)
-        ctrl.client_ended("default", "m", True, end, 0.0)
+        ctrl.client_ended("default", "m", True, end, 10.0 * i)
     now = 1.0
     for i in range(6):
         for j in range(8):
