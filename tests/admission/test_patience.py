@@ -160,8 +160,8 @@ def test_a_mass_close_is_one_departure_not_a_patience() -> None:
     budget of 6 ms (wrk in front of kvgate) and every later stream was shed."""
     pop = ClientPatience()
     now = 0.0
-    for run in range(2):
-        for i in range(120):  # served streams: first token after ~20 ms
+    for _run in range(2):
+        for _ in range(120):  # served streams: first token after ~20 ms
             now += 0.01
             pop.observe("t", "m", True, ClientEnd(0.03, False, 0.02), now)
         for i in range(32):  # the generator stops: every open stream closes at once
