@@ -232,9 +232,7 @@ class ClientPatience:
     def __init__(self) -> None:
         self._pops: OrderedDict[tuple[str, str, bool], Population] = OrderedDict()
 
-    def observe(
-        self, tenant: str, model: str, stream: bool, end: ClientEnd, now: float
-    ) -> None:
+    def observe(self, tenant: str, model: str, stream: bool, end: ClientEnd, now: float) -> None:
         """One ended request of a client that stated no timeout, at `now`. A stream's
         `quiet_s` is the quiet stretch it left in (or at least sat through); `stalled`,
         for a departure after the first token, whether it came after a stall."""

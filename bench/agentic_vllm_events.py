@@ -128,14 +128,12 @@ async def contender(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
                     "topic": "kv",
                 }
             replicas.append(rep)
-        cfg = config_from_mapping(
-            {"replicas": replicas, "logging": {"access_log": False}}, env={}
-        )
+        cfg = config_from_mapping({"replicas": replicas, "logging": {"access_log": False}}, env={})
         gw = Gateway(cfg, host="127.0.0.1", port=0)
         await gw.start()
-        loop = asyncio.get_running_loop()
-        end = loop.time() + 60
-        while not all(r.ready for r in gw.report.replica_usage()) and loop.time() < end:
+        for _ in range(300):  # up to 60 s for every replica's first probe
+            if all(r.ready for r in gw.report.replica_usage()):
+                break
             await asyncio.sleep(0.2)
         before = prefix_counters(servers)
         rows: list[dict] = []
@@ -200,9 +198,8 @@ async def main_async(args: argparse.Namespace) -> int:
             f"| {m['contender']} | {m['hit_rate']:.3f} | {m['ttft_p50_s']:.2f} / "
             f"{m['ttft_p90_s']:.2f} | {m['e2e_p90_s']:.2f} | {m['completed']:.0f}/{turns} |"
         )
-    Path(args.out).write_text(
-        json.dumps({"args": vars(args), "medians": meds, "runs": runs}, indent=2) + "\n"
-    )
+    text = json.dumps({"args": vars(args), "medians": meds, "runs": runs}, indent=2) + "\n"
+    await asyncio.to_thread(Path(args.out).write_text, text)
     return 0
 
 
@@ -216,9 +213,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--out", default=str(ROOT / "bench" / "results" / "agentic_vllm_events.json")
-    )
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "agentic_vllm_events.json"))
     return asyncio.run(main_async(ap.parse_args()))
 
 
