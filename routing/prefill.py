@@ -61,6 +61,7 @@ class PrefillBlocks:
         self._by_replica: dict[str, Counter[int]] = {}  # chain hash -> prompts holding it
 
     def add(self, request_id: str, replica: str, chain: tuple[int, ...]) -> None:
+        """`chain`: the prompt's blocks beyond those the engine already holds."""
         self.done(request_id)
         self._by_request[request_id] = (replica, chain)
         held = self._by_replica.get(replica)
