@@ -10,6 +10,8 @@ its release, whichever comes first, so a request never counts twice or forever.
 
 from __future__ import annotations
 
+from collections import Counter
+
 
 class PendingPrefill:
     """Uncached prompt tokens per replica, by request, until each one's first token."""
@@ -56,14 +58,16 @@ class PrefillBlocks:
 
     def __init__(self) -> None:
         self._by_request: dict[str, tuple[str, tuple[int, ...]]] = {}
-        self._by_replica: dict[str, dict[int, int]] = {}  # chain hash -> prompts holding it
+        self._by_replica: dict[str, Counter[int]] = {}  # chain hash -> prompts holding it
 
     def add(self, request_id: str, replica: str, chain: tuple[int, ...]) -> None:
+        """`chain`: the prompt's blocks beyond those the engine already holds."""
         self.done(request_id)
         self._by_request[request_id] = (replica, chain)
-        held = self._by_replica.setdefault(replica, {})
-        for h in chain:
-            held[h] = held.get(h, 0) + 1
+        held = self._by_replica.get(replica)
+        if held is None:
+            held = self._by_replica[replica] = Counter()
+        held.update(chain)  # counted in C, on the decision's path
 
     def done(self, request_id: str) -> bool:
         """Its first token came (or it ended); True if it was counted."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from itertools import count
+from itertools import count, repeat
 
 import xxhash
 
@@ -66,7 +66,7 @@ class PrefixIndex:
     eviction), so the warm replicas of a prompt are found without asking every index.
     """
 
-    __slots__ = ("_lru", "capacity", "_holders", "_name", "clock", "horizon")
+    __slots__ = ("_lru", "capacity", "_holders", "_name", "clock", "horizon", "aging")
 
     def __init__(
         self,
@@ -83,6 +83,9 @@ class PrefixIndex:
         # The learned age (in blocks touched since) past which the engine no longer holds
         # a block (module docstring, Aging); infinite until its answers say otherwise.
         self.horizon = math.inf
+        # Blocks are stamped once the replica's engine has answered (before, a block's
+        # stamp is 0: placed before anything was known of how long the replica keeps it).
+        self.aging = False
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -115,10 +118,12 @@ class PrefixIndex:
         self.clock += len(hashes)
         if all(map(lru.__contains__, hashes)):  # a returning chain: every block held
             deque(map(lru.move_to_end, reversed(hashes)), maxlen=0)
-            lru.update(zip(reversed(hashes), count(start)))
+            if self.aging:
+                lru.update(zip(reversed(hashes), count(start)))
             return
         holders = self._holders
-        for t, h in enumerate(reversed(hashes), start):
+        stamps = count(start) if self.aging else repeat(0)
+        for t, h in zip(stamps, reversed(hashes), strict=False):  # stamps never end
             if h in lru:
                 lru.move_to_end(h)
                 lru[h] = t

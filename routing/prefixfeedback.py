@@ -79,7 +79,11 @@ class HitFeedback:
         engine_block: int,
     ) -> None:
         """A request was placed where the approximate index predicted `predicted` blocks
-        (call before the index takes its chain)."""
+        (call before the index takes its chain). Until the replica's engine has answered
+        once, only the replica is kept: its index stamps no blocks yet (routing.prefix)."""
+        if not index.aging:
+            self._expected[request_id] = _Expected(replica, 0, [], 0, 1)
+            return
         self._expected[request_id] = _Expected(
             replica, index.clock, index.stamps(hashes), predicted, max(1, engine_block)
         )
@@ -101,6 +105,9 @@ class HitFeedback:
         self.chars_per_token[got.replica] = (
             chars_per_token if cpt is None else cpt + CPT_STEP * (chars_per_token - cpt)
         )
+        if not index.aging:  # the first answer: from now on its blocks are stamped
+            index.aging = True
+            return False
         ages = []  # the ages at placement of the chain's leading blocks the index held
         for t in got.stamps:
             if t is None:

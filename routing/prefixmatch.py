@@ -55,6 +55,8 @@ class PrefixMatches:
         """(from the engine's own events?, leading prompt blocks held) on `candidate`:
         the engine's blocks where it publishes trusted events (`trusted`), else the
         approximate index's."""
+        if self._kv is None:  # the approximate index alone: one walk, nothing to keep
+            return False, self._approximate(req, candidate.name)
         queries = candidate.engine.prefix_cache_queries_total
         got = self._for(req).get(candidate.name)
         if got is None or got[0] != queries:
@@ -63,6 +65,9 @@ class PrefixMatches:
 
     def each(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[tuple[bool, int]]:
         """`get` for each candidate, in one pass."""
+        if self._kv is None:
+            approximate = self._approximate
+            return [(False, approximate(req, c.name)) for c in candidates]
         memo = self._for(req)
         walk = self._walk
         out = []
@@ -88,11 +93,14 @@ class PrefixMatches:
                 depth = blocks.match_with(req.token_hashes, depth, also)
             got = (queries, True, depth)
         else:
-            idx = self._indexes.get(name)
-            hashes = req.prefix_hashes
-            got = (queries, False, idx.match(hashes) if idx is not None and hashes else 0)
+            got = (queries, False, self._approximate(req, name))
         self._memo[name] = got
         return got
+
+    def _approximate(self, req: RouteRequest, name: str) -> int:
+        idx = self._indexes.get(name)
+        hashes = req.prefix_hashes
+        return idx.match(hashes) if idx is not None and hashes else 0
 
     def trusted(self, req: RouteRequest, name: str, queries: float | None) -> Any:
         """The replica's engine blocks (routing.kvindex.EngineBlocks) where its events

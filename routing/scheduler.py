@@ -17,7 +17,7 @@ until it is released, so the gateway's access line can say how it was placed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from routing.config import ProfileConfig, RoutingConfig
 from routing.plugin import (
@@ -80,9 +80,12 @@ class Profile:
             p.prompt_cached for p in plugins if isinstance(p, PromptCachedHook)
         )
         self.needs_prefix = any(reads_prefix(p) for p in plugins)
-        # Each scorer as one call over the candidates (its own `scores` where it has one).
-        self._batch = tuple(
-            (s.scores if isinstance(s, BatchScorer) else _one_by_one(s), w) for s, w in self.scorers
+        # Every scorer as one call over the candidates, where every one has `scores`
+        # (a mix pays more for the calls than it saves: per candidate then).
+        self._batch = (
+            tuple((s.scores, w) for s, w in self.scorers)
+            if self.scorers and all(isinstance(s, BatchScorer) for s, _ in self.scorers)
+            else None
         )
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
@@ -104,6 +107,8 @@ class Profile:
             return None
         if len(kept) == 1 and not self.scorers:
             return kept[0]
+        if self._batch is None:
+            return self.picker.choose(req, [(self.score(req, c), c) for c in kept])
         # `score` for every candidate, a scorer at a time (the same sums, in its order).
         totals = [0.0] * len(kept)
         for scores, weight in self._batch:
@@ -118,16 +123,6 @@ class Profile:
                 for t, c in zip(totals, kept, strict=True)
             ]
         return self.picker.choose(req, list(zip(totals, kept, strict=True)))
-
-
-def _one_by_one(scorer: Scorer) -> Callable[[RouteRequest, Sequence[Candidate]], list[float]]:
-    """`scores` for a scorer that has only `score`."""
-    score = scorer.score
-
-    def scores(req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
-        return [score(req, c) for c in candidates]
-
-    return scores
 
 
 class SchedulingRouter:

@@ -193,7 +193,8 @@ class PrefixCacheScorer(
             idx.resize(capacity)
         exact, predicted = self._matches.get(req, candidate)
         if exact:  # stored by the engine once prefilled; until then, in prefill there
-            self.prefilling.add(req.request_id, candidate.name, req.token_hashes)
+            if predicted < len(req.token_hashes):  # what the engine holds needs no copy
+                self.prefilling.add(req.request_id, candidate.name, req.token_hashes[predicted:])
         else:  # the engine's answer will say what it held (module docstring)
             self.feedback.placed(
                 req.request_id, candidate.name, idx, req.prefix_hashes, predicted,
