@@ -47,12 +47,12 @@ least its wait for the first token), and the budget of a stream is
 * per chunk (most departures mid-stream came after a stall): the quiet curve's p10
   bounds the first token and every gap, as the SDK's stated read timeout does.
 
-Clients that leave together (within ``TOGETHER_S`` of a close's first departure) but
-arrived apart (more than ``COHORT_S`` from its arrival) did not each run out of
+Clients that leave together (within ``TOGETHER_S`` of a close's first departure) after
+waits that differ (by more than a tenth, and ``COHORT_S``) did not each run out of
 patience: something ended them at once (a load generator stopping mid-run, a client
 process killed, a network path dropped). Such a mass close counts once, its first
-departure; the others count as having stayed as long as they did. A cohort that arrived
-together and leaves together (one timeout, one moment) is not a mass close: each counts.
+departure; the others count as having stayed as long as they did. A cohort that leaves
+together after one wait (sent together with one timeout) is not a mass close: each counts.
 
 Memory: ``WINDOW`` observations per population, at most ``POPULATIONS`` populations
 (tenants come from configured keys, models from discovery; the oldest is dropped).
@@ -72,7 +72,7 @@ STALL_GAPS = 10.0  # a last gap this many times the stream's mean gap is a stall
 REFRESH_STAYS = 16  # stays between two computations of the estimate
 SHAPE_MEMORY = 64  # departures mid-stream that decide a stream budget's shape
 TOGETHER_S = 0.02  # departures this close to a close's first one are part of that close
-COHORT_S = 0.002  # arrivals this close to that first one's: one cohort, each counts
+COHORT_S = 0.005  # and waits this close to its wait (or within a tenth): one cohort
 
 
 def km_quantile(observations: list[tuple[float, bool]], q: float) -> float | None:
@@ -179,7 +179,7 @@ class Population:
     """One population's curves: total time, and for streams the quiet stretches and
     where its clients left (while the stream flowed, or after a stall)."""
 
-    __slots__ = ("total", "quiet", "flowing", "stalled", "_close_at", "_close_arrived")
+    __slots__ = ("total", "quiet", "flowing", "stalled", "_close_at", "_close_waited")
 
     def __init__(self) -> None:
         self.total = Patience()
@@ -187,16 +187,16 @@ class Population:
         self.flowing = 0  # departures mid-stream while tokens flowed
         self.stalled = 0  # departures mid-stream after a stall
         self._close_at = -math.inf  # when the current close's first departure left
-        self._close_arrived = 0.0  # and when that client had arrived
+        self._close_waited = 0.0  # and how long that client had waited
 
     def left_alone(self, end: ClientEnd, now: float) -> bool:
         """Whether a departure at `now` is its client's own (else part of a mass close
         that its first departure already counted)."""
-        arrived = now - end.waited_s
         if now - self._close_at >= TOGETHER_S:
-            self._close_at, self._close_arrived = now, arrived  # a new close begins
+            self._close_at, self._close_waited = now, end.waited_s  # a new close begins
             return True
-        return abs(arrived - self._close_arrived) <= COHORT_S
+        first = self._close_waited
+        return abs(end.waited_s - first) <= max(COHORT_S, 0.1 * first)
 
     @property
     def per_chunk(self) -> bool:

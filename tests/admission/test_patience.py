@@ -165,7 +165,7 @@ def test_a_mass_close_is_one_departure_not_a_patience() -> None:
             now += 0.01
             pop.observe("t", "m", True, ClientEnd(0.03, False, 0.02), now)
         for i in range(32):  # the generator stops: every open stream closes at once
-            end = ClientEnd(0.001 * (i + 1), True, 0.006, True)
+            end = ClientEnd(0.002 * (i + 1), True, 0.006, True)
             pop.observe("t", "m", True, end, now + 0.0001 * i)
     assert pop.budget("t", "m", True) is None  # nothing learned: the default applies
     # The same departures spread over time, each after its own 6 ms stall: learned.
@@ -178,9 +178,8 @@ def test_a_mass_close_is_one_departure_not_a_patience() -> None:
 
 def test_a_cohort_that_arrived_together_and_leaves_together_counts_whole() -> None:
     pop = ClientPatience()
-    for i in range(MIN_EVENTS):  # sent at 0 with one 3 s timeout: they leave at one moment
-        at = 3.0 + 0.001 * i
-        pop.observe("t", "m", False, ClientEnd(at, True), at)
+    for i in range(MIN_EVENTS):  # sent at once with one 3 s timeout: they leave together
+        pop.observe("t", "m", False, ClientEnd(3.0 + 0.004 * i, True), 3.0 + 0.001 * i)
     assert pop.budget("t", "m", False) == Budget(3.0)
 
 
