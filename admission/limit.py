@@ -268,10 +268,12 @@ class RunningLimit:
             # While more run than the limit allows, the excess was admitted under an
             # earlier, larger limit (a cut does not stop running requests): preemptions
             # then are that limit's doing, already judged, not evidence against this one.
+            # Judged on the peak: a burst can end before the round that sees its
+            # preemptions, and nothing running then does not make them nobody's.
             if (
                 before is not None
                 and preemptions_total > before
-                and 0 < running <= max(1, int(self.value))
+                and 0 < peak <= max(1, int(self.value))
             ):
                 self._slow_start = False
                 self._set(min(self.value, peak) * 0.75, "preemption", now, cap)

@@ -154,3 +154,16 @@ def test_a_preemption_cut_is_judged_against_what_ran_not_a_lull() -> None:
     lim.running_changed(1, 1.5)
     lim.engine_signals(preemptions_total=3, running=1, now=2.0, **sig)
     assert lim.reason == "preemption" and lim.value == pytest.approx(7.5)
+
+
+def test_preemptions_seen_after_the_burst_ended_still_cut() -> None:
+    """Seen on the real vLLM: 16 streams ran, the engine preempted, and the burst ended
+    before the next discovery round read the counter: with nothing running then, the
+    preemptions were nobody's and the limit stayed at 16. They were the peak's."""
+    lim = RunningLimit(LimitSettings(initial=16))
+    sig = {"waiting": 0, "engine_running": 0, "kv_usage": 0.2, "cap": None}
+    lim.engine_signals(preemptions_total=0, running=0, now=0.0, **sig)
+    lim.running_changed(16, 0.1)
+    lim.running_changed(0, 1.0)
+    lim.engine_signals(preemptions_total=5, running=0, now=1.2, **sig)
+    assert lim.reason == "preemption" and lim.value == pytest.approx(12.0)

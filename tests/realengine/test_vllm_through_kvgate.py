@@ -227,9 +227,11 @@ async def test_a_client_disconnect_aborts_the_engines_request(
             await r.read()
 
     task = asyncio.create_task(abandoned())
-    assert await until(lambda: gw.report.reserved_tokens() > 0, 5.0)
+    # Generous bounds: in the file's order a fresh gateway once took over 5 s to admit
+    # and forward (seen on main before this work too); what is asserted is the abort.
+    assert await until(lambda: gw.report.reserved_tokens() > 0, 30.0)
     loop = asyncio.get_running_loop()
-    end = loop.time() + 10
+    end = loop.time() + 30
     # The engine is idle when a test starts: its running gauge rising is this request.
     while await engine_metric(vllm, "vllm:num_requests_running") < 1:
         assert loop.time() < end, "the request never ran on the engine"
@@ -363,6 +365,7 @@ async def test_the_learned_limit_reads_the_engines_preemptions(
     # The engine's own signals move it, at once: its waiting queue (the pool is full, so it
     # admits fewer than kvgate sent) and its preemption counter.
     assert moves[0] == (16, "cold_start")
+    assert len(moves) > 1, moves
     limit, reason = moves[1]
     assert reason in ("preemption", "engine_queue") and limit is not None and limit <= 12
     # Whichever signal comes first cuts it; preemptions of streams admitted before that cut
