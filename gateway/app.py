@@ -30,6 +30,7 @@ from admission.tenants import TenantLimiter
 from gateway.admin import replicas_snapshot, require_admin
 from gateway.checks import exposure_warning
 from gateway.config import GatewayConfig
+from gateway.connections import close_idle, close_when_draining, stop_accepting
 from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
 from gateway.dns import DnsGroups
@@ -48,7 +49,7 @@ from gateway.relay import Relay
 from gateway.reload import Reloader
 from gateway.scaling import DesiredReplicas
 from gateway.sharing import StateCollector, StateSync, make_backend
-from gateway.shutdown import log_pending_tasks
+from gateway.shutdown import log_pending_tasks, wait_until
 from gateway.state import StateBackend
 from gateway.tokenizers import load_token_counters
 from gateway.upstream import make_session
@@ -236,6 +237,7 @@ def build_app(
             response.headers["x-should-retry"] = "false"
 
     app.on_response_prepare.append(add_rate_limit_headers)
+    app.on_response_prepare.append(close_when_draining(lambda: st.pipeline.draining))
 
     # ------------------------------------------------------------------ OpenAI surface
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -448,6 +450,7 @@ class Gateway:
         pipeline = self.state.pipeline
         loop = asyncio.get_running_loop()
         shed = pipeline.begin_shutdown()
+        close_idle(self.runner.server)  # now, while it listens (gateway/connections.py)
         log.info("kvgate shutting down", extra={"fields": {"shed": shed, "grace_s": grace}})
         close_at = loop.time() + listen_grace
         closer = asyncio.ensure_future(self._close_listener_at(close_at, fast))
@@ -490,21 +493,16 @@ class Gateway:
         return {"shed": shed, "cut": cut, "drained": drained}
 
     async def _close_listener_at(self, when: float, fast: asyncio.Event | None) -> None:
-        delay = max(0.0, when - asyncio.get_running_loop().time())
-        if fast is None:
-            await asyncio.sleep(delay)
-        else:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await fast.wait()
+        await wait_until(when, fast)
         await self._close_listener()
 
     async def _close_listener(self) -> None:
-        """Stop accepting connections; open ones (running requests) go on."""
-        if self._site is not None:
+        """Stop accepting connections; open ones (running requests) go on, and the ones
+        the kernel had queued are accepted first (gateway/connections.py)."""
+        if self._site is not None and self._runner is not None:
             site, self._site = self._site, None
-            await site.stop()
-            log.info("kvgate stopped accepting connections")
+            queued = await stop_accepting(site, self.runner.server)
+            log.info("kvgate stopped accepting connections", extra={"fields": {"queued": queued}})
 
     async def stop(self) -> None:
         if self._runner is not None:
