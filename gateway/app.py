@@ -48,9 +48,10 @@ from gateway.ratelimit import rate_limit_headers
 from gateway.relay import Relay
 from gateway.reload import Reloader
 from gateway.scaling import DesiredReplicas
-from gateway.sharing import StateCollector, StateSync, make_backend
+from gateway.sharing import StateSync, make_backend
 from gateway.shutdown import log_pending_tasks, wait_until
 from gateway.state import StateBackend
+from gateway.state.collector import StateCollector
 from gateway.tokenizers import load_token_counters
 from gateway.upstream import make_session
 from routing.kvindex import KVIndex

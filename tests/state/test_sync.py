@@ -14,13 +14,13 @@ import pytest
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.lease import LeaseRequest, RenewResult
+from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedLimit
 from admission.tenants import TenantConfig, TenantLimiter
 from admission.types import AdmissionRequest, Admit
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
 from gateway.sharing import StateSync
-from gateway.state import MemoryBackend, StateBackend
+from gateway.state import MemoryBackend, StateBackend, StateUnavailable
 from gateway.state.redis import RedisBackend
 from routing.scheduler import default_profile
 from tests.admission.helpers import replica, request
@@ -372,3 +372,78 @@ async def test_a_stop_whose_cancellation_is_lost_still_ends_the_loop_and_returns
     await asyncio.sleep(0.6)  # the loop, had it gone on, would have renewed by now
     assert backend.renewals_after_release == 0
     assert await backend.holders("pool:r1") == {}
+
+
+class LateAnswers(StateBackend):
+    """A real backend whose renewals, once `late`, are applied and then time out at the
+    caller (a loaded process, a slow network): the caller cannot tell what it was granted."""
+
+    name = "late"
+
+    def __init__(self, inner: StateBackend) -> None:
+        self.inner = inner
+        self.late = False
+
+    async def renew(
+        self, holder: str, requests: Sequence[LeaseRequest], ttl_s: float
+    ) -> RenewResult:
+        result = await self.inner.renew(holder, requests, ttl_s)
+        if self.late:
+            raise StateUnavailable("timed out")
+        return result
+
+    async def release(self, holder: str, resources: Sequence[str] | None = None) -> None:
+        await self.inner.release(holder, resources)
+
+    async def holders(self, resource: str) -> dict[str, HolderRecord]:
+        return await self.inner.holders(resource)
+
+    async def publish_limit(self, replica: str, value: float, reason: str) -> int:
+        return await self.inner.publish_limit(replica, value, reason)
+
+    async def limits(self) -> dict[str, SharedLimit]:
+        return await self.inner.limits()
+
+
+async def test_a_late_renewal_lets_nothing_past_the_running_cap(
+    redis_url: str, prefix: str
+) -> None:
+    """Three processes, the replica's cap of 10 all leased to a busy one. A renewal of an
+    idle one that Redis applied but whose answer came too late is no outage: its
+    records still stand, so it admits nothing the others may hold (before: fail-open's
+    floor of one request, 11 running against a cap of 10)."""
+    backends = [LateAnswers(RedisBackend(redis_url, prefix=prefix)) for _ in range(3)]
+    cs = [ctrl() for _ in range(3)]
+    syncs = [sync(b, c, f"p{i}") for i, (b, c) in enumerate(zip(backends, cs, strict=True))]
+    try:
+        for _ in range(2):
+            for s in syncs:
+                await s.renew()
+        busy = [
+            asyncio.create_task(syncs[0].door.admit(request(f"b{i}", 10, 10))) for i in range(10)
+        ]
+        await asyncio.sleep(0)
+        for _ in range(2):
+            for s in syncs:
+                await s.renew()
+        assert all(isinstance(v[0], Admit) for v in await asyncio.gather(*busy))
+        assert [c.report.pool_demand("r1").share_running for c in cs] == [10, 0, 0]  # type: ignore[union-attr]
+        backends[1].late = True
+        waiting = await queue(syncs[1], request("late", 10, 10))
+        await syncs[1].renew()
+        await asyncio.sleep(0)
+        assert not syncs[1].up
+        running = [c.report.pool_demand("r1").running for c in cs]  # type: ignore[union-attr]
+        assert sum(running) <= 10, running
+        assert not waiting.done()
+        # Its answers come back: the request is admitted once the busy one's slice frees.
+        backends[1].late = False
+        for i in range(10):
+            syncs[0].door.release(f"b{i}")
+        for s in (syncs[0], syncs[1], syncs[0], syncs[1]):
+            await s.renew()
+        assert syncs[1].up and isinstance((await waiting)[0], Admit)
+        syncs[1].door.release("late")
+    finally:
+        for s in syncs:
+            await s.stop()
