@@ -329,9 +329,11 @@ class _SwallowsOneCancel(MemoryBackend):
     """A backend whose renewal, once armed, loses the cancellation that lands in it (as a
     client library's timeout handling can) and then answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, then_hang: bool = False) -> None:
         super().__init__()
         self.armed = False
+        self.then_hang = then_hang  # after losing it, wait for ever (an answer never comes)
+        self.stuck: asyncio.Task[object] | None = None
         self.in_renew = asyncio.Event()
         self.swallowed = False
         self.released = False
@@ -348,6 +350,9 @@ class _SwallowsOneCancel(MemoryBackend):
                 await asyncio.sleep(3600)
             except asyncio.CancelledError:
                 self.swallowed = True  # lost: the caller goes on as if nothing happened
+            if self.then_hang:
+                self.stuck = asyncio.current_task()
+                await asyncio.Event().wait()
         return await super().renew(holder, requests, ttl_s)
 
     async def release(self, holder: str, resources: Sequence[str] | None = None) -> None:
@@ -372,6 +377,27 @@ async def test_a_stop_whose_cancellation_is_lost_still_ends_the_loop_and_returns
     await asyncio.sleep(0.6)  # the loop, had it gone on, would have renewed by now
     assert backend.renewals_after_release == 0
     assert await backend.holders("pool:r1") == {}
+
+
+async def test_a_stop_whose_lease_loop_never_answers_is_bounded() -> None:
+    """Issue 19 item 4: the lease loop lost its cancellation and its renewal never
+    answers. The stop waits for it at most two backend timeouts, then returns the leases."""
+    backend = _SwallowsOneCancel(then_hang=True)
+    s = sync(backend, ctrl(), "a", timeout_s=0.2)
+    await s.start()
+    backend.armed = True
+    await asyncio.wait_for(backend.in_renew.wait(), 5)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    stopping = asyncio.create_task(s.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=5)
+    assert done, "the stop hangs on a lease loop whose renewal never answers"
+    assert loop.time() - t0 < 1.0  # two backend timeouts (0.4 s) and the release
+    assert backend.swallowed and backend.released
+    assert await backend.holders("pool:r1") == {}
+    assert backend.stuck is not None and not backend.stuck.done()
+    backend.stuck.cancel()  # the test's own cleanup: this cancellation is not lost
+    await asyncio.wait({backend.stuck}, timeout=1)
 
 
 class LateAnswers(StateBackend):
