@@ -204,6 +204,7 @@ class Tally:
     by_client: dict[str, Counter] = field(default_factory=dict)
     broken: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
+    codes: Counter = field(default_factory=Counter)  # the documented answers, by status and code
 
     def add(self, client: str, outcome: str, detail: str = "") -> None:
         self.outcomes[outcome] += 1
@@ -224,7 +225,15 @@ def body(rng: random.Random, stream: bool) -> dict[str, Any]:
     }
 
 
-async def judge_http(r: aiohttp.ClientResponse, stream: bool, cut_after: int | None) -> str:
+def error_code(doc: Any) -> str:
+    """The code of an error object (or of its inner part, as the SDK's ``e.body`` is)."""
+    err = doc.get("error", doc) if isinstance(doc, dict) else None
+    return str(err.get("code")) if isinstance(err, dict) else "?"
+
+
+async def judge_http(
+    r: aiohttp.ClientResponse, stream: bool, cut_after: int | None, codes: Counter
+) -> str:
     """One answer: completed, documented, disconnected or contract_broken:<why>."""
     if r.status != 200:
         raw = await r.read()
@@ -237,6 +246,7 @@ async def judge_http(r: aiohttp.ClientResponse, stream: bool, cut_after: int | N
         if r.status in (429, 503) and "Retry-After" not in r.headers:
             if r.headers.get("x-should-retry") != "false":
                 return f"contract_broken:{r.status} without Retry-After"
+        codes[f"{r.status} {error_code(doc)}"] += 1
         return "documented"
     if not stream:
         doc = json.loads(await r.read())
@@ -253,8 +263,10 @@ async def judge_http(r: aiohttp.ClientResponse, stream: bool, cut_after: int | N
             continue
         events += 1
         if data.startswith(b'{"error"'):
-            if not is_error_object(json.loads(data)):
+            doc = json.loads(data)
+            if not is_error_object(doc):
                 return "contract_broken:an error event that is not an error object"
+            codes[f"event {error_code(doc)}"] += 1
             error = True
         if cut_after is not None and events >= cut_after:
             return "disconnected"
@@ -314,7 +326,7 @@ class Clients:
                         url = self.rig.url(gw) + "/v1/chat/completions"
                         async with s.post(url, json=req) as r:
                             cut_after = rng.randint(1, 6) if cut else None
-                            result = await judge_http(r, stream, cut_after)
+                            result = await judge_http(r, stream, cut_after, self.tally.codes)
                             if retrying and r.status in (429, 503) and result == "documented":
                                 await asyncio.sleep(float(r.headers.get("Retry-After", 1)))
                                 continue
@@ -372,6 +384,7 @@ class Clients:
                         )
                         outcome = "completed" if got.choices else "contract_broken:no choices"
                 except openai.APIStatusError as e:
+                    self.tally.codes[f"{e.status_code} {error_code(e.body)}"] += 1
                     outcome = (
                         "documented"
                         if is_error_object(e.body if isinstance(e.body, dict) else None)
@@ -526,6 +539,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "by_client": {k: dict(v) for k, v in tally.by_client.items()},
         "lost": tally.outcomes.get("lost", 0),
         "contract_broken": tally.outcomes.get("contract_broken", 0),
+        "documented_codes": dict(tally.codes.most_common()),
         "lost_samples": tally.lost,
         "broken_samples": tally.broken,
         "faults": Counter(f["fault"] for f in faults),
@@ -553,6 +567,11 @@ async def main_async(args: argparse.Namespace) -> int:
         lines.append(
             f"| {client} | " + " | ".join(str(c.get(k, 0)) for k in sorted(tally.outcomes)) + " |"
         )
+    lines += [
+        "",
+        "Documented answers by code: "
+        + ", ".join(f"{k} {v}" for k, v in tally.codes.most_common()),
+    ]
     if tally.lost or tally.broken:
         lines += ["", "Samples:", *(f"- {x}" for x in tally.lost + tally.broken)]
     md = "\n".join(lines) + "\n"

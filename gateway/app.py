@@ -27,10 +27,10 @@ from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.report import AdmissionReport
 from admission.tenants import TenantLimiter
+from gateway import connections as conns
 from gateway.admin import replicas_snapshot, require_admin
 from gateway.checks import exposure_warning
 from gateway.config import GatewayConfig
-from gateway.connections import close_idle, close_when_draining, stop_accepting
 from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
 from gateway.dns import DnsGroups
@@ -238,7 +238,7 @@ def build_app(
             response.headers["x-should-retry"] = "false"
 
     app.on_response_prepare.append(add_rate_limit_headers)
-    app.on_response_prepare.append(close_when_draining(lambda: st.pipeline.draining))
+    app.on_response_prepare.append(conns.close_when_draining(lambda: st.pipeline.draining))
 
     # ------------------------------------------------------------------ OpenAI surface
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -451,7 +451,7 @@ class Gateway:
         pipeline = self.state.pipeline
         loop = asyncio.get_running_loop()
         shed = pipeline.begin_shutdown()
-        close_idle(self.runner.server)  # now, while it listens (gateway/connections.py)
+        conns.close_idle(self.runner.server)  # now, while it listens (gateway/connections.py)
         log.info("kvgate shutting down", extra={"fields": {"shed": shed, "grace_s": grace}})
         close_at = loop.time() + listen_grace
         closer = asyncio.ensure_future(self._close_listener_at(close_at, fast))
@@ -468,6 +468,7 @@ class Gateway:
                 w.cancel()
             closer.cancel()
         await self._close_listener()
+        await conns.answer_first_requests(self.runner.server)
         drained = pipeline.idle.is_set()
         cut = 0
         if not drained:
@@ -502,7 +503,7 @@ class Gateway:
         the kernel had queued are accepted first (gateway/connections.py)."""
         if self._site is not None and self._runner is not None:
             site, self._site = self._site, None
-            queued = await stop_accepting(site, self.runner.server)
+            queued = await conns.stop_accepting(site, self.runner.server)
             log.info("kvgate stopped accepting connections", extra={"fields": {"queued": queued}})
 
     async def stop(self) -> None:

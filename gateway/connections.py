@@ -15,6 +15,9 @@ Three places did that, and each is closed off here:
   reset when the listening socket closed (a loaded loop accepts late). `stop_accepting`
   accepts them first, from a duplicate of the socket, then closes it; they are answered
   like any other (503 ``shutting_down``).
+- **Connections accepted just before the listener closed** were closed at the end before
+  their first request arrived. The stop waits for those requests (a second at most,
+  `answer_first_requests`) before it closes anything.
 """
 
 from __future__ import annotations
@@ -85,3 +88,22 @@ async def stop_accepting(site: web.BaseSite, server: web.Server) -> int:
         except OSError:
             conn.close()  # the client left already
     return len(queued)
+
+
+async def answer_first_requests(server: web.Server | None, limit_s: float = 1.0) -> None:
+    """Wait (at most `limit_s`) until every connection accepted before the listener
+    closed has sent its first request (to be answered): closing one at the end would drop
+    a request that was on its way."""
+    if server is None:
+        return
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+
+    def waiting() -> bool:
+        return any(
+            isinstance(c, OpenAIErrorRequestHandler) and c.awaiting_first_request()
+            for c in server.connections
+        )
+
+    while waiting() and loop.time() < end:  # noqa: ASYNC110 - aiohttp signals no request
+        await asyncio.sleep(0.01)

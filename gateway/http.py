@@ -79,8 +79,8 @@ class OpenAIErrorRequestHandler(RequestHandler):
         """Close the connection if it waits for its next request (aiohttp's own test of
         an idle keep-alive connection) and none has reached the kernel unread: closing
         on unread bytes resets the connection under the client's request. True if closed."""
-        if self._force_close or self._messages:
-            return False
+        if self._force_close or self._messages or self._request_count == 0:
+            return False  # busy, or new: its first request is on its way, to be answered
         if self._waiter is None or self._waiter.done():
             return False
         sock = self.transport.get_extra_info("socket") if self.transport is not None else None
@@ -92,6 +92,10 @@ class OpenAIErrorRequestHandler(RequestHandler):
                 return False  # a request is arriving: it is answered (and then closed)
         self.force_close()
         return True
+
+    def awaiting_first_request(self) -> bool:
+        """Accepted, open, and no request read from it yet."""
+        return self._request_count == 0 and not self._force_close and self.transport is not None
 
     async def finish_response(
         self, request: Any, resp: web.StreamResponse, start_time: float | None

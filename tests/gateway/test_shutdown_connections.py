@@ -76,6 +76,29 @@ def test_connections_queued_when_the_listener_closes_are_answered(loop):
         assert json.loads(body)["error"]["code"] == "shutting_down"
 
 
+async def test_a_connection_accepted_before_the_listener_closes_gets_its_answer():
+    """A client connected just before the listener closed and sends its request after:
+    the stop waits for it and answers it, instead of closing the connection under it."""
+    cfg = {
+        "replicas": [{"name": "r0", "url": "http://127.0.0.1:9"}],
+        "shutdown": {"drain_grace_s": 0.0, "listen_grace_s": 0.0},
+    }
+    gw = Gateway(config_from_mapping(cfg, env={}), host="127.0.0.1", port=0)
+    await gw.start()
+    sock = socket.create_connection(("127.0.0.1", gw.port), timeout=5.0)
+    try:
+        assert await wait_for(lambda: len(gw.runner.server.connections) == 1)
+        stopping = asyncio.create_task(gw.shutdown())
+        assert await wait_for(lambda: gw._site is None)  # the listener is closed
+        await asyncio.to_thread(sock.sendall, REQUEST)
+        answer = await asyncio.to_thread(_read_until_closed, sock)
+        await asyncio.wait_for(stopping, 10.0)
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "shutting_down"
+
+
 async def test_drain_closes_idle_keepalive_connections_and_answers_with_connection_close(
     replica, tmp_path
 ):
