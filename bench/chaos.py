@@ -62,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 from kvgate_demo.demo import free_port  # noqa: E402
 
 MODEL = "tiny-llm"
+FAULTS = ["kill_gateway", "term_gateway", "kill_replica", "kill_redis"]
 ADMIN = "chaos-admin"
 CLIENT_TOTAL_S = 60.0
 WORDS = "sea oar bow net sun fog map jib gun tar keg ale".split()
@@ -304,6 +305,11 @@ class Clients:
         self.seed = seed
         self.tally = tally
         self.stop = asyncio.Event()
+        self.t0 = time.monotonic()
+
+    def at(self, gw: Child) -> str:
+        """Where and when, for a lost request's sample (read beside the fault log)."""
+        return f" at {time.monotonic() - self.t0:.1f} s on {gw.name}"
 
     def excused(self, gw: Child, start: float) -> bool:
         return gw.killed_during(start, time.monotonic())
@@ -336,7 +342,7 @@ class Clients:
                         result = (
                             "excused:killed"
                             if self.excused(gw, start)
-                            else f"lost:connection broke ({type(e).__name__})"
+                            else f"lost:connection broke ({type(e).__name__}: {e})" + self.at(gw)
                         )
                     except TimeoutError:
                         result = (
@@ -403,7 +409,7 @@ class Clients:
                     elif isinstance(e, openai.APITimeoutError):
                         outcome = "lost:sdk timeout"
                     else:
-                        outcome = f"lost:{type(e).__name__} ({causes(e)})"
+                        outcome = f"lost:{type(e).__name__} ({causes(e)})" + self.at(gw)
                 except (aiohttp.ClientError, ConnectionError, ValueError) as e:
                     outcome = f"contract_broken:{type(e).__name__}"
                 kind, _, detail = outcome.partition(":")
@@ -417,7 +423,9 @@ class Clients:
 
 
 # ---------------------------------------------------------------------- faults
-async def chaos(rig: Rig, rng: random.Random, until: float, log: list[dict]) -> None:
+async def chaos(
+    rig: Rig, rng: random.Random, until: float, log: list[dict], kinds: list[str]
+) -> None:
     async def restart(child: Child, after: float, health: str) -> None:
         await asyncio.sleep(after)
         child.start()
@@ -430,7 +438,7 @@ async def chaos(rig: Rig, rng: random.Random, until: float, log: list[dict]) -> 
         await asyncio.sleep(rng.uniform(3.0, 10.0))
         if time.monotonic() >= until:
             break
-        fault = rng.choice(["kill_gateway", "term_gateway", "kill_replica", "kill_redis"])
+        fault = rng.choice(kinds)
         now = time.monotonic()
         if fault in ("kill_gateway", "term_gateway"):
             live = [g for g in rig.gateways if g.up]
@@ -517,7 +525,8 @@ async def main_async(args: argparse.Namespace) -> int:
             *(clients.plain(20 + i, True, False, True) for i in range(2)),
         ]
         tasks = [asyncio.create_task(w) for w in workers]
-        await chaos(rig, rng, t0 + args.minutes * 60, faults)
+        clients.t0 = t0
+        await chaos(rig, rng, t0 + args.minutes * 60, faults, args.faults.split(","))
         clients.stop.set()
         await asyncio.wait(tasks, timeout=CLIENT_TOTAL_S * 5 + 30)
         for t in tasks:
@@ -586,6 +595,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--faults", default=",".join(FAULTS), help="the kinds to draw from")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
     return asyncio.run(main_async(p.parse_args()))
 

@@ -473,3 +473,27 @@ async def test_a_late_renewal_lets_nothing_past_the_running_cap(
     finally:
         for s in syncs:
             await s.stop()
+
+
+def test_a_shared_limit_grows_on_the_fleets_evidence() -> None:
+    """Two processes share a replica half and half (the lease loop reports the other's
+    running as `others`). Each sees half the replica's completions, so each closes a
+    window on half the evidence one process alone would need: the shared limit grows as
+    fast as a lone process's (before, each needed a whole window of its own: a fleet of
+    two took twice the completions per doubling, and the shared_pool bench's warm-up ran
+    at half the concurrency)."""
+    from admission.limit import LimitSettings, RunningLimit
+
+    def completions_to_double(others: int) -> int:
+        lim = RunningLimit(LimitSettings(initial=8, window=16))
+        lim.others = others
+        lim.running_changed(8 - others, 0.0)
+        for n in range(1, 100):
+            lim.completed(n, n - 0.5, ok=True, work_tokens=1000, ratio=(0.2, None), cap=None)
+            if lim.value > 8:
+                return n
+        raise AssertionError("the limit never grew")
+
+    alone = completions_to_double(0)
+    assert alone == 9  # slow start: half of the 16-completion window, and one more
+    assert completions_to_double(4) <= (alone + 1) // 2 + 1  # half the load, half the evidence
