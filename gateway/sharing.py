@@ -34,8 +34,8 @@ Redis unreachable (``on_unreachable``)
     A failed renewal may still have been applied (a timeout), so until a TTL after the
     last good renewal was sent, while this process's records still stand, it admits
     within the least it reported since (what the records hold at least): a late answer
-    under load lets nothing past the pool or the running cap, and is not logged as an
-    outage.
+    under load lets nothing past the pool or the running cap. Any failed renewal ends
+    in the rebuild below once Redis answers (it may have restarted empty meanwhile).
     ``fail-open``: then the process keeps admitting from its slices, each cut to at most
     1/N of the replica's pool and running limit (N: the processes alive at the last good
     renewal, at least ``--workers``; a running slice keeps at least one request). While
@@ -184,7 +184,6 @@ class StateSync:
         self._ok_sent_at = -math.inf
         self._reported: dict[str, tuple[int, int]] = {}
         self._granted: dict[str, tuple[int | None, int | None]] = {}  # the last good slices
-        self._blip_logged = False
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -313,7 +312,7 @@ class StateSync:
         self._reported.clear()
         leases = {lease.resource: lease for lease in result.leases}
         now = self._loop.time()
-        if not self.up and self._outage_logged:  # back from an outage: rebuild
+        if not self.up and self._ever_up:  # back after failed renewals: rebuild
             self._rebuild_until = now + self.config.lease_ttl_s
             self._rebuild_n = max(self.processes, self.workers_hint)
         rebuilding = now < self._rebuild_until and result.processes < self._rebuild_n
@@ -353,7 +352,6 @@ class StateSync:
                 self._tenant_share(st, units / TENANT_UNITS, refill / TENANT_UNITS)
         self.processes = result.processes
         self.renewals += 1
-        self._blip_logged = False
         if not self.up:
             self.up = True
             if self._outage_logged:
@@ -412,11 +410,7 @@ class StateSync:
         # in the backend: the others are granted nothing it may use, so it stays within
         # them (a late answer under load is not an outage). After, they may have expired.
         standing = now < self._ok_sent_at + self.config.lease_ttl_s
-        if standing and policy == "fail-open":
-            if not self._blip_logged:
-                self._blip_logged = True
-                log.info("state: a lease renewal failed (%s); admitting within the leases", err)
-        elif not self._outage_logged:
+        if not self._outage_logged:
             self._outage_logged = True
             log.warning(
                 "state: backend %s unreachable (%s); %s",

@@ -497,3 +497,22 @@ def test_a_shared_limit_grows_on_the_fleets_evidence() -> None:
     alone = completions_to_double(0)
     assert alone == 9  # slow start: half of the 16-completion window, and one more
     assert completions_to_double(4) <= (alone + 1) // 2 + 1  # half the load, half the evidence
+
+
+async def test_a_restarted_redis_costs_no_failed_renewal(prefix: str) -> None:
+    """The pool's connections to a Redis that restarted are stale: each failed once on
+    its first use, so a process logged the outage again after 'reachable again' (the
+    fail-open restart test counted two). A stale connection is retried once, at once."""
+    server = RedisServer()
+    server.start()
+    backend = RedisBackend(server.url, prefix=prefix, timeout_s=0.5)
+    try:
+        # Two pooled connections: two calls at once.
+        await asyncio.gather(backend.renew("a", [], 3.0), backend.holders("pool:r1"))
+        server.stop()
+        server.start()
+        for _ in range(3):  # every pooled connection is used again
+            await asyncio.gather(backend.renew("a", [], 3.0), backend.holders("pool:r1"))
+    finally:
+        await backend.close()
+        server.stop()
