@@ -6,7 +6,7 @@ the same arithmetic for Redis, and the contract tests run both.
 Policy (the reasons: docs/shared-state.md): a holder counts as holding the larger of its grant
 and its reported use, since a slice cannot be taken back from requests already running
 on it. Entitlements are max-min fair (water-filling): holders are taken in order of want
-(then name), and each is entitled to the smaller of its want and an equal split of what
+(then of what each holds, most first, then name), and each is entitled to the smaller of its want and an equal split of what
 the earlier ones left. So a holder that wants little gets it all, the rest share the
 remainder equally, and when every want fits, each gets its want. The grant is the
 entitlement within what the others do not hold, so the sum over holders never exceeds
@@ -76,9 +76,11 @@ def grant(
     others: Iterable[tuple[str, int, int, int]],
     holder: str = "",
     used: int = 0,
+    granted: int = 0,
 ) -> tuple[int, int, int, int]:
     """(granted, holders, others_used, rate) for `holder` wanting `want` of `total` and
-    using `used` while the other live holders hold ``(name, granted, want, used)`` each.
+    using `used` (and granted `granted` at its last renewal) while the other live holders
+    hold ``(name, granted, want, used)`` each.
 
     `rate` is the slice at which a rate-limited holder's spent budget refills: the
     larger of its entitlement and its use, within what the others do not hold. A holder
@@ -91,19 +93,22 @@ def grant(
     used = max(0, used)
     held = 0
     used_sum = 0
-    wants: list[tuple[int, str]] = [(want, holder)]
+    # Equal wants are ordered by what each holds, most first: the rounding of an equal
+    # split gives its larger parts to those holding least, so a limit smaller than the
+    # number of holders turns among them instead of starving the same one (then by name).
+    wants: list[tuple[int, int, str]] = [(want, -max(granted, used), holder)]
     for name, g, w, u in others:
         held += max(g, u)
         used_sum += u
-        wants.append((max(w, u), name))
+        wants.append((max(w, u), -max(g, u), name))
     wants.sort()
     n = len(wants)
     remaining = total
     entitled = 0
-    for i, (w, name) in enumerate(wants):
+    for i, (w, neg_used, name) in enumerate(wants):
         share = min(w, remaining // (n - i))
         remaining -= share
-        if name == holder and w == want:
+        if name == holder and w == want and -neg_used == max(granted, used):
             entitled = share
     entitled += remaining // n  # what nobody wants, split equally
     free = total - held

@@ -212,7 +212,13 @@ class RunningLimit:
         # Slow start needs less evidence to double than a decision near the knee.
         window = self._s.window // 2 if self._slow_start else self._s.window
         # (The limit as the window opened: slow start grows it under a window's feet.)
-        if self._count > max(window, math.ceil(self._opened)):
+        window = max(window, math.ceil(self._opened))
+        if self.others > 0:
+            # Processes sharing the replica (gateway/sharing.py) each see their part of
+            # its completions: this one's part of the evidence is its part of the load.
+            own = max(1, self._running)
+            window = max(2, math.ceil(window * own / (own + self.others)))
+        if self._count > window:
             self._close_window(now, cap)
 
     def _slow_grow(

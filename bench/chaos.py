@@ -62,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 from kvgate_demo.demo import free_port  # noqa: E402
 
 MODEL = "tiny-llm"
+FAULTS = ["kill_gateway", "term_gateway", "kill_replica", "kill_redis"]
 ADMIN = "chaos-admin"
 CLIENT_TOTAL_S = 60.0
 WORDS = "sea oar bow net sun fog map jib gun tar keg ale".split()
@@ -204,6 +205,7 @@ class Tally:
     by_client: dict[str, Counter] = field(default_factory=dict)
     broken: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
+    codes: Counter = field(default_factory=Counter)  # the documented answers, by status and code
 
     def add(self, client: str, outcome: str, detail: str = "") -> None:
         self.outcomes[outcome] += 1
@@ -224,7 +226,15 @@ def body(rng: random.Random, stream: bool) -> dict[str, Any]:
     }
 
 
-async def judge_http(r: aiohttp.ClientResponse, stream: bool, cut_after: int | None) -> str:
+def error_code(doc: Any) -> str:
+    """The code of an error object (or of its inner part, as the SDK's ``e.body`` is)."""
+    err = doc.get("error", doc) if isinstance(doc, dict) else None
+    return str(err.get("code")) if isinstance(err, dict) else "?"
+
+
+async def judge_http(
+    r: aiohttp.ClientResponse, stream: bool, cut_after: int | None, codes: Counter
+) -> str:
     """One answer: completed, documented, disconnected or contract_broken:<why>."""
     if r.status != 200:
         raw = await r.read()
@@ -237,6 +247,7 @@ async def judge_http(r: aiohttp.ClientResponse, stream: bool, cut_after: int | N
         if r.status in (429, 503) and "Retry-After" not in r.headers:
             if r.headers.get("x-should-retry") != "false":
                 return f"contract_broken:{r.status} without Retry-After"
+        codes[f"{r.status} {error_code(doc)}"] += 1
         return "documented"
     if not stream:
         doc = json.loads(await r.read())
@@ -253,8 +264,10 @@ async def judge_http(r: aiohttp.ClientResponse, stream: bool, cut_after: int | N
             continue
         events += 1
         if data.startswith(b'{"error"'):
-            if not is_error_object(json.loads(data)):
+            doc = json.loads(data)
+            if not is_error_object(doc):
                 return "contract_broken:an error event that is not an error object"
+            codes[f"event {error_code(doc)}"] += 1
             error = True
         if cut_after is not None and events >= cut_after:
             return "disconnected"
@@ -292,6 +305,11 @@ class Clients:
         self.seed = seed
         self.tally = tally
         self.stop = asyncio.Event()
+        self.t0 = time.monotonic()
+
+    def at(self, gw: Child) -> str:
+        """Where and when, for a lost request's sample (read beside the fault log)."""
+        return f" at {time.monotonic() - self.t0:.1f} s on {gw.name}"
 
     def excused(self, gw: Child, start: float) -> bool:
         return gw.killed_during(start, time.monotonic())
@@ -314,7 +332,7 @@ class Clients:
                         url = self.rig.url(gw) + "/v1/chat/completions"
                         async with s.post(url, json=req) as r:
                             cut_after = rng.randint(1, 6) if cut else None
-                            result = await judge_http(r, stream, cut_after)
+                            result = await judge_http(r, stream, cut_after, self.tally.codes)
                             if retrying and r.status in (429, 503) and result == "documented":
                                 await asyncio.sleep(float(r.headers.get("Retry-After", 1)))
                                 continue
@@ -324,7 +342,7 @@ class Clients:
                         result = (
                             "excused:killed"
                             if self.excused(gw, start)
-                            else f"lost:connection broke ({type(e).__name__})"
+                            else f"lost:connection broke ({type(e).__name__}: {e})" + self.at(gw)
                         )
                     except TimeoutError:
                         result = (
@@ -372,6 +390,7 @@ class Clients:
                         )
                         outcome = "completed" if got.choices else "contract_broken:no choices"
                 except openai.APIStatusError as e:
+                    self.tally.codes[f"{e.status_code} {error_code(e.body)}"] += 1
                     outcome = (
                         "documented"
                         if is_error_object(e.body if isinstance(e.body, dict) else None)
@@ -390,7 +409,7 @@ class Clients:
                     elif isinstance(e, openai.APITimeoutError):
                         outcome = "lost:sdk timeout"
                     else:
-                        outcome = f"lost:{type(e).__name__} ({causes(e)})"
+                        outcome = f"lost:{type(e).__name__} ({causes(e)})" + self.at(gw)
                 except (aiohttp.ClientError, ConnectionError, ValueError) as e:
                     outcome = f"contract_broken:{type(e).__name__}"
                 kind, _, detail = outcome.partition(":")
@@ -404,7 +423,9 @@ class Clients:
 
 
 # ---------------------------------------------------------------------- faults
-async def chaos(rig: Rig, rng: random.Random, until: float, log: list[dict]) -> None:
+async def chaos(
+    rig: Rig, rng: random.Random, until: float, log: list[dict], kinds: list[str]
+) -> None:
     async def restart(child: Child, after: float, health: str) -> None:
         await asyncio.sleep(after)
         child.start()
@@ -417,7 +438,7 @@ async def chaos(rig: Rig, rng: random.Random, until: float, log: list[dict]) -> 
         await asyncio.sleep(rng.uniform(3.0, 10.0))
         if time.monotonic() >= until:
             break
-        fault = rng.choice(["kill_gateway", "term_gateway", "kill_replica", "kill_redis"])
+        fault = rng.choice(kinds)
         now = time.monotonic()
         if fault in ("kill_gateway", "term_gateway"):
             live = [g for g in rig.gateways if g.up]
@@ -504,7 +525,8 @@ async def main_async(args: argparse.Namespace) -> int:
             *(clients.plain(20 + i, True, False, True) for i in range(2)),
         ]
         tasks = [asyncio.create_task(w) for w in workers]
-        await chaos(rig, rng, t0 + args.minutes * 60, faults)
+        clients.t0 = t0
+        await chaos(rig, rng, t0 + args.minutes * 60, faults, args.faults.split(","))
         clients.stop.set()
         await asyncio.wait(tasks, timeout=CLIENT_TOTAL_S * 5 + 30)
         for t in tasks:
@@ -526,6 +548,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "by_client": {k: dict(v) for k, v in tally.by_client.items()},
         "lost": tally.outcomes.get("lost", 0),
         "contract_broken": tally.outcomes.get("contract_broken", 0),
+        "documented_codes": dict(tally.codes.most_common()),
         "lost_samples": tally.lost,
         "broken_samples": tally.broken,
         "faults": Counter(f["fault"] for f in faults),
@@ -553,6 +576,11 @@ async def main_async(args: argparse.Namespace) -> int:
         lines.append(
             f"| {client} | " + " | ".join(str(c.get(k, 0)) for k in sorted(tally.outcomes)) + " |"
         )
+    lines += [
+        "",
+        "Documented answers by code: "
+        + ", ".join(f"{k} {v}" for k, v in tally.codes.most_common()),
+    ]
     if tally.lost or tally.broken:
         lines += ["", "Samples:", *(f"- {x}" for x in tally.lost + tally.broken)]
     md = "\n".join(lines) + "\n"
@@ -567,6 +595,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--faults", default=",".join(FAULTS), help="the kinds to draw from")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
     return asyncio.run(main_async(p.parse_args()))
 

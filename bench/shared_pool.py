@@ -82,9 +82,11 @@ def gateway_config(replica_url: str, redis_url: str | None, prefix: str) -> dict
     return cfg
 
 
-async def sample_views(urls: list[str], out: list[dict[str, int | None]]) -> None:
-    """Each process's view of the pool and its slice, every 0.25 s, until cancelled."""
+async def sample_views(urls: list[str], out: list[dict[str, Any]]) -> None:
+    """Each process's view of the pool, its slices, what it runs and queues, every
+    0.25 s, until cancelled."""
     headers = {"Authorization": f"Bearer {ADMIN}"}
+    t0 = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
         while True:
             for i, url in enumerate(urls):
@@ -93,12 +95,34 @@ async def sample_views(urls: list[str], out: list[dict[str, int | None]]) -> Non
                         rep = (await r.json())["replicas"]["seed2"]
                     out.append(
                         {
+                            "t": round(time.monotonic() - t0, 2),
                             "process": i,
                             "view": rep["effective_tokens"],
                             "share": rep["share_tokens"],
+                            "reserved": rep["reserved_tokens"],
+                            "limit": rep["running_limit"],
+                            "share_running": rep["share_running"],
+                            "running": rep["running"],
+                            "queued": rep["queued"],
                         }
                     )
             await asyncio.sleep(0.25)
+
+
+def starved(views: list[dict[str, Any]]) -> int:
+    """Samples where a process had requests queued, its slice of the pool or of the
+    running limit was 0, and the pool had room (the processes' reservations, read in
+    the same sweep, left at least a tenth of it free): invariant 9's breach."""
+    out = 0
+    for v in views:
+        if not v["queued"] or v["view"] is None:
+            continue
+        if v["share"] != 0 and v["share_running"] != 0:
+            continue
+        sweep = [w for w in views if abs(w["t"] - v["t"]) < 0.2]
+        if sum(w["reserved"] for w in sweep) <= 0.9 * v["view"]:
+            out += 1
+    return out
 
 
 async def one_run(mode: str, n: int, run: int, args: argparse.Namespace, workdir: Path) -> dict:
@@ -125,7 +149,7 @@ async def one_run(mode: str, n: int, run: int, args: argparse.Namespace, workdir
             with stopping(*gws):
                 for g in gws:
                     await wait_http(g.url + "/ready", proc=g)
-                views: list[dict[str, int | None]] = []
+                views: list[dict[str, Any]] = []
                 watch = asyncio.create_task(sample_views([g.url for g in gws], views))
                 items = seed2_workload(args.requests, seed=args.seed + run)
                 t0 = time.monotonic()
@@ -149,7 +173,8 @@ async def one_run(mode: str, n: int, run: int, args: argparse.Namespace, workdir
                 wall = time.monotonic() - t0
                 preempt = await engine_counter(replica.url, "vllm:num_preemptions")
     real_views = [v["view"] for v in views if v["view"]]
-    shares = [v["share"] for v in views if v["share"] is not None]
+    shares = [v["share"] for v in views if v["share"] is not None and v["queued"]]
+    ran = [v["running"] for v in views]
     row = {
         "mode": mode,
         "processes": n,
@@ -161,9 +186,13 @@ async def one_run(mode: str, n: int, run: int, args: argparse.Namespace, workdir
         "wall_s": round(wall, 1),
         "pool_view_max": max(real_views, default=None),
         "pool_view_min": min(real_views, default=None),
-        "share_min_under_load": min(shares, default=None),
+        "share_min_while_queued": min(shares, default=None),
+        "starved_samples": starved(views),
+        "running_mean": round(statistics.mean(ran) * n, 1) if ran else None,
+        "limit_max": max((v["limit"] or 0 for v in views), default=None),
         "preemptions": preempt,
     }
+    (workdir / f"views-{slug}.json").write_text(json.dumps(views))
     print(json.dumps(row), flush=True)
     return row
 
@@ -176,30 +205,32 @@ def median(rows: list[dict], key: str) -> float | None:
 async def main_async(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-shared-pool-"))
     rows = []
+    contenders = [("single", 1)] if args.single else []
+    contenders += [(mode, n) for n in args.processes for mode in ("unshared", "shared")]
+    print(f"workdir {workdir}", flush=True)
     for run in range(args.runs):  # interleaved: every contender sees the same machine load
-        for n in args.processes:
-            for mode in ("unshared", "shared"):
-                rows.append(await one_run(mode, n, run, args, workdir))
+        for mode, n in contenders:
+            rows.append(await one_run(mode, n, run, args, workdir))
     summary = []
-    for n in args.processes:
-        for mode in ("unshared", "shared"):
-            sel = [r for r in rows if r["mode"] == mode and r["processes"] == n]
-            summary.append(
-                {
-                    "mode": mode,
-                    "processes": n,
-                    "runs": len(sel),
-                    "wall_s_median": median(sel, "wall_s"),
-                    "wall_s_max": max(r["wall_s"] for r in sel),
-                    "lost_total": sum(r["lost"] for r in sel),
-                    "completed_median": median(sel, "completed"),
-                    "pool_view_min": min(
-                        (r["pool_view_min"] for r in sel if r["pool_view_min"]), default=None
-                    ),
-                    "pool_view_max": median(sel, "pool_view_max"),
-                    "preemptions_median": median(sel, "preemptions"),
-                }
-            )
+    for mode, n in contenders:
+        sel = [r for r in rows if r["mode"] == mode and r["processes"] == n]
+        summary.append(
+            {
+                "mode": mode,
+                "processes": n,
+                "runs": len(sel),
+                "wall_s_median": median(sel, "wall_s"),
+                "wall_s_max": max(r["wall_s"] for r in sel),
+                "lost_total": sum(r["lost"] for r in sel),
+                "completed_median": median(sel, "completed"),
+                "pool_view_min": min(
+                    (r["pool_view_min"] for r in sel if r["pool_view_min"]), default=None
+                ),
+                "pool_view_max": median(sel, "pool_view_max"),
+                "preemptions_median": median(sel, "preemptions"),
+                "starved_samples": sum(r["starved_samples"] for r in sel),
+            }
+        )
     doc = {
         "bench": "shared_pool",
         "profile": PROFILE,
@@ -232,6 +263,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=100)  # not the seeds kvgate was tuned on
     p.add_argument("--processes", type=int, nargs="+", default=[2, 3])
     p.add_argument("--time-limit", type=float, default=400.0)
+    p.add_argument(
+        "--single", action="store_true", help="also one process alone at the same concurrency"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "shared_pool.json")
     return asyncio.run(main_async(p.parse_args()))
 

@@ -27,6 +27,7 @@ from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.report import AdmissionReport
 from admission.tenants import TenantLimiter
+from gateway import connections as conns
 from gateway.admin import replicas_snapshot, require_admin
 from gateway.checks import exposure_warning
 from gateway.config import GatewayConfig
@@ -47,9 +48,10 @@ from gateway.ratelimit import rate_limit_headers
 from gateway.relay import Relay
 from gateway.reload import Reloader
 from gateway.scaling import DesiredReplicas
-from gateway.sharing import StateCollector, StateSync, make_backend
-from gateway.shutdown import log_pending_tasks
+from gateway.sharing import StateSync, make_backend
+from gateway.shutdown import log_pending_tasks, wait_until
 from gateway.state import StateBackend
+from gateway.state.collector import StateCollector
 from gateway.tokenizers import load_token_counters
 from gateway.upstream import make_session
 from routing.kvindex import KVIndex
@@ -236,6 +238,7 @@ def build_app(
             response.headers["x-should-retry"] = "false"
 
     app.on_response_prepare.append(add_rate_limit_headers)
+    app.on_response_prepare.append(conns.close_when_draining(lambda: st.pipeline.draining))
 
     # ------------------------------------------------------------------ OpenAI surface
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -448,6 +451,7 @@ class Gateway:
         pipeline = self.state.pipeline
         loop = asyncio.get_running_loop()
         shed = pipeline.begin_shutdown()
+        conns.close_idle(self.runner.server)  # now, while it listens (gateway/connections.py)
         log.info("kvgate shutting down", extra={"fields": {"shed": shed, "grace_s": grace}})
         close_at = loop.time() + listen_grace
         closer = asyncio.ensure_future(self._close_listener_at(close_at, fast))
@@ -464,6 +468,7 @@ class Gateway:
                 w.cancel()
             closer.cancel()
         await self._close_listener()
+        await conns.answer_first_requests(self.runner.server)
         drained = pipeline.idle.is_set()
         cut = 0
         if not drained:
@@ -490,21 +495,16 @@ class Gateway:
         return {"shed": shed, "cut": cut, "drained": drained}
 
     async def _close_listener_at(self, when: float, fast: asyncio.Event | None) -> None:
-        delay = max(0.0, when - asyncio.get_running_loop().time())
-        if fast is None:
-            await asyncio.sleep(delay)
-        else:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await fast.wait()
+        await wait_until(when, fast)
         await self._close_listener()
 
     async def _close_listener(self) -> None:
-        """Stop accepting connections; open ones (running requests) go on."""
-        if self._site is not None:
+        """Stop accepting connections; open ones (running requests) go on, and the ones
+        the kernel had queued are accepted first (gateway/connections.py)."""
+        if self._site is not None and self._runner is not None:
             site, self._site = self._site, None
-            await site.stop()
-            log.info("kvgate stopped accepting connections")
+            queued = await conns.stop_accepting(site, self.runner.server)
+            log.info("kvgate stopped accepting connections", extra={"fields": {"queued": queued}})
 
     async def stop(self) -> None:
         if self._runner is not None:

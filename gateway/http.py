@@ -34,9 +34,13 @@ Policy, and why:
 
 from __future__ import annotations
 
+import array
 import asyncio
+import contextlib
+import fcntl
 import logging
 import socket
+import termios
 from typing import Any
 
 from aiohttp import http_exceptions, web
@@ -70,6 +74,28 @@ class OpenAIErrorRequestHandler(RequestHandler):
                 except OSError:  # pragma: no cover - a platform without the option
                     pass
         super().connection_made(transport)
+
+    def close_if_idle(self) -> bool:
+        """Close the connection if it waits for its next request (aiohttp's own test of
+        an idle keep-alive connection) and none has reached the kernel unread: closing
+        on unread bytes resets the connection under the client's request. True if closed."""
+        if self._force_close or self._messages or self._request_count == 0:
+            return False  # busy, or new: its first request is on its way, to be answered
+        if self._waiter is None or self._waiter.done():
+            return False
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is not None:
+            unread = array.array("i", [0])
+            with contextlib.suppress(OSError):
+                fcntl.ioctl(sock.fileno(), termios.FIONREAD, unread)
+            if unread[0]:
+                return False  # a request is arriving: it is answered (and then closed)
+        self.force_close()
+        return True
+
+    def awaiting_first_request(self) -> bool:
+        """Accepted, open, and no request read from it yet."""
+        return self._request_count == 0 and not self._force_close and self.transport is not None
 
     async def finish_response(
         self, request: Any, resp: web.StreamResponse, start_time: float | None

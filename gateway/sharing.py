@@ -31,8 +31,13 @@ Tenant budgets
     is left of it fleet-wide (`Gcra.fleet_used`), not its own share.
 
 Redis unreachable (``on_unreachable``)
-    ``fail-open``: the process keeps admitting from its slices, each cut to at most 1/N of
-    the replica's pool and running limit (N: the processes alive at the last good
+    A failed renewal may still have been applied (a timeout), so until a TTL after the
+    last good renewal was sent, while this process's records still stand, it admits
+    within the least it reported since (what the records hold at least): a late answer
+    under load lets nothing past the pool or the running cap. Any failed renewal ends
+    in the rebuild below once Redis answers (it may have restarted empty meanwhile).
+    ``fail-open``: then the process keeps admitting from its slices, each cut to at most
+    1/N of the replica's pool and running limit (N: the processes alive at the last good
     renewal, at least ``--workers``; a running slice keeps at least one request). While
     every process is cut off, their slices sum to at most the pool, so nothing is
     over-admitted; a process cut off alone while others still reach Redis can exceed the
@@ -64,12 +69,9 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
-from admission.report import AdmissionReport, PoolDemand
+from admission.report import PoolDemand
 from admission.tenants import Gcra, TenantLimiter, TenantState
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
@@ -176,6 +178,12 @@ class StateSync:
         # slices stay within the fail-open 1/N (module docstring, Reconnect).
         self._rebuild_until = -math.inf
         self._rebuild_n = 0
+        # When the last good renewal was sent (its records stand in the backend for a
+        # TTL from then), and per replica the least (reserved, running) reported since:
+        # a failed renewal may have been applied, so the records hold at least that.
+        self._ok_sent_at = -math.inf
+        self._reported: dict[str, tuple[int, int]] = {}
+        self._granted: dict[str, tuple[int | None, int | None]] = {}  # the last good slices
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -245,7 +253,8 @@ class StateSync:
     async def renew(self) -> None:
         if self._stopped:  # a renewal after the release would lease the slices again
             return
-        self._last = self._loop.time()
+        sent_at = self._last = self._loop.time()
+        demands: list[PoolDemand] = []
         try:
             await self._sync_limits()
             demands = self._demands()
@@ -294,11 +303,16 @@ class StateSync:
                 )
             result = await self.backend.renew(self.holder, requests, self.config.lease_ttl_s)
         except StateUnavailable as e:
+            for d in demands:
+                low = self._reported.get(d.replica, (d.reserved, d.running))
+                self._reported[d.replica] = (min(low[0], d.reserved), min(low[1], d.running))
             self._unreachable(e)
             return
+        self._ok_sent_at = sent_at
+        self._reported.clear()
         leases = {lease.resource: lease for lease in result.leases}
         now = self._loop.time()
-        if not self.up and self._outage_logged:  # back from an outage: rebuild
+        if not self.up and self._ever_up:  # back after failed renewals: rebuild
             self._rebuild_until = now + self.config.lease_ttl_s
             self._rebuild_n = max(self.processes, self.workers_hint)
         rebuilding = now < self._rebuild_until and result.processes < self._rebuild_n
@@ -316,6 +330,7 @@ class StateSync:
                 tokens = None if tokens is None else min(tokens, d.effective // n)
                 if running is not None and d.running_limit is not None:
                     running = min(running, max(1, d.running_limit // n))
+            self._granted[d.replica] = (tokens, running)
             self.door.set_pool_share(
                 d.replica,
                 tokens,
@@ -390,6 +405,11 @@ class StateSync:
         self.up = False
         n = max(self.processes, self.workers_hint, 1)
         policy = self.config.on_unreachable
+        now = self._loop.time()
+        # Until a TTL after the last good renewal was sent, this process's records stand
+        # in the backend: the others are granted nothing it may use, so it stays within
+        # them (a late answer under load is not an outage). After, they may have expired.
+        standing = now < self._ok_sent_at + self.config.lease_ttl_s
         if not self._outage_logged:
             self._outage_logged = True
             log.warning(
@@ -403,16 +423,21 @@ class StateSync:
             )
         if policy != "fail-open":
             return
-        now = self._loop.time()
         for d in self._demands():
+            tokens, run = self._granted.get(d.replica, (None, None))
             pool = d.effective // n
-            if d.share_tokens is not None and self._ever_up:
-                pool = min(pool, d.share_tokens)
+            if tokens is not None:
+                pool = min(pool, tokens)
             running = None
             if d.running_limit is not None:
                 running = max(1, d.running_limit // n)
-                if d.share_running is not None and self._ever_up:
-                    running = min(running, max(1, d.share_running))
+                if run is not None:
+                    running = min(running, max(1, run))
+            if standing and (low := self._reported.get(d.replica)) is not None:
+                # A failed renewal may have been applied: its records hold at least what
+                # it reported, and may have granted the rest of the slice to the others.
+                pool = min(pool, low[0])
+                running = None if running is None else min(running, low[1])
             self.door.set_pool_share(d.replica, pool, now, running=running)
         for st in self._tenant_states():
             fraction = 1.0 / n
@@ -449,42 +474,3 @@ class StateSync:
             "renewals": self.renewals,
             "replicas": replicas,
         }
-
-
-class StateCollector(Collector):
-    """The shared-state metrics, read at scrape time."""
-
-    def __init__(self, backend_name: str, sync: StateSync | None, report: AdmissionReport) -> None:
-        self._name = backend_name
-        self._sync = sync
-        self._report = report
-
-    def collect(self) -> Iterable[Metric]:
-        s = self._sync
-        up = GaugeMetricFamily(
-            "kvgate_state_backend_up",
-            "1 while the shared-state backend answers (memory: always)",
-            labels=["backend"],
-        )
-        up.add_metric([self._name], 1 if s is None or s.up else 0)
-        errors = CounterMetricFamily(
-            "kvgate_state_backend_errors",
-            "Round trips to the shared-state backend that failed",
-            labels=["backend"],
-        )
-        errors.add_metric([self._name], s.errors if s is not None else 0)
-        procs = GaugeMetricFamily(
-            "kvgate_state_processes", "Gateway processes sharing the state, as last seen"
-        )
-        procs.add_metric([], s.processes if s is not None else 1)
-        share = GaugeMetricFamily(
-            "kvgate_replica_pool_share_tokens",
-            "The slice of the replica's effective KV pool this process leased",
-            labels=["replica"],
-        )
-        for name in self._report.replica_names():  # memory: the whole pool
-            d = self._report.pool_demand(name)
-            if d is not None:
-                value = d.share_tokens if d.share_tokens is not None else d.effective
-                share.add_metric([name], value)
-        return [up, errors, procs, share]

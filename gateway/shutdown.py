@@ -10,6 +10,7 @@ and queued requests get from the moment shutdown begins (`draining`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -90,6 +91,17 @@ class InFlight:
                 pass
             return resp
         return err.response({"x-request-id": ctx.request_id})
+
+
+async def wait_until(when: float, fast: asyncio.Event | None) -> None:
+    """Sleep until the loop's clock reads `when`, or until `fast` is set."""
+    delay = max(0.0, when - asyncio.get_running_loop().time())
+    if fast is None:
+        await asyncio.sleep(delay)
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(delay):
+            await fast.wait()
 
 
 def _await_chain(task: asyncio.Task[Any]) -> str:

@@ -20,7 +20,13 @@ for i = 2, #KEYS do
   local used = math.max(0, tonumber(ARGV[base + 2]))
   local flat = redis.call('HGETALL', KEYS[i])
   local n, held, used_sum = 1, 0, 0
-  local wants = {{want, holder}}
+  local mine = redis.call('HGET', KEYS[i], holder)
+  local prev = 0
+  if mine then
+    local g0, _, _, e0 = string.match(mine, '^(%d+) (%d+) (%d+) (%d+)$')
+    if e0 ~= nil and tonumber(e0) > now then prev = tonumber(g0) end
+  end
+  local wants = {{want, holder, math.max(prev, used)}}
   for j = 1, #flat, 2 do
     local h = flat[j]
     local g, w, u, e = string.match(flat[j + 1], '^(%d+) (%d+) (%d+) (%d+)$')
@@ -32,12 +38,14 @@ for i = 2, #KEYS do
       n = n + 1
       held = held + math.max(g, u)
       used_sum = used_sum + u
-      wants[#wants + 1] = {math.max(w, u), h}
+      wants[#wants + 1] = {math.max(w, u), h, math.max(g, u)}
     end
   end
-  -- max-min fair (water-filling) in order of want, then name
+  -- max-min fair (water-filling) in order of want, then of what each holds (most
+  -- first: the rounding gives the larger parts to those holding least), then name
   table.sort(wants, function(x, y)
     if x[1] ~= y[1] then return x[1] < y[1] end
+    if x[3] ~= y[3] then return x[3] > y[3] end
     return x[2] < y[2]
   end)
   local remaining, entitled = total, 0

@@ -44,7 +44,10 @@ class MemoryBackend(StateBackend):
             others = [
                 (h, int(r[0]), int(r[1]), int(r[2])) for h, r in records.items() if h != holder
             ]
-            granted, n, others_used, rate = grant(req.total, req.want, others, holder, req.used)
+            mine = records.get(holder)
+            granted, n, others_used, rate = grant(
+                req.total, req.want, others, holder, req.used, int(mine[0]) if mine else 0
+            )
             records[holder] = [granted, max(0, req.want), max(0, req.used), now + ttl_s]
             leases.append(Lease(req.resource, granted, n, others_used, rate))
         return RenewResult(len(self._procs), leases)

@@ -6,7 +6,8 @@ re-leases all its resources atomically, on the Redis server's clock. Keys share 
 tag (``{prefix}``) so the scripts also run on a Redis Cluster. Scripts are sent by SHA
 and reloaded by redis-py when a restarted server has forgotten them.
 
-Timeouts are short and redis-py's own retries are off: a renewal that fails is the lease
+Timeouts are short and redis-py retries only a connection error, once and at once (a
+pooled connection to a restarted Redis is stale): a renewal that fails is the lease
 loop's business (it applies ``on_unreachable`` and tries again next round), and the
 request path never waits on Redis.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from admission.lease import HolderRecord, Lease, LeaseRequest, RenewResult, SharedLimit
@@ -59,7 +61,10 @@ class RedisBackend(StateBackend):
             password=password,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            # One immediate retry of a connection error only: a pooled connection to a
+            # Redis that restarted is stale and fails once on first use. Never of a
+            # timeout, which the round trip's bound is for.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             decode_responses=True,
         )
         self._lease = self._r.register_script(_LEASE_LUA)

@@ -226,3 +226,30 @@ async def test_an_unreachable_redis_raises_state_unavailable(prefix: str) -> Non
             await b.limits()
     finally:
         await b.close()
+
+
+async def test_a_limit_smaller_than_the_holders_turns_among_them(rig: Rig) -> None:
+    """A running limit of 2 over three busy holders: at every round one of them gets 0.
+    The rounding gives the larger parts to those running least, so the one that ran
+    nothing gets a turn as soon as a request ends elsewhere (before: by name, the same
+    holder lost every round and its queue starved while the others ran)."""
+    b = rig.backend
+
+    async def round_(used: dict[str, int]) -> dict[str, int]:
+        out = {}
+        for h in ("a", "b", "c"):
+            out[h] = (await b.renew(h, req(2, 20, used[h], "run:r0"), 10)).leases[0].granted
+        return out
+
+    await round_({"a": 0, "b": 0, "c": 0})
+    grants = await round_({"a": 0, "b": 0, "c": 0})
+    assert sum(grants.values()) == 2
+    starved = next(h for h, g in grants.items() if g == 0)
+    # The two others run one each; one of them ends its request: the starved one is next.
+    running = {h: (0 if h == starved else 1) for h in grants}
+    ended = next(h for h in grants if h != starved)
+    running[ended] = 0
+    for _ in range(2):
+        grants = await round_(running)
+    assert grants[starved] == 1, grants
+    assert sum(max(grants[h], running[h]) for h in grants) <= 2

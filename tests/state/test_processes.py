@@ -344,7 +344,7 @@ async def test_workers_run_on_one_port_and_stop_with_the_supervisor(
             assert len(holders) == 2
             for _ in range(10):
                 async with s.post(url + "/v1/chat/completions", json=BODY) as r:
-                    assert r.status == 200
+                    assert r.status == 200, (r.status, await r.text(), log.read_text()[-2000:])
         proc.send_signal(signal.SIGTERM)
         try:
             async with asyncio.timeout(20):

@@ -14,13 +14,13 @@ import pytest
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.lease import LeaseRequest, RenewResult
+from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedLimit
 from admission.tenants import TenantConfig, TenantLimiter
 from admission.types import AdmissionRequest, Admit
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
 from gateway.sharing import StateSync
-from gateway.state import MemoryBackend, StateBackend
+from gateway.state import MemoryBackend, StateBackend, StateUnavailable
 from gateway.state.redis import RedisBackend
 from routing.scheduler import default_profile
 from tests.admission.helpers import replica, request
@@ -329,9 +329,11 @@ class _SwallowsOneCancel(MemoryBackend):
     """A backend whose renewal, once armed, loses the cancellation that lands in it (as a
     client library's timeout handling can) and then answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, then_hang: bool = False) -> None:
         super().__init__()
         self.armed = False
+        self.then_hang = then_hang  # after losing it, wait for ever (an answer never comes)
+        self.stuck: asyncio.Task[object] | None = None
         self.in_renew = asyncio.Event()
         self.swallowed = False
         self.released = False
@@ -348,6 +350,9 @@ class _SwallowsOneCancel(MemoryBackend):
                 await asyncio.sleep(3600)
             except asyncio.CancelledError:
                 self.swallowed = True  # lost: the caller goes on as if nothing happened
+            if self.then_hang:
+                self.stuck = asyncio.current_task()
+                await asyncio.Event().wait()
         return await super().renew(holder, requests, ttl_s)
 
     async def release(self, holder: str, resources: Sequence[str] | None = None) -> None:
@@ -372,3 +377,142 @@ async def test_a_stop_whose_cancellation_is_lost_still_ends_the_loop_and_returns
     await asyncio.sleep(0.6)  # the loop, had it gone on, would have renewed by now
     assert backend.renewals_after_release == 0
     assert await backend.holders("pool:r1") == {}
+
+
+async def test_a_stop_whose_lease_loop_never_answers_is_bounded() -> None:
+    """Issue 19 item 4: the lease loop lost its cancellation and its renewal never
+    answers. The stop waits for it at most two backend timeouts, then returns the leases."""
+    backend = _SwallowsOneCancel(then_hang=True)
+    s = sync(backend, ctrl(), "a", timeout_s=0.2)
+    await s.start()
+    backend.armed = True
+    await asyncio.wait_for(backend.in_renew.wait(), 5)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    stopping = asyncio.create_task(s.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=5)
+    assert done, "the stop hangs on a lease loop whose renewal never answers"
+    assert loop.time() - t0 < 1.0  # two backend timeouts (0.4 s) and the release
+    assert backend.swallowed and backend.released
+    assert await backend.holders("pool:r1") == {}
+    assert backend.stuck is not None and not backend.stuck.done()
+    backend.stuck.cancel()  # the test's own cleanup: this cancellation is not lost
+    await asyncio.wait({backend.stuck}, timeout=1)
+
+
+class LateAnswers(StateBackend):
+    """A real backend whose renewals, once `late`, are applied and then time out at the
+    caller (a loaded process, a slow network): the caller cannot tell what it was granted."""
+
+    name = "late"
+
+    def __init__(self, inner: StateBackend) -> None:
+        self.inner = inner
+        self.late = False
+
+    async def renew(
+        self, holder: str, requests: Sequence[LeaseRequest], ttl_s: float
+    ) -> RenewResult:
+        result = await self.inner.renew(holder, requests, ttl_s)
+        if self.late:
+            raise StateUnavailable("timed out")
+        return result
+
+    async def release(self, holder: str, resources: Sequence[str] | None = None) -> None:
+        await self.inner.release(holder, resources)
+
+    async def holders(self, resource: str) -> dict[str, HolderRecord]:
+        return await self.inner.holders(resource)
+
+    async def publish_limit(self, replica: str, value: float, reason: str) -> int:
+        return await self.inner.publish_limit(replica, value, reason)
+
+    async def limits(self) -> dict[str, SharedLimit]:
+        return await self.inner.limits()
+
+
+async def test_a_late_renewal_lets_nothing_past_the_running_cap(
+    redis_url: str, prefix: str
+) -> None:
+    """Three processes, the replica's cap of 10 all leased to a busy one. A renewal of an
+    idle one that Redis applied but whose answer came too late is no outage: its
+    records still stand, so it admits nothing the others may hold (before: fail-open's
+    floor of one request, 11 running against a cap of 10)."""
+    backends = [LateAnswers(RedisBackend(redis_url, prefix=prefix)) for _ in range(3)]
+    cs = [ctrl() for _ in range(3)]
+    syncs = [sync(b, c, f"p{i}") for i, (b, c) in enumerate(zip(backends, cs, strict=True))]
+    try:
+        for _ in range(2):
+            for s in syncs:
+                await s.renew()
+        busy = [
+            asyncio.create_task(syncs[0].door.admit(request(f"b{i}", 10, 10))) for i in range(10)
+        ]
+        await asyncio.sleep(0)
+        for _ in range(2):
+            for s in syncs:
+                await s.renew()
+        assert all(isinstance(v[0], Admit) for v in await asyncio.gather(*busy))
+        assert [c.report.pool_demand("r1").share_running for c in cs] == [10, 0, 0]  # type: ignore[union-attr]
+        backends[1].late = True
+        waiting = await queue(syncs[1], request("late", 10, 10))
+        await syncs[1].renew()
+        await asyncio.sleep(0)
+        assert not syncs[1].up
+        running = [c.report.pool_demand("r1").running for c in cs]  # type: ignore[union-attr]
+        assert sum(running) <= 10, running
+        assert not waiting.done()
+        # Its answers come back: the request is admitted once the busy one's slice frees.
+        backends[1].late = False
+        for i in range(10):
+            syncs[0].door.release(f"b{i}")
+        for s in (syncs[0], syncs[1], syncs[0], syncs[1]):
+            await s.renew()
+        assert syncs[1].up and isinstance((await waiting)[0], Admit)
+        syncs[1].door.release("late")
+    finally:
+        for s in syncs:
+            await s.stop()
+
+
+def test_a_shared_limit_grows_on_the_fleets_evidence() -> None:
+    """Two processes share a replica half and half (the lease loop reports the other's
+    running as `others`). Each sees half the replica's completions, so each closes a
+    window on half the evidence one process alone would need: the shared limit grows as
+    fast as a lone process's (before, each needed a whole window of its own: a fleet of
+    two took twice the completions per doubling, and the shared_pool bench's warm-up ran
+    at half the concurrency)."""
+    from admission.limit import LimitSettings, RunningLimit
+
+    def completions_to_double(others: int) -> int:
+        lim = RunningLimit(LimitSettings(initial=8, window=16))
+        lim.others = others
+        lim.running_changed(8 - others, 0.0)
+        for n in range(1, 100):
+            lim.completed(n, n - 0.5, ok=True, work_tokens=1000, ratio=(0.2, None), cap=None)
+            if lim.value > 8:
+                return n
+        raise AssertionError("the limit never grew")
+
+    alone = completions_to_double(0)
+    assert alone == 9  # slow start: half of the 16-completion window, and one more
+    assert completions_to_double(4) <= (alone + 1) // 2 + 1  # half the load, half the evidence
+
+
+async def test_a_restarted_redis_costs_no_failed_renewal(prefix: str) -> None:
+    """The pool's connections to a Redis that restarted are stale: each failed once on
+    its first use, so a process logged the outage again after 'reachable again' (the
+    fail-open restart test counted two). A stale connection is retried once, at once."""
+    server = RedisServer()
+    server.start()
+    backend = RedisBackend(server.url, prefix=prefix, timeout_s=0.5)
+    try:
+        # Two pooled connections: two calls at once.
+        await asyncio.gather(backend.renew("a", [], 3.0), backend.holders("pool:r1"))
+        server.stop()
+        server.start()
+        for _ in range(3):  # every pooled connection is used again
+            await asyncio.gather(backend.renew("a", [], 3.0), backend.holders("pool:r1"))
+    finally:
+        await backend.close()
+        server.stop()
