@@ -484,19 +484,21 @@ def test_a_shared_limit_grows_on_the_fleets_evidence() -> None:
     at half the concurrency)."""
     from admission.limit import LimitSettings, RunningLimit
 
-    def completions_to_double(others: int) -> int:
+    def completions_to_grow(others: int) -> int:
         lim = RunningLimit(LimitSettings(initial=8, window=16))
         lim.others = others
         lim.running_changed(8 - others, 0.0)
         for n in range(1, 100):
-            lim.completed(n, n - 0.5, ok=True, work_tokens=1000, ratio=(0.2, None), cap=None)
+            # Past half the latency aim: slow start ends at once, and the limit grows
+            # only when a whole window of evidence says it may (the probe step).
+            lim.completed(n, n - 0.5, ok=True, work_tokens=1000, ratio=(0.6, None), cap=None)
             if lim.value > 8:
                 return n
         raise AssertionError("the limit never grew")
 
-    alone = completions_to_double(0)
-    assert alone == 9  # slow start: half of the 16-completion window, and one more
-    assert completions_to_double(4) <= (alone + 1) // 2 + 1  # half the load, half the evidence
+    alone = completions_to_grow(0)
+    assert alone == 17  # a whole 16-completion window, and one more
+    assert completions_to_grow(4) <= (alone + 1) // 2 + 1  # half the load, half the evidence
 
 
 async def test_a_restarted_redis_costs_no_failed_renewal(prefix: str) -> None:
