@@ -208,8 +208,9 @@ class LoadResult:
     other: dict[int, int] = field(default_factory=dict)
 
 
-async def drive_load(gateway: str, seconds: float, concurrency: int = 12) -> LoadResult:
-    """Closed-loop streaming clients; a short queue timeout lets kvgate shed some."""
+async def drive_load(gateway: str, seconds: float, concurrency: int = 20) -> LoadResult:
+    """Closed-loop streaming clients, more than the two tiny pools hold at once (about six
+    each), so some queue, and a short queue timeout lets kvgate shed some."""
     res = LoadResult()
     end = time.monotonic() + seconds
     keys = [t["key"] for t in TENANTS.values()]
