@@ -218,6 +218,10 @@ class Ledger:
             return False
         rep = self.replicas[res.replica]
         target = rep.need(total_tokens)
+        if rep.private_slots and rep.max_model_len:
+            # A private slot holds at most its own context: a stream that runs past it
+            # (llama.cpp shifts its context) takes no more of the pool than its slot.
+            target = min(target, rep.need(rep.max_model_len))
         if target <= res.tokens + res.covered:
             return True
         extra = target - res.tokens - res.covered

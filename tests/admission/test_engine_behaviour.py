@@ -88,6 +88,19 @@ def test_private_slots_keep_no_headroom() -> None:
     assert isinstance(ctrl.submit(request("s4", 10, 1), 0.0).verdict, Queued)  # 4 slots busy
 
 
+def test_a_stream_past_its_private_slot_needs_no_more_of_the_pool() -> None:
+    """Seen on llama.cpp per-slot: four streams held the four slots (4 x 1,024) and one ran
+    on to 1,153 tokens (the server shifts a slot's context); its top-up failed for want of
+    pool, counted as an overrun where none is possible: it still holds only its slot."""
+    ctrl = controller()
+    ctrl.upsert_replica(llama(capacity=4096, max_model_len=1024, private=True), 0.0)
+    for i in range(4):
+        req = replace(request(f"s{i}", 900, 8, max_tokens=250), max_tokens_given=True)
+        assert ctrl.submit(req, 0.0).verdict == Admit(f"s{i}", "r1", 1024)
+    assert ctrl.top_up("s0", 1153, 1.0) is True
+    assert ctrl.report.top_up_failures == 0
+
+
 def test_estimated_prompt_over_the_slot_is_clamped_and_forwarded() -> None:
     """Invariant 4 for a non-preempting replica: an estimate over the context is not a 400."""
     ctrl = controller()
