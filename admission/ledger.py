@@ -219,8 +219,8 @@ class Ledger:
         rep = self.replicas[res.replica]
         target = rep.need(total_tokens)
         if rep.private_slots and rep.max_model_len:
-            # A private slot holds at most its own context: a stream that runs past it
-            # (llama.cpp shifts its context) takes no more of the pool than its slot.
+            # A private slot holds at most its own context (llama.cpp stops the slot
+            # there): a stream the relay counts past it takes no more than its slot.
             target = min(target, rep.need(rep.max_model_len))
         if target <= res.tokens + res.covered:
             return True

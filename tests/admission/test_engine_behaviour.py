@@ -89,9 +89,10 @@ def test_private_slots_keep_no_headroom() -> None:
 
 
 def test_a_stream_past_its_private_slot_needs_no_more_of_the_pool() -> None:
-    """Seen on llama.cpp per-slot: four streams held the four slots (4 x 1,024) and one ran
-    on to 1,153 tokens (the server shifts a slot's context); its top-up failed for want of
-    pool, counted as an overrun where none is possible: it still holds only its slot."""
+    """Seen on llama.cpp per-slot: four streams held the four slots (4 x 1,024) and the
+    relay's count of one reached 1,153 tokens (prompt as counted plus every event; the
+    server stops a slot at its context); its top-up failed for want of pool, counted as an
+    overrun where none is possible: it holds only its slot."""
     ctrl = controller()
     ctrl.upsert_replica(llama(capacity=4096, max_model_len=1024, private=True), 0.0)
     for i in range(4):
