@@ -106,42 +106,22 @@ class _LedgerCollector(Collector):
         return [depth, cap, reserved, running, ready, ejected, limit, binding, topup]
 
 
-class _RoutingCollector(Collector):
-    """`kvgate_routing_decisions_total{reason}`, read from the router at scrape time."""
+class _CountsCollector(Collector):
+    """One counter family read from a callable at scrape time: label values -> count."""
 
-    def __init__(self, decisions: Callable[[], dict[str, int]]) -> None:
-        self._decisions = decisions
-
-    def collect(self) -> Iterable[Metric]:
-        fam = CounterMetricFamily(
-            "kvgate_routing_decisions",
-            "Routing decisions by reason (routing.scheduler: the plugin that decided it, "
-            "e.g. prefix_warm, session, speculation, spill, expected_ttft_cold; score: "
-            "the load terms alone; rejected: every candidate filtered out)",
-            labels=["reason"],
-        )
-        for reason, n in sorted(self._decisions().items()):
-            fam.add_metric([reason], n)
-        return [fam]
-
-
-class _RouteDecisionCollector(Collector):
-    """`kvgate_route_decisions_total{workload,scorer}`, read from the router at scrape
-    time: which scoring placed each workload class (routing.scheduler)."""
-
-    def __init__(self, decisions: Callable[[], dict[tuple[str, str], int]]) -> None:
-        self._decisions = decisions
+    def __init__(
+        self,
+        name: str,
+        doc: str,
+        labels: list[str],
+        counts: Callable[[], dict[tuple[str, ...], int]],
+    ) -> None:
+        self._name, self._doc, self._labels, self._counts = name, doc, labels, counts
 
     def collect(self) -> Iterable[Metric]:
-        fam = CounterMetricFamily(
-            "kvgate_route_decisions",
-            "Routing decisions by workload class and the scoring of the profile that "
-            "placed them (scorer names joined by '+', e.g. prefix_load+session_affinity, "
-            "speculation+running_headroom+kv_headroom, kv_headroom)",
-            labels=["workload", "scorer"],
-        )
-        for (workload, scorer), n in sorted(self._decisions().items()):
-            fam.add_metric([workload, scorer], n)
+        fam = CounterMetricFamily(self._name, self._doc, labels=self._labels)
+        for values, n in sorted(self._counts().items()):
+            fam.add_metric(list(values), n)
         return [fam]
 
 
@@ -388,11 +368,30 @@ class GatewayMetrics:
 
     def watch_routing(self, decisions: Callable[[], dict[str, int]]) -> None:
         """Export the router's decisions by reason (read at scrape time)."""
-        self.registry.register(_RoutingCollector(decisions))
+        self.registry.register(
+            _CountsCollector(
+                "kvgate_routing_decisions",
+                "Routing decisions by reason (routing.scheduler: the plugin that decided it, "
+                "e.g. prefix_warm, session, speculation, spill, expected_ttft_cold; score: "
+                "the load terms alone; rejected: every candidate filtered out)",
+                ["reason"],
+                lambda: {(reason,): n for reason, n in decisions().items()},
+            )
+        )
 
     def watch_route_decisions(self, decisions: Callable[[], dict[tuple[str, str], int]]) -> None:
-        """Export the router's decisions by (workload, scoring) (read at scrape time)."""
-        self.registry.register(_RouteDecisionCollector(decisions))
+        """Export the router's decisions by (workload, scoring) (read at scrape time):
+        which scoring placed each workload class (routing.scheduler)."""
+        self.registry.register(
+            _CountsCollector(
+                "kvgate_route_decisions",
+                "Routing decisions by workload class and the scoring of the profile that "
+                "placed them (scorer names joined by '+', e.g. prefix_load+session_affinity, "
+                "speculation+running_headroom+kv_headroom, kv_headroom)",
+                ["workload", "scorer"],
+                decisions,
+            )
+        )
 
     def watch_engines(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
         """Export the engines' own load signals (`_EngineCollector`) from `states`."""
