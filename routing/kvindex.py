@@ -31,6 +31,7 @@ from operator import eq
 
 import xxhash
 
+from routing.holders import Holders, drop_holder
 from routing.kvevents import Cleared, Event, Removed, Stored
 
 _xxh = xxhash.xxh3_64_intdigest
@@ -68,7 +69,7 @@ class EngineBlocks:
     def __init__(
         self,
         name: str,
-        holders: dict[int, tuple[str, ...]] | None = None,
+        holders: Holders | None = None,
         stale_after_s: float = 10.0,
         owner: KVIndex | None = None,
     ) -> None:
@@ -192,13 +193,8 @@ class EngineBlocks:
             self._held[own] = n
             return
         self._held.pop(own, None)
-        holders = self._holders
-        if holders is not None:
-            left = tuple(r for r in holders.get(own, ()) if r != self.name)
-            if left:
-                holders[own] = left
-            else:
-                holders.pop(own, None)
+        if self._holders is not None:
+            drop_holder(self._holders, own, self.name)
 
     def clear(self) -> None:
         if self._owner is not None:
@@ -245,7 +241,7 @@ class KVIndex:
 
     def __init__(self, stale_after_s: float = 10.0) -> None:
         self.stale_after_s = stale_after_s
-        self.holders: dict[int, tuple[str, ...]] = {}
+        self.holders: Holders = {}
         self._replicas: dict[str, EngineBlocks] = {}
         # Moves with every applied message and every clear: a reader that memoizes a
         # match (the prefix scorer, per request) knows when to walk again.

@@ -33,6 +33,8 @@ from itertools import count, repeat
 
 import xxhash
 
+from routing.holders import Holders, drop_holder
+
 _xxh = xxhash.xxh3_64_intdigest
 
 
@@ -73,7 +75,7 @@ class PrefixIndex:
         capacity: int,
         *,
         name: str = "",
-        holders: dict[int, tuple[str, ...]] | None = None,
+        holders: Holders | None = None,
     ) -> None:
         self.capacity = max(0, capacity)
         self._lru: OrderedDict[int, int] = OrderedDict()  # hash -> clock at its last touch
@@ -143,8 +145,4 @@ class PrefixIndex:
         while len(lru) > self.capacity:
             h, _ = lru.popitem(last=False)
             if holders is not None:
-                left = tuple(n for n in holders.get(h, ()) if n != self._name)
-                if left:
-                    holders[h] = left
-                else:
-                    holders.pop(h, None)
+                drop_holder(holders, h, self._name)

@@ -35,6 +35,7 @@ from routing.plugin import (
     WarmHook,
     params_of,
 )
+from routing.holders import Holders
 from routing.prefill import PrefillBlocks
 from routing.prefix import PrefixIndex
 from routing.prefixfeedback import HitFeedback
@@ -72,7 +73,7 @@ class PrefixCacheScorer(
         self._kv = env.kv_index if env is not None else None
         self._indexes: dict[str, PrefixIndex] = {}
         # hash -> replicas whose index holds it (kept exact by the indexes).
-        self._holders: dict[int, tuple[str, ...]] = {}
+        self._holders: Holders = {}
         # Token chains placed on publishing replicas and not yet through their prefill.
         self.prefilling = PrefillBlocks()
         # The request's matches per replica, walked once per decision.
@@ -220,7 +221,7 @@ class PrefixCacheScorer(
 
 
 def _deepest_holders(
-    holders: dict[int, tuple[str, ...]], hashes: tuple[int, ...], most: int
+    holders: Holders, hashes: tuple[int, ...], most: int
 ) -> list[str]:
     """Up to `most` holders of the deepest block of `hashes` some replica holds (found
     by bisection: a replica holds a chain's blocks from the root, as lookups stop at the
