@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from routing.holders import Holders
 from routing.plugin import (
     BatchScorer,
     ExplainHook,
@@ -35,7 +36,6 @@ from routing.plugin import (
     WarmHook,
     params_of,
 )
-from routing.holders import Holders
 from routing.prefill import PrefillBlocks
 from routing.prefix import PrefixIndex
 from routing.prefixfeedback import HitFeedback
