@@ -220,9 +220,7 @@ class PrefixCacheScorer(
             self._matches.forget()
 
 
-def _deepest_holders(
-    holders: Holders, hashes: tuple[int, ...], most: int
-) -> list[str]:
+def _deepest_holders(holders: Holders, hashes: tuple[int, ...], most: int) -> list[str]:
     """Up to `most` holders of the deepest block of `hashes` some replica holds (found
     by bisection: a replica holds a chain's blocks from the root, as lookups stop at the
     first miss and eviction takes leaves first), then those of the root."""
