@@ -76,7 +76,8 @@ async def test_replicas_follow_the_records_and_a_vanished_one_drains(
     def ready() -> set[str]:
         return {u.name for u in gw.report.replica_usage() if u.ready}
 
-    assert ready() == {name["127.0.0.2"], name["127.0.0.3"]}  # before the first request
+    # Before the first request (the first probe round may still be on its way).
+    assert await wait_for(lambda: ready() == {name["127.0.0.2"], name["127.0.0.3"]})
     assert name["127.0.0.9"] not in gw.report.replica_names()
     async with aiohttp.ClientSession() as s:
         # Long streams on both; then .2 vanishes from DNS and .4 appears.
