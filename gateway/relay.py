@@ -50,15 +50,11 @@ from aiohttp import web
 from gateway.config import UpstreamConfig
 from gateway.context import RequestContext
 from gateway.errors import ApiError, upstream_error
+from gateway.sse import record_usage, take_events
 from gateway.upstream import UpstreamFailure, classify_client_error
+from gateway.watchdog import StreamWatchdog
 
 _SSE_HEADERS_BASE = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# Fields of a chunk that say nothing by themselves: a usage chunk left with only these
-# once its usage is taken off is dropped.
-_ENVELOPE = frozenset(
-    {"id", "object", "created", "model", "system_fingerprint", "choices", "service_tier"}
-)
-
 
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
 _JSON_SPACE = b" \t\r\n"
@@ -96,145 +92,6 @@ def with_include_usage(raw: bytes, body: dict[str, Any]) -> bytes:
         return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def _event_end(buf: bytes, start: int) -> tuple[int, int]:
-    """The first event boundary at or after `start` in any of SSE's three line endings:
-    (index, length of the separator), or (-1, 0)."""
-    best, size = -1, 0
-    for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-        i = buf.find(sep, start)
-        if i >= 0 and (best < 0 or i < best):
-            best, size = i, len(sep)
-    return best, size
-
-
-# Below this a buffer holds a few events (an engine's one chunk per step): looking at
-# each costs fewer calls than the whole-buffer scans.
-_FAST_MIN_BYTES = 768
-
-
-def _content_events(buf: bytes) -> tuple[int, int, bool] | None:
-    """The fast path of `Relay._take_events` for LF-framed SSE: (end of the events it
-    took, how many of them are content events, whether it stopped early at a usage
-    chunk), or None when an event needs a closer look (the per-event path then runs).
-
-    A handful of byte scans over the whole buffer instead of a loop per event: the
-    events it takes are all one ``data:`` line each (the buffer starts with ``data:``
-    and has exactly two newlines per ``\\n\\ndata:`` boundary; no raw newline can
-    occur inside a JSON line), none is an error event, and every ``"usage"`` key among
-    them is followed by ``null`` (a key cannot occur inside a JSON string, whose quotes
-    would be escaped). It stops before the first event with a real ``"usage"``: the
-    per-event path reads that one. Content events are the events that are not
-    ``[DONE]``."""
-    last = buf.rfind(b"\n\n")
-    if last < 0:
-        return 0, 0, False
-    end = last + 2
-    stop = False
-    u = buf.find(b'"usage"', 0, end)
-    while u >= 0:
-        if buf.find(b"null", u + 7, u + 14) < 0:
-            end = buf.rfind(b"\n\n", 0, u) + 2  # the start of the usage chunk's event
-            if end < 2:
-                return 0, 0, True
-            stop = True
-            break
-        u = buf.find(b'"usage"', u + 7, end)
-    events = buf.count(b"\n\ndata:", 0, end) + 1
-    if not buf.startswith(b"data:") or buf.count(b"\n", 0, end) != 2 * events:
-        return None
-    if buf.find(b'{"error"', 0, end) >= 0:
-        return None
-    if buf.find(b"[DONE]", 0, end) >= 0:
-        events -= buf.count(b"\n\ndata: [DONE]", 0, end) + buf.count(b"\n\ndata:[DONE]", 0, end)
-        if buf.startswith(b"data: [DONE]") or buf.startswith(b"data:[DONE]"):
-            events -= 1
-    return end, events, stop
-
-
-class _Watchdog:
-    """The phase-aware timeout of one stream with one timer, re-armed only when it fires.
-
-    Re-arming a timer on every chunk (``asyncio.Timeout.reschedule``: a cancelled and a
-    new timer handle) cost more than the rest of the relay's per-chunk work. Here the
-    relay only notes the time of the last upstream read (``last``) and whether it is
-    writing to the client (``writing``, since ``write_since``); when the timer fires, it
-    checks the deadline that applies now (first byte, idle gap from ``last``, total;
-    while writing the client's write timeout from ``write_since``, within the total) and
-    either re-arms for it or cancels the task, which `expired` then tells
-    apart from any other cancellation (as ``asyncio.timeout`` does)."""
-
-    __slots__ = (
-        "_loop",
-        "_task",
-        "_handle",
-        "_first",
-        "_idle",
-        "_total",
-        "_write",
-        "last",
-        "writing",
-        "write_since",
-        "_armed",
-        "_fired",
-    )
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        first: float,
-        idle: float,
-        total: float,
-        write: float,
-    ) -> None:
-        self._loop = loop
-        self._task = asyncio.current_task()
-        self._first, self._idle, self._total, self._write = first, idle, total, write
-        self.last: float | None = None  # loop time after the last upstream read
-        self.writing = False
-        self.write_since = 0.0  # loop time the current write to the client began
-        self._fired = False
-        self._armed = first  # when the timer fires next
-        self._handle: asyncio.TimerHandle | None = loop.call_at(first, self._check)
-
-    def begin_write(self, now: float) -> None:
-        """A write to the client begins: it must end within the write timeout. The timer
-        is re-armed only when it would fire later than that (with the defaults, the
-        engine's idle bound comes first and nothing is re-armed)."""
-        self.write_since = now
-        self.writing = True
-        due = now + self._write
-        if self._handle is not None and self._armed > due:
-            self._handle.cancel()
-            self._armed = due
-            self._handle = self._loop.call_at(due, self._check)
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        if self.writing:
-            due = min(self.write_since + self._write, self._total)
-        elif self.last is None:
-            due = self._first
-        else:
-            due = min(self.last + self._idle, self._total)
-        if now < due:
-            self._armed = due
-            self._handle = self._loop.call_at(due, self._check)
-            return
-        self._handle = None
-        if self._task is not None:
-            self._fired = True
-            self._task.cancel()
-
-    def expired(self) -> bool:
-        """True when this watchdog cancelled the task and nothing else did too."""
-        return self._fired and self._task is not None and self._task.uncancel() == 0
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-
 class ClientGone(Exception):
     """The client closed its connection while we were writing to it."""
 
@@ -256,19 +113,6 @@ def _error_answer(up: aiohttp.ClientResponse, body: bytes, ctx: RequestContext) 
             except ValueError:
                 continue
     return err
-
-
-def _record_usage(ctx: RequestContext, usage: object) -> None:
-    if isinstance(usage, dict):
-        p = usage.get("prompt_tokens")
-        c = usage.get("completion_tokens")
-        if isinstance(p, int):
-            ctx.usage_prompt = p
-        if isinstance(c, int):
-            ctx.usage_completion = c
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            ctx.usage_cached = details["cached_tokens"]
 
 
 async def _write(resp: web.StreamResponse, data: bytes) -> None:
@@ -367,7 +211,7 @@ class Relay:
                 return err.response({"x-request-id": ctx.request_id})
             if body.find(b'"usage"') >= 0:  # no parse for an answer without usage
                 try:
-                    _record_usage(ctx, orjson.loads(body).get("usage"))
+                    record_usage(ctx, orjson.loads(body).get("usage"))
                 except (ValueError, AttributeError):
                     pass
             ctx.outcome = "ok"
@@ -405,7 +249,7 @@ class Relay:
         done_out = False
         failure: UpstreamFailure | None = None
         # A timeout while writing (wd.writing) is the client's stall, not the engine's.
-        wd = _Watchdog(
+        wd = StreamWatchdog(
             loop,
             min(loop.time() + cfg.first_byte_s, total_deadline),
             cfg.idle_s,
@@ -424,7 +268,7 @@ class Relay:
                     buf = b""
                     async for chunk in up.content.iter_any():
                         buf = buf + chunk if buf else chunk
-                        out, buf = self._take_events(ctx, buf)
+                        out, buf = take_events(ctx, buf)
                         if out:
                             # The idle bound is for the engine, not for a slow client:
                             # while writing (backpressure) only the total bound applies.
@@ -588,95 +432,3 @@ class Relay:
         ctx.status = 200
         ctx.client_stream = resp
         return resp
-
-    # ------------------------------------------------------------------ SSE inspection
-    def _take_events(self, ctx: RequestContext, buf: bytes) -> tuple[bytes, bytes]:
-        """Split complete events off `buf`; return (bytes to forward, remainder).
-
-        Forwarded bytes are slices of what the engine sent, except an unrequested usage
-        chunk (left out, or without its usage) and an error event (in OpenAI's shape).
-        """
-        # SSE lines end in LF, CRLF or CR; an event ends at an empty line. LF framing is
-        # the common case; a buffer with a CR takes the general path.
-        crlf = b"\r" in buf
-        if crlf or len(buf) < _FAST_MIN_BYTES:
-            return self._take_each(ctx, buf, crlf)
-        fast = _content_events(buf)
-        if fast is None:
-            return self._take_each(ctx, buf, False)
-        end, n, stop = fast
-        ctx.events += n
-        ctx.generated += n
-        if not stop:
-            return buf[:end], buf[end:]
-        out, rest = self._take_each(ctx, buf[end:], False)
-        return (buf[:end] + out if end else out), rest
-
-    def _take_each(self, ctx: RequestContext, buf: bytes, crlf: bool) -> tuple[bytes, bytes]:
-        """`_take_events` one event at a time (what the fast path must equal)."""
-        start = 0
-        kept: list[bytes] | None = None  # only materialised once something changes
-        while True:
-            if crlf:
-                i, sep = _event_end(buf, start)
-            else:
-                i, sep = buf.find(b"\n\n", start), 2
-            if i < 0:
-                break
-            end = i + sep
-            other = self._inspect(ctx, buf, start, end)
-            if other is None:
-                if kept is not None:
-                    kept.append(buf[start:end])
-            else:
-                if kept is None:
-                    kept = [buf[:start]]
-                if other:
-                    kept.append(other)
-            start = end
-        if start == 0:
-            return b"", buf
-        out = buf[:start] if kept is None else b"".join(kept)
-        return out, buf[start:]
-
-    @staticmethod
-    def _inspect(ctx: RequestContext, buf: bytes, start: int, end: int) -> bytes | None:
-        """Account one event; None to forward it as is, else the bytes to forward
-        instead (empty: leave it out)."""
-        if not buf.startswith(b"data:", start):
-            return None  # comments, keep-alives, other fields: pass through
-        at = start + 6 if buf.startswith(b" ", start + 5) else start + 5
-        if buf.startswith(b"[DONE]", at):
-            ctx.done_seen = True
-            return None
-        if buf.startswith(b'{"error"', at):
-            try:
-                obj = json.loads(buf[at:end])
-            except ValueError:
-                obj = None
-            if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
-                ctx.upstream_error = "stream_error"
-                inner = obj["error"]
-                status = inner.get("code") if isinstance(inner, dict) else None
-                if not isinstance(status, int) or not 400 <= status <= 599:
-                    status = 500
-                fallback = "the replica ended the stream with an error"
-                return upstream_error(status, obj, fallback=fallback).sse_event()
-        usage_at = buf.find(b'"usage"', start, end)
-        if usage_at >= 0 and buf.find(b"null", usage_at + 7, usage_at + 14) < 0:
-            try:
-                obj = json.loads(buf[at:end])
-            except ValueError:
-                obj = None
-            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                _record_usage(ctx, obj["usage"])
-                if not obj.get("choices"):
-                    if ctx.client_wants_usage:
-                        return None
-                    del obj["usage"]  # kvgate asked for it, the client did not
-                    if obj.keys() <= _ENVELOPE:
-                        return b""
-                    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-        ctx.events += 1
-        ctx.generated += 1
-        return None

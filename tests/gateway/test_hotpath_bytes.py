@@ -4,9 +4,9 @@
   the result must parse to the body with ``stream_options.include_usage`` true, for any
   body, written any way JSON allows (whitespace, escapes, duplicate keys, an existing
   ``stream_options``), and keep the client's bytes otherwise.
-- ``Relay._take_events`` finds the usage chunk and counts content events by byte tests
+- ``gateway.sse.take_events`` finds the usage chunk and counts content events by byte tests
   over a whole buffer: forwarded bytes, counts and usage must equal the per-event path's
-  (``Relay._take_each``) for any stream and any chunking, including content that mentions
+  (``take_each``) for any stream and any chunking, including content that mentions
   ``"usage"``, ``data:`` or ``[DONE]``.
 """
 
@@ -17,10 +17,10 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway import relay as relay_module
-from gateway.config import UpstreamConfig
+from gateway import sse as sse_module
 from gateway.context import RequestContext
 from gateway.relay import Relay, with_include_usage
+from gateway.sse import take_each, take_events
 
 # ----------------------------------------------------------------- body patching
 json_scalars = (
@@ -168,10 +168,6 @@ events = st.one_of(
 )
 
 
-def _relay() -> Relay:
-    return Relay(None, UpstreamConfig(), lambda ctx: None)  # type: ignore[arg-type]
-
-
 def _ctx(wants_usage: bool) -> RequestContext:
     c = RequestContext(request_id="t", kind="chat", upstream_path="/", arrival=0.0)
     c.req.stream = True
@@ -202,17 +198,16 @@ def _run(take, data: bytes, cuts: list[int]) -> tuple[bytes, bytes]:
 def test_fast_stream_path_equals_the_per_event_path(body, tail, cuts, wants_usage):
     data = b"".join(body) + tail
     cuts = [c % (len(data) + 1) for c in cuts]
-    r = _relay()
     slow_ctx = _ctx(wants_usage)
-    slow = _run(lambda b: r._take_each(slow_ctx, b, b"\r" in b), data, cuts)
-    saved = relay_module._FAST_MIN_BYTES
+    slow = _run(lambda b: take_each(slow_ctx, b, b"\r" in b), data, cuts)
+    saved = sse_module._FAST_MIN_BYTES
     for threshold in (0, saved):  # the fast path on every buffer, and as configured
-        relay_module._FAST_MIN_BYTES = threshold
+        sse_module._FAST_MIN_BYTES = threshold
         try:
             fast_ctx = _ctx(wants_usage)
-            fast = _run(lambda b, c=fast_ctx: r._take_events(c, b), data, cuts)
+            fast = _run(lambda b, c=fast_ctx: take_events(c, b), data, cuts)
         finally:
-            relay_module._FAST_MIN_BYTES = saved
+            sse_module._FAST_MIN_BYTES = saved
         assert fast == slow
         for field in ("events", "generated", "usage_prompt", "usage_completion", "upstream_error"):
             assert getattr(fast_ctx, field) == getattr(slow_ctx, field), field
@@ -221,11 +216,11 @@ def test_fast_stream_path_equals_the_per_event_path(body, tail, cuts, wants_usag
 def test_content_mentioning_usage_is_not_the_usage_chunk():
     data = _chunk('{"usage": {"prompt_tokens": 99}}') + _chunk('"usage": 1') + b"data: [DONE]\n\n"
     c = _ctx(wants_usage=False)
-    saved, relay_module._FAST_MIN_BYTES = relay_module._FAST_MIN_BYTES, 0
+    saved, sse_module._FAST_MIN_BYTES = sse_module._FAST_MIN_BYTES, 0
     try:
-        out, rest = _run(lambda b: _relay()._take_events(c, b), data, [])
+        out, rest = _run(lambda b: take_events(c, b), data, [])
     finally:
-        relay_module._FAST_MIN_BYTES = saved
+        sse_module._FAST_MIN_BYTES = saved
     assert out == data and rest == b""
     assert c.usage_prompt is None and c.generated == 2
 

@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from gateway.config import UpstreamConfig
 from gateway.context import RequestContext
 from gateway.relay import Relay
+from gateway.sse import take_events
 
 
 def chunk(i: int, content: str) -> bytes:
@@ -36,10 +36,6 @@ STREAM = (
 )
 
 
-def relay() -> Relay:
-    return Relay(None, UpstreamConfig(), lambda ctx: None)  # type: ignore[arg-type]
-
-
 def ctx(wants_usage: bool) -> RequestContext:
     c = RequestContext(
         request_id="t", kind="chat", upstream_path="/v1/chat/completions", arrival=0.0
@@ -49,12 +45,12 @@ def ctx(wants_usage: bool) -> RequestContext:
     return c
 
 
-def run(r: Relay, c: RequestContext, pieces: list[bytes]) -> bytes:
+def run(c: RequestContext, pieces: list[bytes]) -> bytes:
     out = b""
     buf = b""
     for p in pieces:
         buf = buf + p if buf else p
-        fwd, buf = r._take_events(c, buf)
+        fwd, buf = take_events(c, buf)
         out += fwd
     return out + buf
 
@@ -69,12 +65,12 @@ def test_forwarded_bytes_identical_except_unrequested_usage(seed):
     rng = random.Random(seed)
     pieces = random_split(STREAM, rng)
     c = ctx(wants_usage=True)
-    assert run(relay(), c, pieces) == STREAM
+    assert run(c, pieces) == STREAM
     assert (c.usage_prompt, c.usage_completion) == (11, 5)
     assert c.generated == 5  # four content chunks and the tricky one
 
     c = ctx(wants_usage=False)
-    assert run(relay(), c, pieces) == STREAM.replace(USAGE, b"")
+    assert run(c, pieces) == STREAM.replace(USAGE, b"")
     assert (c.usage_prompt, c.usage_completion) == (11, 5)  # kvgate still learned it
 
 
@@ -122,7 +118,7 @@ LLAMA_STREAM = chunk(0, "a") + chunk(1, "b") + LLAMA_USAGE + b"data: [DONE]\n\n"
 def test_unrequested_usage_is_taken_off_and_the_engines_other_fields_stay(seed):
     pieces = random_split(LLAMA_STREAM, random.Random(seed))
     c = ctx(wants_usage=False)
-    out = run(relay(), c, pieces)
+    out = run(c, pieces)
     events = [e for e in out.split(b"\n\n") if e]
     assert events[:2] == [chunk(0, "a")[:-2], chunk(1, "b")[:-2]]
     assert events[-1] == b"data: [DONE]"
@@ -132,7 +128,7 @@ def test_unrequested_usage_is_taken_off_and_the_engines_other_fields_stay(seed):
     assert kept["choices"] == [] and kept["id"] == "c"
     assert (c.usage_prompt, c.usage_completion) == (11, 5)
     c = ctx(wants_usage=True)
-    assert run(relay(), c, pieces) == LLAMA_STREAM  # asked for: untouched
+    assert run(c, pieces) == LLAMA_STREAM  # asked for: untouched
 
 
 def test_error_event_is_an_upstream_error_in_openai_shape():
@@ -142,7 +138,7 @@ def test_error_event_is_an_upstream_error_in_openai_shape():
         b'"type":"server_error"}}\n\n'
     )
     c = ctx(wants_usage=False)
-    out = run(relay(), c, [chunk(0, "a") + chunk(1, "b"), overrun])
+    out = run(c, [chunk(0, "a") + chunk(1, "b"), overrun])
     events = [e for e in out.split(b"\n\n") if e]
     assert len(events) == 3
     assert json.loads(events[2][len(b"data: ") :]) == {
@@ -230,14 +226,13 @@ def test_crlf_and_cr_framed_streams_are_split_per_event(seed, eol):
     rng = random.Random(seed)
     pieces = random_split(framed, rng)
     c = ctx(wants_usage=True)
-    r = relay()
     # Event by event, not all at the end: the first content chunk is forwarded as soon
     # as its blank line has arrived.
     first_end = framed.index(eol + eol) + 2 * len(eol)
     buf, out = b"", b""
     for p in pieces:
         buf = buf + p if buf else p
-        fwd, buf = r._take_events(c, buf)
+        fwd, buf = take_events(c, buf)
         out += fwd
         if len(out) + len(buf) >= first_end:
             assert len(out) >= first_end
