@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
 
@@ -28,7 +26,6 @@ from admission.estimate import TokenEstimator
 from admission.report import AdmissionReport
 from admission.tenants import TenantLimiter
 from gateway import connections as conns
-from gateway.admin import replicas_snapshot, require_admin
 from gateway.checks import exposure_warning
 from gateway.config import GatewayConfig
 from gateway.counting import PromptCounter
@@ -40,9 +37,9 @@ from gateway.http import hide_server_version, server_kwargs
 from gateway.http import install as install_error_handler
 from gateway.kvevents import KVEventSubscriber, start_kv_events
 from gateway.kvtokens import PromptTokenIds
-from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.models_api import ModelsApi
+from gateway.operations_api import OperationsApi
 from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
 from gateway.ratelimit import rate_limit_headers
 from gateway.relay import Relay
@@ -108,12 +105,6 @@ class GatewayState:
 
 
 STATE_KEY = web.AppKey("kvgate_state", GatewayState)
-
-_JSON = "application/json"
-
-
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=json.dumps(data).encode(), content_type=_JSON)
 
 
 def build_app(
@@ -249,43 +240,7 @@ def build_app(
 
     models = ModelsApi(lambda: st.tenants, st.door.report.models)
 
-    # ------------------------------------------------------------------ operations
-    async def health(request: web.Request) -> web.Response:
-        return _json({"status": "ok"})
-
-    async def ready(request: web.Request) -> web.Response:
-        if st.pipeline.draining:
-            return _json({"ready": False, "draining": True, "replicas": []}, status=503)
-        ready = [u.name for u in st.door.report.replica_usage() if u.ready]
-        return _json({"ready": bool(ready), "replicas": ready}, status=200 if ready else 503)
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(
-            body=st.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE}
-        )
-
-    async def admin_replicas(request: web.Request) -> web.Response:
-        try:
-            require_admin(request, st.config.auth.admin_token)
-        except ApiError as e:
-            return e.response()
-        return _json(
-            replicas_snapshot(
-                st.door.report,
-                st.discovery,
-                st.pipeline.outliers,
-                asyncio.get_running_loop().time(),
-            )
-        )
-
-    async def admin_state(request: web.Request) -> web.Response:
-        try:
-            require_admin(request, st.config.auth.admin_token)
-        except ApiError as e:
-            return e.response()
-        if st.sync is None:
-            return _json({"backend": config.state.backend, "up": True, "shared": False})
-        return _json({**st.sync.snapshot(), "shared": True})
+    ops = OperationsApi(st)
 
     known_paths = set(UPSTREAM_PATHS.values()) | {
         "/v1/models",
@@ -310,11 +265,11 @@ def build_app(
         ("POST", "/v1/completions", completions),
         ("GET", "/v1/models", models.list),
         ("GET", "/v1/models/{model}", models.get),
-        ("GET", "/health", health),
-        ("GET", "/ready", ready),
-        ("GET", "/metrics", metrics),
-        ("GET", "/admin/replicas", admin_replicas),
-        ("GET", "/admin/state", admin_state),
+        ("GET", "/health", ops.health),
+        ("GET", "/ready", ops.ready),
+        ("GET", "/metrics", ops.metrics),
+        ("GET", "/admin/replicas", ops.admin_replicas),
+        ("GET", "/admin/state", ops.admin_state),
     ]
     for method, path, handler in handlers:
         app.router.add_route(method, path, handler)
