@@ -62,12 +62,18 @@ class OperationsApi:
             body=self._st.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE}
         )
 
-    async def admin_replicas(self, request: web.Request) -> web.Response:
-        st = self._st
+    def _refused(self, request: web.Request) -> web.Response | None:
+        """The 401 answer to a request without the admin token, else None."""
         try:
-            require_admin(request, st.config.auth.admin_token)
+            require_admin(request, self._st.config.auth.admin_token)
         except ApiError as e:
             return e.response()
+        return None
+
+    async def admin_replicas(self, request: web.Request) -> web.Response:
+        st = self._st
+        if (refused := self._refused(request)) is not None:
+            return refused
         return _json(
             replicas_snapshot(
                 st.door.report,
@@ -79,10 +85,8 @@ class OperationsApi:
 
     async def admin_state(self, request: web.Request) -> web.Response:
         st = self._st
-        try:
-            require_admin(request, st.config.auth.admin_token)
-        except ApiError as e:
-            return e.response()
+        if (refused := self._refused(request)) is not None:
+            return refused
         if st.sync is None:
             return _json({"backend": st.config.state.backend, "up": True, "shared": False})
         return _json({**st.sync.snapshot(), "shared": True})
