@@ -143,8 +143,8 @@ class Shedding:
 
     def retry_after(self, model: str, need_tokens: int, now: float) -> float:
         """Seconds until `need_tokens` could be admitted for `model` behind its whole
-        backlog (its queue and the shed requests expected back), clamped to
-        [min_retry_after_s, max_retry_after_s] (no jitter)."""
+        backlog (its queue and the shed requests expected back), clamped as `clamp`
+        says (no jitter)."""
         back_tokens, back_count = self.returning.ahead(model, now, now)
         wait = self._backlog_wait(model, need_tokens, now, back_tokens, back_count)
         return self.clamp(wait, model, now)
