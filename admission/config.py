@@ -64,9 +64,10 @@ class AdmissionConfig(BaseModel):
         1.0,
         gt=0.0,
         le=1.0,
-        description="Lower clamp of the retry delay. The Retry-After header is whole seconds "
-        "(at least 1); retry-after-ms, which the openai SDKs read first, carries this finer "
-        "value. 1 s suits real engines; the demo scales it with its simulated clock.",
+        description="Lower clamp of the retry delay, lowered further (never under 10 ms) to "
+        "the time between two releases of the model's replicas and to half the client's own "
+        "timeout when those are shorter. The Retry-After header is whole seconds (at least "
+        "1); retry-after-ms, which the openai SDKs read first, carries the finer value.",
     )
     # --- additions beyond the documented API (all have defaults) ---
     default_output_tokens: int = Field(
@@ -190,5 +191,7 @@ class AdmissionConfig(BaseModel):
     cold_retry_after_s: float = Field(
         5.0,
         gt=0.0,
-        description="Retry-After / estimated wait used while there is no drain history.",
+        description="Retry-After / estimated wait used while there is no drain history "
+        "(a client that stated its timeout, or whose patience was learned, is told at most "
+        "half of it).",
     )

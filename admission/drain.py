@@ -11,6 +11,16 @@ accumulator divided by ``tau``. Two choices keep it honest:
 * Bias correction: during the first ``tau`` busy seconds the accumulator has not filled,
   so the rate is divided by the elapsed busy time ``tau * (1 - exp(-T / tau))`` instead of
   ``tau`` (the same correction Adam applies to its moment estimates).
+
+A past rate lags a limit that grows: while slow start doubles what runs, the releases of
+the last ``tau`` seconds are those of a half-empty replica, and a queue told its wait by
+them is sent away for twice as long as it needs (seed 001's card, a burst of 64: the
+queue came back to a replica that had idled). So the meter also keeps the mean time a
+reservation was held, and `rates` is the larger of the past rate and what runs now would
+release at that pace (Little's law: running / mean hold, reserved tokens / mean hold).
+That pace is believed only as long as releases keep it: N running at a mean hold h
+release one every h / N, so once the last release is older than that the hold is taken
+as N x the time since it (a stalled replica's rate falls as its silence grows).
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ class DrainMeter:
         "_clock_at_acc",
         "_tokens",
         "_reqs",
+        "_hold",
+        "_released_at",
         "samples",
     )
 
@@ -40,6 +52,8 @@ class DrainMeter:
         self._clock_at_acc = 0.0  # busy clock at which the accumulators were last decayed
         self._tokens = 0.0
         self._reqs = 0.0
+        self._hold: float | None = None  # mean seconds a reservation was held (EWMA)
+        self._released_at = 0.0  # wall time of the last release
         self.samples = 0
 
     def _clock(self, now: float) -> float:
@@ -57,8 +71,12 @@ class DrainMeter:
         self._advance(now)
         self._busy = busy
 
-    def record(self, tokens: int, now: float) -> None:
-        """A reservation of `tokens` was released at `now`."""
+    def record(self, tokens: int, now: float, held_s: float | None = None) -> None:
+        """A reservation of `tokens`, held for `held_s`, was released at `now`."""
+        if held_s is not None and held_s > 0:
+            h = self._hold
+            self._hold = held_s if h is None else h + _HOLD_WEIGHT * (held_s - h)
+        self._released_at = max(self._released_at, now)
         self._advance(now)
         decay = math.exp(-(self._busy_clock - self._clock_at_acc) / self._tau)
         self._tokens = self._tokens * decay + tokens
@@ -66,11 +84,21 @@ class DrainMeter:
         self._clock_at_acc = self._busy_clock
         self.samples += 1
 
-    def rates(self, now: float) -> tuple[float, float]:
-        """(tokens per second, requests per second) as of `now`; (0, 0) before any busy time."""
+    def rates(self, now: float, running: int = 0, reserved: int = 0) -> tuple[float, float]:
+        """(tokens per second, requests per second) as of `now`: the past rate, or what
+        `running` requests holding `reserved` tokens release at the mean hold time, if
+        more; (0, 0) before any busy time."""
         clock = self._clock(now)
         if clock <= 0.0:
             return 0.0, 0.0
         decay = math.exp(-(clock - self._clock_at_acc) / self._tau)
         window = self._tau * (1.0 - math.exp(-clock / self._tau))
-        return self._tokens * decay / window, self._reqs * decay / window
+        tokens, reqs = self._tokens * decay / window, self._reqs * decay / window
+        if self._hold is not None and running > 0:
+            hold = max(self._hold, running * (now - self._released_at))
+            tokens = max(tokens, reserved / hold)
+            reqs = max(reqs, running / hold)
+        return tokens, reqs
+
+
+_HOLD_WEIGHT = 0.1  # of each release in the mean hold time

@@ -206,7 +206,7 @@ class Ledger:
             freed += rep.prefixes.unpin(res.pins)
         rep.reserved -= freed
         rep.running -= 1
-        rep.drain.record(freed, now)
+        rep.drain.record(freed, now, now - res.admitted_at)
         rep.drain.set_busy(rep.running > 0, now)
         return rep
 

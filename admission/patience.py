@@ -22,7 +22,11 @@ deadline of a request that states none. Rules:
 
 * cold start: fewer than ``MIN_EVENTS`` departures in the window, and nothing learned
   before: no estimate, and the configured ``queue_timeout_s`` applies. A population that
-  never leaves teaches nothing and keeps the default.
+  never leaves teaches nothing and keeps the default. Except a configured timeout: when
+  the window's departures, at least ``MIN_COHORT`` of them, all came after one wait
+  (within a tenth, and ``COHORT_S``), the clients share one timeout and it is that wait
+  (a plain HTTP client with ``total=T``: eight of 32 leave at T together, and waiting for
+  ten held the rest of a 60-request run to the 30 s default).
 * a curve that never falls to 1 - p within what was observed (most clients stayed as
   long as anyone was seen): no estimate either; a few impatient clients do not set the
   deadline of a patient population (a mixed one gets its low quantile, not its minimum).
@@ -66,6 +70,7 @@ from dataclasses import dataclass
 
 QUANTILE = 0.1
 MIN_EVENTS = 10
+MIN_COHORT = 3  # departures after one wait that show a configured timeout
 WINDOW = 256
 POPULATIONS = 1024
 STALL_GAPS = 10.0  # a last gap this many times the stream's mean gap is a stall
@@ -133,6 +138,14 @@ class Patience:
             if self._stale >= REFRESH_STAYS:
                 self._dirty = True
 
+    def _one_timeout(self) -> bool:
+        """At least ``MIN_COHORT`` departures in the window, all after one wait."""
+        if self._events < MIN_COHORT:
+            return False
+        waits = [t for t, left in self._window if left]
+        lo, hi = min(waits), max(waits)
+        return hi - lo <= max(COHORT_S, 0.1 * lo)
+
     @property
     def events(self) -> int:
         """Departures in the window."""
@@ -147,7 +160,7 @@ class Patience:
         return self._held
 
     def _learn(self) -> float | None:
-        if self._events >= MIN_EVENTS:
+        if self._events >= MIN_EVENTS or self._one_timeout():
             return km_quantile(list(self._window), QUANTILE)
         held = self._held
         if held is None:

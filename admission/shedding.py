@@ -7,8 +7,10 @@ submit (503) when the queue is full or the estimated wait exceeds the time to it
 deadline, so it is never held only to time out later; 429 when its tenant's own queue is
 full. With fewer than ``min_drain_samples`` releases observed there is no evidence to
 shed on: the request is queued (its deadline still bounds the wait) and Retry-After is
-the documented ``cold_retry_after_s``. The delay is clamped to [min_retry_after_s,
-max_retry_after_s] (by default [1, 60] s).
+the documented ``cold_retry_after_s`` (at most half the client's budget when it has one).
+The delay is clamped to [floor, max_retry_after_s] (by default 60 s), the floor being
+``min_retry_after_s`` (1 s) or, if shorter, the time between two releases on the model's
+replicas or half the client's budget (`Shedding.clamp`).
 
 A full queue sheds the newcomer whatever its priority, unless its tenant holds less than
 its weighted share of the model's queue slots: then the last entry of the tenant most
@@ -18,7 +20,8 @@ served before it (0 = head): higher classes, its own tenant's earlier entries, a
 the other tenants' counters let through before its turn.
 
 Expiry (`expire`, run by the controller's `advance`) sheds entries past their deadline
-(``queue_timeout``) or whose re-estimated wait no longer meets it (``deadline``).
+(``queue_timeout``) or whose re-estimated wait no longer meets it (``deadline``); each is
+told its own wait behind every entry before it, kept or shed in the same pass.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from admission.retries import ReturningBacklog
 from admission.settling import Entry, Settling
 from admission.types import AdmissionRequest, Queued, Shed
 from admission.views import ModelViews
+
+_LEAST_RETRY_S = 0.01  # the floor's floor: a retry sooner than this is a busy loop
 
 
 @dataclass(slots=True, frozen=True)
@@ -97,7 +102,7 @@ class Shedding:
             return None
         tok = req = 0.0
         for rep in reps:
-            t, q = rep.drain.rates(now)
+            t, q = rep.drain.rates(now, rep.running, rep.reserved)
             tok += t
             req += q
         return tok, req
@@ -138,14 +143,33 @@ class Shedding:
 
     def retry_after(self, model: str, need_tokens: int, now: float) -> float:
         """Seconds until `need_tokens` could be admitted for `model` behind its whole
-        backlog (its queue and the shed requests expected back), clamped to
-        [min_retry_after_s, max_retry_after_s] (no jitter)."""
+        backlog (its queue and the shed requests expected back), clamped as `clamp`
+        says (no jitter)."""
         back_tokens, back_count = self.returning.ahead(model, now, now)
-        return self.clamp(self._backlog_wait(model, need_tokens, now, back_tokens, back_count))
+        wait = self._backlog_wait(model, need_tokens, now, back_tokens, back_count)
+        return self.clamp(wait, model, now)
 
-    def clamp(self, wait: float | None) -> float:
+    def clamp(
+        self,
+        wait: float | None,
+        model: str | None = None,
+        now: float = 0.0,
+        budget: float | None = None,
+    ) -> float:
+        """`wait` (None: the cold default) within [floor, max_retry_after_s]. The floor is
+        ``min_retry_after_s``, lowered to the time between two releases of `model`'s
+        replicas and to half the client's own `budget`, when shorter: a replica that
+        frees a slot every 50 ms is not waited out twenty times over, nor is a client
+        whose whole timeout is 0.87 s (the real vLLM's) told to wait longer than it."""
         value = self.config.cold_retry_after_s if wait is None else wait
-        return min(self.config.max_retry_after_s, max(self.config.min_retry_after_s, value))
+        floor = self.config.min_retry_after_s
+        rates = self.drain_rate(model, now) if model is not None else None
+        if rates is not None and rates[1] > 0:
+            floor = min(floor, 1.0 / rates[1])
+        if budget is not None and budget > 0:
+            floor = min(floor, 0.5 * budget)
+        floor = max(_LEAST_RETRY_S, floor)
+        return min(self.config.max_retry_after_s, max(floor, value))
 
     # ------------------------------------------------------------------ verdicts
     def shed(
@@ -167,7 +191,13 @@ class Shedding:
         overdue.
         """
         if wait is None:
+            # Nothing drained yet to estimate from: a client that stated its budget (or
+            # whose patience was learned) is told half of it, the share it could queue
+            # for, not a constant: 5 s is six of its attempts for a client whose whole
+            # timeout is 0.87 s (the real vLLM), and a tenth of one for a 45 s timeout.
             delay = self.config.cold_retry_after_s
+            if req.latency_budget is not None and req.latency_budget > 0:
+                delay = min(delay, 0.5 * req.latency_budget)
         else:
             # Back with half its tolerance still ahead: estimates are noisy, and a request
             # that returns to find the wait just over its tolerance is shed once more.
@@ -176,7 +206,7 @@ class Shedding:
         j = self.config.retry_jitter
         if j > 0:
             delay *= self._rng.uniform(1.0 - j, 1.0 + j)
-        delay = self.clamp(delay)
+        delay = self.clamp(delay, req.model, now, req.latency_budget)
         key = req.retry_key if req.retry_key is not None else req.request_id
         expires = now + delay * (1.0 + j) + max(self.config.min_retry_after_s, 0.25 * delay)
         self.returning.add(req.model, key, req.arrival, expires, raw, req.tenant)
@@ -253,10 +283,13 @@ class Shedding:
             if model not in contexts:
                 contexts[model] = self.wait_context(model, now)
             wait = wait_for(contexts[model], entry.raw, tokens, count)
+            # Kept or shed, it is ahead of the entries behind it: a shed one comes back
+            # when told and keeps its place (admission/retries.py), so the entries shed
+            # in one pass are each told their own wait, not the head's.
+            ahead[model] = (tokens + entry.raw, count + 1)
             if entry.deadline <= now:
                 reason = "queue_timeout"
             elif wait is None or now + wait <= entry.deadline:
-                ahead[model] = (tokens + entry.raw, count + 1)
                 continue
             else:
                 reason = "deadline"

@@ -27,7 +27,7 @@ that C; elsewhere at least 0.95x the best fixed concurrency's (the best straight
 the same client and mode, found here and never given to kvgate).
 
     PYTHONPATH=$PWD .venv/bin/python bench/parity_sweep.py [--engine enginesim|real-vllm]
-        [--requests 80] [--speed 20] [--concurrency 1 2 4 8 16 32 64]
+        [--requests 80] [--speed 20] [--concurrency 1 2 4 8 16 32 64] [--baseline TREE]
 
 Results: bench/results/parity_sweep.<engine>.json and a Markdown table on stdout.
 """
@@ -131,8 +131,10 @@ async def cell(
     concurrency: int,
     timeout_s: float,
     reqs: list[dict[str, Any]],
+    source: Path | None = None,
 ) -> dict[str, Any]:
-    """One closed-loop run on a fresh replica; times in the engine's seconds."""
+    """One closed-loop run on a fresh replica; times in the engine's seconds. `source`:
+    the source tree a ``kvgate-baseline`` contender runs from."""
     mode = "stream" if stream else "non-stream"
     label = f"{contender}-{kind}-{mode}-c{concurrency}"
     server, url = await engine.start(label)
@@ -140,11 +142,12 @@ async def cell(
     try:
         before = await engine.preemptions(url)
         gw = None
-        if contender == "kvgate":
+        if contender.startswith("kvgate"):
             gw = start_gateway(
                 engine.gateway_config(url),
                 workdir=engine.workdir,
                 log=engine.workdir / f"kvgate-{label}.log",
+                source=source if contender == "kvgate-baseline" else None,
             )
         with stopping(*([gw] if gw else [])):
             target = url
@@ -206,14 +209,14 @@ async def learned_limit(url: str) -> int | None:
     return replica.get("limit")
 
 
-def judge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (client, mode, C): kvgate's goodput against its reference and the verdict."""
+def judge(rows: list[dict[str, Any]], contender: str = "kvgate") -> list[dict[str, Any]]:
+    """Per (client, mode, C): `contender`'s goodput against its reference and the verdict."""
     out = []
     straight = {
         (r["client"], r["mode"], r["concurrency"]): r for r in rows if r["contender"] == "straight"
     }
     for r in rows:
-        if r["contender"] != "kvgate":
+        if r["contender"] != contender:
             continue
         key = (r["client"], r["mode"], r["concurrency"])
         alone = straight.get(key)
@@ -275,10 +278,19 @@ async def main() -> None:
                         default=["non-stream", "stream"])  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--judge", type=Path, help="re-judge a results JSON and print it")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another source tree (e.g. /work/main) whose kvgate runs each cell too, as "
+        "'kvgate-baseline', in the same run",
+    )
+    parser.add_argument("--tag", default="", help="suffix of the results file name")
     args = parser.parse_args()
     if args.judge is not None:
         result = json.loads(args.judge.read_text())
         result["verdicts"] = judge(result["rows"])
+        if any(r["contender"] == "kvgate-baseline" for r in result["rows"]):
+            result["baseline_verdicts"] = judge(result["rows"], "kvgate-baseline")
         args.judge.write_text(json.dumps(result, indent=1) + "\n")
         print(table(result["verdicts"]))
         return
@@ -296,13 +308,24 @@ async def main() -> None:
             reqs = bodies(args.engine, args.requests, mode == "stream")
             for kind in args.clients:
                 for c in args.concurrency:
-                    for contender in ("straight", "kvgate"):
+                    contenders = ["straight", "kvgate"]
+                    if args.baseline is not None:
+                        contenders.append("kvgate-baseline")
+                    for contender in contenders:
                         rows.append(
                             await cell(
-                                engine, contender, kind, mode == "stream", c, timeout_s, reqs
+                                engine,
+                                contender,
+                                kind,
+                                mode == "stream",
+                                c,
+                                timeout_s,
+                                reqs,
+                                args.baseline,
                             )
                         )
     verdicts = judge(rows)
+    baseline = judge(rows, "kvgate-baseline") if args.baseline is not None else None
     result = {
         "meta": {
             "engine": args.engine,
@@ -314,16 +337,22 @@ async def main() -> None:
             "load_before": load_before,
             "load_after": os.getloadavg(),
             "total_wall_s": round(time.monotonic() - t0, 1),
+            "baseline": str(args.baseline) if args.baseline is not None else None,
         },
         "verdicts": verdicts,
         "rows": rows,
     }
+    if baseline is not None:
+        result["baseline_verdicts"] = baseline
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"parity_sweep.{args.engine}.json").write_text(json.dumps(result, indent=1) + "\n")
+    name = f"parity_sweep.{args.engine}{'.' + args.tag if args.tag else ''}.json"
+    (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
     print(f"T = {timeout_s:.2f} s (engine seconds), {args.requests} requests per cell")
-    print(table(verdicts))
-    met = sum(v["met"] for v in verdicts)
-    print(f"\n{met} of {len(verdicts)} cells met")
+    for title, vs in (("kvgate (this tree)", verdicts), ("kvgate-baseline", baseline)):
+        if vs is None:
+            continue
+        print(f"\n{title}:\n{table(vs)}")
+        print(f"\n{sum(v['met'] for v in vs)} of {len(vs)} cells met")
 
 
 if __name__ == "__main__":

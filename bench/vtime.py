@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -103,8 +104,12 @@ def run(
     max_running: int | None = None,
     seed: int = 0,
     time_limit_s: float = 1e6,
+    retry_after_unit_s: float | None = None,
 ) -> VtReport:
-    """Replay `items` through admission into one simulated replica of `profile`."""
+    """Replay `items` through admission into one simulated replica of `profile`.
+    `retry_after_unit_s`: clients read only the whole-second ``Retry-After`` header (a
+    plain HTTP client; the openai SDKs read ``retry-after-ms``): the delay is rounded up
+    to whole units of this many virtual seconds (1.0 at real time, 0.1 at a clock x10)."""
     prof = load_profile(profile)
     core = EngineCore(prof, seed=seed)
     cfg = config if config is not None else AdmissionConfig()
@@ -196,8 +201,11 @@ def run(
             finish(att)
             return
         report.retries += 1
+        delay = verdict.retry_after
+        if retry_after_unit_s is not None:
+            delay = max(1, math.ceil(delay / retry_after_unit_s)) * retry_after_unit_s
         push(
-            now + verdict.retry_after,
+            now + delay,
             "send",
             (att.client, att.item, att.first, att.retries + 1),
         )

@@ -255,10 +255,12 @@ def test_queue_full_sheds_with_retry_after_from_drain_rate() -> None:
     assert isinstance(ctrl.submit(request("q2", 100, 100), now).verdict, Queued)
     shed = ctrl.submit(request("q3", 100, 100), now).verdict
     assert isinstance(shed, Shed) and shed.reason == "queue_full" and shed.status == 503
-    # 600 tokens (two queued + itself) must drain at ~100 tokens/s: about 6 s.
+    # 600 tokens (two queued + itself) must drain. Served one at a time the replica
+    # released ~100 tokens/s; five running now, each held ~2 s as those were, release
+    # 1,000 tokens per 2 s (admission/drain.py): about 1.2 s, not the past rate's 6 s.
     expected = 600 / ctrl.report.drain_rate("m", now)[0]  # type: ignore[index]
     assert shed.retry_after == pytest.approx(expected, rel=1e-6)
-    assert 4.0 < shed.retry_after < 8.0
+    assert 1.0 < shed.retry_after < 1.5
     # The shed request is expected back: the next one waits behind it too (800 tokens).
     assert ctrl.report.returning() == 1
     assert ctrl.report.retry_after("m", 200, now) == pytest.approx(expected * 800 / 600)
@@ -270,10 +272,18 @@ def test_retry_after_is_clamped() -> None:
     now = warm_drain(ctrl, 10, rate=10_000.0)
     ctrl.submit(request("big", 500, 500), now)
     tiny = ctrl.submit(request("x", 1, 1), now).verdict
-    assert isinstance(tiny, Shed) and tiny.retry_after == 1.0  # tiny wait -> at least 1 s
+    # A tiny wait on a replica that releases every millisecond: the floor's floor, 10 ms.
+    assert isinstance(tiny, Shed) and tiny.retry_after == pytest.approx(0.01)
+    # One that releases every 2 s: min_retry_after_s, 1 s.
+    ctrl3 = controller(queue_max_per_model=0)
+    ctrl3.upsert_replica(replica(capacity=1000), 0.0)
+    now3 = warm_drain(ctrl3, 200, rate=100.0)
+    ctrl3.submit(request("big", 500, 500), now3)
+    shed = ctrl3.submit(request("x", 1, 1), now3).verdict
+    assert isinstance(shed, Shed) and shed.retry_after == 1.0
     ctrl2 = controller(queue_max_per_model=0, max_retry_after_s=3.0)
     ctrl2.upsert_replica(replica(capacity=1000), 0.0)
-    now2 = warm_drain(ctrl2, 10, rate=1.0)
+    now2 = warm_drain(ctrl2, 10, rate=0.1)
     ctrl2.submit(request("big", 500, 500), now2)
     slow = ctrl2.submit(request("x", 100, 100), now2).verdict
     assert isinstance(slow, Shed) and slow.retry_after == 3.0
@@ -295,15 +305,16 @@ def test_deadline_that_cannot_be_met_is_shed_at_submit() -> None:
     now = warm_drain(ctrl, 200, rate=100.0)
     for i in range(5):
         ctrl.submit(request(f"run{i}", 100, 100), now)
-    # Needs 200 tokens to drain at ~100/s: ~2 s. A 1 s deadline cannot be met.
-    shed = ctrl.submit(request("hurry", 100, 100, deadline=now + 1.0), now).verdict
+    # Needs 200 tokens to drain; five running, each held ~2 s, release 500 tokens/s
+    # (admission/drain.py): ~0.4 s. A 0.2 s deadline cannot be met.
+    shed = ctrl.submit(request("hurry", 100, 100, deadline=now + 0.2), now).verdict
     assert isinstance(shed, Shed) and shed.reason == "deadline"
-    assert 1.0 <= shed.retry_after <= 3.0
+    assert 0.2 <= shed.retry_after <= 1.0
     assert ctrl.report.queue_depth() == 0
     ok = ctrl.submit(request("patient", 100, 100, deadline=now + 5.0), now).verdict
-    assert isinstance(ok, Queued) and 1.0 < ok.estimated_wait < 3.0
+    assert isinstance(ok, Queued) and 0.2 < ok.estimated_wait < 1.0
     # The configured queue timeout also bounds the deadline.
-    ctrl2 = controller(queue_timeout_s=1.0)
+    ctrl2 = controller(queue_timeout_s=0.2)
     ctrl2.upsert_replica(replica(capacity=1000), 0.0)
     now2 = warm_drain(ctrl2, 200, rate=100.0)
     for i in range(5):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from admission.patience import (
+    MIN_COHORT,
     MIN_EVENTS,
     REFRESH_STAYS,
     WINDOW,
@@ -37,7 +38,8 @@ def test_a_population_that_leaves_at_3s_is_served_or_shed_within_3s() -> None:
     _full(ctrl)
     now = 0.0
     for i in range(MIN_EVENTS - 1):
-        _leaves_queued(ctrl, f"gone{i}", now, 3.0)
+        # Waits that differ (3 to 4 s): no one timeout shows (see the next test).
+        _leaves_queued(ctrl, f"gone{i}", now, 3.0 + 0.5 * (i % 3))
         now += 3.0
     # Nine departures are not yet evidence: the configured default still applies.
     assert ctrl.report.patience("default", "m") is None
@@ -60,6 +62,26 @@ def test_a_population_that_leaves_at_3s_is_served_or_shed_within_3s() -> None:
     ctrl.release("hog", now + 1.0)
     admit = ctrl.submit(request("fits"), now + 1.0).verdict
     assert isinstance(admit, Admit) and admit.latency_budget == pytest.approx(3.0)
+
+
+def test_clients_with_one_configured_timeout_are_learned_from_three_departures() -> None:
+    """A plain HTTP client with a total timeout T leaves at T, all of its instances at
+    the same wait: three such departures show the timeout (waiting for ten, at 32
+    clients of seed 001's card, held the rest of a 60-request run to the 30 s default).
+    Two are not yet evidence, nor are three after waits that differ."""
+    ctrl = controller(queue_timeout_s=30.0)
+    _full(ctrl)
+    now = 0.0
+    for i in range(MIN_COHORT - 1):
+        _leaves_queued(ctrl, f"gone{i}", now, 37.4)
+        now += 1.0
+    assert ctrl.report.patience("default", "m") is None
+    _leaves_queued(ctrl, "third", now, 37.41)
+    assert ctrl.report.patience("default", "m") == pytest.approx(37.4)
+    other = controller()
+    for i, waited in enumerate((2.0, 3.0, 5.0)):
+        other.client_ended("default", "m", False, ClientEnd(waited, True), float(i))
+    assert other.report.patience("default", "m") is None
 
 
 def test_a_population_that_never_leaves_keeps_the_default() -> None:
