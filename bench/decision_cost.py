@@ -47,16 +47,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from admission.config import AdmissionConfig
-from admission.controller import AdmissionController
-from admission.types import AdmissionRequest, Admit
-from routing.config import RoutingConfig
-from routing.kvevents import Stored
-from routing.kvindex import KVIndex, token_block_hashes
-from routing.plugin import PluginEnv
-from routing.prefix import block_hashes
-from routing.scheduler import build_router
-from routing.types import Candidate, ReplicaState, RouteRequest
+# This checkout's code, whatever the venv's editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from admission.config import AdmissionConfig  # noqa: E402
+from admission.controller import AdmissionController  # noqa: E402
+from admission.types import AdmissionRequest, Admit  # noqa: E402
+from routing.config import RoutingConfig  # noqa: E402
+from routing.kvevents import Stored  # noqa: E402
+from routing.kvindex import KVIndex, token_block_hashes  # noqa: E402
+from routing.plugin import PluginEnv  # noqa: E402
+from routing.prefix import block_hashes  # noqa: E402
+from routing.scheduler import build_router  # noqa: E402
+from routing.types import Candidate, ReplicaState, RouteRequest  # noqa: E402
 
 PROFILES = {
     "default": RoutingConfig(),

@@ -287,6 +287,10 @@ class KVIndex:
     def get(self, name: str) -> EngineBlocks | None:
         return self._replicas.get(name)
 
+    def by_name(self) -> dict[str, EngineBlocks]:
+        """Every replica's blocks by name (read-only: the scorers read it per decision)."""
+        return self._replicas
+
     def names(self) -> list[str]:
         return list(self._replicas)
 
