@@ -4,9 +4,10 @@ A decision reads each candidate's cached prefix several times (its score, `prefi
 cost, the explanation, the placement's prefill count, admission's expected-TTFT
 choice). `PrefixMatches` walks the prompt's chains once per request and replica and
 remembers the answer until the request, the engines' KV events (`KVIndex.version`) or
-the approximate index (`forget`) change. The engines' blocks are walked once for every
-replica together (`KVIndex.depths`, against the index of holders), not once per replica;
-prompts still in prefill on a replica count as held there (routing.prefill.PrefillBlocks).
+the approximate index (`forget`) change. The engines' blocks are matched once per
+decision for every replica holding the prompt's first block (`KVIndex.depths`: a bisection
+per replica without holes); prompts still in prefill on a replica count as held there
+(routing.prefill.PrefillBlocks).
 """
 
 from __future__ import annotations
