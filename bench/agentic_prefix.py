@@ -41,6 +41,12 @@ in docs/routing.md's example); the workload default's agentic scoring was tuned 
 
     .venv/bin/python bench/agentic_prefix.py [--runs 3] [--speed 10]
 
+``--trace FILE`` writes every turn of every run, for the contenders whose replicas or
+gateway say where it went: the turn's TTFT and end to end, the prompt tokens and the
+engine's cached tokens (its usage chunk: the clients then ask for one, every contender
+alike), and for kvgate its access line (replica, queue wait, the gateway's TTFT, the
+route's reason): why a slow turn was slow, queue or prefill, and where.
+
 Results: bench/results/agentic_prefix.json (every run, and the medians of the runs).
 """
 
@@ -166,6 +172,10 @@ class Turn:
     e2e_s: float | None
     retries: int
     error: str = ""
+    request_id: str = ""  # kvgate's x-request-id (joins its access line)
+    prompt_tokens: int | None = None  # the engine's usage, with --trace
+    cached_tokens: int | None = None
+    start_s: float | None = None  # when the turn's first attempt left, simulated s into the run
 
 
 @dataclass
@@ -203,8 +213,9 @@ async def run_turn(
     dispatch: Dispatch,
     body: dict,
     args: argparse.Namespace,
-) -> tuple[bool, float | None, float | None, int, str, str]:
-    """(ok, ttft, e2e, retries, reply text, error) of one turn, times in simulated s."""
+) -> tuple[bool, float | None, float | None, int, str, str, dict]:
+    """(ok, ttft, e2e, retries, reply text, error, trace) of one turn, times in simulated
+    s; trace: the last attempt's request id and the engine's usage, where given."""
     loop = asyncio.get_running_loop()
     speed = args.speed
     timeout_wall = args.timeout / speed
@@ -212,6 +223,7 @@ async def run_turn(
     retries = 0
     shed_left, fail_left = args.shed_retries, 2
     error = ""
+    trace: dict = {}
     while True:
         i = dispatch.acquire()
         url = dispatch.urls[i]
@@ -224,13 +236,14 @@ async def run_turn(
                 headers={"x-stainless-read-timeout": f"{timeout_wall:.3f}"},
                 timeout=aiohttp.ClientTimeout(total=timeout_wall),
             ) as r:
+                trace = {"request_id": r.headers.get("x-request-id", "")}
                 if r.status in (429, 503):
                     wait = 1.0 / speed
                     with contextlib.suppress(TypeError, ValueError):
                         wait = float(r.headers.get("Retry-After", ""))
                     await r.read()
                     if shed_left <= 0:
-                        return False, None, None, retries, "", f"shed {r.status}"
+                        return False, None, None, retries, "", f"shed {r.status}", trace
                     shed_left -= 1
                     retries += 1
                     dispatch.release(i)
@@ -254,6 +267,11 @@ async def run_turn(
                     if "error" in chunk:
                         error = "stream error"
                         raise aiohttp.ClientPayloadError(error)
+                    usage = chunk.get("usage")
+                    if usage:
+                        trace["prompt_tokens"] = usage.get("prompt_tokens")
+                        details = usage.get("prompt_tokens_details") or {}
+                        trace["cached_tokens"] = details.get("cached_tokens")
                     for ch in chunk.get("choices") or []:
                         piece = (ch.get("delta") or {}).get("content")
                         if piece:
@@ -261,11 +279,11 @@ async def run_turn(
                                 ttft = loop.time() - start
                             parts.append(piece)
             e2e = loop.time() - start
-            return True, (ttft or e2e) * speed, e2e * speed, retries, "".join(parts), ""
+            return True, (ttft or e2e) * speed, e2e * speed, retries, "".join(parts), "", trace
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             error = error or type(e).__name__
             if fail_left <= 0:
-                return False, None, None, retries, "", error
+                return False, None, None, retries, "", error, trace
             fail_left -= 1
             retries += 1
             error = ""
@@ -279,6 +297,7 @@ async def drive(
 ) -> Outcome:
     out = Outcome()
     dispatch = Dispatch(mode, front, args.seed)
+    t0 = asyncio.get_running_loop().time()
     queue: asyncio.Queue[Session] = asyncio.Queue()
     for s in sessions:
         queue.put_nowait(s)
@@ -301,8 +320,16 @@ async def drive(
                     "stream": True,
                     "user": sess.sid,
                 }
-                ok, ttft, e2e, retries, reply, err = await run_turn(http, dispatch, body, args)
-                out.turns.append(Turn(sess.tenant, sess.sid, k, ok, ttft, e2e, retries, err))
+                if args.trace:
+                    body["stream_options"] = {"include_usage": True}
+                sent = (asyncio.get_running_loop().time() - t0) * args.speed
+                got = await run_turn(http, dispatch, body, args)
+                ok, ttft, e2e, retries, reply, err, trace = got
+                if args.trace:
+                    trace["start_s"] = sent
+                out.turns.append(
+                    Turn(sess.tenant, sess.sid, k, ok, ttft, e2e, retries, err, **trace)
+                )
                 if not ok:
                     break  # an agent whose turn failed gives up its session
                 messages.append({"role": "assistant", "content": reply})
@@ -483,6 +510,8 @@ async def one_contender(
                 cfg["routing"] = KVGATE_ROUTING
             # "default": no routing section, as a new user writes it (workload-aware)
             cfg["admission"].update(args.kvgate_admission)
+            if args.trace:  # the access lines, joined to the turns below
+                cfg["logging"] = {"level": "info", "access_log": True}
             front = start_gateway(cfg, workdir=workdir, log=workdir / f"kvgate-{run}.log")
         elif mode == "sglang_cache_aware":
             front = start_sglang_router(args.sglang_python, urls, workdir)
@@ -517,6 +546,11 @@ async def one_contender(
                 gate["decisions"] = {
                     k: v - gate0["decisions"].get(k, 0.0) for k, v in gate["decisions"].items()
                 }
+    turns = [asdict(t) for t in outcome.turns] if args.keep_turns or args.trace else []
+    if args.trace and mode == "kvgate":
+        access = access_lines(workdir / f"kvgate-{run}.log")
+        for t in turns:
+            t["kvgate"] = access.get(t["request_id"])
     hits = sum(after["hits"]) - sum(before["hits"])
     queries = sum(after["queries"]) - sum(before["queries"])
     preempt = [a - b for a, b in zip(after["preemptions"], before["preemptions"], strict=True)]
@@ -549,8 +583,24 @@ async def one_contender(
         "wall_s": wall,
         "errors": sorted({t.error for t in outcome.turns if t.error}),
         "kvgate": gate,
-        "turns": [asdict(t) for t in outcome.turns] if args.keep_turns else [],
+        "turns": turns,
     }
+
+
+def access_lines(log: Path) -> dict[str, dict]:
+    """kvgate's access lines by request id: where each request went and how long it
+    queued (the fields a trace needs)."""
+    out = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if '"logger":"kvgate.access"' not in line:
+            continue
+        with contextlib.suppress(json.JSONDecodeError):
+            rec = json.loads(line)
+            out[rec.get("request_id", "")] = {
+                k: rec.get(k)
+                for k in ("replica", "queue_wait_s", "ttft_s", "duration_s", "route", "attempts")
+            }
+    return out
 
 
 METRICS = (
@@ -639,6 +689,11 @@ def main() -> int:
     ap.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     ap.add_argument("--sglang-python", default=sys.executable)
     ap.add_argument("--keep-turns", action="store_true")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="keep every turn with the engine's cached tokens and kvgate's access line",
+    )
     ap.add_argument(
         "--kvgate-routing",
         type=json.loads,

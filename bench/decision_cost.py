@@ -20,29 +20,46 @@ running (the oldest released after each decision) and ``--share`` has the replic
 shared prefixes once, so fit checks walk the chains the running requests pin. Results go to
 ``bench/results/decision_cost.json`` and a Markdown table on stdout.
 
+``--callgrind`` counts machine instructions per decision instead (repeatable where wall
+time is not: a loaded machine moves p50 by tens of percent): the script runs itself
+under ``valgrind --tool=callgrind`` with collection off, switched on around each timed
+``submit`` only (a three-line C library built with ``cc`` and valgrind's headers, called
+through ctypes); the switch's own cost, measured around nothing, is taken off.
+
     .venv/bin/python bench/decision_cost.py [--runs 5] [--decisions 3000]
+    .venv/bin/python bench/decision_cost.py --callgrind --replicas 64 --decisions 500
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
+import os
 import random
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from admission.config import AdmissionConfig
-from admission.controller import AdmissionController
-from admission.types import AdmissionRequest, Admit
-from routing.config import RoutingConfig
-from routing.kvevents import Stored
-from routing.kvindex import KVIndex, token_block_hashes
-from routing.plugin import PluginEnv
-from routing.prefix import block_hashes
-from routing.scheduler import build_router
-from routing.types import Candidate, ReplicaState, RouteRequest
+# This checkout's code, whatever the venv's editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from admission.config import AdmissionConfig  # noqa: E402
+from admission.controller import AdmissionController  # noqa: E402
+from admission.types import AdmissionRequest, Admit  # noqa: E402
+from routing.config import RoutingConfig  # noqa: E402
+from routing.kvevents import Stored  # noqa: E402
+from routing.kvindex import KVIndex, token_block_hashes  # noqa: E402
+from routing.plugin import PluginEnv  # noqa: E402
+from routing.prefix import block_hashes  # noqa: E402
+from routing.scheduler import build_router  # noqa: E402
+from routing.types import Candidate, ReplicaState, RouteRequest  # noqa: E402
 
 PROFILES = {
     "default": RoutingConfig(),
@@ -115,6 +132,7 @@ def one_run(
     warmup: int = 200,
     in_flight: int = 0,
     share: bool = False,
+    toggle: Callable[[], None] | None = None,
 ) -> tuple[float, float, int]:
     kv = KVIndex() if profile == "precise" else None
     router = build_router(PROFILES[profile], seed=seed, env=PluginEnv(seed=seed, kv_index=kv))
@@ -173,9 +191,15 @@ def one_run(
                 token_block_size=TOKEN_BLOCK if kv is not None else 0,
             )
             now = 1.0 + (d + warmup) * 1e-3
-            t0 = time.perf_counter_ns()
-            verdict = ctl.submit(req, now).verdict
-            t1 = time.perf_counter_ns()
+            if toggle is not None and d >= 0:  # counted by callgrind (module docstring)
+                toggle()
+                verdict = ctl.submit(req, now).verdict
+                toggle()
+                t0 = t1 = 0
+            else:
+                t0 = time.perf_counter_ns()
+                verdict = ctl.submit(req, now).verdict
+                t1 = time.perf_counter_ns()
             assert isinstance(verdict, Admit), verdict
             if d >= 0:
                 times.append(t1 - t0)
@@ -190,7 +214,94 @@ def one_run(
     return p50, p99, indexed
 
 
+_TOGGLE_C = """#include <valgrind/callgrind.h>
+void cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void cg_start(void) { CALLGRIND_START_INSTRUMENTATION; }
+"""
+
+
+def callgrind_child(profile: str, n: int, decisions: int, seed: int, lib: str) -> None:
+    """Under callgrind: switch collection on around each timed decision (or, for
+    profile "-", around nothing: the switch's own cost). Instrumentation starts at the
+    first switch, so the setup runs at native speed."""
+    so = ctypes.CDLL(lib)
+    switch, start = so.cg_toggle, so.cg_start
+    started = False
+
+    def toggle() -> None:
+        nonlocal started
+        if not started:
+            started = True
+            start()
+        switch()
+
+    if profile == "-":  # the switch alone
+        for _ in range(decisions):
+            toggle()
+            toggle()
+        return
+    one_run(n, profile, decisions, seed, toggle=toggle)
+
+
+def _callgrind_instr(args: list[str], workdir: str) -> int:
+    out = os.path.join(workdir, "cg.out")
+    subprocess.run(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            "--collect-atstart=no",
+            f"--callgrind-out-file={out}",
+        ]
+        + [sys.executable, __file__, "--callgrind-child", *args],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    text = Path(out).read_text()
+    got = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
+    if got is None:
+        raise RuntimeError("callgrind wrote no totals")
+    return int(got.group(1))
+
+
+def callgrind(profiles: list[str], replicas: list[int], decisions: int, runs: int) -> list[dict]:
+    """Instructions per decision (module docstring), per profile and replica count."""
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        lib = os.path.join(d, "cgtoggle.so")
+        src = os.path.join(d, "cgtoggle.c")
+        Path(src).write_text(_TOGGLE_C)
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", lib, src], check=True)
+        switch = _callgrind_instr(["-", "0", str(decisions), "0", lib], d) / decisions
+        for profile in profiles:
+            for n in replicas:
+                per = [
+                    _callgrind_instr([profile, str(n), str(decisions), str(seed), lib], d)
+                    / decisions
+                    - switch
+                    for seed in range(runs)
+                ]
+                rows.append(
+                    {
+                        "profile": profile,
+                        "replicas": n,
+                        "instructions_per_decision": statistics.median(per),
+                        "instructions_runs": per,
+                        "decisions_per_run": decisions,
+                        "switch_instructions": switch,
+                    }
+                )
+                print(f"| {profile} | {n} | {statistics.median(per):,.0f} |", flush=True)
+    return rows
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--callgrind-child":
+        profile, n, decisions, seed, lib = sys.argv[2:7]
+        callgrind_child(profile, int(n), int(decisions), int(seed), lib)
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--decisions", type=int, default=3000)
@@ -207,9 +318,20 @@ def main() -> None:
         "are walked on every fit check",
     )
     ap.add_argument("--out", default="decision_cost.json")
+    ap.add_argument("--callgrind", action="store_true", help="instructions per decision (valgrind)")
+    ap.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
     args = ap.parse_args()
+    if args.callgrind:
+        print("| profile | replicas | instructions / decision |")
+        print("| --- | ---: | ---: |")
+        rows = callgrind(args.profiles, args.replicas, args.decisions, args.runs)
+        for r in rows:
+            r["label"] = args.label
+        out = Path(__file__).resolve().parent / "results" / args.out
+        out.write_text(json.dumps(rows, indent=2) + "\n")
+        return
     rows = []
-    for profile in PROFILES:
+    for profile in args.profiles:
         for n in args.replicas:
             runs = [
                 one_run(n, profile, args.decisions, seed, args.warmup, args.in_flight, args.share)

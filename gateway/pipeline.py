@@ -186,8 +186,8 @@ class Pipeline:
                 raise shutting_down(self.config)
             self.authenticate(request, ctx)
             await self.parse(request, ctx)
-            text = await self.estimate(ctx)
-            self.classify(request, ctx, text)
+            text, tools = await self.estimate(ctx)
+            self.classify(request, ctx, text, tools)
             if self.prompt_token_ids is not None:
                 await self.prompt_token_ids.fill(ctx)
             self.tenant_limits(request, ctx)
@@ -254,9 +254,10 @@ class Pipeline:
         ctx.req.stream = parsed.stream
         ctx.client_wants_usage = parsed.wants_usage
 
-    async def estimate(self, ctx: RequestContext) -> str:
+    async def estimate(self, ctx: RequestContext) -> tuple[str, str]:
         """Prompt tokens, output tokens to reserve. Returns the prompt text for the
-        classifier (kept out of the context and logs).
+        classifier and the tools' schemas as rendered ("" without), for routing's prefix
+        chain (both kept out of the context and logs).
 
         The prompt is estimated from its characters, or counted exactly where that is
         free (token ids, a local tokenizer). Only a request the estimate puts near a limit
@@ -268,7 +269,7 @@ class Pipeline:
         if counter.near_limit(ctx, measured) and await counter.count_on_replica(ctx, measured):
             self._bound_output(ctx)
         counter.settle(ctx, measured)
-        return measured.text
+        return measured.text, measured.shape.tools_text if measured.shape is not None else ""
 
     def _bound_output(self, ctx: RequestContext) -> None:
         """Output tokens to reserve, from history, within the context the prompt leaves."""
@@ -283,13 +284,21 @@ class Pipeline:
         ctx.req.max_tokens = bound if bound is not None else ctx.req.expected_output
         ctx.req.max_tokens_given = ctx.parsed.bounds_output
 
-    def classify(self, request: web.Request, ctx: RequestContext, text: str) -> None:
+    def classify(
+        self, request: web.Request, ctx: RequestContext, text: str, tools: str = ""
+    ) -> None:
         """Workload class, and what routing reads of the prompt: its block hash chain
-        (when a profile needs it) and the session key (``x-session-id``, else ``user``)."""
+        (when a profile needs it) and the session key (``x-session-id``, else ``user``).
+        The chain starts with the tools' schemas: the engine's template renders them
+        into the prompt, and an agent's tools are as shared as its system prompt (left
+        out, a warm replica's cached prefix read 1.7k tokens short of the engine's on
+        bench/agentic_prefix.py, and the trade against load sent turns cold)."""
         if self._prefix is not None and (
             self._route_prefix or self.report.shares_prefix(ctx.req.model)
         ):
-            ctx.req.prefix_hashes = block_hashes(text, *self._prefix)
+            ctx.req.prefix_hashes = block_hashes(
+                f"{tools}\n{text}" if tools else text, *self._prefix
+            )
             if ctx.req.prefix_hashes and self.config.admission.share_prefix:
                 # A lower bound on the tokens of a block: the most characters per token
                 # seen, with a margin for text denser than any whole prompt seen.

@@ -44,6 +44,9 @@ class PromptShape:
     images: int = 0
     audios: int = 0
     others: int = 0  # non-text parts of other kinds (video, files, unknown types)
+    # The tools' schemas as rendered for counting ("" without tools): the engine's
+    # template puts them in the prompt, so routing's prefix chain starts with them.
+    tools_text: str = ""
 
     @property
     def countable(self) -> bool:
@@ -100,8 +103,9 @@ def chat_shape(req: ChatCompletionRequest) -> PromptShape:
                         extra.append(s)
             if (s := _call_text(fields.get("function_call"))) is not None:
                 extra.append(s)
-    if req.tools:
-        extra.append(json.dumps(req.tools, separators=(",", ":")))
+    tools = json.dumps(req.tools, separators=(",", ":")) if req.tools else ""
+    if tools:
+        extra.append(tools)
     text = "\n".join(texts)
     return PromptShape(
         text=text,
@@ -111,4 +115,5 @@ def chat_shape(req: ChatCompletionRequest) -> PromptShape:
         images=images,
         audios=audios,
         others=others,
+        tools_text=tools,
     )

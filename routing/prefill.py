@@ -43,6 +43,10 @@ class PendingPrefill:
     def tokens(self, replica: str) -> int:
         return self._by_replica.get(replica, 0)
 
+    def by_replica(self) -> dict[str, int]:
+        """Pending tokens per replica with any (read-only: a scorer reads it per decision)."""
+        return self._by_replica
+
     def requests(self) -> int:
         return len(self._by_request)
 
@@ -89,3 +93,7 @@ class PrefillBlocks:
     def of(self, replica: str) -> dict[int, int] | None:
         """The chain hashes in prefill on `replica` (None: none)."""
         return self._by_replica.get(replica)
+
+    def by_replica(self) -> dict[str, Counter[int]]:
+        """`of` for every replica with any (read-only: read per decision)."""
+        return self._by_replica

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import count, repeat
 
 import xxhash
@@ -114,26 +114,45 @@ class PrefixIndex:
 
     def insert(self, hashes: Sequence[int]) -> None:
         """Touch the chain, leaf first (the root ends most recent), evicting the least
-        recently used blocks beyond capacity."""
+        recently used blocks beyond capacity.
+
+        The blocks held of a chain are its first ones (a block is touched after its
+        leaf-side children every time, so it outlives them), found by bisection: the
+        new leaf-side part is added block by block (its holders too), the held part
+        moved to the end in C."""
         lru = self._lru
         start = self.clock + 1
         self.clock += len(hashes)
-        if all(map(lru.__contains__, hashes)):  # a returning chain: every block held
-            deque(map(lru.move_to_end, reversed(hashes)), maxlen=0)
-            if self.aging:
-                lru.update(zip(reversed(hashes), count(start)))
-            return
-        holders = self._holders
+        lo, hi = 0, len(hashes)  # hashes[:lo] held, hashes[hi:] not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hashes[mid] in lru:
+                lo = mid + 1
+            else:
+                hi = mid
         stamps = count(start) if self.aging else repeat(0)
-        for t, h in zip(stamps, reversed(hashes), strict=False):  # stamps never end
+        if lo < len(hashes):
+            self._touch(reversed(hashes[lo:]), stamps)
+        if lo:
+            held = hashes[lo - 1 :: -1] if lo < len(hashes) else hashes[::-1]
+            try:
+                deque(map(lru.move_to_end, held), maxlen=0)
+            except KeyError:  # not the chain's first blocks after all: one by one
+                self._touch(held, stamps)
+            else:
+                if self.aging:
+                    lru.update(zip(held, stamps, strict=False))
+        self._evict()
+
+    def _touch(self, hashes: Iterable[int], stamps: Iterator[int]) -> None:
+        lru = self._lru
+        holders = self._holders
+        for t, h in zip(stamps, hashes, strict=False):  # stamps never end
             if h in lru:
                 lru.move_to_end(h)
-                lru[h] = t
-            else:
-                lru[h] = t
-                if holders is not None:
-                    holders[h] = holders.get(h, ()) + (self._name,)
-        self._evict()
+            elif holders is not None:
+                holders[h] = holders.get(h, ()) + (self._name,)
+            lru[h] = t
 
     def resize(self, capacity: int) -> None:
         self.capacity = max(0, capacity)

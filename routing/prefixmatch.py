@@ -4,9 +4,10 @@ A decision reads each candidate's cached prefix several times (its score, `prefi
 cost, the explanation, the placement's prefill count, admission's expected-TTFT
 choice). `PrefixMatches` walks the prompt's chains once per request and replica and
 remembers the answer until the request, the engines' KV events (`KVIndex.version`) or
-the approximate index (`forget`) change. The engines' blocks are walked once for every
-replica together (`KVIndex.depths`, against the index of holders), not once per replica;
-prompts still in prefill on a replica count as held there (routing.prefill.PrefillBlocks).
+the approximate index (`forget`) change. The engines' blocks are matched once per
+decision for every replica holding the prompt's first block (`KVIndex.depths`: a bisection
+per replica without holes); prompts still in prefill on a replica count as held there
+(routing.prefill.PrefillBlocks).
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ from routing.prefill import PrefillBlocks
 from routing.prefix import PrefixIndex
 from routing.types import Candidate, RouteRequest
 
+# One replica's match: (the engine's prefix-cache query counter it was walked at, from
+# the engine's own events?, leading prompt blocks held there).
+Match = tuple[float | None, bool, int]
+
 
 class PrefixMatches:
     """(from the engine's events?, leading prompt blocks held) per replica, for the
     request last asked about (module docstring)."""
 
-    __slots__ = ("_indexes", "_kv", "_prefilling", "_req", "_version", "_memo", "_depths")
+    __slots__ = ("_indexes", "_kv", "_prefilling", "_req", "_version", "_now", "_memo", "_depths")
 
     def __init__(
         self, indexes: Mapping[str, PrefixIndex], kv: Any, prefilling: PrefillBlocks
@@ -33,20 +38,24 @@ class PrefixMatches:
         self._prefilling = prefilling  # prompts placed and not yet stored (routing.prefill)
         self._req: RouteRequest | None = None
         self._version = -1
-        self._memo: dict[str, tuple[float | None, bool, int]] = {}
+        self._now = 0.0
+        # name -> (the engine's query counter it was walked at, exact?, depth): the
+        # tuples `each` hands out as they are (a decision allocates none of its own).
+        self._memo: dict[str, Match] = {}
         self._depths: dict[str, int] | None = None
 
     def forget(self) -> None:
         """The approximate index changed: walk again."""
         self._req = None
 
-    def _for(self, req: RouteRequest) -> dict[str, tuple[float | None, bool, int]]:
-        """The memo of `req` (a new request or changed events start a new one)."""
-        kv = self._kv
-        version = kv.version if kv is not None else 0
-        if req is not self._req or version != self._version:
+    def _for(self, req: RouteRequest) -> dict[str, Match]:
+        """The memo of `req` (a new request, changed events or another decision time,
+        which may turn a silent subscription stale, start a new one)."""
+        version = self._kv.version
+        if req is not self._req or version != self._version or req.now != self._now:
             self._req = req
             self._version = version
+            self._now = req.now
             self._memo = {}
             self._depths = None
         return self._memo
@@ -57,45 +66,52 @@ class PrefixMatches:
         approximate index's."""
         if self._kv is None:  # the approximate index alone: one walk, nothing to keep
             return False, self._approximate(req, candidate.name)
-        queries = candidate.engine.prefix_cache_queries_total
-        got = self._for(req).get(candidate.name)
-        if got is None or got[0] != queries:
-            got = self._walk(req, candidate.name, queries)
+        got = self.each(req, (candidate,))[0]
         return got[1], got[2]
 
-    def each(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[tuple[bool, int]]:
-        """`get` for each candidate, in one pass."""
+    def each(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[Match]:
+        """(queries, from the engine's events?, leading blocks held) for each candidate,
+        in one pass (`get`'s answer after the first item). A candidate not in the memo
+        is walked here: `trusted` inline (this runs for every candidate of every
+        decision), its depth from the one walk of the chain against the holders, then
+        on through the prompts in prefill there (routing.prefill)."""
         if self._kv is None:
             approximate = self._approximate
-            return [(False, approximate(req, c.name)) for c in candidates]
+            return [(None, False, approximate(req, c.name)) for c in candidates]
         memo = self._for(req)
-        walk = self._walk
+        chain = req.token_hashes
+        engines = self._kv.by_name() if chain else {}
+        size, now = req.token_block_size, req.now
         out = []
         for c in candidates:
+            name = c.name
             queries = c.engine.prefix_cache_queries_total
-            got = memo.get(c.name)
+            got = memo.get(name)
             if got is None or got[0] != queries:
-                got = walk(req, c.name, queries)
-            out.append((got[1], got[2]))
+                blocks = engines.get(name)
+                if blocks is not None and blocks.block_size == size and blocks.usable(now, queries):
+                    depths = self._depths
+                    if depths is None:
+                        depths = self._depths = self._kv.depths(chain)
+                    depth = depths.get(name, 0)
+                    also = self._prefilling.by_replica().get(name)
+                    if also:
+                        depth = blocks.match_with(chain, depth, also)
+                    got = (queries, True, depth)
+                else:
+                    got = (queries, False, self._approximate(req, name))
+                memo[name] = got
+            out.append(got)
         return out
 
-    def _walk(
-        self, req: RouteRequest, name: str, queries: float | None
-    ) -> tuple[float | None, bool, int]:
-        blocks = self.trusted(req, name, queries) if self._kv is not None else None
-        if blocks is not None:
-            depths = self._depths
-            if depths is None:
-                depths = self._depths = self._kv.depths(req.token_hashes)
-            depth = depths.get(name, 0)
-            also = self._prefilling.of(name)
-            if also:  # prompts in prefill there count as held (routing.prefill)
-                depth = blocks.match_with(req.token_hashes, depth, also)
-            got = (queries, True, depth)
-        else:
-            got = (queries, False, self._approximate(req, name))
-        self._memo[name] = got
-        return got
+    def deepest(self, req: RouteRequest) -> int:
+        """The most leading blocks of the prompt's token chain any replica's engine holds
+        (its events, trusted or not), from the decision's one walk of the chain."""
+        self._for(req)
+        depths = self._depths
+        if depths is None:
+            depths = self._depths = self._kv.depths(req.token_hashes)
+        return max(depths.values()) if depths else 0
 
     def _approximate(self, req: RouteRequest, name: str) -> int:
         idx = self._indexes.get(name)

@@ -109,13 +109,20 @@ class Profile:
             return kept[0]
         if self._batch is None:
             return self.picker.choose(req, [(self.score(req, c), c) for c in kept])
-        # `score` for every candidate, a scorer at a time (the same sums, in its order).
-        totals = [0.0] * len(kept)
+        # `score` for every candidate, a scorer at a time (the same sums, in its order;
+        # the first scorer's start from its own terms, as 0.0 + x is x).
+        totals: list[float] | None = None
         for scores, weight in self._batch:
-            totals = [
-                t + weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
-                for t, s in zip(totals, scores(req, kept), strict=True)
-            ]
+            got = scores(req, kept)
+            if totals is None:
+                totals = [weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s) for s in got]
+            else:
+                totals = [
+                    t + weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+                    for t, s in zip(totals, got, strict=True)
+                ]
+        if totals is None or len(totals) != len(kept):
+            raise ValueError(f"a scorer of profile {self.name!r} did not score every candidate")
         stale = self.stale_after_s
         if any(c.view_age_s > stale for c in kept):
             totals = [

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 from routing.plugin import Picker, PluginEnv, params_of
@@ -25,7 +26,7 @@ class MaxScorePicker(Picker):
         self._rng = random.Random(seed)
 
     def choose(self, req: RouteRequest, scored: Sequence[tuple[float, Candidate]]) -> Candidate:
-        best = max(s for s, _ in scored)
+        best = max(map(itemgetter(0), scored))
         tied = [c for s, c in scored if s >= best - TIE_EPSILON]
         if len(tied) == 1:
             return tied[0]

@@ -96,9 +96,13 @@ class PrefixCacheScorer(
         warmest replicas come first. Their exact depth is the scorer's to compute."""
         out = _deepest_holders(self._holders, req.prefix_hashes, most)
         if self._kv is not None and req.token_hashes:
-            for name in _deepest_holders(self._kv.holders, req.token_hashes, most):
-                if name not in out:
-                    out.insert(0, name)
+            # The engines' blocks: the deepest is the deepest match, from the one walk
+            # of the chain the decision's scoring reads too (routing.prefixmatch).
+            deepest = self._matches.deepest(req)
+            if deepest:
+                for name in _deepest_holders(self._kv.holders, req.token_hashes, most, deepest):
+                    if name not in out:
+                        out.insert(0, name)
         return out[: max(most, 1)]
 
     def warm(self, req: RouteRequest) -> list[tuple[str, int]]:
@@ -144,12 +148,14 @@ class PrefixCacheScorer(
         prompt, tbs = req.prompt_tokens, req.token_block_size
         bc, cpt, learned = self.block_chars, self.chars_per_token, self.feedback.chars_per_token
         out = []
-        for c, (exact, blocks) in zip(candidates, self._matches.each(req, candidates), strict=True):
+        for c, (_, exact, blocks) in zip(
+            candidates, self._matches.each(req, candidates), strict=True
+        ):
             if not blocks:
                 out.append(0)
                 continue
             cached = blocks * tbs if exact else int(blocks * bc / learned.get(c.name, cpt))
-            out.append(min(prompt or cached, cached))
+            out.append(prompt if prompt and prompt < cached else cached)  # min(), cheaper
         return out
 
     def cached_tokens(self, req: RouteRequest, candidate: Candidate) -> int:
@@ -169,7 +175,7 @@ class PrefixCacheScorer(
         tokens, chars = len(req.token_hashes), len(req.prefix_hashes)
         return [
             (blocks / (tokens if exact else chars)) if blocks else 0.0
-            for exact, blocks in self._matches.each(req, candidates)
+            for _, exact, blocks in self._matches.each(req, candidates)
         ]
 
     def cpt_of(self, replica: str) -> float:
@@ -220,22 +226,30 @@ class PrefixCacheScorer(
             self._matches.forget()
 
 
-def _deepest_holders(holders: Holders, hashes: tuple[int, ...], most: int) -> list[str]:
+def _deepest_holders(
+    holders: Holders, hashes: tuple[int, ...], most: int, deepest: int | None = None
+) -> list[str]:
     """Up to `most` holders of the deepest block of `hashes` some replica holds (found
     by bisection: a replica holds a chain's blocks from the root, as lookups stop at the
-    first miss and eviction takes leaves first), then those of the root."""
+    first miss and eviction takes leaves first; `deepest`: its depth, known), then those
+    of the root."""
     if not hashes:
         return []
     root = holders.get(hashes[0])
     if not root:
         return []
-    lo, hi = 0, len(hashes) - 1  # hashes[lo] is held; find the deepest held
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if holders.get(hashes[mid]):
-            lo = mid
-        else:
-            hi = mid - 1
+    if deepest is not None:
+        lo = deepest - 1
+    elif holders.get(hashes[-1]):  # the whole chain is held somewhere (a returning one)
+        lo = len(hashes) - 1
+    else:
+        lo, hi = 0, len(hashes) - 2  # hashes[lo] is held; find the deepest held
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if holders.get(hashes[mid]):
+                lo = mid
+            else:
+                hi = mid - 1
     out = list(holders[hashes[lo]][-most:])
     for name in reversed(root):
         if len(out) >= most:

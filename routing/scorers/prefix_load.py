@@ -66,14 +66,17 @@ class PrefixLoadScorer(PrefixCacheScorer):
 
     def scores(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
         """`score` of each candidate (the same arithmetic, the request's terms once)."""
-        prompt = max(0, req.prompt_tokens)
-        pending = self.pending.tokens
+        # Conditionals, not max(): a builtin with keywords costs more than the arithmetic.
+        prompt = req.prompt_tokens if req.prompt_tokens > 0 else 0
+        pending = self.pending.by_replica().get
         weight = self.decode_weight
         out = []
         for c, cached in zip(candidates, self.cached_each(req, candidates), strict=True):
-            prefill = pending(c.name) + max(0, prompt - cached) + 1
-            pool = max(1, c.effective_capacity)
-            held = max(0, pool - c.free_tokens)
+            prefill = pending(c.name, 0) + (prompt - cached if prompt > cached else 0) + 1
+            pool = c.effective_capacity if c.effective_capacity > 1 else 1
+            held = pool - c.free_tokens
+            if held < 0:
+                held = 0
             out.append(1.0 / (1.0 + prefill * (1.0 + weight * held / pool) / pool))
         return out
 

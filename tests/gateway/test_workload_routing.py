@@ -14,6 +14,7 @@ import openai
 
 from gateway.logging import ACCESS_LOGGER, JsonFormatter
 from tests.gateway.conftest import MODEL, wait_for
+from tests.gateway.test_routing import hits
 
 TOOLS = [
     {
@@ -81,3 +82,44 @@ async def test_default_config_routes_each_class_by_its_own_scoring(replica, gate
     ):
         line = f'kvgate_route_decisions_total{{scorer="{scorer_name}",workload="{workload}"}} 1.0'
         assert line in metrics, metrics
+
+
+async def test_sessions_sharing_only_their_tools_go_where_the_tools_are_cached(replica, gateway):
+    """An agent's tool schemas are rendered into every prompt of its sessions (the
+    engine's template puts them first): routing's prefix chain starts with them, so a
+    new session of the same agent goes where they are cached. Left out of the chain,
+    these sessions' messages share nothing and the sessions spread by load alone."""
+    servers = [await replica(speed=50.0), await replica(speed=50.0)]
+    gw = await gateway(*servers)  # no routing section: agentic requests, prefix_load
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{k}",
+                "description": f"Tool {k} of the agent: reads, searches and edits files. " * 3,
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+        for k in range(4)
+    ]
+    served: list[int] = []
+    cached: list[int] = []
+    async with aiohttp.ClientSession() as s:
+        for i in range(6):
+            before = hits(servers)
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Session {i}: " + f"task {i} " * 40}],
+                "tools": tools,
+                "max_tokens": 4,
+                "user": f"session-{i}",
+            }
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+            after = hits(servers)
+            delta = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+            served.append(max(range(2), key=lambda k: delta[k][1]))
+            cached.append(delta[served[-1]][0])
+    assert len(set(served)) == 1, served  # every session where the tools are cached
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached

@@ -235,3 +235,27 @@ def test_a_prompt_in_prefill_counts_as_held_where_it_was_placed() -> None:
     scorer.first_token("r1", 0.1)  # type: ignore[attr-defined]
     # Prefilled: what the engine holds is what its events say (none came here).
     assert scorer.cached_tokens(second, cand("a", 0.0)) == 0  # type: ignore[attr-defined]
+
+
+def test_a_hole_in_a_replicas_chain_is_counted_and_its_match_stops_there() -> None:
+    """A block held whose parent is not (the engine evicted the parent first) is a hole:
+    the replica's match ends at it, as the engine's own lookup does. `depths` bisects a
+    replica without holes, so the index must count them exactly, and forget them when
+    the parent is stored again or the child leaves too."""
+    kv = KVIndex()
+    prompt = list(range(BS * 6))
+    chain = token_block_hashes(prompt, BS)
+    blocks = kv.replica("a")
+    blocks.apply(0, [Stored(tuple(h(i) for i in range(6)), None, tuple(prompt), BS)], 0.0)
+    assert blocks.orphans == 0 and kv.depths(chain) == {"a": 6}
+    blocks.apply(1, [Removed((h(2),))], 0.0)  # block 2 goes, 3 to 5 stay
+    assert blocks.orphans == 1
+    assert kv.depths(chain) == {"a": 2} == {"a": blocks.match(chain)}
+    blocks.apply(2, [Stored((h(20),), h(1), tuple(prompt[2 * BS : 3 * BS]), BS)], 0.0)
+    assert blocks.orphans == 0 and kv.depths(chain) == {"a": 6}  # the parent is back
+    blocks.apply(3, [Removed((h(20),)), Removed((h(3), h(4), h(5)))], 0.0)
+    assert blocks.orphans == 0 and kv.depths(chain) == {"a": 2}  # the leaves went too
+    blocks.apply(4, [Removed((h(0),))], 0.0)
+    assert blocks.orphans == 1 and kv.depths(chain) == {}  # the root went: no match
+    blocks.apply(5, [Cleared()], 0.0)
+    assert blocks.orphans == 0 and len(blocks) == 0
