@@ -24,7 +24,9 @@ no timeout) in the same run. Goodput is valid completions (each inside its clien
 T per attempt) per second of the engine's clock. Target: at every C where the replica
 alone completes at least 95% in time, kvgate's goodput is at least 0.95x the replica's at
 that C; elsewhere at least 0.95x the best fixed concurrency's (the best straight cell of
-the same client and mode, found here and never given to kvgate).
+the same client and mode, found here and never given to kvgate). A cell is met only if
+kvgate also completes as large a share as that reference (95% at most): a failure fast
+costs a cell no time, so goodput alone would pass a kvgate that drops requests.
 
     PYTHONPATH=$PWD .venv/bin/python bench/parity_sweep.py [--engine enginesim|real-vllm]
         [--requests 80] [--speed 20] [--concurrency 1 2 4 8 16 32 64] [--baseline TREE]
@@ -230,6 +232,10 @@ def judge(rows: list[dict[str, Any]], contender: str = "kvgate") -> list[dict[st
         in_time = alone["completed"] >= IN_TIME * alone["requests"]
         ref = alone if in_time else best
         ratio = r["goodput_rps"] / ref["goodput_rps"] if ref["goodput_rps"] > 0 else None
+        # Goodput alone would pass a kvgate that fails requests fast (a failure costs the
+        # cell no time): it must also complete what the reference completes (or 95%).
+        share = min(ref["completed"] / ref["requests"], IN_TIME)
+        completes = r["completed"] >= share * r["requests"]
         out.append(
             {
                 "client": key[0],
@@ -241,7 +247,7 @@ def judge(rows: list[dict[str, Any]], contender: str = "kvgate") -> list[dict[st
                 "best_fixed_goodput": best["goodput_rps"],
                 "kvgate_goodput": r["goodput_rps"],
                 "ratio": round(ratio, 3) if ratio is not None else None,
-                "met": ratio is not None and ratio >= PARITY,
+                "met": ratio is not None and ratio >= PARITY and completes,
                 "straight_completed": f"{alone['completed']}/{alone['requests']}",
                 "kvgate_completed": f"{r['completed']}/{r['requests']}",
                 "kvgate_failed": r["failed"] + r["timed_out"],
