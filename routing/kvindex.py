@@ -28,7 +28,7 @@ from collections.abc import Container, Iterable, Sequence
 
 import xxhash
 
-from routing.holders import Holders, drop_holder
+from routing.holders import Holders, drop_holder, held_length
 from routing.kvevents import Cleared, Event, Removed, Stored
 
 _xxh = xxhash.xxh3_64_intdigest
@@ -305,14 +305,7 @@ class KVIndex:
             if last in held:
                 out[name] = n
                 continue
-            lo, hi = 1, n - 1  # chain[:lo] held, chain[hi] not
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if chain[mid] in held:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            out[name] = lo
+            out[name] = held_length(chain, held, 1, n - 1)  # chain[0] held, chain[-1] not
         return out
 
     def get(self, name: str) -> EngineBlocks | None:

@@ -33,7 +33,7 @@ from itertools import count, repeat
 
 import xxhash
 
-from routing.holders import Holders, drop_holder
+from routing.holders import Holders, drop_holder, held_length
 
 _xxh = xxhash.xxh3_64_intdigest
 
@@ -123,13 +123,7 @@ class PrefixIndex:
         lru = self._lru
         start = self.clock + 1
         self.clock += len(hashes)
-        lo, hi = 0, len(hashes)  # hashes[:lo] held, hashes[hi:] not
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if hashes[mid] in lru:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = held_length(hashes, lru, 0, len(hashes))  # hashes[:lo] held
         stamps = count(start) if self.aging else repeat(0)
         if lo < len(hashes):
             self._touch(reversed(hashes[lo:]), stamps)
