@@ -40,6 +40,7 @@ def request(
     max_tokens: int | None = None,
     priority: int = 0,
     deadline: float = float("inf"),
+    latency_budget: float | None = None,
 ) -> AdmissionRequest:
     return AdmissionRequest(
         request_id=rid,
@@ -49,6 +50,7 @@ def request(
         max_tokens=output if max_tokens is None else max_tokens,
         priority=priority,
         deadline=deadline,
+        latency_budget=latency_budget,
     )
 
 

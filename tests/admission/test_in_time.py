@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from admission.limit import LimitSettings, RunningLimit
-from admission.types import AdmissionRequest, Admit, Completion, Queued
+from admission.types import Admit, Completion, Queued
 from bench.vtime import run
 from enginesim.simulate import run_closed_loop
 from enginesim.types import Workload
@@ -82,14 +82,7 @@ def test_a_queued_request_waits_as_long_as_its_predicted_service_leaves() -> Non
         now += 2.0
     big = request("big", 800, 150)  # fills the pool
     assert isinstance(ctrl.submit(big, now).verdict, Admit)
-    req = AdmissionRequest(
-        request_id="late",
-        model="m",
-        prompt_tokens=400,
-        expected_output=100,
-        max_tokens=100,
-        latency_budget=10.0,
-    )
+    req = request("late", 400, 100, latency_budget=10.0)
     verdict = ctrl.submit(req, now).verdict
     assert isinstance(verdict, Queued)
     deadline = ctrl.next_deadline()

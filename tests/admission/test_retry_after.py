@@ -9,16 +9,12 @@ from __future__ import annotations
 import pytest
 
 from admission.drain import DrainMeter
-from admission.types import AdmissionRequest, Admit, Queued, Shed
+from admission.types import Admit, Queued, Shed
 from bench.vtime import run
 from enginesim.simulate import run_closed_loop
 from enginesim.workloads import seed2_workload
-from tests.admission.helpers import controller, replica, request, warm_drain
+from tests.admission.helpers import controller, replica, request, sheds, warm_drain
 from tests.admission.test_in_time import real_vllm_items, vllm_8k  # noqa: F401 (fixture)
-
-
-def _sheds(events: list) -> list[Shed]:
-    return [e for e in events if isinstance(e, Shed)]
 
 
 def test_entries_shed_in_one_pass_are_each_told_their_own_wait() -> None:
@@ -33,7 +29,7 @@ def test_entries_shed_in_one_pass_are_each_told_their_own_wait() -> None:
     for i in range(5):
         verdict = ctrl.submit(request(f"q{i}", 100, 100, deadline=now + 30.0), now).verdict
         assert isinstance(verdict, Queued)
-    shed = _sheds(ctrl.advance(now + 30.0))
+    shed = sheds(ctrl.advance(now + 30.0))
     assert [s.request_id for s in shed] == [f"q{i}" for i in range(5)]
     waits = [s.retry_after for s in shed]
     assert all(a < b for a, b in zip(waits, waits[1:], strict=False)), waits
@@ -81,21 +77,14 @@ def test_a_shed_before_anything_drained_is_told_half_its_budget() -> None:
     ctrl = controller(queue_max_per_model=8, cold_retry_after_s=5.0)
     ctrl.upsert_replica(replica(capacity=1000), 0.0)
     assert isinstance(ctrl.submit(request("hog", 500, 500), 0.0).verdict, Admit)
-    stated = AdmissionRequest(
-        request_id="stated",
-        model="m",
-        prompt_tokens=100,
-        expected_output=100,
-        max_tokens=100,
-        latency_budget=0.87,
-    )
+    stated = request("stated", 100, 100, latency_budget=0.87)
     assert isinstance(ctrl.submit(stated, 0.0).verdict, Queued)
     due = ctrl.next_deadline()
     assert due is not None and due == pytest.approx(0.435)
-    (shed,) = _sheds(ctrl.advance(due))
+    (shed,) = sheds(ctrl.advance(due))
     assert shed.request_id == "stated" and shed.retry_after == pytest.approx(0.435)
     assert isinstance(ctrl.submit(request("silent", 100, 100, deadline=1.0), 0.5).verdict, Queued)
-    (shed,) = _sheds(ctrl.advance(1.0))
+    (shed,) = sheds(ctrl.advance(1.0))
     assert shed.request_id == "silent" and shed.retry_after == 5.0
     ctrl.release("hog", 2.0)
 
