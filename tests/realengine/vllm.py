@@ -91,6 +91,8 @@ class VllmServer(LlamaServer):
     def __init__(self, name: str, extra: list[str], log_path: Path, cpus: str = "0") -> None:
         super().__init__(name, extra, log_path)
         self.cpus = cpus  # two engines side by side (a bench) each get a core of their own
+        # (events, replay): the ports it publishes its KV events on (kv_events_args), if any.
+        self.kv_ports: tuple[int, int] | None = None
 
     def start_vllm(
         self,
