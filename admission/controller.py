@@ -316,6 +316,8 @@ class AdmissionController:
         if res is None or self.config.abandoned_hold_s <= 0:
             return self.release(request_id, now, completion)
         self._ledger.hold(res, now, completion)
+        if res.held_until <= now:  # the engine would have served it by now
+            return self.release(request_id, now, completion)
         return []
 
     def client_ended(
@@ -355,8 +357,10 @@ class AdmissionController:
         """The earliest deadline among queued requests and held reservations (when
         `advance` should next run)."""
         first = self._queue.queue.next_deadline()
-        for res in self._ledger.held.values():  # in order of abandonment: first ends first
-            return res.held_until if first is None else min(first, res.held_until)
+        held = self._ledger.held
+        if held:  # each hold ends by its own request's service: not in order of abandonment
+            ends = min(res.held_until for res in held.values())
+            return ends if first is None else min(first, ends)
         return first
 
     def set_tenants(self, tenants: Callable[[str], TenantLimits | None]) -> None:

@@ -21,7 +21,14 @@ Abandoned requests
     second, and on a busy server not at all. Its reservation is *held* (`hold`) until a
     discovery round that began after the abandonment shows the engine running no more
     requests than kvgate's live ones (`stopped`), or until ``abandoned_hold_s`` has passed
-    (`overdue`); then it is released as any other.
+    (`overdue`); then it is released as any other. On an engine that preempts, where
+    admitting past a ghost costs a preemption and not an error, a hold also ends at twice
+    the replica's upper estimate of the request's service from its admission
+    (`Replica.service`: the slowest of its recent completions of that size), by when an
+    engine that went on generating has finished it. Without that, on an engine with no
+    running gauge, clients that time out together held their slots for the whole
+    ``abandoned_hold_s`` and the next clients queued behind requests long finished.
+    llama.cpp, which fails requests past its pool, keeps the whole hold.
 """
 
 from __future__ import annotations
@@ -238,7 +245,14 @@ class Ledger:
         """Keep an abandoned request's reservation (module docstring); idempotent."""
         if res.held_since is None:
             res.held_since = now
+            rep = self.replicas[res.replica]
             res.held_until = now + self.config.abandoned_hold_s
+            # Where over-admitting costs a preemption, not an error (module docstring).
+            if rep.preempts:
+                load = rep.allowed or rep.running
+                served_by = rep.service.predict(res.tokens + res.covered, load)
+                if served_by > 0:  # 0: no completion seen yet, nothing to bound it by
+                    res.held_until = min(res.held_until, res.admitted_at + 2 * served_by)
             res.completion = completion
             self.replicas[res.replica].held += 1
             self.held[res.request_id] = res

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from admission.controller import AdmissionController
 from admission.types import Admit, Completion, Queued, Refuse
 from gateway.denials import refusal_message
 from routing.types import ReplicaState
@@ -194,6 +195,52 @@ def test_release_of_a_held_reservation_and_no_gauge() -> None:
     assert ctrl.report.held() == 1  # only the grace can end it
     ctrl.release("a", 2.5)  # an explicit release always works
     assert (ctrl.report.held(), ctrl.report.reserved_tokens()) == (0, 0)
+
+
+def served(ctrl: AdmissionController, seconds: float, at: float) -> float:
+    """Four completions of 108 tokens of work, each `seconds` long, on the one replica."""
+    for i in range(4):
+        rid = f"warm{i}"
+        assert isinstance(ctrl.submit(request(rid, 100, 8, max_tokens=8), at).verdict, Admit)
+        at += seconds
+        done = Completion(ok=True, service_s=seconds, prompt_tokens=100, completion_tokens=8)
+        ctrl.release(rid, at, done)
+    return at
+
+
+def test_a_hold_ends_when_the_engine_would_have_served_the_request() -> None:
+    # A preempting engine with no running gauge and one slot, whose requests of this size
+    # take 10 ms: clients that leave while it serves them free the slot by twice that
+    # from their admission, not after abandoned_hold_s (5 s), and the queue moves then.
+    ctrl = controller(abandoned_hold_s=5.0)
+    state = replica(capacity=4096, max_model_len=4096, max_running=1)  # preempts
+    ctrl.upsert_replica(state, 0.0)
+    now = served(ctrl, 0.010, 1.0)
+    assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=8), now).verdict, Admit)
+    assert ctrl.abandon("a", now + 0.005) == []
+    assert ctrl.report.held() == 1
+    assert isinstance(ctrl.submit(request("b", 100, 8, max_tokens=8), now + 0.006).verdict, Queued)
+    ends = ctrl.next_deadline()
+    assert ends is not None and now + 0.015 <= ends <= now + 0.025, ends - now
+    assert ctrl.advance(ends) == [Admit("b", "r1", 108)]
+    assert ctrl.report.held() == 0
+    # Abandoned after that time, a request is released at once: the queue moves now.
+    assert isinstance(ctrl.submit(request("c", 100, 8, max_tokens=8), ends + 1.0).verdict, Queued)
+    assert ctrl.abandon("b", ends + 1.0) == [Admit("c", "r1", 108)]
+    ctrl.release("c", ends + 2.0)
+    assert ctrl.report.reserved_tokens() == 0
+
+
+def test_an_engine_that_does_not_preempt_keeps_the_whole_hold() -> None:
+    # llama.cpp fails requests past its pool: a ghost it may still generate keeps its
+    # reservation until a gauge shows it stopped or the grace ends, however fast it served.
+    ctrl = controller(abandoned_hold_s=5.0)
+    ctrl.upsert_replica(llama(slots=1), 0.0)
+    now = served(ctrl, 0.010, 1.0)
+    assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=8), now).verdict, Admit)
+    ctrl.abandon("a", now + 0.005)
+    assert ctrl.next_deadline() == now + 0.005 + 5.0
+    ctrl.release("a", now + 1.0)
 
 
 def test_no_hold_when_disabled() -> None:
