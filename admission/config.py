@@ -168,7 +168,8 @@ class AdmissionConfig(BaseModel):
         "disconnect, upstream timeout) keeps its reservation while the engine may still be "
         "generating it (llama.cpp notices a gone client only after a quiet second, and on a "
         "busy server not at all). Released earlier once the engine's running gauge shows it "
-        "stopped. 0 releases at once.",
+        "stopped, and on an engine that preempts once twice its predicted service has "
+        "passed since its admission. 0 releases at once.",
     )
     share_prefix: bool = Field(
         True,
