@@ -59,10 +59,9 @@ async def test_clients_that_stop_reading_do_not_teach_patient_streams_a_deadline
                 await asyncio.sleep(rng.uniform(0.0, 0.05))
 
     await asyncio.gather(*(patient(i) for i in range(3)), *(stopper(i) for i in range(3)))
-    readings = [r for r in gw.report.patience_readings() if r.stream]
-    print(outcomes, readings)
+    seen = (outcomes, [r for r in gw.report.patience_readings() if r.stream])
     # The stoppers did what they do (and were seen leaving), and taught nothing: the
     # patient clients were served, never shed, and the population keeps the default.
-    assert outcomes["stopper"]["stopped"] >= 20
-    assert outcomes["patient"] == Counter({"ok": 45})
-    assert gw.report.patience("default", MODEL, True) is None
+    assert outcomes["stopper"]["stopped"] >= 20, seen
+    assert outcomes["patient"] == Counter({"ok": 45}), seen
+    assert gw.report.patience("default", MODEL, True) is None, seen
