@@ -62,9 +62,10 @@ of the population's recent ones (``SHAPE_MEMORY``) left within a tenth of its wa
 that cohort's first tokens came ``CLOCK_SPREAD`` times further apart than it left
 (relatively); the cohort's earlier members, taken as stays, then count as departures
 too. Otherwise it is a stay at its wait, and it does not vote on the shape. Counted as
-departures, readers that stop after 1-6 events (the chaos bench's) taught their
-population a whole-stream deadline of 14 ms that no stream met, and kvgate shed the
-patient streams beside them. Not told apart: a clock whose clients got their first
+departures, readers that stop after 1-6 events (the chaos bench's clients, and
+tests/gateway/test_patience_stoppers.py's) taught their population a whole-stream
+deadline (14 ms there) that no stream met, and kvgate shed the patient streams beside
+them. Not told apart: a clock whose clients got their first
 tokens nearly as close together as they left is not seen as one (it keeps the default,
 and its departures before the first token still teach), and readers that all leave at
 one total time however far apart their first tokens came would be read as a clock.
