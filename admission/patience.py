@@ -51,6 +51,25 @@ least its wait for the first token), and the budget of a stream is
 * per chunk (most departures mid-stream came after a stall): the quiet curve's p10
   bounds the first token and every gap, as the SDK's stated read timeout does.
 
+A departure while the stream flows proves a deadline only when it is a clock's. A client
+with a total timeout leaves at it, whatever it has received and whenever its first token
+came: its population's departures mid-stream come after one total wait. A client that
+stops reading once it has what it wanted (a user pressing stop, an agent that read
+enough) leaves a few events after its first token, whenever that came: its departures
+are as spread as its first tokens (and its reading), and it was patient for all it
+waited. So a flowing departure counts as one only when at least ``MIN_COHORT`` and most
+of the population's recent ones (``SHAPE_MEMORY``) left within a tenth of its wait, and
+that cohort's first tokens came ``CLOCK_SPREAD`` times further apart than it left
+(relatively); the cohort's earlier members, taken as stays, then count as departures
+too. Otherwise it is a stay at its wait, and it does not vote on the shape. Counted as
+departures, readers that stop after 1-6 events (the chaos bench's clients, and
+tests/gateway/test_patience_stoppers.py's) taught their population a whole-stream
+deadline (14 ms there) that no stream met, and kvgate shed the patient streams beside
+them. Not told apart: a clock whose clients got their first
+tokens nearly as close together as they left is not seen as one (it keeps the default,
+and its departures before the first token still teach), and readers that all leave at
+one total time however far apart their first tokens came would be read as a clock.
+
 Clients that leave together (within ``TOGETHER_S`` of a close's first departure) after
 waits that differ (by more than a tenth, and ``COHORT_S``) did not each run out of
 patience: something ended them at once (a load generator stopping mid-run, a client
@@ -76,8 +95,15 @@ POPULATIONS = 1024
 STALL_GAPS = 10.0  # a last gap this many times the stream's mean gap is a stall
 REFRESH_STAYS = 16  # stays between two computations of the estimate
 SHAPE_MEMORY = 64  # departures mid-stream that decide a stream budget's shape
+CLOCK_SPREAD = 2.0  # a clock's cohort left this many times closer together than it began
 TOGETHER_S = 0.02  # departures this close to a close's first one are part of that close
 COHORT_S = 0.005  # and waits this close to its wait (or within a tenth): one cohort
+
+
+def _spread(values: list[float]) -> float:
+    """How far apart `values` lie, relative to the smallest: (max - min) / min."""
+    lo = min(values)
+    return (max(values) - lo) / lo if lo > 0 else math.inf
 
 
 def km_quantile(observations: list[tuple[float, bool]], q: float) -> float | None:
@@ -119,6 +145,17 @@ class Patience:
         self._stale = 0  # stays since the estimate was last computed
         self.observed = 0  # all observations ever (for the report)
         self.left = 0  # all departures ever
+
+    def relabel(self, waited_s: float) -> None:
+        """The latest stay of `waited_s` in the window was a departure after all."""
+        w = self._window
+        for i in range(len(w) - 1, -1, -1):
+            if w[i] == (waited_s, False):
+                w[i] = (waited_s, True)
+                self._events += 1
+                self.left += 1
+                self._dirty = True
+                return
 
     def observe(self, waited_s: float, left: bool) -> None:
         """One ended request: its client left after `waited_s`, or stayed that long."""
@@ -177,6 +214,26 @@ class ClientEnd:
     left: bool  # it disconnected then (else it stayed to the end)
     quiet_s: float | None = None  # a stream: the quiet stretch it left in, or sat through
     stalled: bool | None = None  # a stream it left mid-way: after a stall (None: unknown)
+    first_s: float | None = None  # a stream it left after content: its first token's wait
+
+
+def stream_end(
+    waited_s: float, left: bool, first_s: float | None, quiet_s: float, gap_s: float | None
+) -> ClientEnd:
+    """What a stream's end shows of its client: it left (or stayed) after `waited_s`,
+    its first token came after `first_s` (None: none came), its last quiet stretch is
+    `quiet_s` (since its last event, or since arrival), `gap_s` its mean gap between
+    events (None: fewer than two)."""
+    if not left:
+        # It sat through at least its wait for the first token (no gap log is kept).
+        return ClientEnd(waited_s, False, first_s if first_s is not None else waited_s)
+    stalled = None
+    if first_s is not None:
+        # Left while tokens flowed: its own clock, or it had enough. After a stall (and a
+        # stretch longer than its first-token wait, which a per-chunk client sat
+        # through): a per-chunk clock. One event and no gap: the first test alone.
+        stalled = quiet_s > first_s and (gap_s is None or quiet_s > STALL_GAPS * gap_s)
+    return ClientEnd(waited_s, True, quiet_s, stalled, first_s)
 
 
 @dataclass(slots=True, frozen=True)
@@ -192,15 +249,42 @@ class Population:
     """One population's curves: total time, and for streams the quiet stretches and
     where its clients left (while the stream flowed, or after a stall)."""
 
-    __slots__ = ("total", "quiet", "flowing", "stalled", "_close_at", "_close_waited")
+    __slots__ = ("total", "quiet", "flowing", "stalled", "_close_at", "_close_waited", "_recent")
 
     def __init__(self) -> None:
         self.total = Patience()
         self.quiet = Patience()  # streams only
-        self.flowing = 0  # departures mid-stream while tokens flowed
+        self.flowing = 0  # departures mid-stream while tokens flowed, on a clock
         self.stalled = 0  # departures mid-stream after a stall
         self._close_at = -math.inf  # when the current close's first departure left
         self._close_waited = 0.0  # and how long that client had waited
+        # The recent departures while tokens flowed: [waited, first token's wait, quiet,
+        # counted as a departure].
+        self._recent: deque[list] = deque(maxlen=SHAPE_MEMORY)
+
+    def on_a_clock(self, waited: float, first: float | None, quiet: float | None) -> bool:
+        """Whether a departure while tokens flowed, after `waited` (its first token after
+        `first`; None: not told), is a clock's (the module's doc). The earlier members
+        of its cohort, taken as stays, become departures."""
+        recent = self._recent
+        recent.append([waited, first, quiet, False])
+        cohort = [r for r in recent if abs(r[0] - waited) <= 0.1 * min(r[0], waited)]
+        if len(cohort) < MIN_COHORT or 2 * len(cohort) <= len(recent):
+            return False
+        firsts = [r[1] for r in cohort if r[1] is not None]
+        if len(firsts) == len(cohort) and _spread(firsts) <= CLOCK_SPREAD * _spread(
+            [r[0] for r in cohort]
+        ):
+            return False  # they left as they began: readers, not a clock
+        for r in cohort[:-1]:
+            if not r[3]:
+                r[3] = True
+                self.total.relabel(r[0])
+                if r[2] is not None:
+                    self.quiet.relabel(r[2])
+                self.flowing += 1
+        cohort[-1][3] = True
+        return True
 
     def left_alone(self, end: ClientEnd, now: float) -> bool:
         """Whether a departure at `now` is its client's own (else part of a mass close
@@ -259,10 +343,18 @@ class ClientPatience:
             self._pops.move_to_end(key)
         if not math.isfinite(end.waited_s):
             return
-        left = end.left and pop.left_alone(end, now)
-        pop.total.observe(end.waited_s, left)
+        waited = max(0.0, end.waited_s)
         quiet = end.quiet_s
-        if stream and quiet is not None and math.isfinite(quiet):
+        if not (stream and quiet is not None and math.isfinite(quiet)):
+            quiet = None
+        else:
+            quiet = max(0.0, quiet)
+        left = end.left and pop.left_alone(end, now)
+        if left and end.stalled is False:
+            # Left while tokens flowed: a clock's deadline, or a reader that had enough.
+            left = pop.on_a_clock(waited, end.first_s, quiet)
+        pop.total.observe(waited, left)
+        if quiet is not None:
             pop.quiet.observe(quiet, left)
         if left and end.stalled is not None:
             if end.stalled:

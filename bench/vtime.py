@@ -9,6 +9,9 @@ releases it without a completion sample). The engine's gauges reach admission ev
 `probe_s`, as discovery would deliver them. No wall clock, no IO: a whole seed-001 run
 takes about a CPU second, so tests can assert on the learned limit and benches can sweep.
 
+`stoppers`: that many of the clients (the first ones) stop reading each stream after 1-6
+token events (seeded), by design: a user pressing stop, an agent that read enough.
+
 `slow` maps virtual time to a slowdown factor of the engine's steps (enginesim's `slow`
 fault), for the shift experiments.
 """
@@ -18,13 +21,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
-from admission.patience import ClientEnd
+from admission.patience import ClientEnd, stream_end
 from admission.types import AdmissionRequest, Admit, Completion, Events, Queued, Refuse, Shed
 from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
@@ -55,6 +60,8 @@ class VtReport:
     underfed_s: float = 0.0  # time the replica ran below its limit with nothing queued
     # per timed-out attempt: (time, retries before it, queue wait before admission or None)
     timeouts: list[tuple[float, int, float | None]] = field(default_factory=list)
+    stopped: int = 0  # streams a stopper closed after the events it wanted
+    sheds: Counter = field(default_factory=Counter)  # sheds (retried or not) by client
 
     @property
     def retries_per_completed(self) -> float:
@@ -86,6 +93,8 @@ class _Attempt:
     admitted_at: float | None = None
     first_token: float | None = None
     done: bool = False
+    events: int = 0  # token events received
+    stop_after: int | None = None  # a stopper's: it closes the stream after this many
 
 
 def run(
@@ -105,6 +114,7 @@ def run(
     seed: int = 0,
     time_limit_s: float = 1e6,
     retry_after_unit_s: float | None = None,
+    stoppers: int = 0,
 ) -> VtReport:
     """Replay `items` through admission into one simulated replica of `profile`.
     `retry_after_unit_s`: clients read only the whole-second ``Retry-After`` header (a
@@ -131,6 +141,7 @@ def run(
     heap: list[tuple[float, int, str, object]] = []
     seq = itertools.count()
     now = 0.0
+    reading = random.Random(seed)  # how many events each stopper's stream reads
 
     def push(t: float, kind: str, data: object) -> None:
         heapq.heappush(heap, (t, next(seq), kind, data))
@@ -192,6 +203,7 @@ def run(
             assert isinstance(verdict, Queued)
 
     def shed(att: _Attempt, verdict: Shed) -> None:
+        report.sheds[att.client] += 1
         ended(att, False)
         live.pop(att.rid, None)
         att.done = True
@@ -213,6 +225,8 @@ def run(
     def send(client: int, item: WorkItem, first: float, retries: int) -> None:
         rid = f"{item.request_id}#{retries}"
         att = _Attempt(client, item, first, now, retries, rid)
+        if stream and client < stoppers:
+            att.stop_after = reading.randint(1, 6)
         live[rid] = att
         p = len(item.prompt_token_ids)
         bound = item.output_tokens
@@ -234,9 +248,20 @@ def run(
         handle(decision.events)
 
     def ended(att: _Attempt, left: bool) -> None:
-        """What the gateway tells admission of a client that states no timeout."""
-        if not send_timeout:
-            ctrl.client_ended("default", model, stream, ClientEnd(now - att.start, left), now)
+        """What the gateway tells admission of a client that states no timeout
+        (gateway/accounting.py, `patience_seen`)."""
+        if send_timeout:
+            return
+        waited = now - att.start
+        end = ClientEnd(waited, left)
+        if stream:
+            first = None if att.first_token is None else att.first_token - att.start
+            gap = None
+            if att.first_token is not None and att.events > 1:
+                gap = (now - att.first_token) / (att.events - 1)
+            # A stopper leaves as its last event arrives: no quiet stretch.
+            end = stream_end(waited, left, first, 0.0 if first is not None else waited, gap)
+        ctrl.client_ended("default", model, stream, end, now)
 
     def upsert() -> Events:
         return ctrl.upsert_replica(state, now, pinned_capacity=pool_tokens, max_running=max_running)
@@ -277,9 +302,19 @@ def run(
                 att = live.get(ev.request_id)
                 if att is None:
                     continue
-                if ev.kind is EventKind.TOKENS and att.first_token is None:
-                    att.first_token = now
-                elif ev.kind is EventKind.FINISHED:
+                if ev.kind is EventKind.TOKENS:
+                    att.events += 1
+                    if att.first_token is None:
+                        att.first_token = now
+                    if att.stop_after is not None and att.events >= att.stop_after:
+                        # It read what it wanted and closes the stream (not a completion).
+                        core.abort(att.rid, now)
+                        report.stopped += 1
+                        ended(att, True)
+                        handle(ctrl.release(att.rid, now))
+                        finish(att)
+                        continue
+                if ev.kind is EventKind.FINISHED:
                     assert att.admitted_at is not None
                     service = now - att.admitted_at
                     ttft = (att.first_token or now) - att.admitted_at

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from admission.estimate import TokenEstimator
-from admission.patience import STALL_GAPS, ClientEnd
+from admission.patience import ClientEnd, stream_end
 from admission.tenants import TenantLimiter, TenantState
 from admission.types import Completion
 from gateway.context import RequestContext
@@ -93,17 +93,9 @@ def patience_seen(ctx: RequestContext, now: float) -> ClientEnd | None:
     waited = now - ctx.arrival
     if not ctx.req.stream:
         return ClientEnd(waited, left)
-    first = ctx.first_byte_at
-    if not left:
-        # It sat through at least its wait for the first token (kvgate keeps no gap log).
-        return ClientEnd(waited, False, (first if first is not None else now) - ctx.arrival)
-    quiet = now - (ctx.last_event_at if ctx.last_event_at is not None else ctx.arrival)
-    stalled = None
-    if (gap := inter_token_latency(ctx)) is not None and first is not None:
-        # Left while tokens flowed: its own clock. After a stall: a per-chunk clock, and
-        # then on the longest quiet stretch it saw (it sat through the first-token wait).
-        stalled = quiet > STALL_GAPS * gap and quiet > first - ctx.arrival
-    return ClientEnd(waited, True, quiet, stalled)
+    first = None if ctx.first_byte_at is None else ctx.first_byte_at - ctx.arrival
+    last = ctx.last_event_at if ctx.last_event_at is not None else ctx.arrival
+    return stream_end(waited, left, first, now - last, inter_token_latency(ctx))
 
 
 def _completion_tokens(ctx: RequestContext) -> int:

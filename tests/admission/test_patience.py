@@ -3,6 +3,8 @@ time: what a population teaches, and what admission does with it."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from admission.patience import (
@@ -15,6 +17,7 @@ from admission.patience import (
     ClientPatience,
     Patience,
     km_quantile,
+    stream_end,
 )
 from admission.types import Admit, Completion, Queued, Shed
 from tests.admission.helpers import controller, replica, request
@@ -266,3 +269,70 @@ def test_clients_that_state_no_timeout_are_not_held_past_it_in_virtual_time() ->
     assert report.timed_out <= 40
     assert report.completed >= 0.85 * len(items)
     assert report.preemptions == 0
+
+
+def _reader(pop: ClientPatience, first: float, events: int, now: float) -> None:
+    """A client that stops reading a stream `events` events (20 ms apart) after its first
+    token, which came `first` after its arrival: by design, not out of patience."""
+    waited = first + 0.02 * (events - 1)
+    pop.observe("t", "m", True, stream_end(waited, True, first, 0.0005, 0.02), now)
+
+
+def test_clients_that_stop_reading_a_stream_teach_no_deadline() -> None:
+    """Readers that stop after a few events (a user pressing stop, an agent that read
+    enough) leave while tokens flow, as a client with a total timeout does; counted as
+    departures they taught the chaos bench's stream population a whole-stream deadline
+    of 14 ms, and every patient stream was shed. They leave as spread as their first
+    tokens came; a clock leaves at one total time whenever its first token came."""
+    rng = random.Random(3)
+    pop = ClientPatience()
+    now = 0.0
+    for _ in range(WINDOW):
+        now += 0.5
+        pop.observe("t", "m", True, stream_end(rng.uniform(2, 6), False, 0.3, 0.3, 0.02), now)
+        _reader(pop, rng.uniform(0.05, 1.2), rng.randint(1, 6), now + 0.25)
+    assert pop.budget("t", "m", True) is None
+    # Readers of a burst that queued together: first tokens within 25 ms of one another,
+    # each gone a few events later. They left together because they began together.
+    burst = ClientPatience()
+    for i in range(MIN_EVENTS):
+        _reader(burst, 0.19 + 0.0025 * i, 1 + i % 3, 0.2 + 0.003 * i)
+    assert burst.budget("t", "m", True) is None
+
+
+def test_a_total_deadline_mid_stream_is_learned_beside_readers() -> None:
+    """Clients with a 4 s total timeout, whose first tokens came anywhere from 0.1 to
+    2 s, all leave at 4 s: a clock. Readers beside them (a third) do not hide it, and
+    do not shorten it."""
+    rng = random.Random(4)
+    pop = ClientPatience()
+    now = 0.0
+    for i in range(3 * MIN_EVENTS):
+        now += 1.0
+        if i % 3 == 2:
+            _reader(pop, rng.uniform(0.05, 1.0), rng.randint(1, 6), now)
+        else:
+            first = rng.uniform(0.1, 2.0)
+            left = stream_end(4.0 + rng.uniform(0, 0.01), True, first, 0.01, 0.02)
+            pop.observe("t", "m", True, left, now)
+    got = pop.budget("t", "m", True)
+    assert got is not None and got.whole and 4.0 <= got.seconds <= 4.01
+
+
+def test_patient_streams_beside_readers_are_not_shed_in_virtual_time() -> None:
+    """Four patient streaming clients that state no timeout, beside four that stop each
+    stream after 1-6 events, on one tiny replica: before, the readers taught a deadline
+    no stream met and the patient clients were shed 82 times in 400 requests."""
+    from bench.vtime import run
+    from enginesim.workloads import synthetic_items
+
+    rng = random.Random(5)
+    items = synthetic_items(400, 200, 120)
+    for item in items:
+        item.output_tokens = rng.randint(60, 160)
+    report = run(
+        "tiny", items, concurrency=8, timeout_s=60.0, send_timeout=False, stream=True, stoppers=4
+    )
+    assert report.stopped >= 300  # the readers did what they do
+    assert report.completed + report.stopped == len(items)
+    assert sum(n for client, n in report.sheds.items() if client >= 4) == 0

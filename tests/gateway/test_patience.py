@@ -170,7 +170,7 @@ def _stream_ctx(**fields) -> RequestContext:
 def test_where_a_stream_client_left_is_read_from_its_gaps() -> None:
     # 100 events 20 ms apart from 0.5 s on; left 30 ms after the last: while it flowed.
     flowing = _stream_ctx(first_byte_at=0.5, last_event_at=2.48, events=100)
-    assert patience_seen(flowing, 2.51) == ClientEnd(2.51, True, pytest.approx(0.03), False)
+    assert patience_seen(flowing, 2.51) == ClientEnd(2.51, True, pytest.approx(0.03), False, 0.5)
     # The same stream, left 3 s after its last event: after a stall (a per-chunk clock).
     stalled = _stream_ctx(first_byte_at=0.5, last_event_at=2.48, events=100)
     assert patience_seen(stalled, 5.48).stalled is True
