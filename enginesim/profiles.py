@@ -144,6 +144,9 @@ class PerfSpec(_Strict):
     step_overhead_ms: float = Field(
         2.0, ge=0, description="scheduler, sampling, launch gaps per step"
     )
+    seq_overhead_ms: float = Field(
+        0.0, ge=0, description="host work per sequence in a step (sampling, output processing)"
+    )
     compute_efficiency: float = Field(
         0.5, gt=0, le=1, description="achieved / peak FLOPs for GEMMs"
     )

@@ -1,6 +1,10 @@
 """Step time from first principles: a roofline over one engine step.
 
-    time = overhead + max(compute, memory) + comm [+ draft passes]
+    time = overhead + seq_overhead x sequences + max(compute, memory) + comm [+ draft passes]
+
+* seq_overhead is the host's work per sequence in the step (sampling, output processing,
+  bookkeeping): what makes a tiny model's step grow with the batch on a CPU, where the
+  forward pass itself is a small part of the step.
 
 * compute = FLOPs / (peak FLOPs x efficiency), where FLOPs are 2 x active parameters per
   token in the step, plus attention: 4 x layers x hidden x (context each token attends to)
@@ -63,6 +67,7 @@ class Roofline:
         expert_eff = perf.expert_memory_efficiency or perf.memory_efficiency
         self.expert_bw = hw.hbm_gbps * 1e9 * g * expert_eff / perf.expert_load_imbalance
         self.overhead = perf.step_overhead_ms / 1e3
+        self.seq_overhead = perf.seq_overhead_ms / 1e3
         self.active_params = m.active_params
         self.attn_flops_per_ctx = (
             4.0 * m.num_layers * m.hidden_size if perf.attention_flops else 0.0
@@ -122,5 +127,6 @@ class Roofline:
             n = s.draft_tokens_per_pass
             one = max(self.draft_flops_per_token * n / self.flops, self.draft_bytes / self.bw)
             draft = s.draft_passes * (self.draft_overhead + one)
-        total = self.overhead + max(compute, memory) + comm + draft
-        return StepCost(total, compute, memory, comm, self.overhead, draft)
+        overhead = self.overhead + self.seq_overhead * s.num_seqs
+        total = overhead + max(compute, memory) + comm + draft
+        return StepCost(total, compute, memory, comm, overhead, draft)

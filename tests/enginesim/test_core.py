@@ -8,7 +8,7 @@ import pytest
 
 from enginesim.core import EngineCore
 from enginesim.profiles import Profile, load_profile
-from enginesim.roofline import Roofline
+from enginesim.roofline import Roofline, StepShape
 from enginesim.spec import acceptance_rate
 from enginesim.types import EngineEvent, EventKind, Flavor, SimRequest, Workload
 
@@ -288,3 +288,15 @@ def test_step_time_grows_with_work() -> None:
     decode = core.step(prefill.end)
     assert prefill.num_prefill_tokens == 2000 and decode.num_decode_tokens == 1
     assert prefill.duration > 10 * decode.duration
+
+
+def test_seq_overhead_is_paid_per_sequence_in_the_step() -> None:
+    profile = load_profile("tiny")
+    perf = profile.perf.model_copy(update={"seq_overhead_ms": 0.5})
+    with_seq = Roofline(profile.model_copy(update={"perf": perf}))
+    base = Roofline(profile)
+    one = StepShape(tokens=1, attended=100, kv_read_tokens=100, num_seqs=1)
+    eight = StepShape(tokens=8, attended=800, kv_read_tokens=800, num_seqs=8)
+    assert with_seq.cost(one).total - base.cost(one).total == pytest.approx(0.5e-3)
+    assert with_seq.cost(eight).total - base.cost(eight).total == pytest.approx(4e-3)
+    assert with_seq.cost(eight).overhead == pytest.approx(base.overhead + 4e-3)
