@@ -254,7 +254,7 @@ class Ledger:
                 if served_by > 0:  # 0: no completion seen yet, nothing to bound it by
                     res.held_until = min(res.held_until, res.admitted_at + 2 * served_by)
             res.completion = completion
-            self.replicas[res.replica].held += 1
+            rep.held += 1
             self.held[res.request_id] = res
 
     def overdue(self, now: float) -> list[Reservation]:

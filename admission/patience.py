@@ -236,6 +236,17 @@ def stream_end(
     return ClientEnd(waited_s, True, quiet_s, stalled, first_s)
 
 
+@dataclass(slots=True)
+class _Flowing:
+    """One departure while a stream flowed: its wait, its first token's wait (None: not
+    told), its last quiet stretch, and whether it was counted as a departure."""
+
+    waited: float
+    first: float | None
+    quiet: float | None
+    counted: bool = False
+
+
 @dataclass(slots=True, frozen=True)
 class Budget:
     """A learned budget: seconds, and whether it bounds the whole response (a stream's
@@ -258,32 +269,31 @@ class Population:
         self.stalled = 0  # departures mid-stream after a stall
         self._close_at = -math.inf  # when the current close's first departure left
         self._close_waited = 0.0  # and how long that client had waited
-        # The recent departures while tokens flowed: [waited, first token's wait, quiet,
-        # counted as a departure].
-        self._recent: deque[list] = deque(maxlen=SHAPE_MEMORY)
+        # The recent departures while tokens flowed.
+        self._recent: deque[_Flowing] = deque(maxlen=SHAPE_MEMORY)
 
     def on_a_clock(self, waited: float, first: float | None, quiet: float | None) -> bool:
         """Whether a departure while tokens flowed, after `waited` (its first token after
         `first`; None: not told), is a clock's (the module's doc). The earlier members
         of its cohort, taken as stays, become departures."""
         recent = self._recent
-        recent.append([waited, first, quiet, False])
-        cohort = [r for r in recent if abs(r[0] - waited) <= 0.1 * min(r[0], waited)]
+        recent.append(_Flowing(waited, first, quiet))
+        cohort = [r for r in recent if abs(r.waited - waited) <= 0.1 * min(r.waited, waited)]
         if len(cohort) < MIN_COHORT or 2 * len(cohort) <= len(recent):
             return False
-        firsts = [r[1] for r in cohort if r[1] is not None]
+        firsts = [r.first for r in cohort if r.first is not None]
         if len(firsts) == len(cohort) and _spread(firsts) <= CLOCK_SPREAD * _spread(
-            [r[0] for r in cohort]
+            [r.waited for r in cohort]
         ):
             return False  # they left as they began: readers, not a clock
         for r in cohort[:-1]:
-            if not r[3]:
-                r[3] = True
-                self.total.relabel(r[0])
-                if r[2] is not None:
-                    self.quiet.relabel(r[2])
+            if not r.counted:
+                r.counted = True
+                self.total.relabel(r.waited)
+                if r.quiet is not None:
+                    self.quiet.relabel(r.quiet)
                 self.flowing += 1
-        cohort[-1][3] = True
+        cohort[-1].counted = True
         return True
 
     def left_alone(self, end: ClientEnd, now: float) -> bool:
