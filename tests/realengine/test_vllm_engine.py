@@ -230,21 +230,16 @@ def test_non_stream_disconnect_aborts_the_engines_request(vllm: VllmServer) -> N
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
     )
-    # The engine is idle when a test starts (the autouse fixture waits for it), so its
-    # running gauge rising is this request. (vLLM adds a non-stream request's tokens to
-    # generation_tokens_total in bursts, so that counter is no start signal.)
-    deadline = time.monotonic() + 20
-    while vllm.metric("vllm:num_requests_running") < 1:
-        if time.monotonic() > deadline:
-            sock.settimeout(2)
-            raise AssertionError(("the request never ran", sock.recv(4000)))
-        time.sleep(0.02)
+    # The whole answer takes 12-17 s (the 16 sequences outgrow the pool and are
+    # preempted in turn), so a second in it is running. No gauge is waited for: while
+    # this request runs, the API server answers /metrics seconds late (2.6 s seen on an
+    # idle machine, long enough on a loaded one for all of it to finish first).
+    time.sleep(1.0)
     sock.shutdown(socket.SHUT_RDWR)
     sock.close()
-    t0 = time.monotonic()
-    vllm.wait_idle(timeout=5.0)
-    assert time.monotonic() - t0 < 1.5  # seconds of decode were left
-    assert vllm.metric("vllm:generation_tokens_total") - generated < _N * _LONG  # cut short
+    vllm.wait_idle(timeout=5.0)  # seconds of decode were left
+    cut = vllm.metric("vllm:generation_tokens_total") - generated
+    assert 0 < cut < _N * _LONG // 2, cut  # it ran, and was cut well short
 
 
 def test_a_burst_over_the_pool_is_admitted_and_preempted(vllm: VllmServer) -> None:
