@@ -217,6 +217,8 @@ async def test_a_client_disconnect_aborts_the_engines_request(
     generated = await engine_metric(vllm, "vllm:generation_tokens_total")
     max_tokens = 1500
 
+    started = asyncio.Event()
+
     async def abandoned() -> None:
         async with (
             aiohttp.ClientSession(timeout=TIMEOUT) as s,
@@ -224,28 +226,31 @@ async def test_a_client_disconnect_aborts_the_engines_request(
                 gw.url + "/v1/chat/completions", json=chat("hi", max_tokens, stream=stream)
             ) as r,
         ):
+            await r.content.readany()  # a stream's first chunk: it runs on the engine
+            started.set()
             await r.read()
 
     task = asyncio.create_task(abandoned())
-    # Generous bounds. In the file's order this fails now and then (on main before this
-    # work too): vLLM's /metrics stayed still through a whole stream that kvgate relayed,
-    # its running gauge at 0 (not traced; scripts/REAL_ENGINE_NOTES.md).
     assert await until(lambda: gw.report.reserved_tokens() > 0, 30.0)
-    loop = asyncio.get_running_loop()
-    end = loop.time() + 30
-    # The engine is idle when a test starts: its running gauge rising is this request.
-    while await engine_metric(vllm, "vllm:num_requests_running") < 1:
-        assert loop.time() < end, "the request never ran on the engine"
-        await asyncio.sleep(0.02)
+    # The start signal is not vLLM's running gauge: while the tiny model decodes, a
+    # loaded machine's API server answers /metrics only once it is done
+    # (scripts/REAL_ENGINE_NOTES.md). A stream shows its first chunk; a non-stream
+    # request, with nothing to show, is left a second of its 4-5 s of decode.
+    if stream:
+        await asyncio.wait_for(started.wait(), 30.0)
+    else:
+        await asyncio.sleep(1.0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    loop = asyncio.get_running_loop()
     t0 = loop.time()
     while await engine_metric(vllm, "vllm:num_requests_running") > 0:
         assert loop.time() - t0 < 5.0, "the engine kept running an abandoned request"
         await asyncio.sleep(0.02)
     assert await until(lambda: gw.report.reserved_tokens() == 0, 5.0)
-    assert await engine_metric(vllm, "vllm:generation_tokens_total") - generated < max_tokens
+    cut = await engine_metric(vllm, "vllm:generation_tokens_total") - generated
+    assert 0 < cut < max_tokens, cut  # it ran, and was cut short
 
 
 # ---------------------------------------------------------------------------- shared prefix
@@ -336,7 +341,7 @@ async def test_the_shared_prefix_credit_never_falls_below_what_the_engine_holds(
     for attempt in range(3):
         assert await burst(f"shared{attempt}") == [200] * 8
         busy = [(kv, engine) for kv, engine in samples if engine > 0]
-        if len(busy) >= 3:
+        if len(busy) >= 3 and max(engine_running) >= 2:
             break
     assert len(busy) >= 3, samples  # the engine was seen busy
     short = [(kv, engine) for kv, engine in busy if kv < engine]
