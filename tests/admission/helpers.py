@@ -41,6 +41,7 @@ def request(
     priority: int = 0,
     deadline: float = float("inf"),
     latency_budget: float | None = None,
+    stream: bool = False,
 ) -> AdmissionRequest:
     return AdmissionRequest(
         request_id=rid,
@@ -51,6 +52,7 @@ def request(
         priority=priority,
         deadline=deadline,
         latency_budget=latency_budget,
+        stream=stream,
     )
 
 
