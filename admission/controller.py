@@ -20,7 +20,7 @@ Each concern lives in a module of its own, which states its rules:
 One output channel, as h11's `Connection`: every call that changes state returns its
 verdict and every event it caused. `submit` returns a `Decision` (its verdict, and the
 `Events` it settled for other requests: entries admitted in the same scan, an entry a
-full queue gave up for it); `release`, `first_token`, `abandon`, `upsert_replica`, `remove_replica`,
+full queue gave up for it); `release`, `abandon`, `upsert_replica`, `remove_replica`,
 `mark_unready`, `set_ejected`, `set_pool_share`, `adopt_limit` and `advance` return the
 `Events` they caused. `advance(now)` is time acting: expiries (deadlines passed, waits
 that no longer meet them, holds overdue) and the settling they and time allow;
@@ -305,17 +305,6 @@ class AdmissionController:
             if entry is not None:
                 self._queue.dequeue(entry)
         return self._queue.settle(now)
-
-    def first_token(self, request_id: str, now: float) -> Events:
-        """A stream's first token left its replica: a learned limit in slow start may
-        grow on it (admission/learning.py). Returns the queued requests that admits."""
-        self._saw(now)
-        res = self._ledger.reservations.get(request_id)
-        if res is None:
-            return []
-        if self._learning.first_token(self._ledger.replicas[res.replica], res, now):
-            return self._queue.settle(now)
-        return []
 
     def abandon(self, request_id: str, now: float, completion: Completion | None = None) -> Events:
         """Hold the reservation of a request kvgate stopped waiting for while the engine

@@ -67,28 +67,6 @@ class Learning:
             model = rep.itl = ItlModel(memory_s=self.config.itl_memory_s)
         model.add(load, completion.itl_s, now)
 
-    def first_token(self, rep: Replica, res: Reservation, now: float) -> bool:
-        """A stream's first token left `rep`: where that token is all its score will
-        judge (its budget bounds the first token, no inter-token or end-to-end target),
-        a limit in slow start grows on it (`RunningLimit.first_token`). Returns whether
-        the limit grew."""
-        if rep.limit is None or res.budget_whole or res.early:
-            return False
-        targets = self._targets.get(res.model) or self._targets.get("*")
-        if targets is not None and (targets.itl_s is not None or targets.e2e_s is not None):
-            return False  # the rest of the stream decides: scored at its completion
-        res.early = True
-        ratio = latency_ratio(
-            service_s=None,
-            ttft_s=now - res.admitted_at,
-            itl_s=None,
-            budget_s=res.budget,
-            budget_fraction=self.config.latency_budget_fraction,
-            targets=targets,
-            stream=True,
-        )
-        return rep.limit.first_token(ratio, rep.cap, float(rep.running))
-
     def released(
         self,
         rep: Replica,
@@ -146,7 +124,6 @@ class Learning:
             work_tokens=work or res.tokens + res.covered,
             ratio=ratio,
             cap=rep.cap,
-            early=res.early and c.ttft_s is not None,
             # The load it was served at: the mean of the running counts at its start and
             # its end (before its slot is freed).
             load=(rep.running + 1 + at_admit) / 2 if at_admit is not None else None,

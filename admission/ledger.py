@@ -56,7 +56,6 @@ class Reservation:
     covered: int = 0  # tokens of its need that those pinned blocks hold
     budget: float | None = None  # the latency budget it was admitted under (Admit's)
     budget_whole: bool = False  # a stream's budget bounds its whole response
-    early: bool = False  # its first token was scored by the limit's slow start
     # Set by `hold`: since when, until when at most, and what to learn on release.
     held_since: float | None = None
     held_until: float = math.inf

@@ -40,9 +40,7 @@ Per window:
 * **Growth.** While the replica is kept busy and latency allows it, the limit grows.
   From a cold start it grows as TCP's slow start does: one more per request served in
   time (under half its latency aim) while the replica is busy, so it doubles in about
-  one service time and a burst on a healthy replica is not queued behind it (a stream
-  whose budget bounds only its first token counts at that token, so for streams it
-  doubles in about one time to first token); never past
+  one service time and a burst on a healthy replica is not queued behind it; never past
   what that completion predicts (the load it was served at over its score). Slow start
   ends at a completion past half its aim (TCP's ssthresh), at any cut, or at the knee
   (what it grew past the knee is given back). From then on the limit grows by
@@ -183,20 +181,18 @@ class RunningLimit:
         ratio: tuple[float | None, float | None],
         cap: int | None,
         load: float | None = None,
-        early: bool = False,
     ) -> None:
         """A request admitted at `admitted_at` ended at `now`; `ratio` is its measured /
         target latency ratio against its client's timeout and against the configured
         targets (`latency_ratio`; None where it had none); `load` the number running
-        while it was served (None: what runs now); `early`: slow start already counted
-        it at its first token (`first_token`)."""
+        while it was served (None: what runs now)."""
         hard, soft = ratio
         if not ok and hard is None:
             # Failed by the replica (an upstream error or timeout, a client that left at
             # its timeout while being served). A client that left after part of its
             # budget went to the queue brings the service it got: a lower bound.
             hard = FAILURE_RATIO
-        if self._slow_start and ok and not early:
+        if self._slow_start and ok:
             self._slow_grow(hard, soft, cap, load)
         if admitted_at < self._changed_at:
             return  # admitted under an earlier limit: no evidence about this one
@@ -224,20 +220,6 @@ class RunningLimit:
             window = max(2, math.ceil(window * own / (own + self.others)))
         if self._count > window:
             self._close_window(now, cap)
-
-    def first_token(
-        self, ratio: tuple[float | None, float | None], cap: int | None, load: float
-    ) -> bool:
-        """A stream's first token, scored as its completion will be (`ratio`): where
-        the first token is all its budget bounds, it is the earliest evidence that the
-        replica serves this load in time, and slow start grows on it (TCP grows per
-        ACK), a time to first token after admission rather than a whole service. Returns
-        whether the limit grew."""
-        if not self._slow_start:
-            return False
-        before = self.value
-        self._slow_grow(*ratio, cap, load)
-        return self.value > before
 
     def _slow_grow(
         self, hard: float | None, soft: float | None, cap: int | None, load: float | None

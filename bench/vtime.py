@@ -62,7 +62,6 @@ class VtReport:
     timeouts: list[tuple[float, int, float | None]] = field(default_factory=list)
     stopped: int = 0  # streams a stopper closed after the events it wanted
     sheds: Counter = field(default_factory=Counter)  # sheds (retried or not) by client
-    first_done_s: float | None = None  # when the first request completed
 
     @property
     def retries_per_completed(self) -> float:
@@ -307,8 +306,6 @@ def run(
                     att.events += 1
                     if att.first_token is None:
                         att.first_token = now
-                        if stream:
-                            handle(ctrl.first_token(att.rid, now))
                     if att.stop_after is not None and att.events >= att.stop_after:
                         # It read what it wanted and closes the stream (not a completion).
                         core.abort(att.rid, now)
@@ -339,8 +336,6 @@ def run(
                         ),
                     )
                     report.completed += 1
-                    if report.first_done_s is None:
-                        report.first_done_s = now
                     report.tokens += ev.prompt_tokens + ev.completion_tokens
                     report.latencies.append(now - att.first)
                     report.ttfts.append(ttft)

@@ -144,16 +144,11 @@ class AdmissionDoor:
             self._waiters.pop(request_id, None)
 
     def first_token(self, request_id: str | None) -> None:
-        """A stream's first token left its replica (the relay saw it): routing stops
-        counting its prefill as waiting there (routing.prefill), and a learned limit in
-        slow start may grow on it and admit what waits."""
-        if request_id is None:
-            return
-        now = self._loop.time()
+        """A request's first token left its replica (the relay saw it): routing stops
+        counting its prefill as waiting there (routing.prefill). Changes no admission."""
         hook = getattr(self._controller.router, "first_token", None)
-        if hook is not None:
-            hook(request_id, now)
-        self._resolve(self._controller.first_token(request_id, now))
+        if request_id is not None and hook is not None:
+            hook(request_id, self._loop.time())
 
     def prompt_cached(self, request_id: str | None, cached: int, chars_per_token: float) -> None:
         """The engine held `cached` tokens of a request's prompt (its usage): routing

@@ -41,7 +41,6 @@ def request(
     priority: int = 0,
     deadline: float = float("inf"),
     latency_budget: float | None = None,
-    stream: bool = False,
 ) -> AdmissionRequest:
     return AdmissionRequest(
         request_id=rid,
@@ -52,7 +51,6 @@ def request(
         priority=priority,
         deadline=deadline,
         latency_budget=latency_budget,
-        stream=stream,
     )
 
 

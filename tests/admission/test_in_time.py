@@ -17,7 +17,7 @@ from bench.vtime import run
 from enginesim.simulate import run_closed_loop
 from enginesim.types import Workload
 from enginesim.workloads import synthetic_items
-from tests.admission.helpers import admits, controller, replica, request
+from tests.admission.helpers import controller, replica, request
 
 PROFILE = Path(__file__).resolve().parents[2] / "enginesim" / "profiles" / "vllm-cpu-tiny.yaml"
 
@@ -35,53 +35,6 @@ def test_a_cold_replica_doubles_its_limit_in_one_round_of_completions() -> None:
             lim.completed(now, now - 1.0, ok=True, work_tokens=500, ratio=(0.2, None), cap=None)
         assert lim.allowed(None) == expected
     assert lim.reason == "slow_start"
-
-
-def test_a_streams_first_token_in_time_grows_a_cold_limit_once() -> None:
-    """A stream whose budget bounds its first token is scored at that token: slow start
-    grows on it there, not again at its completion, and only in slow start."""
-    lim = RunningLimit(LimitSettings(initial=2, window=16))
-    lim.running_changed(2, 0.0)
-    assert lim.first_token((0.2, None), None, load=2.0)
-    assert lim.allowed(None) == 3 and lim.reason == "slow_start"
-    lim.completed(1.0, 0.0, ok=True, work_tokens=500, ratio=(0.2, None), cap=None, early=True)
-    assert lim.allowed(None) == 3  # counted once
-    lim.running_changed(3, 1.0)
-    assert not lim.first_token((0.6, None), None, load=3.0)  # past half its aim: ends
-    assert not lim.first_token((0.1, None), None, load=3.0)  # slow start is over
-    assert lim.allowed(None) == 3
-
-
-def test_queued_streams_are_admitted_as_first_tokens_arrive_not_completions() -> None:
-    """Six streams at a cold replica (limit 2): each first token served in time admits
-    one more at once, so four run before anything completed."""
-    ctrl = controller(learn_limit=True, initial_limit=2)
-    ctrl.upsert_replica(replica("r1", 100_000), 0.0)
-    verdicts = [
-        ctrl.submit(request(f"s{i}", 400, 100, latency_budget=10.0, stream=True), 0.0).verdict
-        for i in range(6)
-    ]
-    assert [type(v) for v in verdicts] == [Admit, Admit] + [Queued] * 4
-    admitted = admits(ctrl.first_token("s0", 0.3))
-    assert [a.request_id for a in admitted] == ["s2"]
-    assert [a.request_id for a in admits(ctrl.first_token("s1", 0.4))] == ["s3"]
-    assert ctrl.first_token("s1", 0.5) == []  # one first token each
-    assert ctrl.first_token("nobody", 0.5) == []
-    assert ctrl.report.replica_usage()[0].running == 4
-    for rid in ("s0", "s1", "s2", "s3", "s4", "s5"):
-        ctrl.release(rid, 1.0)
-
-
-def test_a_burst_of_streams_reaches_its_concurrency_before_the_first_completes() -> None:
-    """Eight openai SDK streams on seed 001's card (the bench's clock): the cold limit
-    of 2 grows on first tokens to all 8 before the first request completes (it grew on
-    completions only, a whole service time per step, and reached 8 after it)."""
-    profile = str(PROFILE.parent / "seed2-8b-16gb.yaml")
-    items = synthetic_items(16, 2000, 400, Workload.CHAT, prefix="burst")
-    report = run(profile, items, concurrency=8, timeout_s=60.0, stream=True, max_retries=2)
-    assert report.completed == len(items)
-    assert report.first_done_s is not None
-    assert report.limit_at(report.first_done_s) >= 8, report.limits
 
 
 def test_a_client_that_left_after_the_queue_took_its_budget_is_no_evidence_against_the_replica() -> (
