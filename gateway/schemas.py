@@ -125,6 +125,20 @@ class _Common:
         generate until the context is full, whatever the API's documented default)."""
         return self.max_tokens is not None
 
+    @property
+    def output_floor(self) -> int:
+        """Output tokens the request will generate at least, by what it asks the engine
+        (vLLM's and SGLang's extensions): all of its bound with ``ignore_eos``, else its
+        ``min_tokens``; 0 when it says nothing. History cannot shorten these."""
+        body = self.body
+        bound = self.output_bound  # type: ignore[attr-defined]
+        if body.get("ignore_eos") is True and bound is not None:
+            return bound
+        floor = body.get("min_tokens")
+        if type(floor) is int and floor > 0:
+            return floor if bound is None else min(floor, bound)
+        return 0
+
 
 class ChatCompletionRequest(_Common):
     __slots__ = ("messages", "max_completion_tokens", "tools")

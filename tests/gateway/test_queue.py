@@ -304,3 +304,33 @@ async def test_a_shed_by_the_learned_running_limit_says_so_not_kv_capacity(repli
         held.close()
     assert "running limit kvgate learned" in message, message
     assert "KV capacity" not in message, message
+
+
+async def test_a_non_stream_request_that_asks_for_its_whole_bound_is_reserved_for_it(
+    replica, gateway
+):
+    """Once history says outputs are short (8 tokens), a non-stream request without
+    ignore_eos is reserved that, but one with ignore_eos generates all of its max_tokens
+    and is reserved (and its service predicted) for all of it, as it cannot be topped up
+    the way a stream is; min_tokens is a floor too. (A gateway each: one's answer would
+    join the next one's history.)"""
+    reserved = {}
+    for name, extra in (
+        ("plain", {"ignore_eos": False}),
+        ("min_tokens", {"ignore_eos": False, "min_tokens": 120}),
+        ("ignore_eos", {}),
+    ):
+        gw = await gateway(await replica(speed=0.5), admission={"min_output_samples": 3})
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):  # history: outputs of 8 tokens
+                async with s.post(gw.url + "/v1/chat/completions", json=body(8)) as r:
+                    assert r.status == 200
+            task = asyncio.create_task(
+                s.post(gw.url + "/v1/chat/completions", json=body(200, **extra))
+            )
+            assert await wait_for(lambda: gw.report.reserved_tokens() > 0)  # noqa: B023
+            reserved[name] = gw.report.reserved_tokens()
+            (await task).close()
+    assert reserved["plain"] < 100, reserved
+    assert 120 <= reserved["min_tokens"] < 200, reserved
+    assert reserved["ignore_eos"] >= 200, reserved
