@@ -126,12 +126,17 @@ class _Common:
         return self.max_tokens is not None
 
     @property
+    def output_bound(self) -> int | None:
+        """The client's output bound (each endpoint reads its own fields)."""
+        raise NotImplementedError
+
+    @property
     def output_floor(self) -> int:
         """Output tokens the request will generate at least, by what it asks the engine
         (vLLM's and SGLang's extensions): all of its bound with ``ignore_eos``, else its
         ``min_tokens``; 0 when it says nothing. History cannot shorten these."""
         body = self.body
-        bound = self.output_bound  # type: ignore[attr-defined]
+        bound = self.output_bound
         if body.get("ignore_eos") is True and bound is not None:
             return bound
         floor = body.get("min_tokens")

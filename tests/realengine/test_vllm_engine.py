@@ -231,9 +231,9 @@ def test_non_stream_disconnect_aborts_the_engines_request(vllm: VllmServer) -> N
         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
     )
     # The whole answer takes 12-17 s (the 16 sequences outgrow the pool and are
-    # preempted in turn), so a second in it is running. No gauge is waited for: while
-    # this request runs, the API server answers /metrics seconds late (2.6 s seen on an
-    # idle machine, long enough on a loaded one for all of it to finish first).
+    # preempted in turn), so a second in it is running. No gauge is waited for: under
+    # contention the API server answers /metrics only once the answer is done
+    # (scripts/REAL_ENGINE_NOTES.md, Client disconnect).
     time.sleep(1.0)
     sock.shutdown(socket.SHUT_RDWR)
     sock.close()

@@ -334,10 +334,11 @@ async def test_the_shared_prefix_credit_never_falls_below_what_the_engine_holds(
         await asyncio.gather(*tasks)
         return list(statuses)
 
-    # The tiny model decodes faster than vLLM's API server streams: on a loaded machine
-    # the engine has finished (its gauges read 0) while the server still sends the
-    # tokens, and scrapes wait behind the stream. 100 tokens a request gave 16 scrapes,
-    # none busy, under two busy loops; 300 gave 4-21 busy of 15-32. Up to three bursts.
+    # On a loaded machine vLLM's API server falls behind its engine (REAL_ENGINE_NOTES.md,
+    # Client disconnect): the engine has finished (its gauges read 0) while the server
+    # still sends the tokens, and scrapes wait behind the stream. 100 tokens a request
+    # gave 16 scrapes, none busy, under two busy loops; 300 gave 4-21 busy of 15-32.
+    # Up to three bursts.
     for attempt in range(3):
         assert await burst(f"shared{attempt}") == [200] * 8
         busy = [(kv, engine) for kv, engine in samples if engine > 0]

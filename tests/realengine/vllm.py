@@ -85,18 +85,16 @@ def serve_env(cpus: str = "0") -> dict[str, str]:
 
 
 def _descendants(pid: int) -> list[int]:
-    """The processes below `pid` (children, theirs, ...), read from /proc."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    """The processes below `pid` (children, theirs, ...), from each thread's
+    /proc children list."""
     found, todo = [], [pid]
     while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
+        parent = todo.pop()
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{parent}/task"):
+                kids = Path(f"/proc/{parent}/task/{tid}/children").read_text().split()
+                found += map(int, kids)
+                todo += map(int, kids)
     return found
 
 
