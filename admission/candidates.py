@@ -19,7 +19,7 @@ chooses among a few good replicas, so admission keeps, per model:
   preemption): whether a request can ever fit, and its reservation, are computed once
   per shape, not once per replica.
 - `PredictMax`: the largest predicted service over the model's replicas, as the maxima
-  of each replica's line coefficients (an upper bound of the old per-replica maximum,
+  of each replica's plane coefficients (an upper bound of the old per-replica maximum,
   exact when one replica dominates), refreshed only for replicas whose fit or load
   changed since the last decision.
 
@@ -79,40 +79,59 @@ class HeadroomIndex:
         return iter(self._by_run)
 
 
-class PredictMax:
-    """The largest ``max(0, base + slope * tokens) * scale`` over a model's replicas, as
-    ``max(0, max(base * scale) + max(slope * scale) * tokens)``: each maximum kept by
-    replica, recomputed over all of them only when the replica holding it goes down."""
+class KeyedMax:
+    """Values by replica name and their maximum, recomputed over all of them only when
+    the replica holding it lowers its value or goes."""
 
-    __slots__ = ("_base", "_slope", "_max_base", "_max_slope")
+    __slots__ = ("_values", "top")
 
     def __init__(self) -> None:
-        self._base: dict[str, float] = {}
-        self._slope: dict[str, float] = {}
-        self._max_base = -math.inf
-        self._max_slope = -math.inf
+        self._values: dict[str, float] = {}
+        self.top = -math.inf
 
-    def set(self, name: str, base: float, slope: float) -> None:
-        old_base = self._base.get(name)
-        old_slope = self._slope.get(name)
-        self._base[name] = base
-        self._slope[name] = slope
-        if base >= self._max_base:
-            self._max_base = base
-        elif old_base is not None and old_base >= self._max_base:
-            self._max_base = max(self._base.values())
-        if slope >= self._max_slope:
-            self._max_slope = slope
-        elif old_slope is not None and old_slope >= self._max_slope:
-            self._max_slope = max(self._slope.values())
+    def __bool__(self) -> bool:
+        return bool(self._values)
+
+    def set(self, name: str, value: float) -> None:
+        old = self._values.get(name)
+        self._values[name] = value
+        if value >= self.top:
+            self.top = value
+        elif old is not None and old >= self.top:
+            self.top = max(self._values.values())
 
     def remove(self, name: str) -> None:
-        if self._base.pop(name, None) is not None:
-            self._slope.pop(name, None)
-            self._max_base = max(self._base.values(), default=-math.inf)
-            self._max_slope = max(self._slope.values(), default=-math.inf)
+        if self._values.pop(name, None) is not None:
+            self.top = max(self._values.values(), default=-math.inf)
 
-    def predict(self, tokens: float) -> float:
+
+class PredictMax:
+    """The largest predicted service ``max(0, base + a * prompt + b * output)`` over a
+    model's replicas (their `admission.service.Plane` at their load), bounded as
+    ``max(0, max(base) + max(a) * prompt + max(b) * output)``: each maximum kept by
+    replica (`KeyedMax`)."""
+
+    __slots__ = ("_base", "_per_prompt", "_per_output")
+
+    def __init__(self) -> None:
+        self._base = KeyedMax()
+        self._per_prompt = KeyedMax()
+        self._per_output = KeyedMax()
+
+    def set(self, name: str, base: float, per_prompt: float, per_output: float) -> None:
+        self._base.set(name, base)
+        self._per_prompt.set(name, per_prompt)
+        self._per_output.set(name, per_output)
+
+    def remove(self, name: str) -> None:
+        self._base.remove(name)
+        self._per_prompt.remove(name)
+        self._per_output.remove(name)
+
+    def predict(self, prompt: float, output: float = 0.0) -> float:
         if not self._base:
             return 0.0
-        return max(0.0, self._max_base + self._max_slope * tokens)
+        return max(
+            0.0,
+            self._base.top + self._per_prompt.top * prompt + self._per_output.top * output,
+        )

@@ -88,12 +88,12 @@ class Learning:
     ) -> None:
         """Feed one completion to the replica's latency history and learned limit."""
         prompt = c.prompt_tokens or 0
-        work = prompt + (c.completion_tokens or 0)
+        output = c.completion_tokens or 0
         load = rep.allowed or rep.running + 1
-        if c.ok and c.service_s is not None and work > 0:
-            rep.service.add(work, c.service_s, load)
+        if c.ok and c.service_s is not None and prompt + output > 0:
+            rep.service.add(prompt, output, c.service_s, load)
         if c.ok and c.ttft_s is not None and prompt > 0:
-            rep.ttft.add(prompt, c.ttft_s, load)
+            rep.ttft.add(prompt, 0, c.ttft_s, load)
         if rep.limit is None:
             return
         targets = self._targets.get(res.model) or self._targets.get("*")
@@ -121,7 +121,7 @@ class Learning:
             now,
             res.admitted_at,
             ok=c.ok,
-            work_tokens=work or res.tokens + res.covered,
+            work_tokens=prompt + output or res.tokens + res.covered,
             ratio=ratio,
             cap=rep.cap,
             # The load it was served at: the mean of the running counts at its start and

@@ -56,6 +56,8 @@ class Reservation:
     covered: int = 0  # tokens of its need that those pinned blocks hold
     budget: float | None = None  # the latency budget it was admitted under (Admit's)
     budget_whole: bool = False  # a stream's budget bounds its whole response
+    prompt_tokens: int = 0  # its prompt and reserved output, for its predicted service
+    output_tokens: int = 0
     # Set by `hold`: since when, until when at most, and what to learn on release.
     held_since: float | None = None
     held_until: float = math.inf
@@ -151,9 +153,9 @@ class Ledger:
         load = rep.allowed or rep.running + 1
         prompt = max(1, req.prompt_tokens)
         if len(rep.ttft):
-            return 2.0 * rep.ttft.predict(prompt, load)
+            return 2.0 * rep.ttft.predict(prompt, load=load)
         if len(rep.service):
-            return 2.0 * rep.service.predict(prompt, load)
+            return 2.0 * rep.service.predict(prompt, load=load)
         return self.config.prefix_settle_s
 
     # ------------------------------------------------------------------ reserve / free
@@ -196,6 +198,8 @@ class Ledger:
             full - private,
             budget=req.latency_budget,
             budget_whole=req.budget_whole,
+            prompt_tokens=max(1, req.prompt_tokens),
+            output_tokens=max(0, req.expected_output),
         )
         self.views.touch(rep)
         return Admit(req.request_id, rep.name, full, req.latency_budget)
@@ -250,7 +254,7 @@ class Ledger:
             # Where over-admitting costs a preemption, not an error (module docstring).
             if rep.preempts:
                 load = rep.allowed or rep.running
-                served_by = rep.service.predict(res.tokens + res.covered, load)
+                served_by = rep.service.predict(res.prompt_tokens, res.output_tokens, load)
                 if served_by > 0:  # 0: no completion seen yet, nothing to bound it by
                     res.held_until = min(res.held_until, res.admitted_at + 2 * served_by)
             res.completion = completion

@@ -172,7 +172,7 @@ class Placement:
         for this request over its drain rate in tokens/s, and its running-slot deficit
         over its rate in requests/s) plus the prefill of the part it does not hold;
         against the prefill of what `chosen` does not hold, starting now. Prefill times
-        are the replicas' own fitted TTFT lines (`ServiceModel`); without samples on
+        are the replicas' own fitted TTFT models (`admission.service`); without samples on
         either, or without a drain rate on the warm one, there is no basis to wait and
         the request starts now. Routing names the warm replicas (`Router.warm`); this is
         admission's when, not routing's where."""
@@ -202,8 +202,10 @@ class Placement:
         if not math.isfinite(wait):
             return False
         prompt = max(1, req.prompt_tokens)
-        t_warm = wait + w.ttft.predict(max(1, prompt - cached), allowed or w.running + 1)
-        t_cold = chosen.ttft.predict(max(1, prompt - here), chosen.allowed or chosen.running + 1)
+        t_warm = wait + w.ttft.predict(max(1, prompt - cached), load=allowed or w.running + 1)
+        t_cold = chosen.ttft.predict(
+            max(1, prompt - here), load=chosen.allowed or chosen.running + 1
+        )
         verdict = "expected_ttft_wait" if t_warm < t_cold else "expected_ttft_cold"
         self.ttft_choices[verdict] = self.ttft_choices.get(verdict, 0) + 1
         return t_warm < t_cold

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 
 from admission.config import AdmissionConfig
 from admission.drain import DrainMeter
-from admission.estimate import ServiceModel
 from admission.fit import FitLimits, can_ever_fit, context_needed, reservation, round_up
 from admission.itl import ItlModel
 from admission.limit import RunningLimit
 from admission.prefixshare import SharedPrefixes
+from admission.service import ServiceModel
 from admission.types import AdmissionRequest
 from routing.types import Candidate, ReplicaState
 

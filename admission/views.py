@@ -130,15 +130,15 @@ class ModelViews:
                     continue
                 load = rep.allowed or rep.running + 1
                 for model, target in ((rep.ttft, view.ttft), (rep.service, view.service)):
-                    line = model.line(load)
-                    if line is None:
+                    plane = model.plane(load)
+                    if plane is None:
                         target.remove(name)
                     else:
-                        target.set(name, line[0], line[1])
+                        target.set(name, *plane)
             view.dirty.clear()
         if req.stream and not req.budget_whole:
             return view.ttft.predict(req.prompt_tokens)
-        return view.service.predict(max(1, req.prompt_tokens) + max(0, req.expected_output))
+        return view.service.predict(max(1, req.prompt_tokens), max(0, req.expected_output))
 
 
 def _order(view: ModelView, rep: Replica) -> None:

@@ -1,0 +1,106 @@
+"""The service model: a plane in prompt and output tokens, an upper estimate of service."""
+
+import random
+
+import pytest
+
+from admission.candidates import PredictMax
+from admission.service import ServiceModel
+
+# A replica's step under continuous batching: an output token costs a whole step (50 ms),
+# a prompt token a share of a prefill chunk (0.1 ms).
+BASE, PER_PROMPT, PER_OUTPUT = 0.2, 1e-4, 0.05
+
+
+def served(prompt: int, output: int) -> float:
+    return BASE + PER_PROMPT * prompt + PER_OUTPUT * output
+
+
+def seed001_like(rng: random.Random, n: int, noise: float) -> list[tuple[int, int, float]]:
+    """Long prompts, short answers, as seed 001's batch job sends them."""
+    out = []
+    for _ in range(n):
+        p, o = rng.randint(1400, 4000), rng.randint(40, 200)
+        out.append((p, o, served(p, o) + rng.uniform(0.0, noise)))
+    return out
+
+
+def test_an_output_token_is_priced_apart_from_a_prompt_token():
+    model = ServiceModel()
+    for p, o, s in seed001_like(random.Random(1), 64, noise=0.0):
+        model.add(p, o, s)
+    # Exact data: the plane is recovered, so a long prompt with a short answer is
+    # predicted fast and a short prompt with a long answer slow, though both have the
+    # same token sum (a line in the sum would predict them alike).
+    assert model.predict(4000, 40) == pytest.approx(served(4000, 40), rel=1e-6)
+    assert model.predict(1440, 200) == pytest.approx(served(1440, 200), rel=1e-6)
+    assert model.predict(1440, 200) > 2 * model.predict(4000, 40) - BASE
+
+
+def test_the_upper_estimate_covers_what_it_saw_and_is_no_looser_than_the_noise():
+    rng = random.Random(2)
+    model = ServiceModel()
+    seen = seed001_like(rng, 64, noise=0.3)
+    for p, o, s in seen:
+        model.add(p, o, s)
+    assert all(model.predict(p, o) >= s - 1e-9 for p, o, s in seen)
+    # Held out, from the same replica: covered nearly always, and never by more than the
+    # noise's width over the truth (the sum-line's margin was about twice as wide).
+    fresh = seed001_like(rng, 400, noise=0.3)
+    covered = sum(model.predict(p, o) >= s for p, o, s in fresh)
+    assert covered >= 0.95 * len(fresh)
+    assert max(model.predict(p, o) - served(p, o) for p, o, _ in fresh) < 0.3 + 0.15
+
+
+def test_a_slope_the_noise_makes_negative_is_dropped_not_kept():
+    model = ServiceModel()
+    rng = random.Random(3)
+    # Service set by the output alone; long prompts happen to come with short times.
+    for _ in range(64):
+        p, o = rng.randint(100, 4000), rng.randint(10, 300)
+        model.add(p, o, 0.05 * o - 1e-5 * p)
+    plane = model.plane()
+    assert plane is not None
+    assert plane.per_prompt == 0.0
+    assert plane.per_output > 0.04
+    # So a long prompt is never predicted faster than a short one with the same answer.
+    assert model.predict(8000, 100) >= model.predict(100, 100)
+
+
+def test_time_to_first_token_is_the_same_model_with_no_output():
+    model = ServiceModel()
+    for p in range(100, 2000, 30):
+        model.add(p, 0, 0.01 + 2e-5 * p)
+    assert model.predict(1000) == pytest.approx(0.01 + 2e-5 * 1000, rel=1e-6)
+
+
+def test_a_higher_load_scales_the_prediction_up_never_down():
+    model = ServiceModel()
+    for p, o, s in seed001_like(random.Random(4), 32, noise=0.0):
+        model.add(p, o, s, load=4)
+    at4 = model.predict(2000, 100, load=4)
+    assert model.predict(2000, 100, load=8) == pytest.approx(2 * at4)
+    assert model.predict(2000, 100, load=1) == pytest.approx(at4)
+
+
+def test_no_samples_predict_nothing():
+    model = ServiceModel()
+    assert model.predict(1000, 100) == 0.0
+    assert model.plane() is None
+
+
+def test_the_model_views_bound_every_replica_and_follow_a_replica_that_goes():
+    fast, slow = ServiceModel(), ServiceModel()
+    for p, o, s in seed001_like(random.Random(5), 32, noise=0.0):
+        fast.add(p, o, s)
+        slow.add(p, o, 3 * s)
+    views = PredictMax()
+    for name, model in (("fast", fast), ("slow", slow)):
+        plane = model.plane()
+        assert plane is not None
+        views.set(name, *plane)
+    assert views.predict(2000, 100) >= slow.predict(2000, 100) - 1e-9
+    views.remove("slow")
+    assert views.predict(2000, 100) == pytest.approx(fast.predict(2000, 100))
+    views.remove("fast")
+    assert views.predict(2000, 100) == 0.0
