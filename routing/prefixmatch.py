@@ -82,6 +82,7 @@ class PrefixMatches:
         chain = req.token_hashes
         engines = self._kv.by_name() if chain else {}
         size, now = req.token_block_size, req.now
+        prefilling = self._prefilling.by_replica()  # read once, not per candidate
         out = []
         for c in candidates:
             name = c.name
@@ -94,7 +95,7 @@ class PrefixMatches:
                     if depths is None:
                         depths = self._depths = self._kv.depths(chain)
                     depth = depths.get(name, 0)
-                    also = self._prefilling.by_replica().get(name)
+                    also = prefilling.get(name)
                     if also:
                         depth = blocks.match_with(chain, depth, also)
                     got = (queries, True, depth)
