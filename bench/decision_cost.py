@@ -25,16 +25,23 @@ time is not: a loaded machine moves p50 by tens of percent): the script runs its
 under ``valgrind --tool=callgrind`` with collection off, switched on around each timed
 ``submit`` only (a three-line C library built with ``cc`` and valgrind's headers, called
 through ctypes); the switch's own cost, measured around nothing, is taken off.
+``--part module.Class.method`` (repeatable) counts, per decision, only the instructions
+inside that function's calls made by the timed decisions (the switch wraps the method;
+its cost is taken off once per call), so a decision's cost can be split by stage.
 
     .venv/bin/python bench/decision_cost.py [--runs 5] [--decisions 3000]
     .venv/bin/python bench/decision_cost.py --callgrind --replicas 64 --decisions 500
+    .venv/bin/python bench/decision_cost.py --callgrind --replicas 64 --profiles precise \
+        --part routing.scheduler.SchedulingRouter.pick --part admission.ledger.Ledger.fits_now
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
+import importlib
 import json
 import os
 import random
@@ -220,10 +227,13 @@ void cg_start(void) { CALLGRIND_START_INSTRUMENTATION; }
 """
 
 
-def callgrind_child(profile: str, n: int, decisions: int, seed: int, lib: str) -> None:
+def callgrind_child(
+    profile: str, n: int, decisions: int, seed: int, lib: str, part: str = "", calls: str = ""
+) -> None:
     """Under callgrind: switch collection on around each timed decision (or, for
-    profile "-", around nothing: the switch's own cost). Instrumentation starts at the
-    first switch, so the setup runs at native speed."""
+    profile "-", around nothing: the switch's own cost; with `part`, around each call
+    of that function within a timed decision, their number written to `calls`).
+    Instrumentation starts at the first switch, so the setup runs at native speed."""
     so = ctypes.CDLL(lib)
     switch, start = so.cg_toggle, so.cg_start
     started = False
@@ -240,7 +250,45 @@ def callgrind_child(profile: str, n: int, decisions: int, seed: int, lib: str) -
             toggle()
             toggle()
         return
-    one_run(n, profile, decisions, seed, toggle=toggle)
+    if not part:
+        one_run(n, profile, decisions, seed, toggle=toggle)
+        return
+    timed = False  # inside a timed decision
+    depth = counted = 0
+
+    def decision() -> None:
+        nonlocal timed, started
+        if not started:
+            started = True
+            start()
+        timed = not timed
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def counted_call(*a: object, **kw: object) -> object:
+            nonlocal depth, counted
+            if not timed or depth:  # outside the timing, or a nested call: as it is
+                return fn(*a, **kw)
+            counted += 1
+            depth += 1
+            switch()
+            try:
+                return fn(*a, **kw)
+            finally:
+                switch()
+                depth -= 1
+
+        return counted_call
+
+    module, cls, name = part.rsplit(".", 2)
+    owner = getattr(importlib.import_module(module), cls)
+    fn = owner.__dict__[name]
+    if isinstance(fn, staticmethod):
+        setattr(owner, name, staticmethod(wrap(fn.__func__)))
+    else:
+        setattr(owner, name, wrap(fn))
+    one_run(n, profile, decisions, seed, toggle=decision)
+    Path(calls).write_text(str(counted))
 
 
 def _callgrind_instr(args: list[str], workdir: str) -> int:
@@ -266,8 +314,11 @@ def _callgrind_instr(args: list[str], workdir: str) -> int:
     return int(got.group(1))
 
 
-def callgrind(profiles: list[str], replicas: list[int], decisions: int, runs: int) -> list[dict]:
-    """Instructions per decision (module docstring), per profile and replica count."""
+def callgrind(
+    profiles: list[str], replicas: list[int], decisions: int, runs: int, parts: list[str]
+) -> list[dict]:
+    """Instructions per decision (module docstring), per profile and replica count, and
+    per part (``--part``) when asked."""
     rows = []
     with tempfile.TemporaryDirectory() as d:
         lib = os.path.join(d, "cgtoggle.so")
@@ -294,13 +345,34 @@ def callgrind(profiles: list[str], replicas: list[int], decisions: int, runs: in
                     }
                 )
                 print(f"| {profile} | {n} | {statistics.median(per):,.0f} |", flush=True)
+                for part in parts:
+                    calls = os.path.join(d, "calls")
+                    args = [profile, str(n), str(decisions), "0", lib, part, calls]
+                    total = _callgrind_instr(args, d)
+                    count = int(Path(calls).read_text())
+                    rows.append(
+                        {
+                            "profile": profile,
+                            "replicas": n,
+                            "part": part,
+                            "instructions_per_decision": (total - count * switch) / decisions,
+                            "calls_per_decision": count / decisions,
+                            "decisions_per_run": decisions,
+                            "seed": 0,
+                        }
+                    )
+                    print(
+                        f"| {profile} | {n} | {rows[-1]['instructions_per_decision']:,.0f} "
+                        f"| {part} ({count / decisions:.2f} calls) |",
+                        flush=True,
+                    )
     return rows
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--callgrind-child":
-        profile, n, decisions, seed, lib = sys.argv[2:7]
-        callgrind_child(profile, int(n), int(decisions), int(seed), lib)
+        profile, n, decisions, seed, lib, *part = sys.argv[2:9]
+        callgrind_child(profile, int(n), int(decisions), int(seed), lib, *part)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -320,11 +392,17 @@ def main() -> None:
     ap.add_argument("--out", default="decision_cost.json")
     ap.add_argument("--callgrind", action="store_true", help="instructions per decision (valgrind)")
     ap.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
+    ap.add_argument(
+        "--part",
+        action="append",
+        default=[],
+        help="with --callgrind: also count inside this function only (module.Class.method)",
+    )
     args = ap.parse_args()
     if args.callgrind:
         print("| profile | replicas | instructions / decision |")
         print("| --- | ---: | ---: |")
-        rows = callgrind(args.profiles, args.replicas, args.decisions, args.runs)
+        rows = callgrind(args.profiles, args.replicas, args.decisions, args.runs, args.part)
         for r in rows:
             r["label"] = args.label
         out = Path(__file__).resolve().parent / "results" / args.out

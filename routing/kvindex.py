@@ -296,8 +296,10 @@ class KVIndex:
             return {}
         out: dict[str, int] = {}
         last = chain[n - 1]
+        replicas = self._replicas
+        depth = 0  # the last depth a bisection found (0: none yet)
         for name in alive:
-            r = self._replicas[name]
+            r = replicas[name]
             if r.orphans:
                 out[name] = r.match(chain)
                 continue
@@ -305,7 +307,13 @@ class KVIndex:
             if last in held:
                 out[name] = n
                 continue
-            out[name] = held_length(chain, held, 1, n - 1)  # chain[0] held, chain[-1] not
+            # The holders of a prompt's root mostly stop at a few depths (a tenant's
+            # shared system prompt, then each session's own turns): two probes confirm
+            # the depth found last, where a bisection costs log n.
+            if depth and chain[depth - 1] in held and chain[depth] not in held:
+                out[name] = depth
+                continue
+            depth = out[name] = held_length(chain, held, 1, n - 1)  # chain[0] held, [-1] not
         return out
 
     def get(self, name: str) -> EngineBlocks | None:

@@ -10,8 +10,6 @@ its release, whichever comes first, so a request never counts twice or forever.
 
 from __future__ import annotations
 
-from collections import Counter
-
 
 class PendingPrefill:
     """Uncached prompt tokens per replica, by request, until each one's first token."""
@@ -62,7 +60,7 @@ class PrefillBlocks:
 
     def __init__(self) -> None:
         self._by_request: dict[str, tuple[str, tuple[int, ...]]] = {}
-        self._by_replica: dict[str, Counter[int]] = {}  # chain hash -> prompts holding it
+        self._by_replica: dict[str, dict[int, int]] = {}  # chain hash -> prompts holding it
 
     def add(self, request_id: str, replica: str, chain: tuple[int, ...]) -> None:
         """`chain`: the prompt's blocks beyond those the engine already holds."""
@@ -70,8 +68,10 @@ class PrefillBlocks:
         self._by_request[request_id] = (replica, chain)
         held = self._by_replica.get(replica)
         if held is None:
-            held = self._by_replica[replica] = Counter()
-        held.update(chain)  # counted in C, on the decision's path
+            held = self._by_replica[replica] = {}
+        get = held.get  # a plain dict and a loop: a Counter's construction and update
+        for h in chain:  # cost more than the counting, on the decision's path
+            held[h] = get(h, 0) + 1
 
     def done(self, request_id: str) -> bool:
         """Its first token came (or it ended); True if it was counted."""
@@ -94,6 +94,6 @@ class PrefillBlocks:
         """The chain hashes in prefill on `replica` (None: none)."""
         return self._by_replica.get(replica)
 
-    def by_replica(self) -> dict[str, Counter[int]]:
+    def by_replica(self) -> dict[str, dict[int, int]]:
         """`of` for every replica with any (read-only: read per decision)."""
         return self._by_replica

@@ -66,8 +66,24 @@ class PrefixMatches:
         approximate index's."""
         if self._kv is None:  # the approximate index alone: one walk, nothing to keep
             return False, self._approximate(req, candidate.name)
-        got = self.each(req, (candidate,))[0]
+        got = self.one(req, candidate)
         return got[1], got[2]
+
+    def one(self, req: RouteRequest, candidate: Candidate) -> Match:
+        """`each` of one candidate, its memo read directly where it still holds: after
+        the scoring, a decision asks again for the chosen replica (the explanation,
+        the placement hooks) and those reads cost a lookup, not a pass."""
+        got = self._memo.get(candidate.name)
+        if (
+            got is not None
+            and req is self._req
+            and req.now == self._now
+            and got[0] == candidate.engine.prefix_cache_queries_total
+            and self._kv is not None
+            and self._kv.version == self._version
+        ):
+            return got
+        return self.each(req, (candidate,))[0]
 
     def each(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[Match]:
         """(queries, from the engine's events?, leading blocks held) for each candidate,
@@ -82,6 +98,7 @@ class PrefixMatches:
         chain = req.token_hashes
         engines = self._kv.by_name() if chain else {}
         size, now = req.token_block_size, req.now
+        prefilling = self._prefilling.by_replica()  # read once, not per candidate
         out = []
         for c in candidates:
             name = c.name
@@ -94,7 +111,7 @@ class PrefixMatches:
                     if depths is None:
                         depths = self._depths = self._kv.depths(chain)
                     depth = depths.get(name, 0)
-                    also = self._prefilling.by_replica().get(name)
+                    also = prefilling.get(name)
                     if also:
                         depth = blocks.match_with(chain, depth, also)
                     got = (queries, True, depth)

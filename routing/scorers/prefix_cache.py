@@ -161,8 +161,20 @@ class PrefixCacheScorer(
     def cached_tokens(self, req: RouteRequest, candidate: Candidate) -> int:
         """Prompt tokens `candidate` is expected to hold cached: the engine's own blocks
         where it publishes them, else the index's matched blocks x block_chars /
-        chars_per_token; within the prompt."""
-        return self.cached_each(req, (candidate,))[0]
+        chars_per_token; within the prompt (`cached_each` of one candidate)."""
+        if self._kv is None:
+            exact, blocks = False, self._matches.get(req, candidate)[1]
+        else:
+            _, exact, blocks = self._matches.one(req, candidate)
+        if not blocks:
+            return 0
+        if exact:
+            cached = blocks * req.token_block_size
+        else:
+            cpt = self.feedback.chars_per_token.get(candidate.name, self.chars_per_token)
+            cached = int(blocks * self.block_chars / cpt)
+        prompt = req.prompt_tokens
+        return prompt if prompt and prompt < cached else cached
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
         exact, blocks = self.matched(req, candidate)
@@ -184,8 +196,13 @@ class PrefixCacheScorer(
         return self.feedback.chars_per_token.get(replica, self.chars_per_token)
 
     def capacity_for(self, candidate: Candidate) -> int:
-        blocks = int(candidate.effective_capacity * self.cpt_of(candidate.name) / self.block_chars)
-        return max(1, min(self.max_blocks_per_replica, blocks))
+        cpt = self.feedback.chars_per_token.get(candidate.name, self.chars_per_token)
+        blocks = int(candidate.effective_capacity * cpt / self.block_chars)
+        # Conditionals, not max(min()): this runs on every placement.
+        most = self.max_blocks_per_replica
+        if blocks > most:
+            blocks = most
+        return blocks if blocks > 1 else 1
 
     def placed(self, req: RouteRequest, candidate: Candidate, now: float) -> None:
         if not req.prefix_hashes:

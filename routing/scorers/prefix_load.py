@@ -65,13 +65,25 @@ class PrefixLoadScorer(PrefixCacheScorer):
         return 1.0 / (1.0 + self.cost(req, candidate) / pool)
 
     def scores(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
-        """`score` of each candidate (the same arithmetic, the request's terms once)."""
+        """`score` of each candidate (the same arithmetic, the request's terms once, in
+        one pass over the matches: `cached_each` inline)."""
         # Conditionals, not max(): a builtin with keywords costs more than the arithmetic.
-        prompt = req.prompt_tokens if req.prompt_tokens > 0 else 0
+        raw = req.prompt_tokens  # `cached_tokens` is within it as given
+        prompt = raw if raw > 0 else 0
+        tbs = req.token_block_size
+        bc, cpt, learned = self.block_chars, self.chars_per_token, self.feedback.chars_per_token
         pending = self.pending.by_replica().get
         weight = self.decode_weight
         out = []
-        for c, cached in zip(candidates, self.cached_each(req, candidates), strict=True):
+        for c, (_, exact, blocks) in zip(
+            candidates, self._matches.each(req, candidates), strict=True
+        ):
+            if not blocks:
+                cached = 0
+            else:
+                cached = blocks * tbs if exact else int(blocks * bc / learned.get(c.name, cpt))
+                if raw and raw < cached:
+                    cached = raw
             prefill = pending(c.name, 0) + (prompt - cached if prompt > cached else 0) + 1
             pool = c.effective_capacity if c.effective_capacity > 1 else 1
             held = pool - c.free_tokens

@@ -259,3 +259,48 @@ def test_a_hole_in_a_replicas_chain_is_counted_and_its_match_stops_there() -> No
     assert blocks.orphans == 1 and kv.depths(chain) == {}  # the root went: no match
     blocks.apply(5, [Cleared()], 0.0)
     assert blocks.orphans == 0 and len(blocks) == 0
+
+
+def test_depths_of_many_holders_at_a_few_depths_equal_each_ones_match() -> None:
+    """`depths` confirms a holder's depth from the last one found (two probes) before
+    bisecting: holders at one shared depth, deeper ones, a whole chain and a replica
+    with a hole must each get what its own walk gives."""
+    kv = KVIndex()
+    prompt = list(range(BS * 8))
+    chain = token_block_hashes(prompt, BS)
+    engine_hash = iter(range(1, 10**6))
+    depth_of = {"a": 3, "b": 3, "c": 6, "d": 3, "e": 8, "f": 6, "g": 1}
+    for name, depth in depth_of.items():
+        ids = tuple(prompt[: depth * BS])
+        kv.replica(name).apply(0, [Stored(tuple(next(engine_hash) for _ in range(depth)), None,
+                                          ids, BS)], 0.0)  # fmt: skip
+    holed = kv.replica("h")  # holds 5 blocks, then loses the third: a hole
+    hashes = tuple(next(engine_hash) for _ in range(5))
+    holed.apply(0, [Stored(hashes, None, tuple(prompt[: 5 * BS]), BS)], 0.0)
+    holed.apply(1, [Removed((hashes[2],))], 0.0)
+    want = {n: kv.get(n).match(chain) for n in kv.names()}
+    assert want == {**depth_of, "h": 2}
+    assert kv.depths(chain) == want
+    assert kv.depths(chain[:4]) == {n: min(d, 4) for n, d in want.items()}
+
+
+def test_the_chosen_replicas_cached_tokens_equal_the_scoring_pass() -> None:
+    """After the scoring, the chosen replica's cached tokens are read from the decision's
+    memo (`PrefixMatches.one`): the same number the pass over every candidate gave,
+    exact and approximate alike, and walked again once the engine's blocks change."""
+    kv = KVIndex(stale_after_s=10.0)
+    scorer = build("scorer", "prefix_load", {}, PluginEnv(block_chars=8, kv_index=kv))
+    prompt = list(range(16))
+    chain = token_block_hashes(prompt, BS)
+    _, ev = decode(message(0, [stored([h(1), h(2)], None, prompt[:8])]))
+    kv.replica("a").apply(0, ev, 0.0, queries_total=0.0)
+    warm = RouteRequest("w", "m", 10, prompt_tokens=64, prefix_hashes=(1, 2))
+    scorer.placed(warm, cand("b"), 0.0)  # type: ignore[attr-defined]
+    req = RouteRequest("r", "m", 10, prompt_tokens=16, prefix_hashes=(1, 2, 3, 4),
+                       token_hashes=chain, token_block_size=BS)  # fmt: skip
+    cands = [cand("a", 0.0), cand("b"), cand("c")]
+    every = scorer.cached_each(req, cands)  # type: ignore[attr-defined]
+    assert every == [8, 4, 0]  # 2 engine blocks of 4 tokens; 2 of 8 chars at 4 per token
+    assert [scorer.cached_tokens(req, c) for c in cands] == every  # type: ignore[attr-defined]
+    kv.replica("a").apply(1, [Removed((h(2),))], 0.1, queries_total=0.0)
+    assert scorer.cached_tokens(req, cands[0]) == 4  # type: ignore[attr-defined]
