@@ -294,17 +294,27 @@ class AdmissionController:
         learned running limit of that replica feeds on it. None (client disconnect,
         queue exit) teaches nothing.
 
-        Returns the queued requests this admitted.
+        Returns the queued requests this admitted, and those it shed: with the first
+        service seen, entries queued cold may no longer have time for it.
         """
         self._saw(now)
         res = self._ledger.reservations.get(request_id)
+        events: Events = []
         if res is not None:
             self._free(res, now, completion)
+            if completion is not None and self._queue.cold:
+                # The first service seen: entries queued cold are judged by it before
+                # any of them starts (admission/settling.py, `rejudge_cold`).
+                self._queue.rejudge_cold(
+                    lambda r: self._views.predict(r, self._views.view(r.model))
+                )
+                events.extend(self._shedding.expire(now))
         else:
             entry = self._queue.queued.get(request_id)
             if entry is not None:
                 self._queue.dequeue(entry)
-        return self._queue.settle(now)
+        events.extend(self._queue.settle(now))
+        return events
 
     def abandon(self, request_id: str, now: float, completion: Completion | None = None) -> Events:
         """Hold the reservation of a request kvgate stopped waiting for while the engine

@@ -51,6 +51,9 @@ class Entry:
     # without blocking anyone (module docstring, Head-of-line policy).
     rejected: bool = False
     queued: bool = False  # in the queue (admission.fairqueue keeps it)
+    # Queued with a stated budget before any service was seen (half of it for the queue):
+    # when it entered, so its deadline can be judged again once service is known.
+    cold_since: float | None = None
 
 
 class TenantLimits(Protocol):
@@ -80,6 +83,7 @@ class Settling:
         self.tenant_of: Callable[[str], TenantLimits | None] = tenants or (lambda _t: None)
         self.queue = FairQueue(self._weight_of)  # the order: admission.fairqueue
         self.queued: dict[str, Entry] = {}
+        self.cold: dict[str, Entry] = {}  # queued entries with `cold_since` set
         self.per_model: dict[str, int] = {}
         self.tokens: dict[str, int] = {}  # model -> sum of queued raw needs
         self._seq = 0
@@ -141,12 +145,35 @@ class Settling:
             raw,
             deadline,
         )
+        if req.latency_budget is not None and predicted <= 0:
+            entry.cold_since = now
         self._seq += 1
         return entry
+
+    def rejudge_cold(self, predict: Callable[[AdmissionRequest], float]) -> None:
+        """Entries queued before any service was seen were given half their budget; once
+        the model's service is predicted, each gets the deadline `entry` would give it
+        now (from when it entered): the first wave of a cold start otherwise starts
+        requests late in their budget that the now-known service cannot finish in it."""
+        if not self.cold:
+            return
+        for entry in list(self.cold.values()):
+            predicted = predict(entry.req)
+            if predicted <= 0:
+                continue
+            del self.cold[entry.req.request_id]
+            since = entry.cold_since
+            budget = entry.req.latency_budget
+            assert since is not None and budget is not None
+            entry.cold_since = None
+            slack = max(budget - predicted, 0.1 * budget)
+            entry.deadline = min(entry.deadline, since + slack)
 
     def enqueue(self, entry: Entry) -> None:
         self.queue.insert(entry)
         self.queued[entry.req.request_id] = entry
+        if entry.cold_since is not None:
+            self.cold[entry.req.request_id] = entry
         model = entry.req.model
         self.per_model[model] = self.per_model.get(model, 0) + 1
         self.tokens[model] = self.tokens.get(model, 0) + entry.raw
@@ -154,6 +181,7 @@ class Settling:
     def dequeue(self, entry: Entry) -> None:
         self.queue.remove(entry)
         del self.queued[entry.req.request_id]
+        self.cold.pop(entry.req.request_id, None)
         model = entry.req.model
         left = self.per_model[model] - 1
         if left:

@@ -17,7 +17,7 @@ from bench.vtime import run
 from enginesim.simulate import run_closed_loop
 from enginesim.types import Workload
 from enginesim.workloads import synthetic_items
-from tests.admission.helpers import controller, replica, request
+from tests.admission.helpers import admits, controller, replica, request, sheds
 
 PROFILE = Path(__file__).resolve().parents[2] / "enginesim" / "profiles" / "vllm-cpu-tiny.yaml"
 
@@ -182,3 +182,31 @@ def test_the_demos_job_with_a_stated_timeout_loses_nothing_to_a_late_start() -> 
         report = run("seed2-8b-16gb", seed2_workload(738, seed=seed), concurrency=32,
                      timeout_s=45.0, seed=seed)  # fmt: skip
         assert (report.completed, report.timed_out) == (738, 0), (seed, report.timeouts)
+
+
+def test_a_request_queued_cold_is_judged_by_the_first_service_seen() -> None:
+    """Queued before any service was seen, a request with a 10 s budget may wait half of
+    it. When the first completion shows that its service takes about 8 s, it is shed at
+    once (its client retries with a whole budget) rather than started 4 s in to time out
+    at 12; with that service known from the start it would not have queued so long."""
+    ctrl = controller()
+    ctrl.upsert_replica(replica("r1", 1000, max_running=1), 0.0)
+    first = ctrl.submit(request("a", 100, 100, latency_budget=10.0), 0.0).verdict
+    assert isinstance(first, Admit)
+    queued = ctrl.submit(request("b", 100, 100, latency_budget=10.0), 0.0).verdict
+    assert isinstance(queued, Queued)
+    events = ctrl.release("a", 4.0, Completion(ok=True, service_s=8.0, prompt_tokens=100,
+                                               completion_tokens=100, latency_budget=10.0))  # fmt: skip
+    assert [e.request_id for e in sheds(events)] == ["b"], events
+    assert not admits(events)
+    assert ctrl.report.queue_depth() == 0
+
+
+def test_a_request_queued_cold_still_starts_when_the_first_service_leaves_it_time() -> None:
+    ctrl = controller()
+    ctrl.upsert_replica(replica("r1", 1000, max_running=1), 0.0)
+    assert isinstance(ctrl.submit(request("a", 100, 100, latency_budget=10.0), 0.0).verdict, Admit)
+    assert isinstance(ctrl.submit(request("b", 100, 100, latency_budget=10.0), 0.0).verdict, Queued)
+    events = ctrl.release("a", 3.0, Completion(ok=True, service_s=3.0, prompt_tokens=100,
+                                               completion_tokens=100, latency_budget=10.0))  # fmt: skip
+    assert [e.request_id for e in admits(events)] == ["b"], events
