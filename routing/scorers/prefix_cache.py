@@ -144,37 +144,37 @@ class PrefixCacheScorer(
         return self._matches.get(req, candidate)
 
     def cached_each(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[int]:
-        """`cached_tokens` of each candidate (the request's terms read once)."""
-        prompt, tbs = req.prompt_tokens, req.token_block_size
-        bc, cpt, learned = self.block_chars, self.chars_per_token, self.feedback.chars_per_token
-        out = []
-        for c, (_, exact, blocks) in zip(
-            candidates, self._matches.each(req, candidates), strict=True
-        ):
-            if not blocks:
-                out.append(0)
-                continue
-            cached = blocks * tbs if exact else int(blocks * bc / learned.get(c.name, cpt))
-            out.append(prompt if prompt and prompt < cached else cached)  # min(), cheaper
-        return out
+        """`cached_tokens` of each candidate, in one pass over the matches (what
+        `prefix_load.scores` computes inline)."""
+        return [
+            self._as_tokens(req, c.name, exact, blocks)
+            for c, (_, exact, blocks) in zip(
+                candidates, self._matches.each(req, candidates), strict=True
+            )
+        ]
 
     def cached_tokens(self, req: RouteRequest, candidate: Candidate) -> int:
         """Prompt tokens `candidate` is expected to hold cached: the engine's own blocks
         where it publishes them, else the index's matched blocks x block_chars /
-        chars_per_token; within the prompt (`cached_each` of one candidate)."""
+        chars_per_token; within the prompt. After the scoring (the explanation, the
+        placement hooks) the chosen replica's match is a lookup in the decision's memo."""
         if self._kv is None:
             exact, blocks = False, self._matches.get(req, candidate)[1]
         else:
             _, exact, blocks = self._matches.one(req, candidate)
+        return self._as_tokens(req, candidate.name, exact, blocks)
+
+    def _as_tokens(self, req: RouteRequest, replica: str, exact: bool, blocks: int) -> int:
+        """`blocks` matched on `replica` in prompt tokens, within the prompt."""
         if not blocks:
             return 0
         if exact:
             cached = blocks * req.token_block_size
         else:
-            cpt = self.feedback.chars_per_token.get(candidate.name, self.chars_per_token)
+            cpt = self.feedback.chars_per_token.get(replica, self.chars_per_token)
             cached = int(blocks * self.block_chars / cpt)
         prompt = req.prompt_tokens
-        return prompt if prompt and prompt < cached else cached
+        return prompt if prompt and prompt < cached else cached  # min(), cheaper
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
         exact, blocks = self.matched(req, candidate)
