@@ -143,19 +143,26 @@ class TokenEstimator:
         stats = self._models.get(model)
         return stats.output_q if stats else None
 
-    def expected_output(self, model: str, max_tokens: int | None, limit: int) -> int:
-        """Output tokens to reserve: min(max_tokens or limit, learned quantile), at least 1.
+    def expected_output(
+        self, model: str, max_tokens: int | None, limit: int, floor: int = 0
+    ) -> int:
+        """Output tokens to reserve: min(max_tokens or limit, learned quantile), at least 1
+        and at least `floor` (within `limit`).
 
         `limit` is the most the request could generate (context left after the prompt).
         Before enough completions were observed: `max_tokens`, or `default_output_tokens`
-        when the client gave none, capped by `limit`.
+        when the client gave none, capped by `limit`. `floor`: what the request will
+        generate whatever history says (``ignore_eos``: its bound; ``min_tokens``), for a
+        request that cannot be topped up as it grows (a non-stream one).
         """
         bound = limit if max_tokens is None else min(max_tokens, limit)
         learned = self.learned_output(model)
         if learned is None:
             guess = max_tokens if max_tokens is not None else self._config.default_output_tokens
-            return max(1, min(guess, limit))
-        return max(1, min(bound, learned))
+            expected = max(1, min(guess, limit))
+        else:
+            expected = max(1, min(bound, learned))
+        return max(expected, min(floor, limit))
 
     def observe_output(self, model: str, completion_tokens: int) -> None:
         """Learn from the engine's ``usage.completion_tokens``."""

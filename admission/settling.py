@@ -56,6 +56,15 @@ class Entry:
     cold_since: float | None = None
 
 
+def queue_slack(budget: float, predicted: float) -> float:
+    """How long a request with a latency `budget` may queue: what its predicted service
+    leaves, at least a tenth (the prediction is an upper estimate); half of it before any
+    service was seen (`predicted` 0)."""
+    if predicted <= 0:
+        return 0.5 * budget
+    return max(budget - predicted, 0.1 * budget)
+
+
 class TenantLimits(Protocol):
     """What the queue reads of a tenant (admission.tenants.TenantState has these)."""
 
@@ -125,11 +134,7 @@ class Settling:
         clients that say nothing."""
         if req.latency_budget is not None:
             budget = req.latency_budget
-            if predicted <= 0:
-                slack = 0.5 * budget  # no service seen yet: half for the queue, half for it
-            else:
-                slack = max(budget - predicted, 0.1 * budget)
-            deadline = min(req.deadline, now + slack)
+            deadline = min(req.deadline, now + queue_slack(budget, predicted))
         else:
             policy = self.tenant_of(req.tenant)
             timeout = self.config.queue_timeout_s
@@ -166,8 +171,7 @@ class Settling:
             budget = entry.req.latency_budget
             assert since is not None and budget is not None
             entry.cold_since = None
-            slack = max(budget - predicted, 0.1 * budget)
-            entry.deadline = min(entry.deadline, since + slack)
+            entry.deadline = min(entry.deadline, since + queue_slack(budget, predicted))
 
     def enqueue(self, entry: Entry) -> None:
         self.queue.insert(entry)

@@ -230,16 +230,15 @@ def run(
         live[rid] = att
         p = len(item.prompt_token_ids)
         bound = item.output_tokens
-        expected = est.expected_output(model, bound, core.max_model_len - p)
-        if not stream:
-            # The replay client sends ignore_eos: the gateway reserves, and predicts the
-            # service of, a non-stream request for its whole bound (gateway/pipeline.py).
-            expected = max(expected, min(bound, core.max_model_len - p))
         req = AdmissionRequest(
             request_id=rid,
             model=model,
             prompt_tokens=p,
-            expected_output=expected,
+            # The replay client sends ignore_eos: a non-stream request's floor is its
+            # bound, as the gateway reads it (gateway/pipeline.py, `_bound_output`).
+            expected_output=est.expected_output(
+                model, bound, core.max_model_len - p, floor=0 if stream else bound
+            ),
             max_tokens=bound,
             arrival=first,
             last_retry=max_retries is not None and retries >= max_retries,

@@ -277,13 +277,11 @@ class Pipeline:
         bound = ctx.parsed.output_bound
         max_len = self.discovery.max_model_len(ctx.req.model)
         limit = max(1, (max_len - ctx.req.prompt_tokens) if max_len else MAX_TOKENS_CEILING)
-        expected = self.estimator.expected_output(ctx.req.model, bound, limit)
-        if not ctx.req.stream:
-            # A non-stream request that asks for its whole bound (ignore_eos) or a minimum
-            # is reserved, and its service predicted, for that much: a learned p90 would
-            # fall short, and unlike a stream (topped up as it grows) it cannot be corrected.
-            expected = max(expected, min(ctx.parsed.output_floor, limit))
-        ctx.req.expected_output = expected
+        # A non-stream request that asks for its whole bound (ignore_eos) or a minimum is
+        # reserved, and its service predicted, for that much: a learned p90 would fall
+        # short, and unlike a stream (topped up as it grows) it cannot be corrected.
+        floor = 0 if ctx.req.stream else ctx.parsed.output_floor
+        ctx.req.expected_output = self.estimator.expected_output(ctx.req.model, bound, limit, floor)
         # Without a client bound the engine may generate up to the context; admission's
         # never-fits check then uses what we reserve, and an engine that does not preempt
         # is reserved its whole context.
