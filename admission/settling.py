@@ -133,8 +133,7 @@ class Settling:
         nobody. The configured queue timeout (the tenant's own first) is the default for
         clients that say nothing."""
         if req.latency_budget is not None:
-            budget = req.latency_budget
-            deadline = min(req.deadline, now + queue_slack(budget, predicted))
+            deadline = min(req.deadline, now + queue_slack(req.latency_budget, predicted))
         else:
             policy = self.tenant_of(req.tenant)
             timeout = self.config.queue_timeout_s
