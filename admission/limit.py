@@ -34,17 +34,22 @@ Per window:
   ``G(N) = Gmax * N / (N + K)`` over those points (the saturation curve of a batched
   server: linear while the batch amortises the weights, flat once compute or memory
   bandwidth binds) gives the knee, where one more running request buys less than
-  ``knee_efficiency`` of an average request's throughput: ``N = K * (1 / e - 1)``. This
+  ``knee_efficiency`` of an average request's throughput: ``N = K * (1 / e - 1)``. Where
+  goodput falls past a peak (thrashing, which the curve does not model), only the
+  points up to the peak are fitted, and the knee is not past the peak. This
   is seed 001's sweep done live, every window a sweep point. The knee stops growth; it
   never pulls the limit down (noisy points would), latency does that.
 * **Growth.** While the replica is kept busy and latency allows it, the limit grows.
   From a cold start it grows as TCP's slow start does: one more per request served in
   time (under half its latency aim) while the replica is busy, so it doubles in about
   one service time and a burst on a healthy replica is not queued behind it; never past
-  what that completion predicts (the load it was served at over its score). Slow start
-  ends at a completion past half its aim (TCP's ssthresh), at any cut, or at the knee
-  (what it grew past the knee is given back). From then on the limit grows by
-  ``limit_probe_step`` per window. Growth never exceeds what the latency score predicts
+  what that completion predicts (the load it was served at over its score); a
+  completion past half its aim adds nothing. Slow start ends at a window whose slowest
+  came past half its aim (TCP's ssthresh, judged on a window, not on one completion: on
+  a replica whose service grows little with load, one long answer reaches half its aim
+  at any load, and ending there held the real vLLM at 3 of the 8-12 it serves in time),
+  at any cut, or at the knee (what it grew past the knee is given back). From then on
+  the limit grows by ``limit_probe_step`` per window. Growth never exceeds what the latency score predicts
   the replica can take (``mean_running / r``) nor the knee. A replica kvgate does not
   keep busy gives no evidence, and its limit holds.
 * **Failures.** A request the replica failed (an upstream error or timeout, a client
@@ -78,7 +83,7 @@ from dataclasses import dataclass
 FAILURE_RATIO = 2.0
 _INSIDE_HARD = 0.85  # aim this far inside a client's timeout budget (its slowest request)
 _INSIDE_SOFT = 0.95  # and this far inside a configured target (its quantile)
-_SLOW_START_END = 0.5  # slow start ends at a completion this far to its latency aim
+_SLOW_START_END = 0.5  # slow start ends at a window whose slowest is this far to its aim
 _BAND = 1.05  # cut only when a score is this far past its aim; between, the limit holds
 _POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortage
 
@@ -240,10 +245,7 @@ class RunningLimit:
             scores.append(soft / _INSIDE_SOFT)
         ratio = max(scores) if scores else 0.0
         if ratio > _SLOW_START_END:
-            # Half way to its aim (TCP's ssthresh): from here the windows probe, each
-            # judged at one setting, as completions lag the growing load.
-            self._slow_start = False
-            return
+            return  # no evidence for more; the window judges whether slow start ends
         served_at = running if load is None else min(running, load + self.others)
         room = served_at / ratio if ratio > 0 else math.inf
         value = min(self.value + 1.0, room, float(cap) if cap is not None else math.inf)
@@ -356,8 +358,12 @@ class RunningLimit:
                 self._slow_start = False
                 self._set(max(1.0, self.knee), "knee", now, cap)
                 return
-            self._reset_window(now)
-            return
+            if ratio is None or ratio <= _SLOW_START_END:
+                self._reset_window(now)
+                return
+            # A window whose slowest came past half its aim (TCP's ssthresh) ends it:
+            # from here each window probes, judged at one setting.
+            self._slow_start = False
         grow = self.value * (1.0 + self._s.probe_step)
         grow = max(grow, self.value + 1.0)
         bounds: list[tuple[float, str]] = [(grow, "probe")]
@@ -383,6 +389,17 @@ class RunningLimit:
         ]
         if len(pts) < 3:
             return None
+        # The curve saturates; where goodput falls past a peak the replica thrashes
+        # (preemption, prefills interleaved), a regime the curve does not model: fit up
+        # to the peak only, and the knee is not past it. (Fitted on the falling points,
+        # the curve is flat or falling and the knee would be the least setting measured,
+        # where the limit then stays: measured at one setting only, it never sees more.)
+        peak_n = max(pts, key=lambda p: p[1])[0]
+        past = max(n for n, _, _ in pts) > peak_n
+        if past:
+            pts = [p for p in pts if p[0] <= peak_n]
+            if len(pts) < 3:
+                return None
         ns = [n for n, _, _ in pts]
         if max(ns) < 2.0 * min(ns):
             return None
@@ -402,7 +419,8 @@ class RunningLimit:
         if slope <= 0:
             return min(ns)  # flat (or falling) over the whole range: more buys nothing
         k = slope / intercept
-        return k * (1.0 / self._s.knee_efficiency - 1.0)
+        knee = k * (1.0 / self._s.knee_efficiency - 1.0)
+        return min(knee, peak_n) if past else knee
 
     def _set(self, value: float, reason: str, now: float, cap: int | None) -> None:
         hi = float(cap) if cap is not None else math.inf

@@ -123,12 +123,13 @@ def test_the_sdk_at_32_completes_every_request_near_the_best_fixed_concurrency(v
     seconds (queued for most of their budget with nothing measured, timed out, and those
     timeouts cut the limit to 2).
 
-    The issue's target is 1.10x of the best fixed wall time; this holds 1.20x. On the
-    profile fitted on a loaded machine kvgate met 1.10x; on the quiet refit of 2026-12-02
-    (a decode step that grows little with the batch) it takes 1.17x: slow start ends at
-    the first completion past half its latency aim, which a 200-token answer reaches at
-    any load, and the limit then grows by probes (2 -> 3 in 0.5 s, 6 at 13.8 s), where
-    the engine serves 8-12 in time. Missed, and reported (bench/parity_vtime.py)."""
+    The issue's target is 1.10x of the best fixed wall time; this holds 1.15x. On the
+    quiet refit of the profile (a decode step that grows little with the batch) kvgate
+    took 1.17x while slow start ended at the first completion past half its latency aim,
+    which a 200-token answer reaches at any load (the limit then crept up by probes: 3
+    at 0.5 s, 6 at 13.8 s, where the engine serves 8-12 in time). Ended by a window
+    whose slowest is past half its aim, it takes 1.115x (1.101x and 1.092x on seeds 2
+    and 3): still short of 1.10x, and reported (bench/parity_vtime.py)."""
     items = real_vllm_items(150)
     timeout = 1.5 * run_closed_loop(vllm_8k, items, 8, 1e9).max_latency
     best = min(
@@ -138,7 +139,7 @@ def test_the_sdk_at_32_completes_every_request_near_the_best_fixed_concurrency(v
     )
     report = run(vllm_8k, items, concurrency=32, timeout_s=timeout, max_retries=2)
     assert report.completed == len(items), (report.timed_out, report.failed)
-    assert report.wall_s <= 1.20 * best, (report.wall_s, best, report.limits)
+    assert report.wall_s <= 1.15 * best, (report.wall_s, best, report.limits)
     assert report.preemptions == 0
 
 

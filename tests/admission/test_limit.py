@@ -151,6 +151,55 @@ def test_the_knee_of_a_saturating_goodput_curve_stops_growth() -> None:
     assert 16 <= lim.value <= 19
 
 
+def test_goodput_falling_past_a_peak_bounds_the_knee_at_the_peak() -> None:
+    """Seen on seed 001's card: slow start overshot to 10, goodput fell there (the
+    replica thrashed), and the curve fitted through every point came out flat: the knee
+    was the least setting measured, 4, where the limit then stayed for the rest of the
+    run, 6% slower than probing 5-8. The curve is fitted up to the peak only."""
+    lim = RunningLimit(LimitSettings(initial=2, window=4, knee_efficiency=0.1))
+    now = 0.0
+    rising = {n: 1000.0 * n / (n + 2.0) for n in (2, 4, 6, 8)}  # its knee is at 18
+    for n, goodput in [*rising.items(), (10, 600.0), (12, 450.0)]:
+        lim.adopt(float(n), now)
+        now = feed_window(lim, now, running=n, ratio=None, work=int(goodput))
+    assert lim.knee == pytest.approx(8.0, abs=0.5)  # the peak: still rising up to it
+    # Rising everywhere measured: no bound at the last point (the curve's own knee).
+    lim = RunningLimit(LimitSettings(initial=2, window=4, knee_efficiency=0.1))
+    for n in (2, 4, 8, 12):
+        lim.adopt(float(n), now)
+        now = feed_window(lim, now, running=n, ratio=None, work=int(1000.0 * n / (n + 2.0)))
+    assert lim.knee == pytest.approx(18.0, rel=0.1)
+
+
+def test_one_long_answer_does_not_end_slow_start() -> None:
+    """On a replica whose service grows little with load (the real vLLM's tiny model), a
+    200-token answer reaches half its latency aim at any load: slow start ended at the
+    first one and the limit crept up by probes (3 at 0.5 s, 6 at 14 s, where the engine
+    serves 8-12 in time). Such a completion adds nothing; a window whose slowest came
+    past half its aim ends slow start."""
+    lim = RunningLimit(LimitSettings(initial=2, window=16))
+    now = 1.0  # each completion was admitted 0.5 s before it: under this limit
+
+    def complete(ratio: float) -> None:
+        nonlocal now
+        lim.running_changed(lim.allowed(None), now)
+        now += 0.1
+        lim.completed(now, now - 0.5, ok=True, work_tokens=100, ratio=(ratio, None), cap=None)
+
+    complete(0.6)  # past half its aim (0.6 / 0.85)
+    assert lim.value == 2
+    for _ in range(5):
+        complete(0.2)
+    assert lim.value == 7 and lim.reason == "slow_start"
+    windows = lim.windows
+    while lim.windows == windows:  # the rest of slow start's half window
+        complete(0.2)
+    assert lim.reason in ("probe", "latency")
+    grown = lim.value
+    complete(0.2)  # slow start is over: one completion no longer adds one
+    assert lim.value == grown
+
+
 def test_latency_ratio_separates_client_timeouts_from_targets() -> None:
     hard, soft = latency_ratio(
         service_s=12.0,

@@ -110,9 +110,10 @@ def test_the_sdk_at_32_with_a_timeout_under_a_second_completes_every_request(
     near the best fixed concurrency. Before: 148, 2 failed after three sheds (one told the
     5 s cold Retry-After, the rest a 1 s floor: over their whole timeout).
 
-    The issue's target is 1.10x of the best fixed wall time; this holds 1.20x. On the
-    quiet refit of the profile (2026-12-02) kvgate takes 1.104x: a slow start that ends
-    early (tests/admission/test_in_time.py's SDK test says why). Missed, and reported."""
+    The issue's target is 1.10x of the best fixed wall time; this holds 1.15x. On the
+    quiet refit of the profile kvgate takes 1.100x (seeds 3 and 4: 1.093x; 1.104, 1.163
+    and 1.194x while slow start ended at the first completion past half its aim,
+    tests/admission/test_in_time.py's SDK test says why)."""
     items = real_vllm_items(150, seed=2)
     timeout = 1.5 * run_closed_loop(vllm_8k, items, 8, 1e9).max_latency
     speedup = timeout / 0.87
@@ -130,4 +131,4 @@ def test_the_sdk_at_32_with_a_timeout_under_a_second_completes_every_request(
         slow=lambda _t: 1.0 / speedup,
     )
     assert report.completed == len(items), (report.timed_out, report.failed)
-    assert report.wall_s * speedup <= 1.20 * best
+    assert report.wall_s * speedup <= 1.15 * best

@@ -489,15 +489,15 @@ def test_a_shared_limit_grows_on_the_fleets_evidence() -> None:
         lim.others = others
         lim.running_changed(8 - others, 0.0)
         for n in range(1, 100):
-            # Past half the latency aim: slow start ends at once, and the limit grows
-            # only when a whole window of evidence says it may (the probe step).
+            # Past half the latency aim: slow start adds nothing for them, and its first
+            # window (half a window of evidence) ends it and probes.
             lim.completed(n, n - 0.5, ok=True, work_tokens=1000, ratio=(0.6, None), cap=None)
             if lim.value > 8:
                 return n
         raise AssertionError("the limit never grew")
 
     alone = completions_to_grow(0)
-    assert alone == 17  # a whole 16-completion window, and one more
+    assert alone == 9  # slow start's half window of 8 completions, and one more
     assert completions_to_grow(4) <= (alone + 1) // 2 + 1  # half the load, half the evidence
 
 
