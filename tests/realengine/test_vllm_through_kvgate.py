@@ -209,14 +209,10 @@ async def test_the_engines_own_errors_come_back_as_openai_errors(
 
 
 # ---------------------------------------------------------------------------- disconnects
-@pytest.mark.parametrize("stream", [True, False])
-async def test_a_client_disconnect_aborts_the_engines_request(
-    vllm: VllmServer, kvgate: Any, stream: bool
-) -> None:
-    gw = await through(vllm, kvgate)
+async def abandon_once(vllm: VllmServer, gw: Gateway, stream: bool, max_tokens: int) -> float:
+    """One request through kvgate abandoned a moment into its answer; returns the tokens
+    the engine generated for it, once the engine is idle and the reservation is back."""
     generated = await engine_metric(vllm, "vllm:generation_tokens_total")
-    max_tokens = 1500
-
     started = asyncio.Event()
 
     async def abandoned() -> None:
@@ -247,10 +243,29 @@ async def test_a_client_disconnect_aborts_the_engines_request(
     t0 = loop.time()
     while await engine_metric(vllm, "vllm:num_requests_running") > 0:
         assert loop.time() - t0 < 5.0, "the engine kept running an abandoned request"
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)
     assert await until(lambda: gw.report.reserved_tokens() == 0, 5.0)
-    cut = await engine_metric(vllm, "vllm:generation_tokens_total") - generated
-    assert 0 < cut < max_tokens, cut  # it ran, and was cut short
+    return await engine_metric(vllm, "vllm:generation_tokens_total") - generated
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_disconnect_aborts_the_engines_request(
+    vllm: VllmServer, kvgate: Any, stream: bool
+) -> None:
+    """kvgate closes the engine's connection when its client leaves, and vLLM aborts
+    the request. An attempt that finds the whole answer generated is inconclusive, not a
+    pass: the tiny model decodes 1,500 tokens in 2-3 s, and CI on this 2-core machine
+    has three times seen vLLM's API server, starved that long, take the hang-up only
+    once the answer was done (REAL_ENGINE_NOTES.md). Up to three attempts; a kvgate that
+    never closes the engine's connection fails every one."""
+    gw = await through(vllm, kvgate)
+    max_tokens = 1500
+    cuts: list[float] = []
+    for _ in range(3):
+        cuts.append(await abandon_once(vllm, gw, stream, max_tokens))
+        if cuts[-1] < max_tokens:
+            break
+    assert 0 < cuts[-1] < max_tokens, cuts  # it ran, and was cut short
 
 
 # ---------------------------------------------------------------------------- shared prefix
