@@ -5,7 +5,8 @@
                     [--speculative | --no-speculative]
                     [--kv-unified | --no-kv-unified] [--cache-ram MIB] [--kv-cache-metrics]
                                                                      (llamacpp only)
-                    [--fault MODE [--fault-status N] [--fault-factor X] [--fault-after-tokens N]]
+                    [--fault MODE [--fault-status N] [--fault-factor X] [--fault-after-tokens N]
+                    [--fault-delay-s S]]
     enginesim profiles
 
 `--flavor llamacpp` (or a profile with `flavor: llamacpp`, such as `llamacpp-tiny`) serves
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens before 'drop' closes a connection / before 'crash' happens",
     )
+    serve.add_argument(
+        "--fault-delay-s", type=float, default=None, help="how late 'slow_metrics' answers"
+    )
     serve.add_argument("--log-level", default="INFO")
 
     sub.add_parser("profiles", help="list the bundled profiles")
@@ -181,13 +185,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 status=args.fault_status,
                 factor=args.fault_factor,
                 after_tokens=args.fault_after_tokens,
+                delay_s=args.fault_delay_s,
             )
         except FaultConfigError as exc:
             parser.error(f"--fault-{(exc.param or 'mode').replace('_', '-')}: {exc}")
     elif any(
-        v is not None for v in (args.fault_status, args.fault_factor, args.fault_after_tokens)
+        v is not None
+        for v in (args.fault_status, args.fault_factor, args.fault_after_tokens, args.fault_delay_s)
     ):
-        parser.error("--fault-status/--fault-factor/--fault-after-tokens need --fault")
+        parser.error(
+            "--fault-status/--fault-factor/--fault-after-tokens/--fault-delay-s need --fault"
+        )
 
     from enginesim.profiles import ProfileError, load_profile
     from enginesim.types import Flavor

@@ -17,6 +17,9 @@ imitate the ways real engines fail, as seen from a client:
 * ``drop``: each request started while the fault is active has its connection closed
   after ``after_tokens`` tokens (mid-stream for streams; before any response otherwise).
 * ``slow``: every engine step takes ``factor`` times longer than the profile says.
+* ``slow_metrics``: ``/metrics`` answers ``delay_s`` seconds late (rendered at the end of
+  the wait), while the engine serves as usual: vLLM's API server on a busy CPU answered
+  its scrapes 3.5 s late (scripts/REAL_ENGINE_NOTES.md).
 * ``none``: normal operation.
 
 This module is pure data and validation; the server and driver act on it.
@@ -36,6 +39,7 @@ class FaultMode(enum.StrEnum):
     ERROR = "error"
     DROP = "drop"
     SLOW = "slow"
+    SLOW_METRICS = "slow_metrics"
 
 
 class FaultConfigError(ValueError):
@@ -49,6 +53,7 @@ class FaultConfigError(ValueError):
 DEFAULT_STATUS = 500
 DEFAULT_FACTOR = 5.0
 DEFAULT_DROP_AFTER_TOKENS = 1
+DEFAULT_DELAY_S = 3.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +66,16 @@ class FaultConfig:
     # drop: tokens sent per request before its connection is closed.
     # crash: tokens generated (server-wide) before the crash; 0 crashes at once.
     after_tokens: int = 0
+    # slow_metrics: how late /metrics answers.
+    delay_s: float = DEFAULT_DELAY_S
 
     def __post_init__(self) -> None:
         if not 500 <= self.status <= 599:
             raise FaultConfigError(f"status must be a 5xx HTTP status, got {self.status}", "status")
         if not self.factor >= 1.0:  # also rejects NaN
             raise FaultConfigError(f"factor must be >= 1.0, got {self.factor}", "factor")
+        if not self.delay_s >= 0.0:  # also rejects NaN
+            raise FaultConfigError(f"delay_s must be >= 0, got {self.delay_s}", "delay_s")
         if self.after_tokens < 0:
             raise FaultConfigError(
                 f"after_tokens must be >= 0, got {self.after_tokens}", "after_tokens"
@@ -82,7 +91,7 @@ class FaultConfig:
         """Parse the body of ``POST /admin/faults``; raises FaultConfigError on bad input."""
         if not isinstance(body, dict):
             raise FaultConfigError("body must be a JSON object", None)
-        unknown = set(body) - {"mode", "status", "factor", "after_tokens"}
+        unknown = set(body) - {"mode", "status", "factor", "after_tokens", "delay_s"}
         if unknown:
             name = sorted(unknown)[0]
             raise FaultConfigError(f"unknown field {name!r}", name)
@@ -93,6 +102,7 @@ class FaultConfig:
             status=body.get("status"),
             factor=body.get("factor"),
             after_tokens=body.get("after_tokens"),
+            delay_s=body.get("delay_s"),
         )
 
 
@@ -102,6 +112,7 @@ def make_fault(
     status: Any = None,
     factor: Any = None,
     after_tokens: Any = None,
+    delay_s: Any = None,
 ) -> FaultConfig:
     """Build a validated FaultConfig from loosely typed input (JSON or CLI)."""
     try:
@@ -130,6 +141,7 @@ def make_fault(
         status=_int("status", status, DEFAULT_STATUS),
         factor=_float("factor", factor, DEFAULT_FACTOR),
         after_tokens=_int("after_tokens", after_tokens, default_after),
+        delay_s=_float("delay_s", delay_s, DEFAULT_DELAY_S),
     )
 
 

@@ -383,6 +383,8 @@ class EngineServer:
         return web.json_response({"object": "list", "data": [card]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self._fault.mode is FaultMode.SLOW_METRICS:
+            await asyncio.sleep(self._fault.delay_s)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _server_info(self, request: web.Request) -> web.Response:

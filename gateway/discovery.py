@@ -10,6 +10,11 @@ hands those admissions to their waiters.
 The first round runs for all replicas before the gateway starts serving, so ``/ready``
 is truthful from the first request.
 
+A probe GET slower than ``discovery.probe_timeout_s`` fails its round but is not
+dropped (`gateway.probe.RoundFetcher`): the next round takes its answer, stamped with
+when it was asked for. An engine busy serving answers its /metrics late, and that is when
+its preemption counter should reach the learned limit.
+
 Readiness has hysteresis (`admission.health.ProbeHysteresis`): a round whose probes fail
 or time out (the adapter finds the replica not ready) takes a ready replica out only
 after ``discovery.fail_threshold`` such rounds in a row; until then admission keeps the
@@ -32,7 +37,7 @@ import aiohttp
 from admission.health import ProbeHysteresis
 from gateway.config import DiscoveryConfig, ReplicaConfig
 from gateway.door import AdmissionDoor
-from gateway.probe import answered, explain, fetch_round
+from gateway.probe import Outcomes, RoundFetcher, answered, explain, fetch_round
 from gateway.tasks import cancel_all
 from routing.adapters import EngineAdapter, adapter_for
 from routing.types import ReplicaState
@@ -53,6 +58,10 @@ def new_state(rc: ReplicaConfig) -> ReplicaState:
     )
 
 
+def probe_headers(rc: ReplicaConfig) -> dict[str, str]:
+    return {"Authorization": f"Bearer {rc.api_key}"} if rc.api_key else {}
+
+
 async def probe_once(
     rc: ReplicaConfig,
     adapter: EngineAdapter,
@@ -62,8 +71,15 @@ async def probe_once(
     now: float,
 ) -> str | None:
     """Probe `rc` once and apply the answers to `state`; returns why it is not ready."""
-    headers = {"Authorization": f"Bearer {rc.api_key}"} if rc.api_key else {}
-    outcomes = await fetch_round(session, rc.url, tuple(adapter.probe_paths), headers, timeout_s)
+    paths = tuple(adapter.probe_paths)
+    outcomes = await fetch_round(session, rc.url, paths, probe_headers(rc), timeout_s)
+    return apply_round(rc, adapter, state, outcomes, now)
+
+
+def apply_round(
+    rc: ReplicaConfig, adapter: EngineAdapter, state: ReplicaState, outcomes: Outcomes, now: float
+) -> str | None:
+    """Apply one round's answers to `state`; returns why it is not ready."""
     if rc.pool_tokens is not None and state.capacity_tokens is None:
         # A pinned pool is the capacity for engines that cannot report one (the
         # adapters only call a replica ready once its capacity is known).
@@ -89,6 +105,7 @@ class ReplicaWatcher:
         self._door = door
         self._cfg = cfg
         self._adapter = adapter_for(rc.engine, kv_layout=rc.kv_layout)
+        self._fetcher = RoundFetcher(session, rc.url, probe_headers(rc))
         self.state = new_state(rc)
         self._was_ready: bool | None = None
         self.hysteresis = ProbeHysteresis(cfg.fail_threshold, cfg.success_threshold)
@@ -105,15 +122,16 @@ class ReplicaWatcher:
 
     async def refresh(self) -> None:
         """One discovery round: probe, apply, upsert."""
-        loop = asyncio.get_running_loop()
-        # The round is stamped with its start: the answers describe the engine at some
-        # moment after it (admission compares it with when a request was abandoned).
-        now = loop.time()
         state = self.state
         before = copy.deepcopy(state) if self.hysteresis.ready else None
-        error = await probe_once(
-            self.config, self._adapter, state, self._session, self._cfg.probe_timeout_s, now
+        outcomes, asked = await self._fetcher.round(
+            tuple(self._adapter.probe_paths), self._cfg.probe_timeout_s
         )
+        # The round is stamped with when its answers were asked for (a late one: in an
+        # earlier round): they describe the engine at some moment after it (admission
+        # compares it with when a request was abandoned).
+        now = asked
+        error = apply_round(self.config, self._adapter, state, outcomes, now)
         observed = error is None  # ready, with a known pool
         changed = error is not None and error != self.error
         self._note(error)
@@ -184,12 +202,19 @@ class ReplicaWatcher:
 
     async def run(self) -> None:
         """Refresh forever (cancelled at shutdown); a failed round never ends the loop."""
-        while True:
-            await asyncio.sleep(self._cfg.refresh_interval_s)
-            try:
-                await self.refresh()
-            except Exception:
-                log.exception("discovery round for %s failed", self.config.name)
+        try:
+            while True:
+                await asyncio.sleep(self._cfg.refresh_interval_s)
+                try:
+                    await self.refresh()
+                except Exception:
+                    log.exception("discovery round for %s failed", self.config.name)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel its probe GETs still under way (stopped, retired or replaced)."""
+        self._fetcher.close()
 
 
 @dataclass(slots=True, frozen=True)
@@ -269,6 +294,7 @@ class Discovery:
             old = self.watchers.get(rc.name)
             if old is not None:  # replaced: admission keeps the replica and its ledger
                 old.retired = True
+                old.close()
                 task = self._tasks.pop(rc.name, None)
                 if task is not None:
                     task.cancel()
@@ -281,6 +307,7 @@ class Discovery:
         if w is None:
             return
         w.retired = True
+        w.close()
         task = self._tasks.pop(name, None)
         if task is not None:
             task.cancel()

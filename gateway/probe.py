@@ -1,7 +1,8 @@
 """One probe round of one replica, and why it left the replica not ready, in words.
 
 `fetch_round` GETs the adapter's probe paths and keeps, per path, either the answer
-(status, body) or what went wrong (refused, timed out, a TLS or DNS error). The adapter
+(status, body) or what went wrong (refused, timed out, a TLS or DNS error);
+`RoundFetcher` does the same round after round for discovery, keeping a late answer. The adapter
 reads only the answers; `explain` reads the rest and the state the adapter left, and
 names the first cause an operator can act on:
 
@@ -46,6 +47,19 @@ def failure_words(e: BaseException, timeout_s: float) -> str:
     return str(e) or type(e).__name__
 
 
+async def fetch_one(
+    session: aiohttp.ClientSession, url: str, headers: Mapping[str, str], timeout_s: float
+) -> tuple[int, str] | str:
+    """GET `url`: its (status, body), or the failure in words; never raises for a
+    network failure."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.get(url, headers=headers) as r:
+                return r.status, await r.text(errors="replace")
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        return failure_words(e, timeout_s)
+
+
 async def fetch_round(
     session: aiohttp.ClientSession,
     url: str,
@@ -54,17 +68,61 @@ async def fetch_round(
     timeout_s: float,
 ) -> Outcomes:
     """GET every path of one replica at once; never raises for a network failure."""
-
-    async def one(path: str) -> tuple[int, str] | str:
-        try:
-            async with asyncio.timeout(timeout_s):
-                async with session.get(url + path, headers=headers) as r:
-                    return r.status, await r.text(errors="replace")
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return failure_words(e, timeout_s)
-
-    answers = await asyncio.gather(*(one(p) for p in paths))
+    answers = await asyncio.gather(
+        *(fetch_one(session, url + p, headers, timeout_s) for p in paths)
+    )
     return dict(zip(paths, answers, strict=True))
+
+
+# A probe answer slower than the round's timeout still counts when it comes: an engine
+# busy serving answers /metrics late (vLLM's API server on a loaded CPU took 3.5 s,
+# scripts/REAL_ENGINE_NOTES.md), and its preemption counter matters most then. Bounded
+# by Prometheus' default scrape timeout: an engine its scraper waits for, kvgate waits for.
+LATE_ANSWER_S = 10.0
+
+
+class RoundFetcher:
+    """One replica's probe GETs, round after round. A GET the round's timeout cut is
+    not dropped: it runs on (up to ``LATE_ANSWER_S``) and a later round takes its answer
+    instead of asking again. A slow engine's answers so arrive a round late, and feed
+    the learned limit; a hung one still fails every round at the round's timeout."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, url: str, headers: Mapping[str, str]
+    ) -> None:
+        self._session = session
+        self._url = url
+        self._headers = dict(headers)
+        # path -> (when it was asked, the GET still under way)
+        self._pending: dict[str, tuple[float, asyncio.Task[tuple[int, str] | str]]] = {}
+
+    async def round(self, paths: tuple[str, ...], timeout_s: float) -> tuple[Outcomes, float]:
+        """Every path's outcome within `timeout_s`, and the earliest time an answer used
+        was asked for (the answers describe the engine at some moment after it)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for path in paths:
+            if path not in self._pending:
+                get = fetch_one(self._session, self._url + path, self._headers, LATE_ANSWER_S)
+                self._pending[path] = (now, asyncio.ensure_future(get))
+        await asyncio.wait([self._pending[p][1] for p in paths], timeout=timeout_s)
+        outcomes: Outcomes = {}
+        asked = now
+        for path in paths:
+            at, task = self._pending[path]
+            if task.done():
+                del self._pending[path]
+                outcomes[path] = task.result()
+                asked = min(asked, at)
+            else:
+                outcomes[path] = failure_words(TimeoutError(), timeout_s)
+        return outcomes, asked
+
+    def close(self) -> None:
+        """Cancel the GETs still under way."""
+        for _, task in self._pending.values():
+            task.cancel()
+        self._pending.clear()
 
 
 def answered(outcomes: Outcomes) -> dict[str, tuple[int, str]]:

@@ -7,6 +7,8 @@ The `gateway` fixture checks that nothing stays reserved after each test.
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -59,6 +61,44 @@ async def test_failed_probe_rounds_keep_a_single_replica_ready_until_threshold(r
         s.post(gw.url + "/v1/chat/completions", json=SHORT) as r,
     ):
         assert r.status == 200
+
+
+async def test_a_slow_metrics_answer_still_arrives_and_keeps_the_replica_ready(replica, gateway):
+    """vLLM's API server on a busy CPU answered /metrics 3.5 s late. Each round's GET was
+    cut at the probe timeout: no answer ever arrived, the learned limit heard nothing
+    (no preemption, no engine queue) while the engine was loaded, and after
+    `fail_threshold` rounds a replica that served every request was taken out. A GET the
+    round's timeout cuts now runs on, and the next round takes its answer."""
+    srv = await replica()
+    gw = await gateway(
+        srv,
+        discovery={
+            "fail_threshold": 3,
+            "success_threshold": 1,
+            "probe_timeout_s": 0.2,
+            "refresh_interval_s": 0.2,
+        },
+    )
+    watcher = gw.state.discovery.watchers["r0"]
+    srv.set_fault(make_fault("slow_metrics", delay_s=0.35))
+    try:
+        assert await wait_for(lambda: watcher.error is not None, within=5.0)
+        assert "timed out after 0.2 s" in watcher.error
+        seen = {watcher.state.updated_at}
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 3.0
+        while loop.time() < end:
+            assert _usage(gw, "r0").ready  # late, not dead: never taken out
+            seen.add(watcher.state.updated_at)
+            await asyncio.sleep(0.05)
+        assert len(seen) >= 3, seen  # fresh answers kept arriving, a round late
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(gw.url + "/v1/chat/completions", json=SHORT) as r,
+        ):
+            assert r.status == 200
+    finally:
+        srv.set_fault(make_fault("none"))
 
 
 async def test_consecutive_5xx_eject_a_replica_then_it_returns(replica, gateway):
