@@ -25,9 +25,9 @@ Per window:
   timeout it declared) scores ``FAILURE_RATIO``. Each score is aimed at from a little
   inside (``_INSIDE_HARD``, ``_INSIDE_SOFT``). When the worse of the two is over its aim
   by ``r`` > 1.05 (between the aim and that, the limit holds: no dithering), the limit
-  goes to ``mean_running / r``, within [0.5, 0.9] of the current limit: past the knee, latency grows in proportion to concurrency, so this lands at the
-  aim. This is the latency ceiling, and it is what follows a replica that slows down and
-  comes back.
+  goes to ``mean_running / r``, within [0.5, 0.9] of the current limit: past the knee,
+  latency grows in proportion to concurrency, so this lands at the aim. This is the
+  latency ceiling, and it is what follows a replica that slows down and comes back.
 * **Goodput.** Every window that kept the replica busy (mean running >= 80% of the
   allowed limit) adds its time, running-time and work (prompt + completion tokens) to
   the point of its setting; a weighted fit of the replica's throughput curve
@@ -49,9 +49,9 @@ Per window:
   a replica whose service grows little with load, one long answer reaches half its aim
   at any load, and ending there held the real vLLM at 3 of the 8-12 it serves in time),
   at any cut, or at the knee (what it grew past the knee is given back). From then on
-  the limit grows by ``limit_probe_step`` per window. Growth never exceeds what the latency score predicts
-  the replica can take (``mean_running / r``) nor the knee. A replica kvgate does not
-  keep busy gives no evidence, and its limit holds.
+  the limit grows by ``limit_probe_step`` per window. Growth never exceeds what the
+  latency score predicts the replica can take (``mean_running / r``) nor the knee. A
+  replica kvgate does not keep busy gives no evidence, and its limit holds.
 * **Failures.** A request the replica failed (an upstream error or timeout, a client
   that left at its timeout while being served) scores ``FAILURE_RATIO``; a client that
   left after the queue took most of its budget brings the service it got, a lower bound
