@@ -124,13 +124,12 @@ class ReplicaWatcher:
         """One discovery round: probe, apply, upsert."""
         state = self.state
         before = copy.deepcopy(state) if self.hysteresis.ready else None
-        outcomes, asked = await self._fetcher.round(
-            tuple(self._adapter.probe_paths), self._cfg.probe_timeout_s
-        )
         # The round is stamped with when its answers were asked for (a late one: in an
         # earlier round): they describe the engine at some moment after it (admission
         # compares it with when a request was abandoned).
-        now = asked
+        outcomes, now = await self._fetcher.round(
+            tuple(self._adapter.probe_paths), self._cfg.probe_timeout_s
+        )
         error = apply_round(self.config, self._adapter, state, outcomes, now)
         observed = error is None  # ready, with a known pool
         changed = error is not None and error != self.error

@@ -2,9 +2,9 @@
 
 `fetch_round` GETs the adapter's probe paths and keeps, per path, either the answer
 (status, body) or what went wrong (refused, timed out, a TLS or DNS error);
-`RoundFetcher` does the same round after round for discovery, keeping a late answer. The adapter
-reads only the answers; `explain` reads the rest and the state the adapter left, and
-names the first cause an operator can act on:
+`RoundFetcher` does the same round after round for discovery, keeping a late answer.
+The adapter reads only the answers; `explain` reads the rest and the state the adapter
+left, and names the first cause an operator can act on:
 
 - the URL ends in ``/v1`` (the ``base_url`` habit): kvgate adds ``/v1/...`` itself;
 - a path that could not be fetched (``connection refused``, ``timed out after 2 s``);
