@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -81,11 +82,28 @@ async def fetch_round(
 LATE_ANSWER_S = 10.0
 
 
+@dataclass(slots=True, frozen=True)
+class Round:
+    """One round's outcomes; `asked`: the earliest time an answer used was asked for (the
+    answers describe the engine at some moment after it); `waiting`: no verdict, only a
+    slow path's next answer is still on its way."""
+
+    outcomes: Outcomes
+    asked: float
+    waiting: bool = False
+
+
 class RoundFetcher:
     """One replica's probe GETs, round after round. A GET the round's timeout cut is
     not dropped: it runs on (up to ``LATE_ANSWER_S``) and a later round takes its answer
     instead of asking again. A slow engine's answers so arrive a round late, and feed
-    the learned limit; a hung one still fails every round at the round's timeout."""
+    the learned limit; a hung one still fails every round at the round's timeout.
+
+    A path whose last answer came late is slow, not dead: a round still waiting on its
+    next GET has no verdict (`Round.waiting`), so a steadily slow engine answers every
+    other round and is not failed in between (hysteresis would never see two good rounds
+    in a row, and one that started unready would never join). A slow engine that then
+    hangs fails once that GET is ``LATE_ANSWER_S`` old."""
 
     def __init__(
         self, session: aiohttp.ClientSession, url: str, headers: Mapping[str, str]
@@ -95,10 +113,10 @@ class RoundFetcher:
         self._headers = dict(headers)
         # path -> (when it was asked, the GET still under way)
         self._pending: dict[str, tuple[float, asyncio.Task[tuple[int, str] | str]]] = {}
+        self._slow: set[str] = set()  # paths whose last answer came after its round
 
-    async def round(self, paths: tuple[str, ...], timeout_s: float) -> tuple[Outcomes, float]:
-        """Every path's outcome within `timeout_s`, and the earliest time an answer used
-        was asked for (the answers describe the engine at some moment after it)."""
+    async def round(self, paths: tuple[str, ...], timeout_s: float) -> Round:
+        """Every path's outcome within `timeout_s`."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         for path in paths:
@@ -112,11 +130,18 @@ class RoundFetcher:
             at, task = self._pending[path]
             if task.done():
                 del self._pending[path]
-                outcomes[path] = task.result()
+                outcomes[path] = answer = task.result()
                 asked = min(asked, at)
+                if at < now and not isinstance(answer, str):
+                    self._slow.add(path)
+                else:
+                    self._slow.discard(path)
             else:
                 outcomes[path] = failure_words(TimeoutError(), timeout_s)
-        return outcomes, asked
+        missing = [p for p, a in outcomes.items() if isinstance(a, str)]
+        # No verdict when nothing but a slow path's next answer is missing.
+        waiting = bool(missing) and all(p in self._slow and p in self._pending for p in missing)
+        return Round(outcomes, asked, waiting)
 
     def close(self) -> None:
         """Cancel the GETs still under way."""

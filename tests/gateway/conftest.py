@@ -102,6 +102,11 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
         gw = Gateway(config_from_mapping(data, env={}), host="127.0.0.1", port=0)
         await gw.start()
         made.append((gw, list(servers)))
+        if servers:
+            # A loaded machine can let the first probe time out (0.5 s here) and leave a live
+            # replica unready for a round; tests of live replicas start once all are ready.
+            watchers = list(gw.state.discovery.watchers.values())
+            await wait_for(lambda: all(w.state.ready for w in watchers), within=10.0)
         return gw
 
     yield factory

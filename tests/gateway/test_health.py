@@ -101,6 +101,32 @@ async def test_a_slow_metrics_answer_still_arrives_and_keeps_the_replica_ready(r
         srv.set_fault(make_fault("none"))
 
 
+async def test_a_replica_slower_than_the_probe_timeout_from_the_start_still_joins(
+    replica, gateway
+):
+    """An engine whose /metrics always answers later than the probe timeout (vLLM
+    loaded from the start): its answers arrive every other round, a round late. Counted
+    as failures, the rounds between kept hysteresis from two good rounds in a row and a
+    replica that serves every request never joined. Those rounds now give no verdict."""
+    srv = await replica()
+    srv.set_fault(make_fault("slow_metrics", delay_s=0.45))
+    try:
+        gw = await gateway(
+            srv,
+            discovery={"success_threshold": 2, "probe_timeout_s": 0.2, "refresh_interval_s": 0.2},
+        )
+        watcher = gw.state.discovery.watchers["r0"]
+        assert await wait_for(lambda: _usage(gw, "r0").ready, within=5.0), watcher.error
+        assert watcher.state.capacity_tokens is not None
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(gw.url + "/v1/chat/completions", json=SHORT) as r,
+        ):
+            assert r.status == 200
+    finally:
+        srv.set_fault(make_fault("none"))
+
+
 async def test_consecutive_5xx_eject_a_replica_then_it_returns(replica, gateway):
     bad, good = await replica(), await replica()
     gw = await gateway(
