@@ -284,6 +284,28 @@ def test_the_limit_follows_a_slowdown_and_the_recovery(seed2_items) -> None:
     assert report.preemptions == 0
 
 
+@pytest.mark.parametrize("seed", [1, 3])
+def test_clients_that_state_their_timeout_keep_it_through_a_slowdown(seed) -> None:
+    """The openai SDK's clients (T stated, two retries after Retry-After) at 32 while the
+    replica runs at half speed for 400 s: the limit follows, so an attempt times out only
+    where the slowdown caught it already running (0-4 of 640 on seeds 1-4), and the rest
+    complete or are shed with a Retry-After well inside their three attempts. Straight at
+    the engine, 74-97 complete; a fixed limit of 8 (the card's best before the
+    slowdown) lets 20 attempts time out."""
+
+    def slow(t: float) -> float:
+        return 2.0 if 250.0 <= t < 650.0 else 1.0
+
+    items = seed2_workload(320, seed=seed) * 2
+    report = run(PROFILE, items, concurrency=32, timeout_s=TIMEOUT_S, slow=slow, max_retries=2,
+                 seed=seed)  # fmt: skip
+    assert report.timed_out <= 6, report.timeouts
+    assert all(250.0 <= t <= 450.0 for t, _, _ in report.timeouts), report.timeouts
+    assert report.completed >= 0.93 * len(items), (report.completed, report.failed)
+    assert max(report.fail_after, default=0.0) < 4 * TIMEOUT_S
+    assert report.preemptions == 0
+
+
 def test_the_learned_limit_never_admits_past_the_kv_ceiling() -> None:
     # Long requests on the 4k-token pool: the KV ceiling binds long before latency does.
     ctrl = controller(learn_limit=True, initial_limit=64)
