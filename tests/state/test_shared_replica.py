@@ -54,7 +54,7 @@ def body(rng: random.Random) -> dict[str, Any]:
     }
 
 
-STARVED_FOR_S = 3.0  # a dozen renewals, about two requests' service
+STARVED_FOR_S = 3.0  # a dozen renewals, a few requests' service
 
 
 @pytest.fixture
