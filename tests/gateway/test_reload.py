@@ -64,6 +64,10 @@ async def start(cm: ConfigMap) -> Gateway:
     await gw.start()
     assert gw.state.reloader is not None
     gw.state.reloader.poll_s = 0.05
+    # A first probe that timed out on a loaded machine leaves a live replica unready for
+    # a round: the tests start once every replica is ready (conftest's gateway does too).
+    watchers = list(gw.state.discovery.watchers.values())
+    await wait_for(lambda: all(w.state.ready for w in watchers), within=10.0)
     return gw
 
 
