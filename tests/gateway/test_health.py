@@ -19,6 +19,15 @@ SHORT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_t
 ADMIN = "admin-secret"
 
 
+async def _status_of_a_short_chat(gw) -> int:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/chat/completions", json=SHORT) as r,
+    ):
+        await r.read()
+        return r.status
+
+
 def _usage(gw, name: str):
     return next(u for u in gw.report.replica_usage() if u.name == name)
 
@@ -56,11 +65,7 @@ async def test_failed_probe_rounds_keep_a_single_replica_ready_until_threshold(r
     # Back after two good rounds in a row; a request then completes.
     assert await wait_for(lambda: _usage(gw, "r0").ready, within=5.0)
     assert hyst._oks >= 2
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(gw.url + "/v1/chat/completions", json=SHORT) as r,
-    ):
-        assert r.status == 200
+    assert await _status_of_a_short_chat(gw) == 200
 
 
 async def test_a_slow_metrics_answer_still_arrives_and_keeps_the_replica_ready(replica, gateway):
@@ -92,18 +97,12 @@ async def test_a_slow_metrics_answer_still_arrives_and_keeps_the_replica_ready(r
             seen.add(watcher.state.updated_at)
             await asyncio.sleep(0.05)
         assert len(seen) >= 3, seen  # fresh answers kept arriving, a round late
-        async with (
-            aiohttp.ClientSession() as s,
-            s.post(gw.url + "/v1/chat/completions", json=SHORT) as r,
-        ):
-            assert r.status == 200
+        assert await _status_of_a_short_chat(gw) == 200
     finally:
         srv.set_fault(make_fault("none"))
 
 
-async def test_a_replica_slower_than_the_probe_timeout_from_the_start_still_joins(
-    replica, gateway
-):
+async def test_a_replica_slower_than_the_probe_timeout_from_the_start_still_joins(replica, gateway):
     """An engine whose /metrics always answers later than the probe timeout (vLLM
     loaded from the start): its answers arrive every other round, a round late. Counted
     as failures, the rounds between kept hysteresis from two good rounds in a row and a
@@ -118,11 +117,7 @@ async def test_a_replica_slower_than_the_probe_timeout_from_the_start_still_join
         watcher = gw.state.discovery.watchers["r0"]
         assert await wait_for(lambda: _usage(gw, "r0").ready, within=5.0), watcher.error
         assert watcher.state.capacity_tokens is not None
-        async with (
-            aiohttp.ClientSession() as s,
-            s.post(gw.url + "/v1/chat/completions", json=SHORT) as r,
-        ):
-            assert r.status == 200
+        assert await _status_of_a_short_chat(gw) == 200
     finally:
         srv.set_fault(make_fault("none"))
 
