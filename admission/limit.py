@@ -92,7 +92,7 @@ _POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortag
 class LimitSettings:
     """The knobs of `RunningLimit` (copied from `AdmissionConfig`)."""
 
-    initial: float = 4.0
+    initial: float = 2.0
     window: int = 16
     knee_efficiency: float = 0.1
     budget_fraction: float = 0.6

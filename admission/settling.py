@@ -52,7 +52,7 @@ class Entry:
     rejected: bool = False
     queued: bool = False  # in the queue (admission.fairqueue keeps it)
     # Queued with a stated budget before any service was seen (half of it for the queue):
-    # when it entered, so its deadline is judged again at every completion while it waits.
+    # when it entered, so its deadline can be judged again once service is known.
     cold_since: float | None = None
 
 
@@ -155,19 +155,21 @@ class Settling:
         return entry
 
     def rejudge_cold(self, predict: Callable[[AdmissionRequest], float]) -> None:
-        """Entries queued before any service was seen were given half their budget; at
-        every completion while they wait, each gets the deadline `entry` would give it
-        now (from when it entered), if sooner: the first wave of a cold start otherwise
-        starts requests late in their budget that the now-known service cannot finish
-        in it. Not only at the first completion: that is the shortest request of the
-        wave, one sample, and slow start raises the load the rest will run at."""
-        for entry in self.cold.values():
+        """Entries queued before any service was seen were given half their budget; once
+        the model's service is predicted, each gets the deadline `entry` would give it
+        now (from when it entered): the first wave of a cold start otherwise starts
+        requests late in their budget that the now-known service cannot finish in it."""
+        if not self.cold:
+            return
+        for entry in list(self.cold.values()):
             predicted = predict(entry.req)
             if predicted <= 0:
                 continue
+            del self.cold[entry.req.request_id]
             since = entry.cold_since
             budget = entry.req.latency_budget
             assert since is not None and budget is not None
+            entry.cold_since = None
             entry.deadline = min(entry.deadline, since + queue_slack(budget, predicted))
 
     def enqueue(self, entry: Entry) -> None:
