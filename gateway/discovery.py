@@ -122,14 +122,14 @@ class ReplicaWatcher:
 
     async def refresh(self) -> None:
         """One discovery round: probe, apply, upsert."""
+        got = await self._fetcher.round(tuple(self._adapter.probe_paths), self._cfg.probe_timeout_s)
+        if got.waiting:  # a slow engine's next answer is on its way: no verdict this round
+            return
         state = self.state
         before = copy.deepcopy(state) if self.hysteresis.ready else None
         # The round is stamped with when its answers were asked for (a late one: in an
         # earlier round): they describe the engine at some moment after it (admission
         # compares it with when a request was abandoned).
-        got = await self._fetcher.round(tuple(self._adapter.probe_paths), self._cfg.probe_timeout_s)
-        if got.waiting:  # a slow engine's next answer is on its way: no verdict this round
-            return
         error = apply_round(self.config, self._adapter, state, got.outcomes, got.asked)
         observed = error is None  # ready, with a known pool
         changed = error is not None and error != self.error

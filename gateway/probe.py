@@ -139,8 +139,9 @@ class RoundFetcher:
             else:
                 outcomes[path] = failure_words(TimeoutError(), timeout_s)
         missing = [p for p, a in outcomes.items() if isinstance(a, str)]
-        # No verdict when nothing but a slow path's next answer is missing.
-        waiting = bool(missing) and all(p in self._slow and p in self._pending for p in missing)
+        # No verdict when nothing but a slow path's next answer is missing (a slow path
+        # that failed outright left `_slow` above).
+        waiting = bool(missing) and all(p in self._slow for p in missing)
         return Round(outcomes, asked, waiting)
 
     def close(self) -> None:

@@ -33,6 +33,14 @@ async def wait_for(predicate: Callable[[], bool], within: float = 5.0, step: flo
         await asyncio.sleep(step)
 
 
+async def all_replicas_ready(gw: Gateway, within: float = 10.0) -> bool:
+    """Wait (bounded) until discovery finds every replica ready: a loaded machine can let
+    the first probe time out (0.5 s in these tests) and leave a live replica unready for
+    a round, so tests of live replicas start once all are ready."""
+    watchers = list(gw.state.discovery.watchers.values())
+    return await wait_for(lambda: all(w.state.ready for w in watchers), within=within)
+
+
 @pytest.fixture
 async def replica(enginesim_server: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """``srv = await replica(speed=50)``: a tiny-profile enginesim replica."""
@@ -103,10 +111,7 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
         await gw.start()
         made.append((gw, list(servers)))
         if servers:
-            # A loaded machine can let the first probe time out (0.5 s here) and leave a live
-            # replica unready for a round; tests of live replicas start once all are ready.
-            watchers = list(gw.state.discovery.watchers.values())
-            await wait_for(lambda: all(w.state.ready for w in watchers), within=10.0)
+            await all_replicas_ready(gw)
         return gw
 
     yield factory

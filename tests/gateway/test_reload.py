@@ -18,7 +18,7 @@ import yaml
 from admission.tenants import hash_key
 from gateway.app import Gateway
 from gateway.config import load_config
-from tests.gateway.conftest import MODEL, wait_for
+from tests.gateway.conftest import MODEL, all_replicas_ready, wait_for
 from tests.gateway.test_not_ready import Lines
 
 KEY = "sk-team-a"
@@ -64,10 +64,7 @@ async def start(cm: ConfigMap) -> Gateway:
     await gw.start()
     assert gw.state.reloader is not None
     gw.state.reloader.poll_s = 0.05
-    # A first probe that timed out on a loaded machine leaves a live replica unready for
-    # a round: the tests start once every replica is ready (conftest's gateway does too).
-    watchers = list(gw.state.discovery.watchers.values())
-    await wait_for(lambda: all(w.state.ready for w in watchers), within=10.0)
+    await all_replicas_ready(gw)
     return gw
 
 
