@@ -115,11 +115,15 @@ def run(
     time_limit_s: float = 1e6,
     retry_after_unit_s: float | None = None,
     stoppers: int = 0,
+    timeout_backoff_s: Sequence[float] | None = None,
 ) -> VtReport:
     """Replay `items` through admission into one simulated replica of `profile`.
     `retry_after_unit_s`: clients read only the whole-second ``Retry-After`` header (a
     plain HTTP client; the openai SDKs read ``retry-after-ms``): the delay is rounded up
-    to whole units of this many virtual seconds (1.0 at real time, 0.1 at a clock x10)."""
+    to whole units of this many virtual seconds (1.0 at real time, 0.1 at a clock x10).
+    `timeout_backoff_s`: a timed-out attempt is sent again after these delays (the n-th
+    retry after the n-th), while `max_retries` allows, as bench/closed_loop.py's clients
+    do; None: a timed-out attempt is lost."""
     prof = load_profile(profile)
     core = EngineCore(prof, seed=seed)
     cfg = config if config is not None else AdmissionConfig()
@@ -386,7 +390,14 @@ def run(
                 gone = Completion(ok=False, service_s=served) if res is not None and spent else None
                 ended(att, True)
                 handle(ctrl.release(att.rid, now, gone))
-                finish(att)
+                if timeout_backoff_s is not None and (
+                    max_retries is None or att.retries < max_retries
+                ):
+                    report.retries += 1
+                    delay = timeout_backoff_s[min(att.retries, len(timeout_backoff_s) - 1)]
+                    push(now + delay, "send", (att.client, att.item, att.first, att.retries + 1))
+                else:
+                    finish(att)
         elif kind == "probe":
             st = core.stats()
             state.engine_running = st.num_running
