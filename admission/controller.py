@@ -332,13 +332,32 @@ class AdmissionController:
 
     def client_ended(
         self, tenant: str, model: str, stream: bool, end: ClientEnd, now: float
-    ) -> None:
+    ) -> Events:
         """A request whose client stated no timeout ended: its client left (disconnected
         while queued or running) or stayed to the end, `end` says when and, for a
-        stream, where. Teaches that population's patience (admission/patience.py);
-        admits nobody."""
+        stream, where. Teaches that population's patience (admission/patience.py).
+
+        Returns the queued requests this shed, and those that then fit: where the
+        patience was learned, or learned shorter, the population's queued requests that
+        stated nothing are judged by it (admission/settling.py, `rejudge_unstated`)."""
         self._saw(now)
-        self._patience.observe(tenant, model, stream, end, now)
+        patience = self._patience
+        before = patience.budget(tenant, model, stream)
+        patience.observe(tenant, model, stream, end, now)
+        after = patience.budget(tenant, model, stream)
+        if after is None or (before is not None and after.seconds >= before.seconds):
+            return []
+        if not self._queue:
+            return []
+        self._queue.rejudge_unstated(
+            (tenant, model, stream),
+            after,
+            lambda r: self._views.predict(r, self._views.view(r.model)),
+        )
+        events: Events = list(self._shedding.expire(now))
+        if events:
+            events.extend(self._queue.settle(now))
+        return events
 
     def top_up(self, request_id: str, total_tokens: int, now: float) -> bool:
         """Grow a reservation to cover `total_tokens` (prompt + generated so far).

@@ -134,6 +134,14 @@ class FairQueue:
         self._dseq += 1
         heapq.heappush(self._deadlines, (entry.deadline, self._dseq, entry))
 
+    def tighten(self, entry: _QEntry, deadline: float) -> None:
+        """Bring a queued entry's deadline forward (its place in its lane stays: that is
+        the order of first arrival's deadline, which a later judgement does not move)."""
+        if deadline < entry.deadline:
+            entry.deadline = deadline
+            self._dseq += 1
+            heapq.heappush(self._deadlines, (deadline, self._dseq, entry))
+
     def remove(self, entry: _QEntry) -> None:
         req = entry.req
         tenant = req.tenant

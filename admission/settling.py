@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from admission.config import AdmissionConfig
 from admission.fairqueue import FairQueue
 from admission.ledger import Ledger
+from admission.patience import Budget
 from admission.placement import REJECTED, Placement
 from admission.types import AdmissionRequest, Admit, Events
 
@@ -54,6 +55,7 @@ class Entry:
     # Queued with a stated budget before any service was seen (half of it for the queue):
     # when it entered, so its deadline can be judged again once service is known.
     cold_since: float | None = None
+    entered: float = 0.0  # when this attempt entered (a learned patience counts from it)
 
 
 def queue_slack(budget: float, predicted: float) -> float:
@@ -149,6 +151,7 @@ class Settling:
             raw,
             deadline,
         )
+        entry.entered = now
         if req.latency_budget is not None and predicted <= 0:
             entry.cold_since = now
         self._seq += 1
@@ -170,7 +173,33 @@ class Settling:
             budget = entry.req.latency_budget
             assert since is not None and budget is not None
             entry.cold_since = None
-            entry.deadline = min(entry.deadline, since + queue_slack(budget, predicted))
+            self.queue.tighten(entry, since + queue_slack(budget, predicted))
+
+    def rejudge_unstated(
+        self,
+        population: tuple[str, str, bool],
+        budget: Budget,
+        predict: Callable[[AdmissionRequest], float],
+    ) -> None:
+        """The patience of a population (tenant, model, stream) was learned, or learned
+        shorter: its queued entries that stated nothing take it as their budget, and the
+        deadline `entry` would give them now, counted from when they entered. Else the
+        wave that taught it waits on under the default queue timeout, and each of its
+        clients leaves at the patience just learned instead of being shed with a
+        Retry-After while it still could come back in time."""
+        for entry in self.queued.values():
+            req = entry.req
+            if (req.tenant, req.model, req.stream) != population:
+                continue
+            if req.latency_budget is not None and not req.budget_learned:
+                continue  # its client stated its timeout: believed first
+            if req.latency_budget is not None and req.latency_budget <= budget.seconds:
+                continue
+            req = entry.req = replace(
+                req, latency_budget=budget.seconds, budget_learned=True, budget_whole=budget.whole
+            )
+            slack = queue_slack(budget.seconds, predict(req))
+            self.queue.tighten(entry, entry.entered + slack)
 
     def enqueue(self, entry: Entry) -> None:
         self.queue.insert(entry)

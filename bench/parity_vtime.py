@@ -13,9 +13,10 @@ configures it (the defaults). T is 1.5x the worst latency of a calibration cell 
 C = 8, non-stream, clients that never give up). Goodput, the targets and the judge are
 bench/parity_sweep.py's.
 
-What it leaves out, so the HTTP sweep stays the judge of record: the gateway's own
-latency, discovery's scrape delay (gauges reach admission every ``probe_s``), and the
-clients' retry of a timed-out attempt.
+Both kinds retry a timed-out attempt after 0.5 s, then 1 s, within the same two retries
+(bench/closed_loop.py's clients, the openai SDK's first backoffs). What it leaves out, so
+the HTTP sweep stays the judge of record: the gateway's own latency and discovery's
+scrape delay (gauges reach admission every ``probe_s``).
 
     PYTHONPATH=$PWD .venv/bin/python bench/parity_vtime.py [--profile seed2-8b-16gb]
         [--requests 150] [--seed 5] [--concurrency 1 2 4 8 16 32 64] [--tag TAG]
@@ -36,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from admission.config import AdmissionConfig  # noqa: E402
+from bench.closed_loop import PLAIN_BACKOFF_S  # noqa: E402
 from bench.parity_sweep import CONCURRENCIES, TIMEOUT_FACTOR, judge, table  # noqa: E402
 from bench.vtime import VtReport, run  # noqa: E402
 from enginesim.workloads import WorkItem, seed2_workload  # noqa: E402
@@ -70,6 +72,7 @@ def cell(
         config=PASS_THROUGH if straight else config,
         pool_tokens=UNBOUNDED_POOL if straight else None,
         max_retries=2,
+        timeout_backoff_s=PLAIN_BACKOFF_S,
         stream=stream,
         seed=seed,
         **CLIENTS[client],

@@ -269,7 +269,7 @@ def run(
                 gap = (now - att.first_token) / (att.events - 1)
             # A stopper leaves as its last event arrives: no quiet stretch.
             end = stream_end(waited, left, first, 0.0 if first is not None else waited, gap)
-        ctrl.client_ended("default", model, stream, end, now)
+        handle(ctrl.client_ended("default", model, stream, end, now))
 
     def upsert() -> Events:
         return ctrl.upsert_replica(state, now, pinned_capacity=pool_tokens, max_running=max_running)

@@ -168,8 +168,10 @@ class AdmissionDoor:
         self._rearm()
 
     def client_ended(self, tenant: str, model: str, stream: bool, end: ClientEnd) -> None:
-        """Teach the patience of clients that state no timeout (admission/patience.py)."""
-        self._controller.client_ended(tenant, model, stream, end, self._loop.time())
+        """Teach the patience of clients that state no timeout (admission/patience.py),
+        and hand out what a patience learned shorter sheds of the queue."""
+        self._resolve(self._controller.client_ended(tenant, model, stream, end, self._loop.time()))
+        self._rearm()  # the queue's deadlines may have come forward
 
     def top_up(self, request_id: str, total_tokens: int, now: float | None = None) -> bool:
         """Grow a stream's reservation (`AdmissionController.top_up`)."""

@@ -143,6 +143,36 @@ def test_the_sdk_at_32_completes_every_request_near_the_best_fixed_concurrency(v
     assert report.preemptions == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_plain_clients_at_32_lose_only_the_attempts_that_teach_their_patience(
+    vllm_8k, stream: bool
+) -> None:
+    """bench/real_vllm.py's plain client in virtual time: 32 clients that never state their
+    timeout T, retrying a shed after the whole-second Retry-After and a timed-out attempt
+    after 0.5 s and 1 s. The first wave queues under the 30 s default; once the first of
+    it leave together at T, the rest of the wave is shed with a Retry-After, not left to
+    time out one by one. Before: 26-28 attempt timeouts (the whole first wave and the
+    requests queued behind it); now the few that teach and those started before."""
+    items = real_vllm_items(150)
+    timeout = 1.5 * run_closed_loop(vllm_8k, items, 8, 1e9).max_latency
+    report = run(
+        vllm_8k,
+        items,
+        concurrency=32,
+        timeout_s=timeout,
+        send_timeout=False,
+        retry_after_unit_s=1.0,
+        max_retries=2,
+        timeout_backoff_s=(0.5, 1.0),
+        stream=stream,
+    )
+    assert report.completed == len(items), (report.timed_out, report.failed)
+    assert report.timed_out <= 10, report.timeouts
+    # Every attempt that timed out was one of the first wave, before anything was learned.
+    assert all(t <= 1.05 * timeout for t, _, _ in report.timeouts), report.timeouts
+    assert report.preemptions == 0
+
+
 def test_a_preemption_cut_is_judged_against_what_ran_not_a_lull() -> None:
     """Seen on the real vLLM: slow start reached 10, the engine preempted, and the next
     discovery round fell in a lull with one request running: the limit was cut to 1 (75%

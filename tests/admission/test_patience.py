@@ -87,6 +87,30 @@ def test_clients_with_one_configured_timeout_are_learned_from_three_departures()
     assert other.report.patience("default", "m") is None
 
 
+def test_queued_requests_are_judged_by_the_patience_their_wave_teaches() -> None:
+    """A wave of clients that state nothing queues under the default timeout; the first
+    of them to leave together teach their timeout, and the rest of the wave, queued as
+    long, are shed at once with a Retry-After instead of each waiting to leave at it.
+    Entries that entered later keep their place until the new deadline."""
+    ctrl = controller(queue_timeout_s=30.0)
+    _full(ctrl)
+    for i in range(8):
+        assert isinstance(ctrl.submit(request(f"w{i}"), 0.0).verdict, Queued)
+    assert isinstance(ctrl.submit(request("late"), 1.9).verdict, Queued)
+    assert ctrl.next_deadline() == pytest.approx(30.0)
+    taught: list = []
+    for i in range(MIN_COHORT):
+        ctrl.release(f"w{i}", 2.0)
+        taught += ctrl.client_ended("default", "m", False, ClientEnd(2.0, True), 2.0)
+    assert ctrl.report.patience("default", "m") == pytest.approx(2.0)
+    shed = {e.request_id for e in taught if isinstance(e, Shed)}
+    assert shed == {f"w{i}" for i in range(MIN_COHORT, 8)}
+    assert all(e.retry_after >= ctrl.config.min_retry_after_s for e in taught)
+    # The late one entered at 1.9 s: it is due before its client leaves at 3.9 s.
+    due = ctrl.next_deadline()
+    assert due is not None and 1.9 < due < 3.9
+
+
 def test_a_population_that_never_leaves_keeps_the_default() -> None:
     ctrl = controller(queue_timeout_s=30.0)
     ctrl.upsert_replica(replica("r1", 1000), 0.0)
