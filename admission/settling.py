@@ -191,8 +191,10 @@ class Settling:
             req = entry.req
             if (req.tenant, req.model, req.stream) != population:
                 continue
-            if req.latency_budget is not None and not req.budget_learned:
-                continue  # its client stated its timeout: believed first
+            if not req.budget_learned and (
+                req.latency_budget is not None or math.isfinite(req.deadline)
+            ):
+                continue  # its client stated its timeout or a deadline: believed first
             if req.latency_budget is not None and req.latency_budget <= budget.seconds:
                 continue
             req = entry.req = replace(

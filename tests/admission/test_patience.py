@@ -97,7 +97,9 @@ def test_queued_requests_are_judged_by_the_patience_their_wave_teaches() -> None
     for i in range(8):
         assert isinstance(ctrl.submit(request(f"w{i}"), 0.0).verdict, Queued)
     assert isinstance(ctrl.submit(request("late"), 1.9).verdict, Queued)
-    assert ctrl.next_deadline() == pytest.approx(30.0)
+    # One that stated a deadline of its own keeps it: the learned patience is not its.
+    assert isinstance(ctrl.submit(request("own", deadline=20.0), 0.0).verdict, Queued)
+    assert ctrl.next_deadline() == pytest.approx(20.0)
     taught: list = []
     for i in range(MIN_COHORT):
         ctrl.release(f"w{i}", 2.0)
@@ -106,6 +108,7 @@ def test_queued_requests_are_judged_by_the_patience_their_wave_teaches() -> None
     shed = {e.request_id for e in taught if isinstance(e, Shed)}
     assert shed == {f"w{i}" for i in range(MIN_COHORT, 8)}
     assert all(e.retry_after >= ctrl.config.min_retry_after_s for e in taught)
+    assert "own" not in shed
     # The late one entered at 1.9 s: it is due before its client leaves at 3.9 s.
     due = ctrl.next_deadline()
     assert due is not None and 1.9 < due < 3.9
