@@ -69,6 +69,11 @@ them. Not told apart: a clock whose clients got their first
 tokens nearly as close together as they left is not seen as one (it keeps the default,
 and its departures before the first token still teach), and readers that all leave at
 one total time however far apart their first tokens came would be read as a clock.
+Hence a last check: a whole-stream deadline applies only while one of the population's
+recent streams (``SHAPE_MEMORY``) was read to its end within it. Readers leave long
+before any stream ends (from a cold start of 4, three stoppers admitted at once left
+together and taught a 16 ms deadline by chance); a real clock lets its short streams
+finish; and a deadline no stream meets is not one kvgate could keep anyway.
 
 Clients that leave together (within ``TOGETHER_S`` of a close's first departure) after
 waits that differ (by more than a tenth, and ``COHORT_S``) did not each run out of
@@ -214,7 +219,7 @@ class ClientEnd:
     left: bool  # it disconnected then (else it stayed to the end)
     quiet_s: float | None = None  # a stream: the quiet stretch it left in, or sat through
     stalled: bool | None = None  # a stream it left mid-way: after a stall (None: unknown)
-    first_s: float | None = None  # a stream it left after content: its first token's wait
+    first_s: float | None = None  # a stream with content: its first token's wait
 
 
 def stream_end(
@@ -226,7 +231,8 @@ def stream_end(
     events (None: fewer than two)."""
     if not left:
         # It sat through at least its wait for the first token (no gap log is kept).
-        return ClientEnd(waited_s, False, first_s if first_s is not None else waited_s)
+        quiet = first_s if first_s is not None else waited_s
+        return ClientEnd(waited_s, False, quiet, first_s=first_s)
     stalled = None
     if first_s is not None:
         # Left while tokens flowed: its own clock, or it had enough. After a stall (and a
@@ -260,7 +266,16 @@ class Population:
     """One population's curves: total time, and for streams the quiet stretches and
     where its clients left (while the stream flowed, or after a stall)."""
 
-    __slots__ = ("total", "quiet", "flowing", "stalled", "_close_at", "_close_waited", "_recent")
+    __slots__ = (
+        "total",
+        "quiet",
+        "flowing",
+        "stalled",
+        "_close_at",
+        "_close_waited",
+        "_recent",
+        "_served",
+    )
 
     def __init__(self) -> None:
         self.total = Patience()
@@ -271,6 +286,12 @@ class Population:
         self._close_waited = 0.0  # and how long that client had waited
         # The recent departures while tokens flowed.
         self._recent: deque[_Flowing] = deque(maxlen=SHAPE_MEMORY)
+        # How long the recent streams its clients read to the end took (streams only).
+        self._served: deque[float] = deque(maxlen=SHAPE_MEMORY)
+
+    def served(self, waited: float) -> None:
+        """A stream of this population was read to its end after `waited`."""
+        self._served.append(waited)
 
     def on_a_clock(self, waited: float, first: float | None, quiet: float | None) -> bool:
         """Whether a departure while tokens flowed, after `waited` (its first token after
@@ -314,7 +335,14 @@ class Population:
             q = self.quiet.estimate()
             return None if q is None else Budget(q, whole=False)
         q = self.total.estimate()
-        return None if q is None else Budget(q)
+        if q is None:
+            return None
+        if stream and not any(t <= q for t in self._served):
+            # A whole-stream deadline none of its recent streams was read within is not
+            # one kvgate could keep, and readers that stop a few events in look like it
+            # (the module's doc).
+            return None
+        return Budget(q)
 
 
 @dataclass(slots=True, frozen=True)
@@ -364,6 +392,8 @@ class ClientPatience:
             # Left while tokens flowed: a clock's deadline, or a reader that had enough.
             left = pop.on_a_clock(waited, end.first_s, quiet)
         pop.total.observe(waited, left)
+        if stream and not end.left and end.first_s is not None:
+            pop.served(waited)
         if quiet is not None:
             pop.quiet.observe(quiet, left)
         if left and end.stalled is not None:

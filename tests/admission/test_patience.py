@@ -195,14 +195,20 @@ def test_the_learned_limit_scores_completions_against_the_learned_patience() -> 
     assert usage.limit_reason == "latency" and usage.limit is not None and usage.limit < 8
 
 
+# A stream its client read to the end in 1 s (its first token after 0.2 s).
+SERVED = stream_end(1.0, False, 0.2, 0.0, 0.01)
+
+
 def _stream_departures(pop: ClientPatience, n: int, *, stalled: bool) -> None:
     for i in range(n):
         if stalled:
             # Per-chunk clients: each leaves after a 2 s stall, whenever it comes.
             pop.observe("t", "m", True, ClientEnd(5.0 + i, True, 2.0, True), 10.0 * i)
         else:
-            # Whole-stream clients: each leaves at 4 s, while tokens flow.
-            pop.observe("t", "m", True, ClientEnd(4.0, True, 0.02, False), 10.0 * i)
+            # Whole-stream clients: each leaves at 4 s, while tokens flow; their short
+            # streams end within it.
+            pop.observe("t", "m", True, SERVED, 10.0 * i)
+            pop.observe("t", "m", True, ClientEnd(4.0, True, 0.02, False), 10.0 * i + 1.0)
 
 
 def test_a_mass_close_is_one_departure_not_a_patience() -> None:
@@ -245,18 +251,37 @@ def test_a_stream_budget_takes_the_shape_of_where_its_clients_leave() -> None:
     # Departures before the first token say nothing of the shape: a whole-stream
     # deadline is assumed, the stricter one.
     early = ClientPatience()
+    early.observe("t", "m", True, SERVED, 0.0)
     for i in range(MIN_EVENTS):
-        early.observe("t", "m", True, ClientEnd(3.0, True, 3.0, None), 10.0 * i)
+        early.observe("t", "m", True, ClientEnd(3.0, True, 3.0, None), 10.0 * i + 1.0)
     assert early.budget("t", "m", True) == Budget(3.0, whole=True)
+
+
+def test_a_whole_stream_deadline_no_stream_was_read_within_is_not_learned() -> None:
+    """Three readers admitted together stop 1-6 events in and happen to leave after one
+    wait (16 ms) though their first tokens came apart: read as a clock, they taught the
+    stoppers' gateway test's patient streams a 16 ms deadline from a cold start of 4.
+    No stream of the population was ever read to its end that fast: not a deadline."""
+    pop = ClientPatience()
+    for i in range(5):
+        pop.observe("t", "m", True, SERVED, 10.0 * i)  # patient streams, read to the end
+    for i, first in enumerate((0.004, 0.009, 0.014)):
+        pop.observe("t", "m", True, stream_end(0.016, True, first, 0.001, 0.002), 60.0 + i)
+    assert pop.budget("t", "m", True) is None
+    # A clock with the same departures whose short streams do end within it is one.
+    pop.observe("t", "m", True, stream_end(0.012, False, 0.004, 0.0, 0.001), 70.0)
+    got = pop.budget("t", "m", True)
+    assert got is not None and got.whole and got.seconds == pytest.approx(0.016)
 
 
 @pytest.mark.parametrize("stalled", [False, True], ids=["whole-stream", "per-chunk"])
 def test_a_stream_is_scored_on_what_its_clients_wait_for(stalled: bool) -> None:
     ctrl = controller(learn_limit=True, initial_limit=8.0, limit_window=4)
     ctrl.upsert_replica(replica("r1", 100_000), 0.0)
+    ctrl.client_ended("default", "m", True, SERVED, 0.0)
     for i in range(MIN_EVENTS):
         end = ClientEnd(5.0 + i, True, 2.0, True) if stalled else ClientEnd(4.0, True, 0.02, False)
-        ctrl.client_ended("default", "m", True, end, 10.0 * i)
+        ctrl.client_ended("default", "m", True, end, 10.0 * i + 1.0)
     now = 1.0
     for i in range(6):
         for j in range(8):
@@ -333,6 +358,7 @@ def test_a_total_deadline_mid_stream_is_learned_beside_readers() -> None:
     do not shorten it."""
     rng = random.Random(4)
     pop = ClientPatience()
+    pop.observe("t", "m", True, SERVED, 0.0)
     now = 0.0
     for i in range(3 * MIN_EVENTS):
         now += 1.0
