@@ -86,13 +86,14 @@ _INSIDE_SOFT = 0.95  # and this far inside a configured target (its quantile)
 _SLOW_START_END = 0.5  # slow start ends at a window whose slowest is this far to its aim
 _BAND = 1.05  # cut only when a score is this far past its aim; between, the limit holds
 _POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortage
+POINT_MEMORY = 8  # windows a goodput point above the limit stays in the knee's fit
 
 
 @dataclass(slots=True, frozen=True)
 class LimitSettings:
     """The knobs of `RunningLimit` (copied from `AdmissionConfig`)."""
 
-    initial: float = 2.0
+    initial: float = 4.0
     window: int = 16
     knee_efficiency: float = 0.1
     budget_fraction: float = 0.6
@@ -152,7 +153,8 @@ class RunningLimit:
         self._running = 0
         self._peak = 0  # most running since the last engine round
         self._last = now
-        # allowed limit -> [seconds, running-seconds, work tokens] of busy windows there
+        # allowed limit -> [seconds, running-seconds, work tokens, last window] of busy
+        # windows there
         self._points: dict[int, list[float]] = {}
         self.knee: float | None = None  # fitted knee of the goodput curve
         self._preemptions: float | None = None
@@ -335,10 +337,11 @@ class RunningLimit:
         if busy and goodput > 0:
             # One point per setting: windows at the same limit pool their time and work,
             # so the fit sees each setting's mean, not each window's noise.
-            acc = self._points.setdefault(allowed, [0.0, 0.0, 0.0])
+            acc = self._points.setdefault(allowed, [0.0, 0.0, 0.0, 0.0])
             acc[0] += span
             acc[1] += self._area
             acc[2] += self._work
+            acc[3] = self.windows
             self.knee = self._fit_knee()
         base = max(1.0, mean_running)
         if ratio is not None and ratio > _BAND:
@@ -382,10 +385,16 @@ class RunningLimit:
     def _fit_knee(self) -> float | None:
         """Least-squares fit of 1/G = 1/Gmax + (K/Gmax) / N over the window points;
         the knee N = K (1/e - 1). None until the points span a 2x range of N."""
+        # A setting above the limit that no window measured lately leaves the fit: the
+        # limit no longer reaches it to measure it again, and a knee fitted on an old
+        # transient there (the windows of a cold start's overshoot) would hold the limit
+        # under it for good. Settings at or below the limit stay (growth passed them).
+        recent = self.windows - POINT_MEMORY
+        below = int(self.value)
         pts = [
             (area / span, work / span, span)
-            for span, area, work in self._points.values()
-            if span > 0 and area > 0 and work > 0
+            for n, (span, area, work, last) in self._points.items()
+            if span > 0 and area > 0 and work > 0 and (n <= below or last > recent)
         ]
         if len(pts) < 3:
             return None

@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 
+from admission import limit as limit_module
 from admission.config import AdmissionConfig
 from admission.limit import LimitSettings, RunningLimit, latency_ratio
 from bench.vtime import run
@@ -169,6 +170,33 @@ def test_goodput_falling_past_a_peak_bounds_the_knee_at_the_peak() -> None:
         lim.adopt(float(n), now)
         now = feed_window(lim, now, running=n, ratio=None, work=int(1000.0 * n / (n + 2.0)))
     assert lim.knee == pytest.approx(18.0, rel=0.1)
+
+
+def test_a_knee_fitted_on_a_transient_above_the_limit_is_forgotten(monkeypatch) -> None:
+    """Windows at 9 and 6 measured while the replica thrashed after a cold start's
+    overshoot give a knee at 7; the replica's own curve has it at 18. Growth stops at a
+    knee, so no window measures past 7 again, and the limit stayed there for good (seen:
+    the demo's job held at 3 running for 1,400 s of its 1,566). Points above the limit
+    leave the fit once they are POINT_MEMORY windows old; the limit then finds 18."""
+
+    def run() -> RunningLimit:
+        lim = RunningLimit(LimitSettings(initial=2, window=4, knee_efficiency=0.1))
+        now = 0.0
+        for n, goodput in ((9, 520.0), (6, 560.0), (3, 600.0)):
+            lim.adopt(float(n), now)
+            now = feed_window(lim, now, running=n, ratio=None, work=int(goodput))
+        for _ in range(600):  # then the replica as it is: G(N) = 1000 N / (N + 2)
+            n = lim.allowed(None)
+            lim.running_changed(n, now)
+            now += 1.0
+            work = int(1000.0 * n / (n + 2.0))
+            lim.completed(now, now - 0.5, ok=True, work_tokens=work, ratio=(None, None), cap=None)
+        return lim
+
+    lim = run()
+    assert lim.knee == pytest.approx(18.0, rel=0.25) and 15 <= lim.value <= 23
+    monkeypatch.setattr(limit_module, "POINT_MEMORY", 10**9)  # remembered for good
+    assert run().value <= 8
 
 
 def test_one_long_answer_does_not_end_slow_start() -> None:
@@ -348,8 +376,9 @@ def test_an_overstated_pool_is_corrected_from_the_engines_kv_usage() -> None:
     learned = run("tiny", items, concurrency=16, timeout_s=600.0, pool_tokens=8192, probe_s=0.5)
     assert learned.completed == len(items)
     # Slow start now reaches the overstated pool in about one service time (it took
-    # windows before), so one more preemption lands before two rounds correct the pool.
-    assert learned.preemptions <= 3
+    # windows before), and from a cold start of 4 a little sooner: up to two more
+    # preemptions land before two rounds correct the pool.
+    assert learned.preemptions <= 4
     # 4,096 tokens hold about 5 of these 800-token requests; slow start reaches 8 before
     # two discovery rounds have read the engine's KV usage, then the pool is corrected.
     assert learned.max_running <= 8
