@@ -119,7 +119,7 @@ class AdmissionConfig(BaseModel):
         "upper bounds.",
     )
     initial_limit: float = Field(
-        4.0, ge=1.0, description="Running limit of a replica before anything was measured."
+        2.0, ge=1.0, description="Running limit of a replica before anything was measured."
     )
     limit_window: int = Field(
         16, ge=2, description="Completions (at least the limit) per measurement window."

@@ -303,8 +303,8 @@ class AdmissionController:
         if res is not None:
             self._free(res, now, completion)
             if completion is not None and self._queue.cold:
-                # The first services seen judge the entries queued cold before any of
-                # them starts (admission/settling.py, `rejudge_cold`).
+                # The first service seen: entries queued cold are judged by it before
+                # any of them starts (admission/settling.py, `rejudge_cold`).
                 self._queue.rejudge_cold(
                     lambda r: self._views.predict(r, self._views.view(r.model))
                 )

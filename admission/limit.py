@@ -93,7 +93,7 @@ POINT_MEMORY = 8  # windows a goodput point above the limit stays in the knee's 
 class LimitSettings:
     """The knobs of `RunningLimit` (copied from `AdmissionConfig`)."""
 
-    initial: float = 4.0
+    initial: float = 2.0
     window: int = 16
     knee_efficiency: float = 0.1
     budget_fraction: float = 0.6

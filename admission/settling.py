@@ -56,7 +56,6 @@ class Entry:
     # when it entered, so its deadline can be judged again once service is known.
     cold_since: float | None = None
     entered: float = 0.0  # when this attempt entered (a learned patience counts from it)
-    judged: int = 0  # completions that judged it again while it was queued cold
 
 
 def queue_slack(budget: float, predicted: float) -> float:
@@ -66,17 +65,6 @@ def queue_slack(budget: float, predicted: float) -> float:
     if predicted <= 0:
         return 0.5 * budget
     return max(budget - predicted, 0.1 * budget)
-
-
-# Completions that judge an entry queued cold again (`Settling.rejudge_cold`): the first
-# is the wave's shortest request, one sample, served at a load slow start has not yet
-# raised; the service plane (admission/service.py) has three terms, and until three
-# completions it is a constant or a line. Judged at every completion while it waits, a
-# wave's entries were shed on each transient of the early predictions (the real vLLM's
-# regime in virtual time: 1 of 150 lost on 2 seeds of 8); judged at the first only, the
-# demo's job lost 1-2 of 738 on 4 seeds of 6, entries started late at a load the first
-# completion had not seen.
-COLD_JUDGEMENTS = 3
 
 
 class TenantLimits(Protocol):
@@ -170,23 +158,21 @@ class Settling:
         return entry
 
     def rejudge_cold(self, predict: Callable[[AdmissionRequest], float]) -> None:
-        """Entries queued before any service was seen were given half their budget; at
-        each of the first ``COLD_JUDGEMENTS`` completions while they wait, each gets the
-        deadline `entry` would give it now (from when it entered), if sooner: the first
-        wave of a cold start otherwise starts requests late in their budget that the
-        now-known service cannot finish in it."""
+        """Entries queued before any service was seen were given half their budget; once
+        the model's service is predicted, each gets the deadline `entry` would give it
+        now (from when it entered), if sooner: the first wave of a cold start otherwise
+        starts requests late in their budget that the now-known service cannot finish
+        in it."""
         for entry in list(self.cold.values()):
             predicted = predict(entry.req)
             if predicted <= 0:
                 continue
+            del self.cold[entry.req.request_id]
             since = entry.cold_since
             budget = entry.req.latency_budget
             assert since is not None and budget is not None
+            entry.cold_since = None
             self.queue.tighten(entry, since + queue_slack(budget, predicted))
-            entry.judged += 1
-            if entry.judged >= COLD_JUDGEMENTS:
-                del self.cold[entry.req.request_id]
-                entry.cold_since = None
 
     def rejudge_unstated(
         self,
