@@ -21,14 +21,19 @@ from tests.gateway.test_queue import body, hold_pool
 TIMEOUT = 0.6  # the plain client's total timeout, never sent
 
 
+def _post(s: aiohttp.ClientSession, gw, max_tokens: int, stream: bool = False):
+    """A plain client's chat request, with the total timeout it never states."""
+    return s.post(
+        gw.url + "/v1/chat/completions",
+        json=body(max_tokens, stream=stream),
+        timeout=aiohttp.ClientTimeout(total=TIMEOUT),
+    )
+
+
 async def _timed_out(s: aiohttp.ClientSession, gw) -> str:
     """One plain request with a total timeout: "timeout", or the HTTP status."""
     try:
-        async with s.post(
-            gw.url + "/v1/chat/completions",
-            json=body(50),
-            timeout=aiohttp.ClientTimeout(total=TIMEOUT),
-        ) as r:
+        async with _post(s, gw, 50) as r:
             await r.read()
             return str(r.status)
     except TimeoutError:
@@ -69,11 +74,7 @@ async def test_a_plain_client_with_an_unstated_timeout_is_shed_before_it_gives_u
         assert learned is not None and 0.7 * TIMEOUT <= learned <= TIMEOUT + 0.4
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        async with s.post(
-            gw.url + "/v1/chat/completions",
-            json=body(50),
-            timeout=aiohttp.ClientTimeout(total=TIMEOUT),
-        ) as r:
+        async with _post(s, gw, 50) as r:
             waited = loop.time() - t0
             assert r.status == 503
             assert int(r.headers["Retry-After"]) >= 1
@@ -150,22 +151,14 @@ async def test_a_stream_client_with_a_total_deadline_is_learned_as_one(replica, 
     async with aiohttp.ClientSession() as s:
         # Its short streams end within the deadline (a deadline no stream of the
         # population was read within is not learned: admission/patience.py).
-        async with s.post(
-            gw.url + "/v1/chat/completions",
-            json=body(5, stream=True),
-            timeout=aiohttp.ClientTimeout(total=TIMEOUT),
-        ) as r:
+        async with _post(s, gw, 5, stream=True) as r:
             assert r.status == 200
             await r.read()
         for _ in range(MIN_EVENTS):
             # aiohttp's total timeout cuts the stream while its tokens flow.
             got = 0
             with pytest.raises(TimeoutError):
-                async with s.post(
-                    gw.url + "/v1/chat/completions",
-                    json=body(400, stream=True),
-                    timeout=aiohttp.ClientTimeout(total=TIMEOUT),
-                ) as r:
+                async with _post(s, gw, 400, stream=True) as r:
                     assert r.status == 200
                     async for _ in r.content:
                         got += 1
