@@ -71,7 +71,7 @@ and its departures before the first token still teach), and readers that all lea
 one total time however far apart their first tokens came would be read as a clock.
 Hence a last check: a whole-stream deadline applies only while one of the population's
 recent streams (``SHAPE_MEMORY``) was read to its end within it. Readers leave long
-before any stream ends (from a cold start of 4, three stoppers admitted at once left
+before any stream ends (three stoppers admitted at once, as a cold start of 4 did, left
 together and taught a 16 ms deadline by chance); a real clock lets its short streams
 finish; and a deadline no stream meets is not one kvgate could keep anyway.
 
