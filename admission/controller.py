@@ -305,9 +305,7 @@ class AdmissionController:
             if completion is not None and self._queue.cold:
                 # The first service seen: entries queued cold are judged by it before
                 # any of them starts (admission/settling.py, `rejudge_cold`).
-                self._queue.rejudge_cold(
-                    lambda r: self._views.predict(r, self._views.view(r.model))
-                )
+                self._queue.rejudge_cold(self._predict)
                 events.extend(self._shedding.expire(now))
         else:
             entry = self._queue.queued.get(request_id)
@@ -342,18 +340,15 @@ class AdmissionController:
         stated nothing are judged by it (admission/settling.py, `rejudge_unstated`)."""
         self._saw(now)
         patience = self._patience
+        if not self._queue:  # nobody waits to be judged again
+            patience.observe(tenant, model, stream, end, now)
+            return []
         before = patience.budget(tenant, model, stream)
         patience.observe(tenant, model, stream, end, now)
         after = patience.budget(tenant, model, stream)
         if after is None or (before is not None and after.seconds >= before.seconds):
             return []
-        if not self._queue:
-            return []
-        self._queue.rejudge_unstated(
-            (tenant, model, stream),
-            after,
-            lambda r: self._views.predict(r, self._views.view(r.model)),
-        )
+        self._queue.rejudge_unstated((tenant, model, stream), after, self._predict)
         events: Events = list(self._shedding.expire(now))
         if events:
             events.extend(self._queue.settle(now))
@@ -397,6 +392,10 @@ class AdmissionController:
         self._queue.set_tenants(tenants)
 
     # ------------------------------------------------------------------ internals
+    def _predict(self, req: AdmissionRequest) -> float:
+        """The queue's service prediction for `req` on its model's replicas now."""
+        return self._views.predict(req, self._views.view(req.model))
+
     def _free(self, res: Reservation, now: float, completion: Completion | None) -> None:
         """Return one reservation to its replica's pool and learn from it (no settling)."""
         rep = self._ledger.replicas[res.replica]

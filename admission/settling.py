@@ -48,14 +48,14 @@ class Entry:
     req: AdmissionRequest
     raw: int  # the largest reservation it would hold on a replica it can use
     deadline: float
+    entered: float  # when this attempt entered (a cold or learned budget counts from it)
     # True while routing rejects every replica that could take it now: it then waits
     # without blocking anyone (module docstring, Head-of-line policy).
     rejected: bool = False
     queued: bool = False  # in the queue (admission.fairqueue keeps it)
     # Queued with a stated budget before any service was seen (half of it for the queue):
-    # when it entered, so its deadline can be judged again once service is known.
-    cold_since: float | None = None
-    entered: float = 0.0  # when this attempt entered (a learned patience counts from it)
+    # its deadline is judged again once service is known (`Settling.rejudge_cold`).
+    cold: bool = False
 
 
 def queue_slack(budget: float, predicted: float) -> float:
@@ -94,7 +94,7 @@ class Settling:
         self.tenant_of: Callable[[str], TenantLimits | None] = tenants or (lambda _t: None)
         self.queue = FairQueue(self._weight_of)  # the order: admission.fairqueue
         self.queued: dict[str, Entry] = {}
-        self.cold: dict[str, Entry] = {}  # queued entries with `cold_since` set
+        self.cold: dict[str, Entry] = {}  # queued entries with `cold` set
         self.per_model: dict[str, int] = {}
         self.tokens: dict[str, int] = {}  # model -> sum of queued raw needs
         self._seq = 0
@@ -150,10 +150,9 @@ class Settling:
             req,
             raw,
             deadline,
+            now,
+            cold=req.latency_budget is not None and predicted <= 0,
         )
-        entry.entered = now
-        if req.latency_budget is not None and predicted <= 0:
-            entry.cold_since = now
         self._seq += 1
         return entry
 
@@ -168,11 +167,10 @@ class Settling:
             if predicted <= 0:
                 continue
             del self.cold[entry.req.request_id]
-            since = entry.cold_since
+            entry.cold = False
             budget = entry.req.latency_budget
-            assert since is not None and budget is not None
-            entry.cold_since = None
-            self.queue.tighten(entry, since + queue_slack(budget, predicted))
+            assert budget is not None
+            self.queue.tighten(entry, entry.entered + queue_slack(budget, predicted))
 
     def rejudge_unstated(
         self,
@@ -205,7 +203,7 @@ class Settling:
     def enqueue(self, entry: Entry) -> None:
         self.queue.insert(entry)
         self.queued[entry.req.request_id] = entry
-        if entry.cold_since is not None:
+        if entry.cold:
             self.cold[entry.req.request_id] = entry
         model = entry.req.model
         self.per_model[model] = self.per_model.get(model, 0) + 1

@@ -45,9 +45,9 @@ REPLICA = "r0"
 class VtReport:
     requests: int
     completed: int = 0
-    timed_out: int = 0
+    timed_out: int = 0  # attempts abandoned at the client timeout (retried or not)
     failed: int = 0  # shed on the last allowed retry, or refused
-    retries: int = 0  # sheds that were retried after Retry-After
+    retries: int = 0  # attempts sent again: after a shed's Retry-After or a timeout
     wall_s: float = 0.0
     tokens: int = 0  # prompt + completion tokens of completed requests
     latencies: list[float] = field(default_factory=list)  # first attempt to answer
@@ -374,7 +374,6 @@ def run(
                 if att.admitted_at is not None:
                     core.abort(att.rid, now)
                 report.timed_out += 1
-                report.fail_after.append(now - att.first)
                 report.timeouts.append(
                     (now, att.retries, att.admitted_at - att.start if att.admitted_at else None)
                 )
@@ -397,6 +396,7 @@ def run(
                     delay = timeout_backoff_s[min(att.retries, len(timeout_backoff_s) - 1)]
                     push(now + delay, "send", (att.client, att.item, att.first, att.retries + 1))
                 else:
+                    report.fail_after.append(now - att.first)  # it gives up: a failure
                     finish(att)
         elif kind == "probe":
             st = core.stats()
