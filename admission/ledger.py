@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from admission.config import AdmissionConfig
 from admission.drain import DrainMeter
+from admission.fit import can_ever_fit
 from admission.limit import RunningLimit
 from admission.replica import Replica
 from admission.types import AdmissionRequest, Admit, Completion
@@ -121,26 +122,36 @@ class Ledger:
     @staticmethod
     def fits_now(rep: Replica, req: AdmissionRequest, now: float) -> bool:
         """`rep` can take `req` now; if so its candidate is refreshed in place (the
-        ledger now, the engine view's age)."""
-        if not rep.usable or not rep.can_ever_fit(req):
+        ledger now, the engine view's age). On every candidate of every decision: the
+        reservation is computed once (`tokens_for`'s memo) and `need`'s shared-prefix
+        walk runs only where the replica shares prefixes."""
+        if not rep.usable:
+            return False
+        tokens = rep.tokens_for(req)
+        if not can_ever_fit(rep.fit, req.prompt_tokens, req.max_tokens, tokens):
             return False
         allowed = rep.allowed
-        if allowed is not None and rep.running >= allowed:
+        running = rep.running
+        if allowed is not None and running >= allowed:
             return False
         free = rep.free
-        need, shared = Ledger.need(rep, req, now)
+        if rep.sharing and rep.prefixes is not None:
+            need, shared = Ledger.need(rep, req, now)
+        else:
+            need, shared = tokens, 0
         if need > free:
             return False
         rep.need_memo = (req.request_id, now, need, shared)
         c = rep.cand
         c.free_tokens = free
         c.effective_capacity = rep.effective
-        c.running = rep.running
+        c.running = running
         c.max_running = allowed
-        c.view_age_s = max(0.0, now - rep.view_at) if rep.view_at else 0.0
+        view_at = rep.view_at
+        c.view_age_s = (now - view_at if now > view_at else 0.0) if view_at else 0.0
         itl = rep.itl
         c.predicted_itl_s = (
-            itl.predict(rep.running + 1) if itl is not None and req.itl_target_s else None
+            itl.predict(running + 1) if itl is not None and req.itl_target_s else None
         )
         return True
 
