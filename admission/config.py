@@ -28,13 +28,11 @@ class AdmissionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    headroom: float | None = Field(
-        None,
+    headroom: float = Field(
+        0.05,
         ge=0.0,
         lt=1.0,
-        description="Fraction of each KV pool kept free: effective = floor(capacity * (1 - "
-        "headroom)). Default (unset): none on an engine that preempts (vLLM, SGLang), 5% on a "
-        "shared pool that does not (llama.cpp's unified KV); admission/replica.py says why.",
+        description="Fraction of each KV pool kept free: effective = floor(capacity * (1 - headroom)).",
     )
     queue_max_per_model: int = Field(256, ge=0, description="Bounded queue length per model.")
     queue_timeout_s: float = Field(

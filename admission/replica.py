@@ -19,18 +19,9 @@ Reservation size
 
 Effective pool
     ``floor(capacity * (1 - headroom))``, where capacity is the pinned or engine-reported
-    pool, or the smaller pool the engine's own KV usage shows (`Replica.check_pool`). Unless
-    configured, the headroom follows what overrunning the pool costs. An engine that
-    preempts keeps none: a reservation there is the request's final size (prompt and
-    output, in whole blocks) held from its admission, above what the engine holds at any
-    moment, and an over-admission costs a preemption, which the learned limit watches (on
-    the real vLLM's 8,192-token pool, a 5% margin held seed 001's requests of ~1,320
-    tokens to five where six fit, and cost 1-2% of wall time there, 2-3% in virtual
-    time: bench/results/real_vllm.stop31.md). A shared
-    pool that does not preempt (llama.cpp's unified KV) fails every running request when
-    overrun: 5% is kept against a count that runs over. A pool of private slots
-    (llama.cpp per-slot KV, ``ReplicaState.private_slots``) cannot be overrun and keeps
-    no headroom. When several gateway processes share the replica, this
+    pool, or the smaller pool the engine's own KV usage shows (`Replica.check_pool`). A
+    pool of private slots (llama.cpp per-slot KV, ``ReplicaState.private_slots``) cannot be
+    overrun and keeps no headroom. When several gateway processes share the replica, this
     process admits only within its leased slice (``share_tokens``, ``share_running``).
 """
 
@@ -50,7 +41,6 @@ from admission.types import AdmissionRequest
 from routing.types import Candidate, ReplicaState
 
 POOL_MEMORY_S = 300.0  # how long a pool measured smaller than configured is kept
-UNIFIED_HEADROOM = 0.05  # kept free on a shared pool that does not preempt (docstring)
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -234,10 +224,7 @@ class Replica:
         elif self.private_slots:
             self.effective = pool
         else:
-            headroom = config.headroom
-            if headroom is None:
-                headroom = 0.0 if self.preempts else UNIFIED_HEADROOM
-            self.effective = math.floor(pool * (1.0 - headroom))
+            self.effective = math.floor(pool * (1.0 - config.headroom))
         self.fit = FitLimits(
             self.max_model_len,
             None if self.capacity is None else self.effective,

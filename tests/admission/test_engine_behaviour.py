@@ -77,20 +77,6 @@ def test_non_preempting_refuses_only_a_prompt_that_fills_the_slot() -> None:
     assert "your prompt has 1024 tokens" in refusal_message(verdict)
 
 
-def test_the_default_headroom_follows_what_overrunning_the_pool_costs() -> None:
-    """Unset, the headroom is none where the engine preempts (a reservation is already the
-    request's final size; an over-admission costs a preemption) and 5% on a unified pool
-    that does not (an overrun fails every running request); private slots keep none. A
-    configured headroom applies to every shared pool."""
-    for headroom, expected in ((None, (4096, 3891, 4096)), (0.1, (3686, 3686, 4096))):
-        ctrl = controller(headroom=headroom)
-        ctrl.upsert_replica(replica("vllm", 4096), 0.0)
-        ctrl.upsert_replica(llama(name="unified"), 0.0)
-        ctrl.upsert_replica(llama(max_model_len=1024, private=True, name="slots"), 0.0)
-        got = {u.name: u.effective_capacity_tokens for u in ctrl.report.replica_usage()}
-        assert (got["vllm"], got["unified"], got["slots"]) == expected, (headroom, got)
-
-
 def test_private_slots_keep_no_headroom() -> None:
     """Per-slot KV: 4 slots of 1,024 cannot be overrun, so all four run at full size."""
     ctrl = controller(headroom=0.05)

@@ -161,7 +161,7 @@ async def test_priority_is_clamped_to_the_tenant_range(replica, gateway):
 
     async with aiohttp.ClientSession() as s:
         big = await s.post(
-            gw.url + "/v1/chat/completions", json=body(480, stream=True), headers=auth(KEY_A)
+            gw.url + "/v1/chat/completions", json=body(450, stream=True), headers=auth(KEY_A)
         )
         assert len(await read_events(big, 1)) == 1
         tasks = [asyncio.create_task(one(s, "a-first", KEY_A, None))]

@@ -43,8 +43,8 @@ from tests.state.cluster import (
 from tests.state.conftest import RedisServer, free_port
 
 CAP = 4  # the replica's running cap, split across the processes
-POOL = 480  # its pinned pool, all effective: an engine that preempts keeps no headroom
-EFFECTIVE = 480
+POOL = 480  # its pinned pool: effective floor(480 * 0.95) = 456 tokens
+EFFECTIVE = 456
 TTL = 1.5
 
 
