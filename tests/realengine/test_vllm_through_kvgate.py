@@ -408,21 +408,26 @@ async def test_the_learned_limit_reads_the_engines_preemptions(
     results = await asyncio.gather(*(call(gw.url, b) for b in bodies))
     # A preemption is judged against the peak that ran since the last round, so the first
     # round after the burst still reads it: watch until one has (bounded).
-    await until(lambda: len(moves) > 1, 10.0)
+    cuts = ("preemption", "engine_queue")
+    await until(lambda: any(reason in cuts for _, reason in moves), 10.0)
     done.set()
     await watcher
     assert all(status in (200, 503) for status, _, _ in results)
     assert await engine_metric(vllm, "vllm:num_preemptions_total") > before
     # The engine's own signals move it: its waiting queue (the pool is full, so it admits
     # fewer than kvgate sent) or its preemption counter, in the first round that reads them.
+    # Before that round, a stream that completes while all 16 run is slow start's evidence
+    # for one more (on a loaded machine a round can come seconds late): nothing else moves it.
     assert moves[0] == (16, "cold_start")
-    assert len(moves) > 1, moves
-    limit, reason = moves[1]
-    assert reason in ("preemption", "engine_queue") and limit is not None and limit <= 12
+    first = next((i for i, (_, reason) in enumerate(moves) if reason in cuts), None)
+    assert first is not None, moves
+    assert all(reason == "slow_start" for _, reason in moves[1:first]), moves
+    limit, reason = moves[first]
+    assert limit is not None and limit <= 12, moves
     # Whichever signal comes first cuts it; preemptions of streams admitted before that cut
     # are not evidence against it (admission/limit.py), so a later "preemption" move shows
     # only when the engine preempts again under the cut limit: timing, not asserted.
-    assert {reason for _, reason in moves} <= {"cold_start", "preemption", "engine_queue"}, moves
+    assert {reason for _, reason in moves} <= {"cold_start", "slow_start", *cuts}, moves
     # Preemptions of the streams admitted before a cut are not evidence against the cut
     # limit: it settles near what the pool holds (4,096 / ~850 tokens: 4), where it once
     # fell 16 -> 5 -> 3 -> 2 -> 1 on one burst.
