@@ -101,7 +101,13 @@ class Ledger:
         prefix blocks it shares there with running requests (module docstring, Shared
         prefixes): its reservation less the shared blocks, which are counted once
         already, less a margin for the partial blocks at the edge of the shared part."""
-        tokens = rep.tokens_for(req)
+        return Ledger.less_shared(rep, req, rep.tokens_for(req), now)
+
+    @staticmethod
+    def less_shared(
+        rep: Replica, req: AdmissionRequest, tokens: int, now: float
+    ) -> tuple[int, int]:
+        """`need` for a reservation of `tokens` already computed (`Replica.tokens_for`)."""
         prefixes = rep.prefixes
         w = req.prefix_block_tokens
         if (
@@ -123,8 +129,7 @@ class Ledger:
     def fits_now(rep: Replica, req: AdmissionRequest, now: float) -> bool:
         """`rep` can take `req` now; if so its candidate is refreshed in place (the
         ledger now, the engine view's age). On every candidate of every decision: the
-        reservation is computed once (`tokens_for`'s memo) and `need`'s shared-prefix
-        walk runs only where the replica shares prefixes."""
+        reservation is computed once (`tokens_for`'s memo), for the fit and the need."""
         if not rep.usable:
             return False
         tokens = rep.tokens_for(req)
@@ -135,10 +140,7 @@ class Ledger:
         if allowed is not None and running >= allowed:
             return False
         free = rep.free
-        if rep.sharing and rep.prefixes is not None:
-            need, shared = Ledger.need(rep, req, now)
-        else:
-            need, shared = tokens, 0
+        need, shared = Ledger.less_shared(rep, req, tokens, now)
         if need > free:
             return False
         rep.need_memo = (req.request_id, now, need, shared)
