@@ -29,16 +29,11 @@ Per window:
   latency grows in proportion to concurrency, so this lands at the aim. This is the
   latency ceiling, and it is what follows a replica that slows down and comes back.
 * **Goodput.** Every window that kept the replica busy (mean running >= 80% of the
-  allowed limit) adds its time, running-time and work (prompt + completion tokens) to
-  the point of its setting; a weighted fit of the replica's throughput curve
-  ``G(N) = Gmax * N / (N + K)`` over those points (the saturation curve of a batched
-  server: linear while the batch amortises the weights, flat once compute or memory
-  bandwidth binds) gives the knee, where one more running request buys less than
-  ``knee_efficiency`` of an average request's throughput: ``N = K * (1 / e - 1)``. Where
-  goodput falls past a peak (thrashing, which the curve does not model), only the
-  points up to the peak are fitted, and the knee is not past the peak. This
-  is seed 001's sweep done live, every window a sweep point. The knee stops growth; it
-  never pulls the limit down (noisy points would), latency does that.
+  allowed limit) is a point of the replica's throughput curve at its setting; the
+  curve's knee (admission/knee.py: where one more running request buys less than
+  ``knee_efficiency`` of an average request's throughput, and never past a peak where
+  goodput falls) is seed 001's sweep done live. The knee stops growth; it never pulls
+  the limit down (noisy points would), latency does that.
 * **Growth.** While the replica is kept busy and latency allows it, the limit grows.
   From a cold start it grows as TCP's slow start does: one more per request served in
   time (under half its latency aim) while the replica is busy, so it doubles in about
@@ -80,13 +75,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from admission.knee import GoodputCurve
+
 FAILURE_RATIO = 2.0
 _INSIDE_HARD = 0.85  # aim this far inside a client's timeout budget (its slowest request)
 _INSIDE_SOFT = 0.95  # and this far inside a configured target (its quantile)
 _SLOW_START_END = 0.5  # slow start ends at a window whose slowest is this far to its aim
 _BAND = 1.05  # cut only when a score is this far past its aim; between, the limit holds
 _POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortage
-POINT_MEMORY = 8  # windows a goodput point above the limit stays in the knee's fit
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,7 +123,7 @@ class RunningLimit:
         "_area",
         "_running",
         "_last",
-        "_points",
+        "_curve",
         "knee",
         "_preemptions",
         "_waiting_rounds",
@@ -153,9 +149,7 @@ class RunningLimit:
         self._running = 0
         self._peak = 0  # most running since the last engine round
         self._last = now
-        # allowed limit -> [seconds, running-seconds, work tokens, last window] of busy
-        # windows there
-        self._points: dict[int, list[float]] = {}
+        self._curve = GoodputCurve()  # the busy windows' goodput, per setting
         self.knee: float | None = None  # fitted knee of the goodput curve
         self._preemptions: float | None = None
         self._waiting_rounds = 0
@@ -335,14 +329,12 @@ class RunningLimit:
         allowed = min(self.allowed(cap), max(1, int(self._opened)))
         busy = mean_running >= 0.8 * allowed
         if busy and goodput > 0:
-            # One point per setting: windows at the same limit pool their time and work,
-            # so the fit sees each setting's mean, not each window's noise.
-            acc = self._points.setdefault(allowed, [0.0, 0.0, 0.0, 0.0])
-            acc[0] += span
-            acc[1] += self._area
-            acc[2] += self._work
-            acc[3] = self.windows
-            self.knee = self._fit_knee()
+            self._curve.add(
+                allowed, span=span, area=self._area, work=self._work, window=self.windows
+            )
+            self.knee = self._curve.knee(
+                window=self.windows, limit=int(self.value), efficiency=self._s.knee_efficiency
+            )
         base = max(1.0, mean_running)
         if ratio is not None and ratio > _BAND:
             self._slow_start = False
@@ -381,55 +373,6 @@ class RunningLimit:
         if cap is not None and value >= cap:
             reason = "running_cap"
         self._set(value, reason, now, cap)
-
-    def _fit_knee(self) -> float | None:
-        """Least-squares fit of 1/G = 1/Gmax + (K/Gmax) / N over the window points;
-        the knee N = K (1/e - 1). None until the points span a 2x range of N."""
-        # A setting above the limit that no window measured lately leaves the fit: the
-        # limit no longer reaches it to measure it again, and a knee fitted on an old
-        # transient there (the windows of a cold start's overshoot) would hold the limit
-        # under it for good. Settings at or below the limit stay (growth passed them).
-        recent = self.windows - POINT_MEMORY
-        below = int(self.value)
-        pts = [
-            (area / span, work / span, span)
-            for n, (span, area, work, last) in self._points.items()
-            if span > 0 and area > 0 and work > 0 and (n <= below or last > recent)
-        ]
-        if len(pts) < 3:
-            return None
-        # The curve saturates; where goodput falls past a peak the replica thrashes
-        # (preemption, prefills interleaved), a regime the curve does not model: fit up
-        # to the peak only, and the knee is not past it. (Fitted on the falling points,
-        # the curve is flat or falling and the knee would be the least setting measured,
-        # where the limit then stays: measured at one setting only, it never sees more.)
-        peak_n = max(pts, key=lambda p: p[1])[0]
-        past = max(n for n, _, _ in pts) > peak_n
-        if past:
-            pts = [p for p in pts if p[0] <= peak_n]
-            if len(pts) < 3:
-                return None
-        ns = [n for n, _, _ in pts]
-        if max(ns) < 2.0 * min(ns):
-            return None
-        xs = [1.0 / n for n, _, _ in pts]
-        ys = [1.0 / g for _, g, _ in pts]
-        ws = [w for _, _, w in pts]
-        total = sum(ws)
-        mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / total
-        my = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
-        sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
-        if sxx <= 0:
-            return None
-        slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / sxx
-        intercept = my - slope * mx
-        if intercept <= 0:
-            return None  # still rising linearly at the largest N seen: no knee yet
-        if slope <= 0:
-            return min(ns)  # flat (or falling) over the whole range: more buys nothing
-        k = slope / intercept
-        knee = k * (1.0 / self._s.knee_efficiency - 1.0)
-        return min(knee, peak_n) if past else knee
 
     def _set(self, value: float, reason: str, now: float, cap: int | None) -> None:
         hi = float(cap) if cap is not None else math.inf

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from admission import limit as limit_module
+from admission import knee as knee_module
 from admission.config import AdmissionConfig
 from admission.limit import LimitSettings, RunningLimit, latency_ratio
 from bench.vtime import run
@@ -195,7 +195,7 @@ def test_a_knee_fitted_on_a_transient_above_the_limit_is_forgotten(monkeypatch) 
 
     lim = run()
     assert lim.knee == pytest.approx(18.0, rel=0.25) and 15 <= lim.value <= 23
-    monkeypatch.setattr(limit_module, "POINT_MEMORY", 10**9)  # remembered for good
+    monkeypatch.setattr(knee_module, "POINT_MEMORY", 10**9)  # remembered for good
     assert run().value <= 8
 
 
