@@ -279,7 +279,9 @@ class Shedding:
         for entry in entries:
             if not entry.queued:
                 continue
-            wait = wait_for(self.wait_context(entry.req.model, now), entry.raw, *q.queue.ahead(entry))
+            wait = wait_for(
+                self.wait_context(entry.req.model, now), entry.raw, *q.queue.ahead(entry)
+            )
             q.dequeue(entry)
             shed.append(self.shed(entry.req, entry.raw, "deadline", wait, entry.deadline, now))
         return shed
