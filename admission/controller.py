@@ -64,7 +64,7 @@ class AdmissionController:
         self._ledger = Ledger(config)
         self._views = self._ledger.views
         self._placement = Placement(picker, self._ledger)
-        self._queue = Settling(config, self._ledger, self._placement, self._predict, tenants)
+        self._queue = Settling(config, self._ledger, self._placement, tenants)
         self._shedding = Shedding(config, self._views, self._queue, seed)
         self._learning = Learning(config)
         self._patience = ClientPatience()
@@ -98,7 +98,7 @@ class AdmissionController:
         self._learning = Learning(config)  # its derived settings; it keeps no other state
         if router is not None:
             self._placement.set_router(router)
-        return self._settle(now)
+        return self._queue.settle(now)
 
     def _saw(self, now: float) -> None:
         ledger = self._ledger
@@ -136,7 +136,7 @@ class AdmissionController:
                 self._free(res, now, res.completion)
         self._learning.engine_view(rep, state, fresh, now)
         self._views.replica_changed(rep)
-        return self._settle(now)
+        return self._queue.settle(now)
 
     def remove_replica(self, name: str, now: float) -> Events:
         """Forget a replica. Its reservations stay in the ledger until released; queued
@@ -150,7 +150,7 @@ class AdmissionController:
             if rep.running == 0:
                 del self._ledger.replicas[name]
             self._views.replica_changed(rep)
-        return self._settle(now)
+        return self._queue.settle(now)
 
     def mark_unready(self, name: str, now: float) -> Events:
         """Stop sending new requests to `name` (e.g. connection refused) until an upsert
@@ -173,7 +173,7 @@ class AdmissionController:
             return []
         rep.ejected = ejected
         self._views.replica_changed(rep)
-        return self._settle(now)
+        return self._queue.settle(now)
 
     def set_pool_share(
         self,
@@ -201,7 +201,7 @@ class AdmissionController:
         if rep.limit is not None:
             rep.limit.others = max(0, others_running)
         self._views.replica_changed(rep)  # its free room and headroom moved: orders follow
-        return self._settle(now)
+        return self._queue.settle(now)
 
     def adopt_limit(self, replica: str, value: float, reason: str, now: float) -> Events:
         """Take the learned running limit another gateway process published for
@@ -212,7 +212,7 @@ class AdmissionController:
             return []
         rep.limit.adopt(value, now, reason)
         self._views.touch(rep)  # its running headroom moved: the orders follow
-        return self._settle(now)
+        return self._queue.settle(now)
 
     # ------------------------------------------------------------------ requests
     def submit(self, req: AdmissionRequest, now: float) -> Decision:
@@ -276,7 +276,6 @@ class AdmissionController:
                     mine = a
                 else:
                     events.append(a)
-            events.extend(self._shed_late(now))  # never the newcomer: it entered now
             if mine is not None:
                 return Decision(mine, events)
         else:
@@ -312,7 +311,7 @@ class AdmissionController:
             entry = self._queue.queued.get(request_id)
             if entry is not None:
                 self._queue.dequeue(entry)
-        events.extend(self._settle(now))
+        events.extend(self._queue.settle(now))
         return events
 
     def abandon(self, request_id: str, now: float, completion: Completion | None = None) -> Events:
@@ -352,7 +351,7 @@ class AdmissionController:
         self._queue.rejudge_unstated((tenant, model, stream), after, self._predict)
         events: Events = list(self._shedding.expire(now))
         if events:
-            events.extend(self._settle(now))
+            events.extend(self._queue.settle(now))
         return events
 
     def top_up(self, request_id: str, total_tokens: int, now: float) -> bool:
@@ -375,7 +374,7 @@ class AdmissionController:
         events.extend(self._shedding.expire(now))
         for res in self._ledger.overdue(now):
             self._free(res, now, res.completion)
-        events.extend(self._settle(now))
+        events.extend(self._queue.settle(now))
         return events
 
     def next_deadline(self) -> float | None:
@@ -393,20 +392,6 @@ class AdmissionController:
         self._queue.set_tenants(tenants)
 
     # ------------------------------------------------------------------ internals
-    def _settle(self, now: float) -> Events:
-        """Admit what the queue lets go now, and shed the entries it found out of time
-        (admission/settling.py, Judged again at the start)."""
-        events = self._queue.settle(now)
-        events.extend(self._shed_late(now))
-        return events
-
-    def _shed_late(self, now: float) -> list[Shed]:
-        late = self._queue.late
-        if not late:
-            return []
-        self._queue.late = []
-        return self._shedding.out_of_time(late, now)
-
     def _predict(self, req: AdmissionRequest) -> float:
         """The queue's service prediction for `req` on its model's replicas now."""
         return self._views.predict(req, self._views.view(req.model))

@@ -89,11 +89,7 @@ class Learning:
         """Feed one completion to the replica's latency history and learned limit."""
         prompt = c.prompt_tokens or 0
         output = c.completion_tokens or 0
-        # The load it was served at: the mean of the running counts at its start and its
-        # end (before its slot is freed). Not the limit allowed at its end: while the limit
-        # ramps up, that labels a sample served light as served heavy, and a prediction at
-        # the (higher) load allowed now is not scaled up enough.
-        load = (rep.running + 1 + at_admit) / 2 if at_admit is not None else rep.running + 1
+        load = rep.allowed or rep.running + 1
         if c.ok and c.service_s is not None and prompt + output > 0:
             rep.service.add(prompt, output, c.service_s, load)
         if c.ok and c.ttft_s is not None and prompt > 0:
@@ -128,7 +124,9 @@ class Learning:
             work_tokens=prompt + output or res.tokens + res.covered,
             ratio=ratio,
             cap=rep.cap,
-            load=load if at_admit is not None else None,
+            # The load it was served at: the mean of the running counts at its start and
+            # its end (before its slot is freed).
+            load=(rep.running + 1 + at_admit) / 2 if at_admit is not None else None,
         )
 
 

@@ -23,15 +23,6 @@ Head-of-line policy: strict order per replica
     say, not for capacity, and it is retried on every settle until its deadline. An
     entry waiting for its tenant's ITL target holds the replicas that would meet it at a
     lighter load (`settle`).
-
-Judged again at the start
-    An entry with a budget is given its deadline by the service predicted when it entered
-    (`Settling.entry`). That prediction is made at the replica's allowed load, and while
-    the learned limit ramps up (and as service is learned) it grows: an entry queued early
-    would otherwise start late in its budget, served at a load heavier than it was judged
-    for, and time out. So before it starts, an entry is judged by the service predicted
-    now; one whose deadline that puts in the past is not started but shed
-    (`late`, by admission.shedding), with a Retry-After that brings it back with a whole budget.
 """
 
 from __future__ import annotations
@@ -94,16 +85,11 @@ class Settling:
         config: AdmissionConfig,
         ledger: Ledger,
         placement: Placement,
-        predict: Callable[[AdmissionRequest], float],
         tenants: Callable[[str], TenantLimits | None] | None = None,
     ) -> None:
         self.config = config
         self._ledger = ledger
         self._placement = placement
-        self._predict = predict  # the service predicted for a request now (0: unknown)
-        # Entries `settle` found out of time (their deadline moved into the past): the
-        # caller sheds them (admission.shedding), which Settling does not own.
-        self.late: list[Entry] = []
         # Tenant policies by name (weight, caps, queue timeout); None: all equal, no caps.
         self.tenant_of: Callable[[str], TenantLimits | None] = tenants or (lambda _t: None)
         self.queue = FairQueue(self._weight_of)  # the order: admission.fairqueue
@@ -268,8 +254,6 @@ class Settling:
         for entry in self.queue.visit(self.capped):
             if usable <= blocked:
                 break
-            if self._out_of_time(entry, now):  # type: ignore[arg-type]
-                continue
             admit = self._placement.place(entry, blocked, now)  # type: ignore[arg-type]
             if isinstance(admit, Admit):
                 self.dequeue(entry)  # type: ignore[arg-type]
@@ -283,23 +267,6 @@ class Settling:
                 entry.rejected = False
                 blocked.update(self._placement.candidate_names(entry.req))
         return admitted
-
-    def _out_of_time(self, entry: Entry, now: float) -> bool:
-        """Whether the service predicted now leaves `entry` no time: the deadline `entry`
-        would give it now, counted from when it entered, has passed (module docstring,
-        Judged again at the start). Its deadline is brought forward and `late` set."""
-        budget = entry.req.latency_budget
-        if budget is None:
-            return False
-        predicted = self._predict(entry.req)
-        if predicted <= 0:
-            return False
-        deadline = entry.entered + queue_slack(budget, predicted)
-        if deadline >= now:  # an entry that entered now is never out of time
-            return False
-        self.queue.tighten(entry, deadline)
-        self.late.append(entry)
-        return True
 
     def _slo_holds(self, entry: Entry) -> set[str]:
         """Replicas a routing-rejected entry with an ITL target waits for: those that

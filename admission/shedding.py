@@ -270,22 +270,6 @@ class Shedding:
         estimated = wait if wait is not None else self.config.cold_retry_after_s
         return Queued(req.request_id, position, estimated), displaced
 
-    def out_of_time(self, entries: list[Entry], now: float) -> list[Shed]:
-        """Shed the queued `entries` the service predicted now leaves no time
-        (admission/settling.py, Judged again at the start), dequeued, each told the wait
-        of its place in the queue."""
-        q = self._queue
-        shed: list[Shed] = []
-        for entry in entries:
-            if not entry.queued:
-                continue
-            wait = wait_for(
-                self.wait_context(entry.req.model, now), entry.raw, *q.queue.ahead(entry)
-            )
-            q.dequeue(entry)
-            shed.append(self.shed(entry.req, entry.raw, "deadline", wait, entry.deadline, now))
-        return shed
-
     def expire(self, now: float) -> list[Shed]:
         """Shed queued entries past their deadline (``queue_timeout``) or whose estimated
         wait can no longer meet it (``deadline``), dequeued."""
