@@ -7,8 +7,8 @@ Both contenders get the same clients (bench/vtime.py's: one request outstanding 
 two retries after Retry-After, an attempt abandoned after T; ``sdk`` states T as the
 openai SDK's read timeout does and reads ``retry-after-ms``; ``plain`` states nothing and
 reads the whole-second ``Retry-After``). ``straight`` is the same loop with admission
-passing everything to the engine (no learned limit, no pool check, nothing queued), so
-the engine's own scheduler is all there is; ``kvgate`` is admission as a new user
+sending every attempt to the engine at once (admission is not asked), so the engine's
+own scheduler is all there is; ``kvgate`` is admission as a new user
 configures it (the defaults). T is 1.5x the worst latency of a calibration cell (straight,
 C = 8, non-stream, clients that never give up). Goodput, the targets and the judge are
 bench/parity_sweep.py's.
@@ -42,9 +42,6 @@ from bench.parity_sweep import CONCURRENCIES, TIMEOUT_FACTOR, judge, table  # no
 from bench.vtime import VtReport, run  # noqa: E402
 from enginesim.workloads import WorkItem, seed2_workload  # noqa: E402
 
-# Admission that passes everything: no learned limit, a pool no request fills.
-PASS_THROUGH = AdmissionConfig(learn_limit=False)
-UNBOUNDED_POOL = 1 << 40
 CLIENTS = {
     "sdk": {"send_timeout": True, "retry_after_unit_s": None},
     "plain": {"send_timeout": False, "retry_after_unit_s": 1.0},
@@ -69,8 +66,8 @@ def cell(
         items,
         concurrency=concurrency,
         timeout_s=timeout_s,
-        config=PASS_THROUGH if straight else config,
-        pool_tokens=UNBOUNDED_POOL if straight else None,
+        config=config,
+        straight=straight,
         max_retries=2,
         timeout_backoff_s=PLAIN_BACKOFF_S,
         stream=stream,
@@ -98,8 +95,7 @@ def cell(
 
 def calibrate(profile: str, items: list[WorkItem], seed: int) -> float:
     """The worst latency straight at C = 8, non-stream, clients that never give up."""
-    rep = run(profile, items, concurrency=8, timeout_s=1e9, config=PASS_THROUGH,
-              pool_tokens=UNBOUNDED_POOL, seed=seed)  # fmt: skip
+    rep = run(profile, items, concurrency=8, timeout_s=1e9, straight=True, seed=seed)
     return max(rep.latencies)
 
 

@@ -116,6 +116,7 @@ def run(
     retry_after_unit_s: float | None = None,
     stoppers: int = 0,
     timeout_backoff_s: Sequence[float] | None = None,
+    straight: bool = False,
 ) -> VtReport:
     """Replay `items` through admission into one simulated replica of `profile`.
     `retry_after_unit_s`: clients read only the whole-second ``Retry-After`` header (a
@@ -123,7 +124,10 @@ def run(
     to whole units of this many virtual seconds (1.0 at real time, 0.1 at a clock x10).
     `timeout_backoff_s`: a timed-out attempt is sent again after these delays (the n-th
     retry after the n-th), while `max_retries` allows, as bench/closed_loop.py's clients
-    do; None: a timed-out attempt is lost."""
+    do; None: a timed-out attempt is lost.
+    `straight`: the engine alone, as clients straight at it see it: every attempt goes to
+    the engine at once and admission is never asked (a pass-through config is not that:
+    it still measures the pool from the engine's KV usage and holds requests to it)."""
     prof = load_profile(profile)
     core = EngineCore(prof, seed=seed)
     cfg = config if config is not None else AdmissionConfig()
@@ -176,7 +180,8 @@ def run(
                 ),
                 now,
             )
-        report.max_running = max(report.max_running, ctrl.report.replica_usage()[0].running)
+        running = core.stats().num_running if straight else ctrl.report.replica_usage()[0].running
+        report.max_running = max(report.max_running, running)
 
     def handle(events: Events) -> None:
         """Act on what a controller call settled for queued requests."""
@@ -251,6 +256,9 @@ def run(
             retry_key=hash(item.request_id),
         )
         push(now + timeout_s, "timeout", rid)
+        if straight:
+            start_engine([Admit(rid, REPLICA, 0)])
+            return
         decision = ctrl.submit(req, now)
         handle_verdict(att, decision.verdict)
         handle(decision.events)
