@@ -165,6 +165,7 @@ class Placement:
         admit = ledger.reserve(rep, req, now)
         if rooms and rep.name in rooms:
             rooms[rep.name] -= rep.reserved - before
+            rep.backfilled += 1
         if self._placed_hook is not None:
             self._placed_hook(req, rep.cand, now)
         return admit

@@ -16,6 +16,7 @@ from admission.ledger import Ledger
 from admission.limit import RunningLimit
 from admission.patience import ClientPatience, PatienceReading
 from admission.placement import Placement
+from admission.replica import Replica
 from admission.scaling import ScalingSignal
 from admission.settling import Settling
 from admission.shedding import Shedding
@@ -196,6 +197,9 @@ class AdmissionReport:
                     limit_reason=rep.limit.reason if rep.limit is not None else "",
                     held=rep.held,
                     ejected=rep.ejected,
+                    backfilled=rep.backfilled,
+                    service_plane=_plane(rep),
+                    service_samples=len(rep.service),
                 )
             )
         return out
@@ -254,3 +258,9 @@ class AdmissionReport:
         """(tokens/s, requests/s) released by `model`'s ready replicas, or None while
         fewer than ``min_drain_samples`` releases were seen."""
         return self._shedding.drain_rate(model, now)
+
+
+def _plane(rep: Replica) -> tuple[float, float, float] | None:
+    """`rep`'s service plane at its allowed load (what the queue's deadlines read)."""
+    plane = rep.service.plane(rep.allowed or rep.running + 1)
+    return None if plane is None else (plane.base, plane.per_prompt, plane.per_output)

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from admission.health import OutlierDetector
 from admission.report import AdmissionReport
+from admission.types import ReplicaUsage
 from gateway.discovery import Discovery
 from gateway.errors import ApiError
 from gateway.logging import iso8601
@@ -67,6 +68,12 @@ def replicas_snapshot(
                 "ejections": outliers.ejections(name) if outliers is not None else 0,
                 "limit": u.limit if u else None,
                 "limit_reason": u.limit_reason if u else "",
+                # Admissions that started past a request waiting here, within the room it
+                # leaves (admission/backfill.py).
+                "backfilled": u.backfilled if u else 0,
+                # What the queue predicts of a request's service here (an upper estimate
+                # at the allowed load): seconds = base + per token of prompt and output.
+                "service": _service(u) if u else None,
                 "block_size": s.block_size,
                 "max_model_len": s.max_model_len,
                 "engine_running": s.engine_running,
@@ -97,6 +104,18 @@ def replicas_snapshot(
         for r in report.patience_readings()
     ]
     return {"replicas": out, "queue": queue, "client_patience": patience}
+
+
+def _service(u: ReplicaUsage) -> dict[str, Any] | None:
+    if u.service_plane is None:
+        return None
+    base, per_prompt, per_output = u.service_plane
+    return {
+        "base_s": round(base, 4),
+        "per_prompt_token_s": round(per_prompt, 7),
+        "per_output_token_s": round(per_output, 6),
+        "samples": u.service_samples,
+    }
 
 
 def check_bearer(request: web.Request, token: str | None) -> bool:

@@ -132,6 +132,29 @@ async def test_admin_replicas_requires_token(replica, gateway):
     assert rep["reserved_tokens"] == 0 and rep["running"] == 0 and rep["queue"] == 0
     assert rep["binding_ceiling"] == "none"
     assert rep["models"] == [MODEL]
+    assert rep["backfilled"] == 0 and rep["service"] is None  # nothing served yet
+
+
+async def test_admin_and_metrics_show_the_queues_service_model_and_backfills(replica, gateway):
+    gw = await gateway(await replica(), auth={"admin_token": "t"})
+    admin = {"Authorization": "Bearer t"}
+    async with aiohttp.ClientSession() as s:
+        for max_tokens in (5, 20, 40):
+            body = {**BODY, "max_tokens": max_tokens, "ignore_eos": True}
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+        async with s.get(gw.url + "/admin/replicas", headers=admin) as r:
+            (rep,) = (await r.json())["replicas"]
+    service = rep["service"]
+    assert service["samples"] == 3
+    # An upper estimate of a request served here: at least the slowest answer seen.
+    slowest = service["base_s"] + 40 * service["per_output_token_s"]
+    assert slowest > 0 and service["per_output_token_s"] >= 0
+    assert service["per_prompt_token_s"] >= 0
+    assert (await scrape(gw))[("kvgate_replica_backfilled_total", (("replica", "r0"),))] == 0
+    # The report only reads: the count is kept on the replica where placement counts it.
+    gw.state.door._controller._ledger.replicas["r0"].backfilled = 2
+    assert (await scrape(gw))[("kvgate_replica_backfilled_total", (("replica", "r0"),))] == 2
 
 
 async def test_admin_closed_without_token(replica, gateway):
