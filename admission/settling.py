@@ -272,12 +272,8 @@ class Settling:
             admit = self._placement.place(entry, blocked, now, rooms)  # type: ignore[arg-type]
             if isinstance(admit, Admit):
                 self.dequeue(entry)  # type: ignore[arg-type]
-                rep = replicas[admit.replica]
-                self.queue.admitted(entry.req, rep.running)
+                self.queue.admitted(entry.req, replicas[admit.replica].running)
                 admitted.append(admit)
-                if admit.replica in rooms and rooms[admit.replica] < rep.block_size:
-                    del rooms[admit.replica]  # no block left beside its head
-                    blocked.add(admit.replica)
             elif admit is REJECTED:
                 held = self._slo_holds(entry)  # type: ignore[arg-type]
                 entry.rejected = not held
@@ -287,9 +283,8 @@ class Settling:
                 for name in self._placement.candidate_names(entry.req):
                     if name in blocked or name in rooms:
                         continue  # an earlier head's: this one may be passed (EASY)
-                    rep = replicas[name]
-                    room = room_beside(self._ledger, rep, entry.req, now)
-                    if room is None or room < rep.block_size:
+                    room = room_beside(self._ledger, replicas[name], entry.req, now)
+                    if room is None:
                         blocked.add(name)
                     else:
                         rooms[name] = room
