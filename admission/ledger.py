@@ -34,7 +34,6 @@ Abandoned requests
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from admission.config import AdmissionConfig
@@ -74,7 +73,6 @@ class Ledger:
         self.replicas: dict[str, Replica] = {}
         self.views = ModelViews(self.replicas)
         self.reservations: dict[str, Reservation] = {}
-        self._by_replica: dict[str, dict[str, Reservation]] = {}  # the same, per replica
         self.held: dict[str, Reservation] = {}  # abandoned, in order of abandonment
         # Reservations a stream outgrew while its replica had no room (exported by the shell).
         self.top_up_failures = 0
@@ -95,10 +93,6 @@ class Ledger:
             self.views.membership_changed()
         else:
             self.views.touch(rep)
-
-    def on_replica(self, name: str) -> Iterable[Reservation]:
-        """The reservations held on replica `name`."""
-        return self._by_replica.get(name, {}).values()
 
     # ------------------------------------------------------------------ fit
     @staticmethod
@@ -207,7 +201,7 @@ class Ledger:
         if rep.limit is not None:
             rep.limit.running_changed(rep.running, now)
         full = rep.tokens_for(req)  # its whole need, the shared part included
-        res = self.reservations[req.request_id] = Reservation(
+        self.reservations[req.request_id] = Reservation(
             req.request_id,
             rep.name,
             req.model,
@@ -220,7 +214,6 @@ class Ledger:
             prompt_tokens=max(1, req.prompt_tokens),
             output_tokens=max(0, req.expected_output),
         )
-        self._by_replica.setdefault(rep.name, {})[req.request_id] = res
         self.views.touch(rep)
         return Admit(req.request_id, rep.name, full, req.latency_budget)
 
@@ -228,10 +221,6 @@ class Ledger:
         """Return one reservation's tokens and slot to its replica (the caller learns
         from it, then calls `forget_if_gone`)."""
         del self.reservations[res.request_id]
-        mine = self._by_replica[res.replica]
-        del mine[res.request_id]
-        if not mine:
-            del self._by_replica[res.replica]
         rep = self.replicas[res.replica]
         if res.held_since is not None:
             del self.held[res.request_id]

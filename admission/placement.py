@@ -15,7 +15,7 @@ for that request alone, wherever it is placed from.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 from admission.ledger import Ledger
@@ -71,13 +71,7 @@ class Placement:
             if rep.usable and rep.can_ever_fit(req) and not (avoid and rep.name in avoid):
                 yield rep.name
 
-    def place(
-        self,
-        entry: Placeable,
-        blocked: set[str],
-        now: float,
-        rooms: dict[str, int] | None = None,
-    ) -> Admit | object | None:
+    def place(self, entry: Placeable, blocked: set[str], now: float) -> Admit | object | None:
         """Admit `entry` to a non-blocked replica that fits it now, chosen by routing.
 
         Routing scores a shortlist (admission/candidates.py): the first
@@ -86,14 +80,12 @@ class Placement:
         When routing rejects the whole shortlist and replicas outside it fit, it is asked
         again with all of them. None when nothing fits now; `REJECTED` when replicas fit
         but routing rejected every one of them. Replicas in ``req.avoid`` are blocked
-        for this request (a copy of `blocked`: only a retry pays for it). A replica in
-        `rooms` fits only within its room beside a waiting head (admission/backfill.py),
-        which an admission there shrinks."""
+        for this request (a copy of `blocked`: only a retry pays for it)."""
         req = entry.req
         if req.avoid:
             blocked = blocked | req.avoid
         ledger = self._ledger
-        fits_now = ledger.fits_now if not rooms else _within(ledger.fits_now, rooms)
+        fits_now = ledger.fits_now
         view = ledger.views.view(req.model)
         reps = ledger.replicas
         fit: dict[str, bool] = {}
@@ -161,11 +153,7 @@ class Placement:
                 full = any(not fit.get(name, True) for name in hinted)
             if full and self._wait_for_warm(req, rep, fit, now):
                 return REJECTED  # waits for the warm replica without blocking anyone
-        before = rep.reserved
         admit = ledger.reserve(rep, req, now)
-        if rooms and rep.name in rooms:
-            rooms[rep.name] -= rep.reserved - before
-            rep.backfilled += 1
         if self._placed_hook is not None:
             self._placed_hook(req, rep.cand, now)
         return admit
@@ -221,18 +209,3 @@ class Placement:
         verdict = "expected_ttft_wait" if t_warm < t_cold else "expected_ttft_cold"
         self.ttft_choices[verdict] = self.ttft_choices.get(verdict, 0) + 1
         return t_warm < t_cold
-
-
-def _within(
-    fits_now: Callable[[Replica, AdmissionRequest, float], bool], rooms: dict[str, int]
-) -> Callable[[Replica, AdmissionRequest, float], bool]:
-    """`fits_now`, and within its room where a replica has one (its need is the one
-    `fits_now` just memoised)."""
-
-    def fits(rep: Replica, req: AdmissionRequest, now: float) -> bool:
-        if not fits_now(rep, req, now):
-            return False
-        room = rooms.get(rep.name)
-        return room is None or rep.need_memo[2] <= room  # type: ignore[index]
-
-    return fits

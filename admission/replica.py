@@ -104,7 +104,6 @@ class Replica:
     # The last need of a fit check (request id, time, tokens, shared blocks): the
     # admission that follows in the same decision reuses it (admission.ledger).
     need_memo: tuple[str, float, int, int] | None = None
-    backfilled: int = 0  # admissions that passed a head waiting here (admission/backfill.py)
     # What the per-model views group and filter this replica by; a change rebuilds them
     # (admission.views).
     sig: tuple[object, ...] | None = None

@@ -197,7 +197,6 @@ class AdmissionReport:
                     limit_reason=rep.limit.reason if rep.limit is not None else "",
                     held=rep.held,
                     ejected=rep.ejected,
-                    backfilled=rep.backfilled,
                     service_plane=_plane(rep),
                     service_samples=len(rep.service),
                 )

@@ -16,11 +16,11 @@ Head-of-line policy: strict order per replica
     later entry may only be admitted to a replica no earlier entry is waiting for. A large
     request at the head is therefore never starved by a stream of small ones that keep
     taking the space it waits for, and requests of another model on disjoint replicas are
-    not held up by it. A later entry may pass the first head waiting on a replica only
-    within the room the head leaves there once what runs has freed enough for it
-    (admission/backfill.py): at that moment it runs beside the head, so the head starts
-    when it would have; before any service was seen, nothing passes. A settle looks at
-    most ``BACKFILL_LOOKAHEAD`` entries past the first such head.
+    not held up by it. Small requests do not backfill past a large head on the same
+    replicas: EASY backfilling (a later entry starts within the room the head will have
+    once the requests predicted to end first are done) was measured on the real vLLM and
+    shed more than it gained there (scripts/REAL_ENGINE_NOTES.md): every entry behind the
+    head waits against a deadline of its own, and passing it spends that.
     An entry routing rejects on every replica that fits it (a filter keeps none) waits
     without blocking those replicas for the entries behind it: it waits for routing's
     say, not for capacity, and it is retried on every settle until its deadline. An
@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from admission.backfill import room_beside
 from admission.config import AdmissionConfig
 from admission.fairqueue import FairQueue
 from admission.ledger import Ledger
@@ -60,11 +59,6 @@ class Entry:
     # Queued with a stated budget before any service was seen (half of it for the queue):
     # its deadline is judged again once service is known (`Settling.rejudge_cold`).
     cold: bool = False
-
-
-# Entries a settle looks at past the first head that leaves room (admission/backfill.py):
-# the scan stays bounded however long the queue; the rest wait for the next settle.
-BACKFILL_LOOKAHEAD = 32
 
 
 def queue_slack(budget: float, predicted: float) -> float:
@@ -259,17 +253,11 @@ class Settling:
         replicas = self._ledger.replicas
         usable = {r.name for r in replicas.values() if r.usable}
         blocked: set[str] = set()
-        rooms: dict[str, int] = {}  # replicas a head waits for that others may backfill
         admitted: Events = []
-        past = 0  # entries looked at since the first room
         for entry in self.queue.visit(self.capped):
             if usable <= blocked:
                 break
-            if rooms:
-                past += 1
-                if past > BACKFILL_LOOKAHEAD:
-                    break
-            admit = self._placement.place(entry, blocked, now, rooms)  # type: ignore[arg-type]
+            admit = self._placement.place(entry, blocked, now)  # type: ignore[arg-type]
             if isinstance(admit, Admit):
                 self.dequeue(entry)  # type: ignore[arg-type]
                 self.queue.admitted(entry.req, replicas[admit.replica].running)
@@ -280,14 +268,7 @@ class Settling:
                 blocked.update(held)
             else:
                 entry.rejected = False
-                for name in self._placement.candidate_names(entry.req):
-                    if name in blocked or name in rooms:
-                        continue  # an earlier head's: this one may be passed (EASY)
-                    room = room_beside(self._ledger, replicas[name], entry.req, now)
-                    if room is None:
-                        blocked.add(name)
-                    else:
-                        rooms[name] = room
+                blocked.update(self._placement.candidate_names(entry.req))
         return admitted
 
     def _slo_holds(self, entry: Entry) -> set[str]:

@@ -167,7 +167,6 @@ class ReplicaUsage:
     engine_kv_tokens: int | None = None  # the engine's own KV usage, in tokens
     held: int = 0  # abandoned requests whose reservation waits for the engine to stop
     ejected: bool = False  # out of service by outlier detection
-    backfilled: int = 0  # admissions that started past a head waiting on it (backfill)
     # The queue's upper estimate of a request's service there at its allowed load:
     # (seconds, seconds per prompt token, seconds per output token); None before samples.
     service_plane: tuple[float, float, float] | None = None

@@ -68,9 +68,6 @@ def replicas_snapshot(
                 "ejections": outliers.ejections(name) if outliers is not None else 0,
                 "limit": u.limit if u else None,
                 "limit_reason": u.limit_reason if u else "",
-                # Admissions that started past a request waiting here, within the room it
-                # leaves (admission/backfill.py).
-                "backfilled": u.backfilled if u else 0,
                 # What the queue predicts of a request's service here (an upper estimate
                 # at the allowed load): seconds = base + per token of prompt and output.
                 "service": _service(u) if u else None,

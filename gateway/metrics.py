@@ -86,14 +86,7 @@ class _LedgerCollector(Collector):
             "(kv_capacity, running_cap, latency, not_ready, ejected, none)",
             labels=["replica", "ceiling"],
         )
-        backfilled = CounterMetricFamily(
-            "kvgate_replica_backfilled",
-            "Admissions that started past a request waiting for the replica, within the "
-            "room it leaves (it still starts when it would have)",
-            labels=["replica"],
-        )
         for u in self._usage():
-            backfilled.add_metric([u.name], u.backfilled)
             cap.add_metric([u.name], u.effective_capacity_tokens)
             reserved.add_metric([u.name], u.reserved_tokens)
             running.add_metric([u.name], u.running)
@@ -110,7 +103,7 @@ class _LedgerCollector(Collector):
             "(the stream went on; the engine's own scheduler absorbed the excess)",
         )
         topup.add_metric([], self._topup_failures())
-        return [depth, cap, reserved, running, ready, ejected, limit, binding, topup, backfilled]
+        return [depth, cap, reserved, running, ready, ejected, limit, binding, topup]
 
 
 class _CountsCollector(Collector):

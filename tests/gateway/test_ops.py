@@ -132,10 +132,10 @@ async def test_admin_replicas_requires_token(replica, gateway):
     assert rep["reserved_tokens"] == 0 and rep["running"] == 0 and rep["queue"] == 0
     assert rep["binding_ceiling"] == "none"
     assert rep["models"] == [MODEL]
-    assert rep["backfilled"] == 0 and rep["service"] is None  # nothing served yet
+    assert rep["service"] is None  # nothing served yet
 
 
-async def test_admin_and_metrics_show_the_queues_service_model_and_backfills(replica, gateway):
+async def test_admin_shows_the_queues_service_model(replica, gateway):
     gw = await gateway(await replica(), auth={"admin_token": "t"})
     admin = {"Authorization": "Bearer t"}
     async with aiohttp.ClientSession() as s:
@@ -147,14 +147,9 @@ async def test_admin_and_metrics_show_the_queues_service_model_and_backfills(rep
             (rep,) = (await r.json())["replicas"]
     service = rep["service"]
     assert service["samples"] == 3
-    # An upper estimate of a request served here: at least the slowest answer seen.
-    slowest = service["base_s"] + 40 * service["per_output_token_s"]
-    assert slowest > 0 and service["per_output_token_s"] >= 0
-    assert service["per_prompt_token_s"] >= 0
-    assert (await scrape(gw))[("kvgate_replica_backfilled_total", (("replica", "r0"),))] == 0
-    # The report only reads: the count is kept on the replica where placement counts it.
-    gw.state.door._controller._ledger.replicas["r0"].backfilled = 2
-    assert (await scrape(gw))[("kvgate_replica_backfilled_total", (("replica", "r0"),))] == 2
+    # Fitted to the three answers: a positive time for the longest, no negative slope.
+    assert service["base_s"] + 40 * service["per_output_token_s"] > 0
+    assert service["per_output_token_s"] >= 0 and service["per_prompt_token_s"] >= 0
 
 
 async def test_admin_closed_without_token(replica, gateway):
