@@ -176,10 +176,14 @@ async def contender(
                 url = gw.url
             out = Outcome(requests=len(reqs))
             client = CLIENTS[client_kind](url, timeout_s, out)
+            samples: list[dict[str, Any]] = []
+            watch = asyncio.create_task(watch_admin(gw.url, samples)) if gw else None
             try:
                 await drive(client, [body(r) for r in reqs], concurrency, out)
             finally:
                 await client.close()
+                if watch is not None:
+                    watch.cancel()
             if gw is not None:
                 async with (
                     aiohttp.ClientSession() as s,
@@ -206,16 +210,61 @@ async def contender(
         max_s=round(lat[-1], 2) if lat else None,
         kvgate_limit=(replica or {}).get("limit"),
         kvgate_pool=(replica or {}).get("capacity_tokens"),
+        # What the queue predicted with at the end (GET /admin/replicas `service`), and how
+        # kvgate kept the engine fed, from /admin/replicas read every ADMIN_EVERY_S.
+        kvgate_service=(replica or {}).get("service"),
+        **fed(samples),
         errors=sorted(set(out.errors))[:5],
         load_1m_after=round(os.getloadavg()[0], 2),  # other sessions share the 2 cores
     )
     print(
         f"  {label}: completed {out.completed}/{out.requests}, timed out {out.timed_out}, "
         f"failed {out.failed}, attempt timeouts {out.attempt_timeouts}, shed {out.shed}, retries {out.retries}, wall {out.wall_s:.1f} s, "
-        f"p50 {row['p50_s']} max {row['max_s']}, preemptions {row['preemptions']}",
+        f"p50 {row['p50_s']} max {row['max_s']}, preemptions {row['preemptions']}"
+        + (
+            f", kvgate ran {row['kvgate_mean_running']} on average, underfed "
+            f"{row['kvgate_underfed_share']:.0%} of readings"
+            if "kvgate_mean_running" in row
+            else ""
+        ),
         file=sys.stderr,
     )
     return row
+
+
+ADMIN_EVERY_S = 0.25
+
+
+async def watch_admin(url: str, samples: list[dict[str, Any]]) -> None:
+    """Read kvgate's /admin/replicas every ADMIN_EVERY_S until cancelled."""
+    headers = {"Authorization": "Bearer bench"}
+    async with aiohttp.ClientSession() as s:
+        while True:
+            try:
+                async with s.get(url + "/admin/replicas", headers=headers) as r:
+                    (rep,) = (await r.json())["replicas"]
+                    samples.append(rep)
+            except (aiohttp.ClientError, ValueError):
+                pass  # a missed reading; the next one counts
+            await asyncio.sleep(ADMIN_EVERY_S)
+
+
+def fed(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean running, and the share of readings with the replica below its limit while
+    nothing waited in kvgate's queue (its clients asleep in a Retry-After or not yet back):
+    throughput the engine could have had."""
+    if not samples:
+        return {}
+    under = sum(
+        1
+        for r in samples
+        if not r["queue"] and r["limit"] is not None and r["running"] < r["limit"]
+    )
+    return {
+        "kvgate_mean_running": round(statistics.fmean(r["running"] for r in samples), 2),
+        "kvgate_underfed_share": round(under / len(samples), 3),
+        "kvgate_readings": len(samples),
+    }
 
 
 async def calibrate(reqs: list[Request], workdir: Path, rep: int) -> dict[str, Any]:
