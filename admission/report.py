@@ -18,6 +18,7 @@ from admission.patience import ClientPatience, PatienceReading
 from admission.placement import Placement
 from admission.replica import Replica
 from admission.scaling import ScalingSignal
+from admission.service import Plane
 from admission.settling import Settling
 from admission.shedding import Shedding
 from admission.types import Admit, ReplicaUsage
@@ -259,7 +260,6 @@ class AdmissionReport:
         return self._shedding.drain_rate(model, now)
 
 
-def _plane(rep: Replica) -> tuple[float, float, float] | None:
+def _plane(rep: Replica) -> Plane | None:
     """`rep`'s service plane at its allowed load (what the queue's deadlines read)."""
-    plane = rep.service.plane(rep.allowed or rep.running + 1)
-    return None if plane is None else (plane.base, plane.per_prompt, plane.per_output)
+    return rep.service.plane(rep.allowed or rep.running + 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from admission.service import Plane
 from routing.types import RouteRequest
 
 
@@ -167,7 +168,7 @@ class ReplicaUsage:
     engine_kv_tokens: int | None = None  # the engine's own KV usage, in tokens
     held: int = 0  # abandoned requests whose reservation waits for the engine to stop
     ejected: bool = False  # out of service by outlier detection
-    # The queue's upper estimate of a request's service there at its allowed load:
-    # (seconds, seconds per prompt token, seconds per output token); None before samples.
-    service_plane: tuple[float, float, float] | None = None
+    # The queue's upper estimate of a request's service there at its allowed load; None
+    # before any sample.
+    service_plane: Plane | None = None
     service_samples: int = 0

@@ -237,6 +237,10 @@ def run(
         if stream and client < stoppers:
             att.stop_after = reading.randint(1, 6)
         live[rid] = att
+        push(now + timeout_s, "timeout", rid)
+        if straight:
+            start_engine([Admit(rid, REPLICA, 0)])
+            return
         p = len(item.prompt_token_ids)
         bound = item.output_tokens
         req = AdmissionRequest(
@@ -255,10 +259,6 @@ def run(
             stream=stream,
             retry_key=hash(item.request_id),
         )
-        push(now + timeout_s, "timeout", rid)
-        if straight:
-            start_engine([Admit(rid, REPLICA, 0)])
-            return
         decision = ctrl.submit(req, now)
         handle_verdict(att, decision.verdict)
         handle(decision.events)
@@ -306,7 +306,7 @@ def run(
         if not candidates:
             break
         t = min(candidates)
-        if t > now and (live or pending):
+        if t > now and (live or pending) and not straight:
             usage = ctrl.report.replica_usage()[0]
             idle = not ctrl.report.queue_depth()
             if usage.limit is not None and usage.running < usage.limit and idle:

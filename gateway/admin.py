@@ -104,13 +104,13 @@ def replicas_snapshot(
 
 
 def _service(u: ReplicaUsage) -> dict[str, Any] | None:
-    if u.service_plane is None:
+    plane = u.service_plane
+    if plane is None:
         return None
-    base, per_prompt, per_output = u.service_plane
     return {
-        "base_s": round(base, 4),
-        "per_prompt_token_s": round(per_prompt, 7),
-        "per_output_token_s": round(per_output, 6),
+        "base_s": round(plane.base, 4),
+        "per_prompt_token_s": round(plane.per_prompt, 7),
+        "per_output_token_s": round(plane.per_output, 6),
         "samples": u.service_samples,
     }
 
