@@ -55,9 +55,15 @@ import openai
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import cpu_share  # noqa: E402
 from bench.closed_loop import CLIENTS, PLAIN_BACKOFF_S, RETRIES, Outcome, drive  # noqa: E402
 from kvgate_demo.demo import start_gateway, stopping, wait_http  # noqa: E402
-from tests.realengine.vllm import MODEL_NAME, VllmServer, vllm_path  # noqa: E402
+from tests.realengine.vllm import (  # noqa: E402
+    MODEL_NAME,
+    VllmServer,
+    _descendants,
+    vllm_path,
+)
 
 POOL_TOKENS = 8192  # the tiny model's KV is 1 KiB a token (REAL_ENGINE_NOTES.md)
 SWEEP = (4, 8, 16, 32)
@@ -178,12 +184,15 @@ async def contender(
             client = CLIENTS[client_kind](url, timeout_s, out)
             samples: list[dict[str, Any]] = []
             watch = asyncio.create_task(watch_admin(gw.url, samples)) if gw else None
+            groups = cpu_groups(engine, gw.popen.pid if gw else None)
+            before = cpu_share.snapshot(groups)
             try:
                 await drive(client, [body(r) for r in reqs], concurrency, out)
             finally:
                 await client.close()
                 if watch is not None:
                     watch.cancel()
+            cpu = cpu_share.spent(before, cpu_share.snapshot(groups), out.wall_s or 1.0)
             if gw is not None:
                 async with (
                     aiohttp.ClientSession() as s,
@@ -214,6 +223,7 @@ async def contender(
         # kvgate kept the engine fed, from /admin/replicas read every ADMIN_EVERY_S.
         kvgate_service=(replica or {}).get("service"),
         **fed(samples),
+        cpu=cpu,  # per process: cpu_s, wait_s (runnable, not running), cores (cpu/wall)
         errors=sorted(set(out.errors))[:5],
         load_1m_after=round(os.getloadavg()[0], 2),  # other sessions share the 2 cores
     )
@@ -229,7 +239,33 @@ async def contender(
         ),
         file=sys.stderr,
     )
+    print(
+        "    cores used (run-queue wait s): "
+        + ", ".join(f"{k} {v['cores']} ({v['wait_s']})" for k, v in cpu.items()),
+        file=sys.stderr,
+    )
     return row
+
+
+def cpu_groups(engine: VllmServer, kvgate_pid: int | None) -> dict[str, list[int]]:
+    """The processes that share the 2 cores: the engine's model worker (bound to core 0),
+    its engine core (scheduler; nice 19), its API server, kvgate, this bench's clients."""
+    assert engine.proc is not None
+    groups: dict[str, list[int]] = {"worker": [], "engine_core": [], "api_server": []}
+    groups["api_server"].append(engine.proc.pid)
+    for pid in _descendants(engine.proc.pid):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text()
+        except OSError:
+            continue
+        if comm.startswith("VLLM::Worker"):
+            groups["worker"].append(pid)
+        elif comm.startswith("VLLM::EngineCor"):
+            groups["engine_core"].append(pid)
+    if kvgate_pid is not None:
+        groups["kvgate"] = [kvgate_pid]
+    groups["clients"] = [os.getpid()]
+    return groups
 
 
 ADMIN_EVERY_S = 0.25
@@ -260,9 +296,33 @@ def fed(samples: list[dict[str, Any]]) -> dict[str, Any]:
         for r in samples
         if not r["queue"] and r["limit"] is not None and r["running"] < r["limit"]
     )
+    busy = [r for r in samples if r["running"]]
     return {
         "kvgate_mean_running": round(statistics.fmean(r["running"] for r in samples), 2),
+        # Tokens reserved per running request (prompt + the output reserved), and the
+        # share of the pool reserved: how tightly the pool was packed.
+        "kvgate_reserved_per_running": round(
+            statistics.fmean(r["reserved_tokens"] / r["running"] for r in busy)
+        )
+        if busy
+        else None,
+        "kvgate_reserved_share": round(
+            statistics.fmean(
+                r["reserved_tokens"] / r["effective_capacity_tokens"]
+                for r in samples
+                if r["effective_capacity_tokens"]
+            ),
+            3,
+        )
+        if any(r["effective_capacity_tokens"] for r in samples)
+        else None,
         "kvgate_underfed_share": round(under / len(samples), 3),
+        # Which ceiling bound admission, share of readings (pool, learned limit, none...).
+        "kvgate_binding": {
+            k: round(sum(r["binding_ceiling"] == k for r in samples) / len(samples), 3)
+            for k in sorted({r["binding_ceiling"] for r in samples})
+        },
+        "kvgate_limits": sorted({r["limit"] for r in samples if r["limit"] is not None}),
         "kvgate_readings": len(samples),
     }
 
