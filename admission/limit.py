@@ -28,6 +28,12 @@ Per window:
   goes to ``mean_running / r``, within [0.5, 0.9] of the current limit: past the knee,
   latency grows in proportion to concurrency, so this lands at the aim. This is the
   latency ceiling, and it is what follows a replica that slows down and comes back.
+  The next window judges the cut: a slowest that fell by less than half of what the
+  proportion promised says latency does not follow the load there (the real vLLM at
+  seed 001's size: a 200-token answer takes about as long at 5 running as at 8, and
+  cutting for it took the limit to 1-4 and cost up to 37 of 300 requests), so the limit
+  goes back (``latency_flat``) and holds while windows are at most ``_FLAT_SLACK`` worse
+  than that level. A window scored by a failure is no evidence either way.
 * **Goodput.** Every window that kept the replica busy (mean running >= 80% of the
   allowed limit) is a point of the replica's throughput curve at its setting; the
   curve's knee (admission/knee.py: where one more running request buys less than
@@ -83,6 +89,7 @@ _INSIDE_SOFT = 0.95  # and this far inside a configured target (its quantile)
 _SLOW_START_END = 0.5  # slow start ends at a window whose slowest is this far to its aim
 _BAND = 1.05  # cut only when a score is this far past its aim; between, the limit holds
 _POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortage
+_FLAT_SLACK = 1.1  # a window this much worse than a flat level is news: cut again
 
 
 @dataclass(slots=True, frozen=True)
@@ -131,6 +138,8 @@ class RunningLimit:
         "others",
         "_opened",
         "_peak",
+        "_cut",
+        "_flat",
     )
 
     def __init__(self, settings: LimitSettings, now: float = 0.0) -> None:
@@ -148,6 +157,12 @@ class RunningLimit:
         self._area = 0.0  # integral of running requests over the window
         self._running = 0
         self._peak = 0  # most running since the last engine round
+        # A latency cut waiting for the next window to show it bought latency:
+        # (the limit before it, the mean running and the ratio it was judged on).
+        self._cut: tuple[float, float, float] | None = None
+        # The ratio at which a cut was shown to buy nothing (latency flat in load): a
+        # window no worse than this holds the limit instead of cutting it again.
+        self._flat: float | None = None
         self._last = now
         self._curve = GoodputCurve()  # the busy windows' goodput, per setting
         self.knee: float | None = None  # fitted knee of the goodput curve
@@ -280,6 +295,7 @@ class RunningLimit:
                 and 0 < peak <= max(1, int(self.value))
             ):
                 self._slow_start = False
+                self._cut = None
                 self._set(min(self.value, peak) * 0.75, "preemption", now, cap)
                 return
         # A request waits inside the engine for a moment as a matter of course (a prefill
@@ -290,6 +306,7 @@ class RunningLimit:
             if self._waiting_rounds >= 2:
                 self._waiting_rounds = 0
                 self._slow_start = False
+                self._cut = None
                 self._set(min(self.value, float(engine_running)), "engine_queue", now, cap)
         else:
             self._waiting_rounds = 0
@@ -304,6 +321,7 @@ class RunningLimit:
                 self._changed_at = now
             self.value = value
             self.reason = reason
+            self._cut = None
             self._reset_window(now)
 
     # ------------------------------------------------------------------ the window
@@ -336,8 +354,16 @@ class RunningLimit:
                 window=self.windows, limit=int(self.value), efficiency=self._s.knee_efficiency
             )
         base = max(1.0, mean_running)
+        if self._refuted(ratio, mean_running, now, cap):
+            return
         if ratio is not None and ratio > _BAND:
             self._slow_start = False
+            if self._flat is not None and _measured(ratio) and ratio <= self._flat * _FLAT_SLACK:
+                # Cutting was shown to buy no latency at this level: hold.
+                self.reason = "latency_flat"
+                self._reset_window(now)
+                return
+            self._cut = (self.value, base, ratio)
             target = base / ratio
             lo, hi = 0.5 * self.value, 0.9 * self.value
             self._set(min(hi, max(lo, target)), "latency", now, cap)
@@ -374,6 +400,32 @@ class RunningLimit:
             reason = "running_cap"
         self._set(value, reason, now, cap)
 
+    def _refuted(
+        self, ratio: float | None, mean_running: float, now: float, cap: int | None
+    ) -> bool:
+        """Judge the latency cut made at the previous window: past the knee latency falls
+        in proportion to the load, so a cut from `m` to `m'` running should take the
+        slowest from `r` to about ``r * m' / m``. A window that got less than half of
+        that fall says latency does not follow the load here (the real vLLM at this
+        size: one long answer takes about as long alone as beside seven others), and a
+        cut there only loses throughput and lengthens the queue: the limit goes back and
+        holds until latency is worse than it was (True: restored)."""
+        cut, self._cut = self._cut, None
+        if cut is None or ratio is None:
+            return False
+        before, ran, judged = cut
+        if mean_running >= ran or not (_measured(judged) and _measured(ratio)):
+            # The load did not fall, or a failure scored the window (a client gone at its
+            # timeout measures no latency): no evidence either way.
+            return False
+        promised = judged - judged * mean_running / ran
+        if judged - ratio >= 0.5 * promised:
+            self._flat = None  # latency followed the load: cuts work here
+            return False
+        self._flat = max(judged, ratio)
+        self._set(before, "latency_flat", now, cap)
+        return True
+
     def _set(self, value: float, reason: str, now: float, cap: int | None) -> None:
         hi = float(cap) if cap is not None else math.inf
         value = min(max(1.0, value), hi)
@@ -392,6 +444,11 @@ class RunningLimit:
         self._started = now
         self._area = 0.0
         self._last = now
+
+
+def _measured(ratio: float) -> bool:
+    """Whether a window's ratio is a latency measured, not a failure's score."""
+    return ratio < FAILURE_RATIO / _INSIDE_HARD
 
 
 def _quantile(values: list[float], q: float) -> float:

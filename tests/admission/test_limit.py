@@ -66,6 +66,38 @@ def test_the_limit_grows_only_while_the_replica_is_kept_busy() -> None:
     assert lim.reason == "slow_start"
 
 
+def test_a_cut_that_buys_no_latency_is_undone_and_not_repeated() -> None:
+    """The real vLLM at seed 001's size: the slowest answer takes about as long at 5
+    running as at 8, so cutting for it only lost throughput (the limit fell to 3 and the
+    run took 1.4x as long). The cut is judged by the next window and given back."""
+    lim = RunningLimit(LimitSettings(initial=10, window=4))
+    now = feed_window(lim, 0.0, running=10, ratio=1.3)  # the slowest over its aim
+    assert lim.reason == "latency" and lim.value < 7
+    now = feed_window(lim, now, running=int(lim.value), ratio=1.3)  # no better below
+    assert (lim.value, lim.reason) == (10, "latency_flat")
+    for _ in range(5):  # no worse than the level cutting could not fix: hold
+        now = feed_window(lim, now, running=10, ratio=1.35)
+        assert (lim.value, lim.reason) == (10, "latency_flat")
+    # Much worse than that level (the replica slowed down): cut again, and judge again.
+    now = feed_window(lim, now, running=10, ratio=2.6)
+    assert lim.reason == "latency" and lim.value <= 9
+
+
+def test_a_cut_that_latency_follows_stands() -> None:
+    lim = RunningLimit(LimitSettings(initial=10, window=4))
+
+    def ratio(running: int) -> float:
+        return 0.13 * running  # past the knee: service in proportion to the load
+
+    now = feed_window(lim, 0.0, running=10, ratio=ratio(10))
+    assert lim.reason == "latency"
+    cut = lim.value
+    for _ in range(4):
+        now = feed_window(lim, now, running=int(lim.value), ratio=ratio(int(lim.value)))
+        assert lim.reason != "latency_flat"
+        assert lim.value <= cut + 1.0  # the probe's step at most, never back to 10
+
+
 def test_growth_is_bounded_by_what_the_latency_ratio_predicts() -> None:
     lim = RunningLimit(LimitSettings(initial=8, window=4))
     # Slowest at 0.8 of its budget share: past half its aim, so slow start ends, and
