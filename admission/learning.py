@@ -89,7 +89,7 @@ class Learning:
         """Feed one completion to the replica's latency history and learned limit."""
         prompt = c.prompt_tokens or 0
         output = c.completion_tokens or 0
-        load = rep.allowed or rep.running + 1
+        load = rep.serving_load
         if c.ok and c.service_s is not None and prompt + output > 0:
             rep.service.add(prompt, output, c.service_s, load)
         if c.ok and c.ttft_s is not None and prompt > 0:

@@ -266,7 +266,7 @@ class Ledger:
             res.held_until = now + self.config.abandoned_hold_s
             # Where over-admitting costs a preemption, not an error (module docstring).
             if rep.preempts:
-                load = rep.allowed or rep.running
+                load = rep.serving_load
                 served_by = rep.service.predict(res.prompt_tokens, res.output_tokens, load)
                 if served_by > 0:  # 0: no completion seen yet, nothing to bound it by
                     res.held_until = min(res.held_until, res.admitted_at + 2 * served_by)

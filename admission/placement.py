@@ -202,10 +202,8 @@ class Placement:
         if not math.isfinite(wait):
             return False
         prompt = max(1, req.prompt_tokens)
-        t_warm = wait + w.ttft.predict(max(1, prompt - cached), load=allowed or w.running + 1)
-        t_cold = chosen.ttft.predict(
-            max(1, prompt - here), load=chosen.allowed or chosen.running + 1
-        )
+        t_warm = wait + w.ttft.predict(max(1, prompt - cached), load=w.serving_load)
+        t_cold = chosen.ttft.predict(max(1, prompt - here), load=chosen.serving_load)
         verdict = "expected_ttft_wait" if t_warm < t_cold else "expected_ttft_cold"
         self.ttft_choices[verdict] = self.ttft_choices.get(verdict, 0) + 1
         return t_warm < t_cold

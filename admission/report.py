@@ -262,4 +262,4 @@ class AdmissionReport:
 
 def _plane(rep: Replica) -> Plane | None:
     """`rep`'s service plane at its allowed load (what the queue's deadlines read)."""
-    return rep.service.plane(rep.allowed or rep.running + 1)
+    return rep.service.plane(rep.serving_load)

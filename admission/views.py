@@ -128,7 +128,7 @@ class ModelViews:
                     view.ttft.remove(name)
                     view.service.remove(name)
                     continue
-                load = rep.allowed or rep.running + 1
+                load = rep.serving_load
                 for model, target in ((rep.ttft, view.ttft), (rep.service, view.service)):
                     plane = model.plane(load)
                     if plane is None:

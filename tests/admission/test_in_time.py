@@ -68,7 +68,8 @@ def test_a_client_that_left_after_the_queue_took_its_budget_is_no_evidence_again
 def test_a_queued_request_waits_as_long_as_its_predicted_service_leaves() -> None:
     """The queue takes what service leaves of a stated budget, not a fixed share of it:
     served alone in 2 s, predicted at 4 s with two running (the upper estimate scales
-    with the load), a request with a 10 s budget may wait 6 s (was 4 s: 40% of it)."""
+    with the load), a request with a 10 s budget may wait 6 s (was 4 s: 40% of it).
+    Where the pool holds only one of what runs, it runs one: 2 s, and it may wait 8 s."""
     ctrl = controller(min_drain_samples=1)
     ctrl.upsert_replica(replica("r1", 1000), 0.0)
     now = 0.0
@@ -80,14 +81,25 @@ def test_a_queued_request_waits_as_long_as_its_predicted_service_leaves() -> Non
             Completion(service_s=2.0, prompt_tokens=400, completion_tokens=100),
         )
         now += 2.0
-    big = request("big", 800, 150)  # fills the pool
+    for a, b in (("a", "b"), ("c", "d")):  # two of 500 fill the pool: it runs two
+        assert isinstance(ctrl.submit(request(a, 400, 100), now).verdict, Admit)
+        assert isinstance(ctrl.submit(request(b, 400, 100), now).verdict, Admit)
+        req = request(f"late-{a}", 400, 100, latency_budget=10.0)
+        assert isinstance(ctrl.submit(req, now).verdict, Queued)
+        deadline = ctrl.next_deadline()
+        assert deadline is not None
+        assert deadline - now == pytest.approx(6.0, abs=0.1)
+        for name in (a, b, f"late-{a}"):
+            ctrl.release(name, now + 1.0)
+        now += 1.0
+    big = request("big", 800, 150)  # one of 950 fills the pool: it runs one
     assert isinstance(ctrl.submit(big, now).verdict, Admit)
-    req = request("late", 400, 100, latency_budget=10.0)
-    verdict = ctrl.submit(req, now).verdict
-    assert isinstance(verdict, Queued)
+    assert isinstance(
+        ctrl.submit(request("late", 400, 100, latency_budget=10.0), now).verdict, Queued
+    )
     deadline = ctrl.next_deadline()
     assert deadline is not None
-    assert deadline - now == pytest.approx(6.0, abs=0.1)
+    assert deadline - now == pytest.approx(8.0, abs=0.1)
     ctrl.release("big", now + 1.0)
     ctrl.release("late", now + 1.0)
 
