@@ -261,5 +261,5 @@ class AdmissionReport:
 
 
 def _plane(rep: Replica) -> Plane | None:
-    """`rep`'s service plane at its allowed load (what the queue's deadlines read)."""
+    """`rep`'s service plane at the load it runs (what the queue's deadlines read)."""
     return rep.service.plane(rep.serving_load)

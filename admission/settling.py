@@ -129,7 +129,7 @@ class Settling:
 
         A client that said how long it waits (its read timeout), or whose patience was
         learned, queues only while the predicted service (`predicted`, an upper estimate
-        at the replica's allowed load; a stream: its first token) still fits after the
+        at the load the replica runs; a stream: its first token) still fits after the
         wait: the queue takes what service leaves, not a fixed share, since in a closed
         loop the clients' time is set by throughput and the learned limit keeps service
         itself inside the budget. Before any service was seen it may queue for half its

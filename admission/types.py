@@ -168,7 +168,7 @@ class ReplicaUsage:
     engine_kv_tokens: int | None = None  # the engine's own KV usage, in tokens
     held: int = 0  # abandoned requests whose reservation waits for the engine to stop
     ejected: bool = False  # out of service by outlier detection
-    # The queue's upper estimate of a request's service there at its allowed load; None
+    # The queue's upper estimate of a request's service there at the load it runs; None
     # before any sample.
     service_plane: Plane | None = None
     service_samples: int = 0

@@ -69,7 +69,7 @@ def replicas_snapshot(
                 "limit": u.limit if u else None,
                 "limit_reason": u.limit_reason if u else "",
                 # What the queue predicts of a request's service here (an upper estimate
-                # at the allowed load): seconds = base + per token of prompt and output.
+                # at the load it runs): seconds = base + per token of prompt and output.
                 "service": _service(u) if u else None,
                 "block_size": s.block_size,
                 "max_model_len": s.max_model_len,
