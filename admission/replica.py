@@ -135,7 +135,7 @@ class Replica:
         this many of the requests running now, at their mean reservation). The real
         vLLM's 8,192-token pool holds 5-6 of seed 001's requests under a limit of 8-12;
         at the limit, a limit moving while the pool bound scaled every prediction with it
-        and the queue shed, all at once, requests it could serve."""
+        and the queue shed requests it could serve."""
         allowed = self.allowed
         load = self.running + 1 if allowed is None else allowed
         if self.running > 0 and self.reserved > 0:
