@@ -139,11 +139,7 @@ class Replica:
         allowed = self.allowed
         load = self.running + 1 if allowed is None else allowed
         if self.running > 0 and self.reserved > 0:
-            pool = (
-                self.effective
-                if self.share_tokens is None
-                else min(self.effective, self.share_tokens)
-            )
+            pool = self.free + self.reserved  # the pool, or this process's leased slice
             load = min(load, max(self.running, pool * self.running // self.reserved))
         return max(1, load)
 

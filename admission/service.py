@@ -13,9 +13,9 @@ Least squares over the last `size` completions, both slopes kept non-negative (a
 negative slope is a fit to noise: the better of the one-term fits replaces it). A
 prediction adds the ``quantile`` of the residuals, so it is an upper estimate rather than
 a typical one. Each sample carries the load it was served under (requests the replica
-runs at once: `Replica.serving_load`); a prediction for a higher load scales up in proportion (the share each request
-gets shrinks as the batch grows), never down. The fit is refreshed lazily, at most once
-per added sample. Time to first token is the same model fed no output tokens.
+runs at once: `Replica.serving_load`); a prediction for a higher load scales up in
+proportion (the share each request gets shrinks as the batch grows), never down. The
+fit is refreshed lazily, at most once per added sample. Time to first token is the same model fed no output tokens.
 """
 
 from __future__ import annotations

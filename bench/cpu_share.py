@@ -41,12 +41,14 @@ def snapshot(groups: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
 def spent(
     before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], wall_s: float
 ) -> dict[str, dict[str, float]]:
-    """Per group, the share of one core it used and the share of the span it waited."""
-    return {
-        name: {
-            "cpu_s": round(after[name][0] - before.get(name, (0.0, 0.0))[0], 1),
-            "wait_s": round(after[name][1] - before.get(name, (0.0, 0.0))[1], 1),
-            "cores": round((after[name][0] - before.get(name, (0.0, 0.0))[0]) / wall_s, 2),
+    """Per group, the CPU seconds and run-queue wait seconds between the snapshots, and
+    the cores it used on average (CPU seconds over `wall_s`)."""
+    out = {}
+    for name, (cpu, wait) in after.items():
+        cpu0, wait0 = before.get(name, (0.0, 0.0))
+        out[name] = {
+            "cpu_s": round(cpu - cpu0, 1),
+            "wait_s": round(wait - wait0, 1),
+            "cores": round((cpu - cpu0) / wall_s, 2),
         }
-        for name in after
-    }
+    return out

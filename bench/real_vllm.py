@@ -58,12 +58,7 @@ sys.path.insert(0, str(ROOT))
 from bench import cpu_share  # noqa: E402
 from bench.closed_loop import CLIENTS, PLAIN_BACKOFF_S, RETRIES, Outcome, drive  # noqa: E402
 from kvgate_demo.demo import start_gateway, stopping, wait_http  # noqa: E402
-from tests.realengine.vllm import (  # noqa: E402
-    MODEL_NAME,
-    VllmServer,
-    _descendants,
-    vllm_path,
-)
+from tests.realengine.vllm import MODEL_NAME, VllmServer, vllm_path  # noqa: E402
 
 POOL_TOKENS = 8192  # the tiny model's KV is 1 KiB a token (REAL_ENGINE_NOTES.md)
 SWEEP = (4, 8, 16, 32)
@@ -251,17 +246,11 @@ def cpu_groups(engine: VllmServer, kvgate_pid: int | None) -> dict[str, list[int
     """The processes that share the 2 cores: the engine's model worker (bound to core 0),
     its engine core (scheduler; nice 19), its API server, kvgate, this bench's clients."""
     assert engine.proc is not None
-    groups: dict[str, list[int]] = {"worker": [], "engine_core": [], "api_server": []}
-    groups["api_server"].append(engine.proc.pid)
-    for pid in _descendants(engine.proc.pid):
-        try:
-            comm = Path(f"/proc/{pid}/comm").read_text()
-        except OSError:
-            continue
-        if comm.startswith("VLLM::Worker"):
-            groups["worker"].append(pid)
-        elif comm.startswith("VLLM::EngineCor"):
-            groups["engine_core"].append(pid)
+    groups = {
+        "worker": engine.children_named("VLLM::Worker"),
+        "engine_core": engine.children_named("VLLM::EngineCor"),
+        "api_server": [engine.proc.pid],
+    }
     if kvgate_pid is not None:
         groups["kvgate"] = [kvgate_pid]
     groups["clients"] = [os.getpid()]
@@ -297,6 +286,7 @@ def fed(samples: list[dict[str, Any]]) -> dict[str, Any]:
         if not r["queue"] and r["limit"] is not None and r["running"] < r["limit"]
     )
     busy = [r for r in samples if r["running"]]
+    sized = [r for r in samples if r["effective_capacity_tokens"]]
     return {
         "kvgate_mean_running": round(statistics.fmean(r["running"] for r in samples), 2),
         # Tokens reserved per running request (prompt + the output reserved), and the
@@ -307,14 +297,10 @@ def fed(samples: list[dict[str, Any]]) -> dict[str, Any]:
         if busy
         else None,
         "kvgate_reserved_share": round(
-            statistics.fmean(
-                r["reserved_tokens"] / r["effective_capacity_tokens"]
-                for r in samples
-                if r["effective_capacity_tokens"]
-            ),
+            statistics.fmean(r["reserved_tokens"] / r["effective_capacity_tokens"] for r in sized),
             3,
         )
-        if any(r["effective_capacity_tokens"] for r in samples)
+        if sized
         else None,
         "kvgate_underfed_share": round(under / len(samples), 3),
         # Which ceiling bound admission, share of readings (pool, learned limit, none...).

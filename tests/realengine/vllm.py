@@ -155,14 +155,22 @@ class VllmServer(LlamaServer):
         API server, kvgate and the clients share. Starved, the API server answered no
         /metrics scrape and noticed no disconnect until an answer was done. At 19 the
         spin takes what they leave (scripts/REAL_ENGINE_NOTES.md)."""
-        assert self.proc is not None
-        for pid in _descendants(self.proc.pid):
+        for pid in self.children_named("VLLM::EngineCor"):
             with contextlib.suppress(OSError):
-                if not Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::EngineCor"):
-                    continue
                 for tid in os.listdir(f"/proc/{pid}/task"):
                     with contextlib.suppress(OSError):
                         os.setpriority(os.PRIO_PROCESS, int(tid), 19)
+
+    def children_named(self, prefix: str) -> list[int]:
+        """The server's descendant processes whose name (comm) starts with `prefix`:
+        "VLLM::EngineCor" (the engine core), "VLLM::Worker" (the model worker)."""
+        assert self.proc is not None
+        found = []
+        for pid in _descendants(self.proc.pid):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/comm").read_text().startswith(prefix):
+                    found.append(pid)
+        return found
 
     def stop(self) -> None:
         """SIGTERM to the server's process group (the API server and its engine core, both
