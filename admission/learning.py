@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from admission.config import AdmissionConfig
 from admission.itl import ItlModel
+from admission.latency import LatencyTargets, latency_ratio
 from admission.ledger import Reservation
-from admission.limit import LatencyTargets, LimitSettings, RunningLimit, latency_ratio
+from admission.limit import LimitSettings, RunningLimit
 from admission.replica import Replica
 from admission.types import Completion
 from routing.types import ReplicaState

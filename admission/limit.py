@@ -28,12 +28,14 @@ Per window:
   goes to ``mean_running / r``, within [0.5, 0.9] of the current limit: past the knee,
   latency grows in proportion to concurrency, so this lands at the aim. This is the
   latency ceiling, and it is what follows a replica that slows down and comes back.
-  The next window judges the cut: a slowest that fell by less than half of what the
-  proportion promised says latency does not follow the load there (the real vLLM at
-  seed 001's size: a 200-token answer takes about as long at 5 running as at 8, and
-  cutting for it took the limit to 1-4 and cost up to 37 of 300 requests), so the limit
-  goes back (``latency_flat``) and holds while windows are at most ``_FLAT_SLACK`` worse
-  than that level. A window scored by a failure is no evidence either way.
+  A later window judges the cut, once the load fell to ``_JUDGED_FALL`` of what ran
+  before it (a series of smaller cuts is judged as one): a mean score that fell by less
+  than half of what the proportion promised says latency does not follow the load there
+  (the real vLLM at seed 001's size: a 200-token answer takes about as long at 5
+  running as at 8, and cutting for it took the limit to 1-4 and cost up to 37 of 300
+  requests), so the limit goes back (``latency_flat``) and holds while the slowest is
+  at most ``_FLAT_SLACK`` worse than it was. A window scored by a failure is no
+  evidence either way.
 * **Goodput.** Every window that kept the replica busy (mean running >= 80% of the
   allowed limit) is a point of the replica's throughput curve at its setting; the
   curve's knee (admission/knee.py: where one more running request buys less than
@@ -90,6 +92,7 @@ _SLOW_START_END = 0.5  # slow start ends at a window whose slowest is this far t
 _BAND = 1.05  # cut only when a score is this far past its aim; between, the limit holds
 _POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortage
 _FLAT_SLACK = 1.1  # a window this much worse than a flat level is news: cut again
+_JUDGED_FALL = 0.7  # a cut is judged once the load fell to this share of what ran before it
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,15 +105,6 @@ class LimitSettings:
     budget_fraction: float = 0.6
     probe_step: float = 0.15
     target_quantile: float = 0.5
-
-
-@dataclass(slots=True, frozen=True)
-class LatencyTargets:
-    """A model's latency targets in seconds (None: no target of that kind)."""
-
-    ttft_s: float | None = None
-    itl_s: float | None = None
-    e2e_s: float | None = None
 
 
 class RunningLimit:
@@ -158,8 +152,8 @@ class RunningLimit:
         self._running = 0
         self._peak = 0  # most running since the last engine round
         # A latency cut waiting for the next window to show it bought latency:
-        # (the limit before it, the mean running and the ratio it was judged on).
-        self._cut: tuple[float, float, float] | None = None
+        # (the limit before it, the mean running, the window's typical and slowest scores).
+        self._cut: tuple[float, float, float | None, float] | None = None
         # The ratio at which a cut was shown to buy nothing (latency flat in load): a
         # window no worse than this holds the limit instead of cutting it again.
         self._flat: float | None = None
@@ -354,8 +348,10 @@ class RunningLimit:
                 window=self.windows, limit=int(self.value), efficiency=self._s.knee_efficiency
             )
         base = max(1.0, mean_running)
-        if self._refuted(ratio, mean_running, now, cap):
+        level = self._level()
+        if self._refuted(ratio, level, mean_running, now, cap):
             return
+        pending, self._cut = self._cut, None  # a series of cuts too small to judge yet
         if ratio is not None and ratio > _BAND:
             self._slow_start = False
             if self._flat is not None and _measured(ratio) and ratio <= self._flat * _FLAT_SLACK:
@@ -363,7 +359,7 @@ class RunningLimit:
                 self.reason = "latency_flat"
                 self._reset_window(now)
                 return
-            self._cut = (self.value, base, ratio)
+            self._cut = pending or (self.value, base, level, ratio)
             target = base / ratio
             lo, hi = 0.5 * self.value, 0.9 * self.value
             self._set(min(hi, max(lo, target)), "latency", now, cap)
@@ -400,29 +396,53 @@ class RunningLimit:
             reason = "running_cap"
         self._set(value, reason, now, cap)
 
+    def _level(self) -> float | None:
+        """The window's typical latency score, for judging a cut: the mean of its
+        clients' scores (a slowest is whichever long answer the window happened to hold;
+        on seed 002's card that refuted cuts that were right), else the targets' quantile;
+        None when a failure scored the window (a client gone at its timeout measures no
+        latency) or nothing was scored."""
+        if self._hard:
+            if not _measured(max(self._hard) / _INSIDE_HARD):
+                return None
+            return sum(self._hard) / len(self._hard) / _INSIDE_HARD
+        if self._soft:
+            level = _quantile(self._soft, self._s.target_quantile) / _INSIDE_SOFT
+            return level if _measured(level) else None
+        return None
+
     def _refuted(
-        self, ratio: float | None, mean_running: float, now: float, cap: int | None
+        self,
+        ratio: float | None,
+        level: float | None,
+        mean_running: float,
+        now: float,
+        cap: int | None,
     ) -> bool:
         """Judge the latency cut made at the previous window: past the knee latency falls
         in proportion to the load, so a cut from `m` to `m'` running should take the
-        slowest from `r` to about ``r * m' / m``. A window that got less than half of
-        that fall says latency does not follow the load here (the real vLLM at this
-        size: one long answer takes about as long alone as beside seven others), and a
-        cut there only loses throughput and lengthens the queue: the limit goes back and
-        holds until latency is worse than it was (True: restored)."""
-        cut, self._cut = self._cut, None
-        if cut is None or ratio is None:
+        window's typical score (`_level`) from `l` to about ``l * m' / m``. A window that
+        got less than half of that fall says latency does not follow the load here (the
+        real vLLM at this size: one long answer takes about as long alone as beside seven
+        others), and a cut there only loses throughput and lengthens the queue: the limit
+        goes back and holds until the slowest is worse than it was (True: restored)."""
+        cut = self._cut
+        if cut is None:
             return False
-        before, ran, judged = cut
-        if mean_running >= ran or not (_measured(judged) and _measured(ratio)):
-            # The load did not fall, or a failure scored the window (a client gone at its
-            # timeout measures no latency): no evidence either way.
+        before, ran, judged, slowest = cut
+        if judged is None or level is None or ratio is None or not _measured(ratio):
+            self._cut = None  # a failure scored a window: no evidence either way
             return False
+        if mean_running > _JUDGED_FALL * ran:
+            # Too little fall to tell from one window's noise (a cut from 8 to 7 promises
+            # 12%): the cut stays pending, and a series of cuts is judged as one.
+            return False
+        self._cut = None
         promised = judged - judged * mean_running / ran
-        if judged - ratio >= 0.5 * promised:
+        if judged - level >= 0.5 * promised:
             self._flat = None  # latency followed the load: cuts work here
             return False
-        self._flat = max(judged, ratio)
+        self._flat = max(slowest, ratio)
         self._set(before, "latency_flat", now, cap)
         return True
 
@@ -454,38 +474,3 @@ def _measured(ratio: float) -> bool:
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def latency_ratio(
-    *,
-    service_s: float | None,
-    ttft_s: float | None,
-    itl_s: float | None,
-    budget_s: float | None,
-    budget_fraction: float,
-    targets: LatencyTargets | None,
-    stream: bool,
-) -> tuple[float | None, float | None]:
-    """A completion's (client-timeout ratio, worst configured-target ratio), each
-    measured / target, None where there is no such target.
-
-    The client's own timeout (`budget_s`) bounds a non-stream request's whole service and
-    a stream's time to first token; kvgate aims for `budget_fraction` of it, leaving the
-    rest for queueing. Configured targets are TTFT, inter-token and end-to-end times.
-    """
-    hard = None
-    if budget_s is not None and budget_s > 0:
-        measured = ttft_s if stream else service_s
-        if measured is not None:
-            hard = measured / (budget_s * budget_fraction)
-    soft = None
-    if targets is not None:
-        for measured, target in (
-            (ttft_s, targets.ttft_s),
-            (itl_s, targets.itl_s),
-            (service_s, targets.e2e_s),
-        ):
-            if measured is not None and target is not None and target > 0:
-                r = measured / target
-                soft = r if soft is None else max(soft, r)
-    return hard, soft

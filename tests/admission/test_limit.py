@@ -4,12 +4,14 @@ admission core in front of a simulated seed-001 replica (bench/vtime.py)."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 
 import pytest
 
 from admission import knee as knee_module
 from admission.config import AdmissionConfig
-from admission.limit import LimitSettings, RunningLimit, latency_ratio
+from admission.latency import LatencyTargets, latency_ratio
+from admission.limit import LimitSettings, RunningLimit
 from bench.vtime import run
 from enginesim.simulate import run_closed_loop
 from enginesim.workloads import seed2_workload
@@ -24,17 +26,20 @@ def feed_window(
     now: float,
     *,
     running: int,
-    ratio: float | None,
+    ratio: float | Sequence[float] | None,
     work: int = 1000,
     gap: float = 1.0,
     cap: int | None = None,
 ) -> float:
-    """Complete enough requests at `running` in flight to close one window."""
+    """Complete enough requests at `running` in flight to close one window (a sequence
+    of ratios is cycled through, one per completion)."""
     lim.running_changed(running, now)
     windows, value = lim.windows, lim.value
-    for _ in range(60):
+    ratios = ratio if isinstance(ratio, Sequence) else [ratio]
+    for i in range(60):
         now += gap
-        lim.completed(now, now - 0.5, ok=True, work_tokens=work, ratio=(ratio, None), cap=cap)
+        r = ratios[i % len(ratios)]
+        lim.completed(now, now - 0.5, ok=True, work_tokens=work, ratio=(r, None), cap=cap)
         if lim.windows > windows or lim.value != value:
             break
     return now
@@ -81,6 +86,37 @@ def test_a_cut_that_buys_no_latency_is_undone_and_not_repeated() -> None:
     # Much worse than that level (the replica slowed down): cut again, and judge again.
     now = feed_window(lim, now, running=10, ratio=2.6)
     assert lim.reason == "latency" and lim.value <= 9
+
+
+def test_a_cut_is_judged_on_the_windows_typical_latency_not_one_long_answer() -> None:
+    """Seed 002's card, where latency follows the load: after a right cut the next
+    window happened to hold a longer answer than any before, so its slowest did not fall
+    although every request got faster; judged on the slowest, the cut was given back
+    (the demo lost a request to it)."""
+    lim = RunningLimit(LimitSettings(initial=10, window=4))
+    now = feed_window(lim, 0.0, running=10, ratio=[0.6, 0.6, 0.6, 0.6, 1.3])
+    assert lim.reason == "latency" and 6 <= lim.value < 7
+    # At 6 running everything takes 0.6 of what it took at 10; the window's long answer
+    # is twice the last one's, so its slowest rose from 1.3 to 1.56.
+    now = feed_window(lim, now, running=6, ratio=[0.36, 0.36, 0.36, 0.36, 1.56])
+    assert lim.reason != "latency_flat" and lim.value < 7
+
+
+def test_a_small_cut_is_not_judged_on_one_windows_noise() -> None:
+    """A cut from 10 to 8 promises a fall of a fifth, which one window's noise hides; it
+    waits until the load fell enough to tell, and a series of cuts is judged as one."""
+    lim = RunningLimit(LimitSettings(initial=10, window=4))
+    now = feed_window(lim, 0.0, running=10, ratio=1.0)
+    assert lim.reason == "latency" and 8 <= lim.value < 9
+    now = feed_window(lim, now, running=8, ratio=0.95)  # 0.8 in proportion, plus noise
+    assert lim.reason != "latency_flat" and lim.value < 9
+    # Where latency truly is flat, the second cut brings the load low enough to judge the
+    # series, and the limit goes back to where it was before the first cut.
+    flat = RunningLimit(LimitSettings(initial=10, window=4))
+    now = feed_window(flat, 0.0, running=10, ratio=1.0)
+    while flat.reason == "latency":
+        now = feed_window(flat, now, running=flat.allowed(None), ratio=1.0)
+    assert (flat.value, flat.reason) == (10, "latency_flat")
 
 
 def test_a_cut_that_latency_follows_stands() -> None:
@@ -271,7 +307,6 @@ def test_latency_ratio_separates_client_timeouts_from_targets() -> None:
         stream=False,
     )
     assert hard == pytest.approx(0.5) and soft is None
-    from admission.limit import LatencyTargets
 
     hard, soft = latency_ratio(
         service_s=30.0,

@@ -1,0 +1,51 @@
+"""A completion's latency score: measured over target, against its client's own
+timeout and against the model's configured targets (sans-IO). `admission/limit.py`
+learns the running limit from these scores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class LatencyTargets:
+    """A model's latency targets in seconds (None: no target of that kind)."""
+
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    e2e_s: float | None = None
+
+
+def latency_ratio(
+    *,
+    service_s: float | None,
+    ttft_s: float | None,
+    itl_s: float | None,
+    budget_s: float | None,
+    budget_fraction: float,
+    targets: LatencyTargets | None,
+    stream: bool,
+) -> tuple[float | None, float | None]:
+    """A completion's (client-timeout ratio, worst configured-target ratio), each
+    measured / target, None where there is no such target.
+
+    The client's own timeout (`budget_s`) bounds a non-stream request's whole service and
+    a stream's time to first token; kvgate aims for `budget_fraction` of it, leaving the
+    rest for queueing. Configured targets are TTFT, inter-token and end-to-end times.
+    """
+    hard = None
+    if budget_s is not None and budget_s > 0:
+        measured = ttft_s if stream else service_s
+        if measured is not None:
+            hard = measured / (budget_s * budget_fraction)
+    soft = None
+    if targets is not None:
+        for measured, target in (
+            (ttft_s, targets.ttft_s),
+            (itl_s, targets.itl_s),
+            (service_s, targets.e2e_s),
+        ):
+            if measured is not None and target is not None and target > 0:
+                r = measured / target
+                soft = r if soft is None else max(soft, r)
+    return hard, soft
