@@ -1,21 +1,25 @@
-"""Retry memory: a shed request that comes back keeps its place in line (sans-IO).
+"""Retry memory: a request kvgate did not serve that comes back keeps its place in line
+(sans-IO).
 
 Clients that honour Retry-After (the openai SDKs, batch clients) send the same request
-again. Without memory each attempt queues as a newcomer, so under sustained overload the
-order in which requests are served is a lottery among whoever retries at the right
-moment: in seed 001's workload through kvgate at client concurrency 128, one request was
-shed and retried for 24 simulated minutes while later arrivals got in. With memory, the
-retry is admitted as of its first arrival: the queue is ordered by that arrival, so the
-oldest waiting work goes first and shed-and-retry approximates one FIFO queue that lives
-partly in the clients.
+again, and so do clients whose own timeout ran out while it waited. Without memory each
+attempt queues as a newcomer, so under sustained overload the order in which requests are
+served is a lottery among whoever retries at the right moment: in seed 001's workload
+through kvgate at client concurrency 128, one request was shed and retried for 24
+simulated minutes while later arrivals got in. With memory, the retry is admitted as of
+its first arrival: the queue is ordered by that arrival, so the oldest waiting work goes
+first and shed-and-retry approximates one FIFO queue that lives partly in the clients.
+The memory also counts each request's unserved attempts (shed, or its client left before
+an answer began) and sees whether it came back, which teaches how many attempts clients
+that do not say make (admission/retry_budget.py).
 
 The gateway shell recognises a retry by a digest of (tenant, model, request body); the
 memory maps it to the first attempt's arrival time. The memory is kept per tenant: a
-retry is looked up only among its own tenant's sheds, and the queue orders by first
+retry is looked up only among its own tenant's entries, and the queue orders by first
 arrival only within a tenant (admission.fairqueue), so nobody inherits another tenant's
 place. An identical request from the same tenant that is not a retry inherits the
 earlier arrival too, which only moves it up among that tenant's own requests. Entries
-expire `ttl_s` after they were last shed and each tenant's memory holds at most
+expire `ttl_s` after they were last left unserved and each tenant's memory holds at most
 `max_entries` (its oldest dropped first): one tenant's flood of sheds cannot push
 another tenant's retries out of memory, and the whole stays bounded by the number of
 tenants (which come from configured keys).
@@ -26,18 +30,35 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import NamedTuple
+
+from admission.retry_budget import RetryBudget
+
+_GRACE_S = 5.0  # past twice its Retry-After, an attempt not back is a client that gave up
+
+
+class Recall(NamedTuple):
+    """A recognised retry: its first attempt's arrival and its unserved attempts."""
+
+    arrival: float
+    unserved: int
 
 
 class RetryMemory:
-    """First-arrival times of recently shed requests, per tenant, bounded in time and
-    size."""
+    """First-arrival times of requests recently left unserved, per tenant, bounded in time
+    and size; and what became of each (back, or given up), from which `RetryBudget`
+    learns how many attempts clients that say nothing make."""
 
-    __slots__ = ("_tenants", "_ttl", "_max")
+    __slots__ = ("_tenants", "_ttl", "_max", "_due", "_seq", "budget")
 
     def __init__(self, ttl_s: float, max_entries: int) -> None:
-        self._tenants: dict[str, OrderedDict[Hashable, tuple[float, float]]] = {}
+        # tenant -> key -> (first arrival, expiry, unserved, back by, came back since)
+        self._tenants: dict[str, OrderedDict[Hashable, tuple[float, float, int, float, bool]]] = {}
         self._ttl = ttl_s
         self._max = max_entries
+        self._due: list[tuple[float, int, str, Hashable, int]] = []  # (back by, seq, ...)
+        self._seq = 0
+        self.budget = RetryBudget()
 
     def __len__(self) -> int:
         return sum(len(e) for e in self._tenants.values())
@@ -49,29 +70,49 @@ class RetryMemory:
     def enabled(self) -> bool:
         return self._ttl > 0 and self._max > 0
 
-    def first_arrival(self, key: Hashable, now: float, tenant: str = "default") -> float | None:
-        """The first attempt's arrival if `tenant`'s `key` was shed within `ttl_s`."""
+    def recall(self, key: Hashable, now: float, tenant: str = "default") -> Recall | None:
+        """`tenant`'s `key` if it was left unserved within `ttl_s`: it came back."""
+        self._settle(now)
         entries = self._tenants.get(tenant)
         got = entries.get(key) if entries is not None else None
         if got is None or entries is None:
             return None
-        arrival, expires = got
+        arrival, expires, unserved, back_by, back = got
         if expires <= now:
             del entries[key]
             return None
-        return arrival
+        if not back:
+            entries[key] = (arrival, expires, unserved, back_by, True)
+            self.budget.outcome(tenant, unserved, came_back=True)
+        return Recall(arrival, unserved)
 
-    def remember(self, key: Hashable, arrival: float, now: float, tenant: str = "default") -> None:
-        """Record that `tenant`'s `key` (first seen at `arrival`) was shed at `now`."""
+    def remember(
+        self,
+        key: Hashable,
+        arrival: float,
+        now: float,
+        tenant: str = "default",
+        retry_after: float = 0.0,
+    ) -> None:
+        """Record that `tenant`'s `key` (first seen at `arrival`) was left unserved at
+        `now`: shed and told to come back in `retry_after` seconds, or its client left
+        before an answer began (0: its own backoff)."""
         if not self.enabled:
             return
+        self._settle(now)
         entries = self._tenants.setdefault(tenant, OrderedDict())
         known = entries.pop(key, None)
         first = min(arrival, known[0]) if known is not None else arrival
-        entries[key] = (first, now + self._ttl)  # newest expiry last
+        unserved = known[2] + 1 if known is not None else 1
+        # A client that honours Retry-After is back by then; its own rounding (whole
+        # seconds), backoff and jitter are what the grace allows for.
+        back_by = now + 2.0 * retry_after + _GRACE_S
+        entries[key] = (first, now + self._ttl, unserved, back_by, False)  # newest expiry last
+        self._seq += 1
+        heapq.heappush(self._due, (back_by, self._seq, tenant, key, unserved))
         while entries:
-            oldest_key, (_, expires) = next(iter(entries.items()))
-            if expires > now and len(entries) <= self._max:
+            oldest_key, oldest = next(iter(entries.items()))
+            if oldest[1] > now and len(entries) <= self._max:
                 break
             del entries[oldest_key]
 
@@ -80,6 +121,20 @@ class RetryMemory:
         entries = self._tenants.get(tenant)
         if entries is not None:
             entries.pop(key, None)
+
+    def last_attempt(self, tenant: str, unserved: int) -> bool:
+        """Whether a retry after `unserved` unserved attempts is its client's last."""
+        return self.budget.is_last(tenant, unserved)
+
+    def _settle(self, now: float) -> None:
+        """Attempts not back by their time: their clients gave up (forgotten ones, which
+        got in or aged out, say nothing)."""
+        due = self._due
+        while due and due[0][0] <= now:
+            _, _, tenant, key, unserved = heapq.heappop(due)
+            got = self._tenants.get(tenant, {}).get(key)
+            if got is not None and got[2] == unserved and not got[4]:
+                self.budget.outcome(tenant, unserved, came_back=False)
 
 
 class ReturningBacklog:

@@ -30,11 +30,13 @@ from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.patience import ClientEnd, stream_end
+from admission.retries import RetryMemory
 from admission.types import AdmissionRequest, Admit, Completion, Events, Queued, Refuse, Shed
 from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
 from enginesim.types import EventKind, SimRequest
 from enginesim.workloads import WorkItem
+from gateway.stated import SDK_DEFAULT_MAX_RETRIES
 from routing.scheduler import default_profile
 from routing.types import ReplicaState
 
@@ -95,6 +97,7 @@ class _Attempt:
     done: bool = False
     events: int = 0  # token events received
     stop_after: int | None = None  # a stopper's: it closes the stream after this many
+    arrival: float = 0.0  # what the gateway takes as its arrival (a recognised retry's first)
 
 
 def run(
@@ -150,6 +153,11 @@ def run(
     seq = itertools.count()
     now = 0.0
     reading = random.Random(seed)  # how many events each stopper's stream reads
+    # The gateway's retry memory (admission/retries.py), as gateway/pipeline.py keeps it:
+    # a request it shed, or whose client left before an answer began, keeps its first
+    # arrival when it comes back, and a plain client's last attempt is known by its
+    # budget.
+    memory = RetryMemory(AdmissionConfig().retry_memory_s, 100_000)
 
     def push(t: float, kind: str, data: object) -> None:
         heapq.heappush(heap, (t, next(seq), kind, data))
@@ -169,6 +177,7 @@ def run(
                 handle(ctrl.release(a.request_id, now))
                 continue
             att.admitted_at = now
+            memory.forget(att.item.request_id)
             p = len(att.item.prompt_token_ids)
             core.add_request(
                 SimRequest(
@@ -213,6 +222,7 @@ def run(
 
     def shed(att: _Attempt, verdict: Shed) -> None:
         report.sheds[att.client] += 1
+        memory.remember(att.item.request_id, att.arrival, now, retry_after=verdict.retry_after)
         ended(att, False)
         live.pop(att.rid, None)
         att.done = True
@@ -234,6 +244,8 @@ def run(
     def send(client: int, item: WorkItem, first: float, retries: int) -> None:
         rid = f"{item.request_id}#{retries}"
         att = _Attempt(client, item, first, now, retries, rid)
+        recalled = memory.recall(item.request_id, now)
+        att.arrival = now if recalled is None else recalled.arrival
         if stream and client < stoppers:
             att.stop_after = reading.randint(1, 6)
         live[rid] = att
@@ -253,8 +265,12 @@ def run(
                 model, bound, core.max_model_len - p, floor=0 if stream else bound
             ),
             max_tokens=bound,
-            arrival=first,
-            last_retry=max_retries is not None and retries >= max_retries,
+            arrival=att.arrival,
+            # Only the openai SDKs say which retry this is (kvgate assumes their default
+            # budget); a plain client's last is known once its clients' budget is learned.
+            last_retry=retries >= SDK_DEFAULT_MAX_RETRIES
+            if send_timeout
+            else recalled is not None and memory.last_attempt("default", recalled.unserved),
             latency_budget=timeout_s if send_timeout else None,
             stream=stream,
             retry_key=hash(item.request_id),
@@ -387,6 +403,8 @@ def run(
                 )
                 att.done = True
                 live.pop(att.rid, None)
+                # It left before an answer began: the gateway remembers it as unserved.
+                memory.remember(att.item.request_id, att.arrival, now)
                 # The gateway reads a client that leaves at its own declared timeout, or
                 # at the patience it was admitted under, as a failed request of the
                 # replica (gateway/accounting.py, `completion`).

@@ -6,20 +6,23 @@ serves, the learned running limit and what last moved it, and which ceiling (KV
 capacity, a configured or engine running cap, the learned latency limit, not ready, or
 an outlier ejection) currently binds, and each replica's ejections; and beside the
 replicas, the patience learned of clients that state no timeout, per tenant, model and
-stream (``client_patience``). Without a
-configured admin token the admin API is closed (401), never open.
+stream (``client_patience``), and how many sheds clients that do not say which retry
+they send give up after, per tenant (``client_retry_budget``). Without a configured admin
+token the admin API is closed (401), never open.
 """
 
 from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from aiohttp import web
 
 from admission.health import OutlierDetector
 from admission.report import AdmissionReport
+from admission.retry_budget import BudgetReading
 from admission.types import ReplicaUsage
 from gateway.discovery import Discovery
 from gateway.errors import ApiError
@@ -32,6 +35,7 @@ def replicas_snapshot(
     outliers: OutlierDetector | None = None,
     now: float = 0.0,
     wall: float | None = None,
+    retry_budget: Iterable[BudgetReading] = (),
 ) -> dict[str, Any]:
     """`now` is the loop's clock (what admission stamps with), `wall` the same instant
     on the wall clock: times are shown as ISO 8601 UTC."""
@@ -100,7 +104,18 @@ def replicas_snapshot(
         }
         for r in report.patience_readings()
     ]
-    return {"replicas": out, "queue": queue, "client_patience": patience}
+    # How many sheds such clients give up after (admission/retry_budget.py).
+    retries = [
+        {"tenant": r.tenant, "gives_up_after_sheds": r.attempts, "came_back": r.came_back,
+         "gave_up": r.gave_up}
+        for r in retry_budget
+    ]  # fmt: skip
+    return {
+        "replicas": out,
+        "queue": queue,
+        "client_patience": patience,
+        "client_retry_budget": retries,
+    }
 
 
 def _service(u: ReplicaUsage) -> dict[str, Any] | None:

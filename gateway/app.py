@@ -148,6 +148,7 @@ def build_app(
         st.metrics.watch_engines(lambda: [w.state for w in st.discovery.watchers.values()])
         st.metrics.watch_patience(report.patience_readings)
         pipeline_ref: list[Pipeline] = []
+        st.metrics.watch_retry_budget(lambda: pipeline_ref[0].retry_budget())
         relay = Relay(
             session,
             config.upstream,

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from admission.patience import QUANTILE, PatienceReading
+from admission.retry_budget import BudgetReading
 from admission.types import ReplicaUsage
 from routing.types import ReplicaState
 
@@ -171,6 +172,33 @@ class _EngineCollector(Collector):
             waiting.add_metric([st.name], st.engine_waiting)
             preempt.add_metric([st.name], st.preemptions_total)
         return [usage, running, waiting, preempt]
+
+
+class _RetryBudgetCollector(Collector):
+    """How many sheds clients that do not say which retry they send give up after
+    (admission/retry_budget.py), per tenant, read at scrape time."""
+
+    def __init__(self, readings: Callable[[], Iterable[BudgetReading]]) -> None:
+        self._readings = readings
+
+    def collect(self) -> Iterable[Metric]:
+        budget = GaugeMetricFamily(
+            "kvgate_client_retry_budget",
+            "Sheds after which clients that do not say which retry they send give up; "
+            "absent until learned (their last attempt then queues as an SDK's last retry)",
+            labels=["tenant"],
+        )
+        seen = GaugeMetricFamily(
+            "kvgate_client_retry_outcomes",
+            "Recent shed requests of such clients by what became of them",
+            labels=["tenant", "outcome"],
+        )
+        for r in self._readings():
+            if r.attempts is not None:
+                budget.add_metric([r.tenant], r.attempts)
+            seen.add_metric([r.tenant, "came_back"], r.came_back)
+            seen.add_metric([r.tenant, "gave_up"], r.gave_up)
+        return [budget, seen]
 
 
 class _PatienceCollector(Collector):
@@ -400,6 +428,10 @@ class GatewayMetrics:
     def watch_patience(self, readings: Callable[[], Iterable[PatienceReading]]) -> None:
         """Export the learned client patience (`_PatienceCollector`) from `readings`."""
         self.registry.register(_PatienceCollector(readings))
+
+    def watch_retry_budget(self, readings: Callable[[], Iterable[BudgetReading]]) -> None:
+        """Export the learned retry budget (`_RetryBudgetCollector`) from `readings`."""
+        self.registry.register(_RetryBudgetCollector(readings))
 
     def count_request(self, model: str, outcome: str) -> None:
         # The pipeline passes "_unknown" for models no replica serves, so clients cannot

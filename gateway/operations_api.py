@@ -80,6 +80,7 @@ class OperationsApi:
                 st.discovery,
                 st.pipeline.outliers,
                 asyncio.get_running_loop().time(),
+                retry_budget=st.pipeline.retry_budget(),
             )
         )
 

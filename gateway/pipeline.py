@@ -31,6 +31,7 @@ from aiohttp import web
 
 from admission.estimate import TokenEstimator
 from admission.retries import RetryMemory
+from admission.retry_budget import BudgetReading
 from admission.tenants import TenantLimiter
 from admission.types import Admit, Refuse, Shed
 from gateway.accounting import Accounting, completion, patience_seen
@@ -55,7 +56,7 @@ from gateway.schemas import (
     CompletionRequest,
 )
 from gateway.shutdown import InFlight, shutdown_retry_after, shutting_down
-from gateway.stated import read_stated
+from gateway.stated import H_RETRY_COUNT, read_stated
 from gateway.upstream import UpstreamFailure
 from routing.classify import classify_workload
 from routing.prefix import block_hashes
@@ -206,6 +207,12 @@ class Pipeline:
             # relay's own finally; the reservation by ours.
             ctx.status = 499
             ctx.outcome = "client_disconnect"
+            if ctx.req.retry_key is not None and ctx.first_byte_at is None:
+                # It left before a byte of an answer (its own timeout, mostly, queued or
+                # served): a retry that follows keeps its place, as a shed one's does.
+                self._retries.remember(
+                    ctx.req.retry_key, ctx.req.arrival, self._loop.time(), ctx.req.tenant
+                )
             raise
         except Exception:
             log.exception("unhandled error in request %s", ctx.request_id)
@@ -369,6 +376,11 @@ class Pipeline:
             raise rate_limited(policy, verdict.limit, tokens, verdict.retry_after, now)
         ctx.rate_charge = limiter.charge(ctx.req.tenant, tokens, now)
 
+    def retry_budget(self) -> list[BudgetReading]:
+        """What the retry memory learned of clients that do not say which retry they
+        send (admission/retry_budget.py), per tenant."""
+        return self._retries.budget.readings()
+
     async def admit(self, request: web.Request, ctx: RequestContext) -> None:
         """Admit now, wait in the queue, or answer shed/refuse.
 
@@ -389,8 +401,12 @@ class Pipeline:
         # A retry of a request kvgate shed keeps its first arrival, i.e. its place in line
         # (admission/retries.py). The key is a digest: the memory never holds bodies.
         retry_key = req.retry_key = hash((req.tenant, req.model, ctx.raw))
-        first = self._retries.first_arrival(retry_key, now, req.tenant)
-        req.arrival = now if first is None else first
+        first = self._retries.recall(retry_key, now, req.tenant)
+        req.arrival = now if first is None else first.arrival
+        if first is not None and H_RETRY_COUNT not in request.headers:
+            # A client that does not say which retry this is: its last, if its tenant's
+            # clients give up after this many unserved attempts (admission/retry_budget.py).
+            req.last_retry = self._retries.last_attempt(req.tenant, first.unserved)
         targets = self.tenants.tenants.get(req.tenant)
         req.ttft_target_s = targets.ttft_s if targets is not None else None
         req.itl_target_s = targets.itl_s if targets is not None else None
@@ -406,7 +422,9 @@ class Pipeline:
         if isinstance(verdict, Shed):
             if verdict.reason == "shutdown":
                 raise shutting_down(self.config)
-            self._retries.remember(retry_key, req.arrival, self._loop.time(), ctx.req.tenant)
+            self._retries.remember(
+                retry_key, req.arrival, self._loop.time(), ctx.req.tenant, verdict.retry_after
+            )
             self.metrics.shed.labels(verdict.reason).inc()
             if verdict.status == 429:
                 self.metrics.tenant_rate_limited(ctx.req.tenant, tenant_limit(verdict))

@@ -10,15 +10,20 @@ from routing.scheduler import default_profile
 from routing.types import ReplicaState
 
 
+def first_arrival(mem: RetryMemory, key: object, now: float) -> float | None:
+    got = mem.recall(key, now)
+    return None if got is None else got.arrival
+
+
 def test_remembers_first_arrival_until_ttl() -> None:
     mem = RetryMemory(ttl_s=10.0, max_entries=100)
-    assert mem.first_arrival("k", now=0.0) is None
+    assert first_arrival(mem, "k", now=0.0) is None
     mem.remember("k", arrival=1.0, now=2.0)
-    assert mem.first_arrival("k", now=5.0) == 1.0
+    assert first_arrival(mem, "k", now=5.0) == 1.0
     # Shed again later: the first arrival stands, the expiry moves.
     mem.remember("k", arrival=7.0, now=8.0)
-    assert mem.first_arrival("k", now=17.0) == 1.0
-    assert mem.first_arrival("k", now=18.0) is None  # 8 + 10
+    assert first_arrival(mem, "k", now=17.0) == 1.0
+    assert first_arrival(mem, "k", now=18.0) is None  # 8 + 10
     assert len(mem) == 0
 
 
@@ -27,16 +32,16 @@ def test_forget_and_bounds() -> None:
     for i in range(5):
         mem.remember(i, arrival=float(i), now=float(i))
     assert len(mem) == 3
-    assert mem.first_arrival(0, now=5.0) is None and mem.first_arrival(1, now=5.0) is None
-    assert mem.first_arrival(4, now=5.0) == 4.0
+    assert first_arrival(mem, 0, now=5.0) is None and first_arrival(mem, 1, now=5.0) is None
+    assert first_arrival(mem, 4, now=5.0) == 4.0
     mem.forget(4)
-    assert mem.first_arrival(4, now=5.0) is None
+    assert first_arrival(mem, 4, now=5.0) is None
     # Expired entries are dropped when new ones come in.
     mem.remember("late", arrival=30.0, now=30.0)
     assert len(mem) == 1
     disabled = RetryMemory(ttl_s=0.0, max_entries=3)
     disabled.remember("k", 1.0, 1.0)
-    assert disabled.first_arrival("k", 1.0) is None
+    assert first_arrival(disabled, "k", 1.0) is None
 
 
 def test_an_older_arrival_is_queued_and_admitted_first() -> None:
@@ -71,3 +76,59 @@ def test_an_older_arrival_is_queued_and_admitted_first() -> None:
     assert [a.request_id for a in ctrl.release("retry", now=8.0)] == ["newer"]
     ctrl.release("newer", now=9.0)
     assert ctrl.report.reserved_tokens() == 0
+
+
+def shed_and_see(mem: RetryMemory, key: object, unserved: int, back: bool, now: float) -> float:
+    """Shed `key` `unserved` times, each coming back in time; after the last it comes back
+    (`back`) or is never seen again. Returns the time after its last outcome was due."""
+    for i in range(unserved):
+        if i:
+            assert mem.recall(key, now) is not None  # back after its Retry-After
+        mem.remember(key, arrival=0.0, now=now, retry_after=1.0)
+        now += 1.0
+    if back:
+        assert mem.recall(key, now) is not None
+        mem.forget(key)  # it got in
+    return now + 10.0
+
+
+def test_the_retry_budget_of_clients_that_do_not_say_is_learned_from_who_comes_back() -> None:
+    """Cold, an attempt after two sheds is taken for a last one (the openai SDK's default
+    budget). Clients that retry a 503 three times come back after three sheds: that drops
+    the prior, and once three were never seen after four sheds, an attempt after three
+    is their last."""
+    mem = RetryMemory(ttl_s=120.0, max_entries=1000)
+    now = 0.0
+    assert mem.last_attempt("default", 2) and not mem.last_attempt("default", 1)
+    for i in range(9):
+        now = shed_and_see(mem, ("back", i), unserved=1 + i % 3, back=True, now=now)
+    mem.recall("poke", now)  # outcomes due by now are counted on the next call
+    assert mem.budget.attempts("default") is None  # three came back after three sheds
+    assert not mem.last_attempt("default", 2)
+    for i in range(2):
+        now = shed_and_see(mem, ("gone", i), unserved=4, back=False, now=now)
+    mem.recall("poke", now)
+    assert mem.budget.attempts("default") is None  # two departures are not yet a budget
+    now = shed_and_see(mem, ("gone", 2), unserved=4, back=False, now=now)
+    mem.recall("poke", now)
+    assert mem.budget.attempts("default") == 4
+    assert mem.last_attempt("default", 3) and not mem.last_attempt("default", 2)
+    (reading,) = mem.budget.readings()
+    assert (reading.attempts, reading.gave_up) == (4, 3) and reading.came_back >= 18
+    # Another tenant has seen nothing: the prior.
+    assert mem.last_attempt("other", 2)
+
+
+def test_a_population_that_keeps_coming_back_shows_no_budget() -> None:
+    """Clients that retry without end, and a few that give up at various counts (a
+    client that also retried its own timeouts spends attempts the memory never saw):
+    no count of sheds is one most of them gave up after."""
+    mem = RetryMemory(ttl_s=120.0, max_entries=1000)
+    now = 0.0
+    for i in range(30):
+        now = shed_and_see(mem, ("back", i), unserved=1 + i % 4, back=True, now=now)
+    for i in range(10):
+        now = shed_and_see(mem, ("gone", i), unserved=2 + i % 2, back=False, now=now)
+    mem.recall("poke", now)
+    assert mem.budget.attempts("default") is None
+    assert not mem.last_attempt("default", 3) and not mem.last_attempt("default", 5)

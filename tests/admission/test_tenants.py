@@ -222,8 +222,8 @@ def test_retry_memory_is_per_tenant() -> None:
     for i in range(50):
         mem.remember(i, arrival=float(i), now=3.0, tenant="a")
     assert mem.tenant_len("a") == 3
-    assert mem.first_arrival("k", 4.0, tenant="b") == 1.0
+    assert mem.recall("k", 4.0, tenant="b") == (1.0, 1)
     # The same key from another tenant is not a retry of b's.
-    assert mem.first_arrival("k", 4.0, tenant="a") is None
+    assert mem.recall("k", 4.0, tenant="a") is None
     mem.forget("k", tenant="a")
-    assert mem.first_arrival("k", 4.0, tenant="b") == 1.0
+    assert mem.recall("k", 4.0, tenant="b") == (1.0, 1)
