@@ -106,7 +106,8 @@ class AdmissionConfig(BaseModel):
     retry_memory_s: float = Field(
         120.0,
         ge=0.0,
-        description="How long a shed request's first arrival is remembered, so its retry "
+        description="How long an unserved request's first arrival (shed, or its client left "
+        "before an answer) is remembered, so its retry "
         "keeps its place in line (0 disables; keep above max_retry_after_s).",
     )
     retry_memory_entries: int = Field(
