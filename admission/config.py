@@ -111,7 +111,7 @@ class AdmissionConfig(BaseModel):
         "keeps its place in line (0 disables; keep above max_retry_after_s).",
     )
     retry_memory_entries: int = Field(
-        100_000, ge=0, description="Most shed requests remembered at once (oldest dropped)."
+        100_000, ge=0, description="Most unserved requests remembered at once (oldest dropped)."
     )
     learn_limit: bool = Field(
         True,

@@ -66,7 +66,7 @@ class RetryBudget:
         self._budget[tenant] = _budget(seen)
 
     def attempts(self, tenant: str) -> int | None:
-        """Sheds after which `tenant`'s clients give up (None: they have not shown one)."""
+        """Unserved attempts after which `tenant`'s clients give up (None: they show none)."""
         return self._budget.get(tenant, PRIOR)
 
     def is_last(self, tenant: str, unserved: int) -> bool:
@@ -83,8 +83,8 @@ class RetryBudget:
 
 
 def _budget(seen: deque[tuple[int, bool]]) -> int | None:
-    """The smallest count of unserved attempts most of whose recent outcomes gave up; else the prior
-    while fewer than ``MIN_GAVE_UP`` came back after it."""
+    """The smallest count of unserved attempts most of whose recent outcomes gave up;
+    else the prior, while fewer than ``MIN_GAVE_UP`` came back after it."""
     back: dict[int, int] = {}
     gone: dict[int, int] = {}
     for unserved, came_back in seen:

@@ -6,8 +6,8 @@ serves, the learned running limit and what last moved it, and which ceiling (KV
 capacity, a configured or engine running cap, the learned latency limit, not ready, or
 an outlier ejection) currently binds, and each replica's ejections; and beside the
 replicas, the patience learned of clients that state no timeout, per tenant, model and
-stream (``client_patience``), and how many sheds clients that do not say which retry
-they send give up after, per tenant (``client_retry_budget``). Without a configured admin
+stream (``client_patience``), and how many unserved attempts clients that do not say
+which retry they send give up after, per tenant (``client_retry_budget``). Without a configured admin
 token the admin API is closed (401), never open.
 """
 
@@ -104,7 +104,8 @@ def replicas_snapshot(
         }
         for r in report.patience_readings()
     ]
-    # How many sheds such clients give up after (admission/retry_budget.py).
+    # How many unserved attempts such clients give up after (admission/retry_budget.py;
+    # the key's name predates departures counting as unserved).
     retries = [
         {"tenant": r.tenant, "gives_up_after_sheds": r.attempts, "came_back": r.came_back,
          "gave_up": r.gave_up}

@@ -175,8 +175,8 @@ class _EngineCollector(Collector):
 
 
 class _RetryBudgetCollector(Collector):
-    """How many sheds clients that do not say which retry they send give up after
-    (admission/retry_budget.py), per tenant, read at scrape time."""
+    """How many unserved attempts clients that do not say which retry they send give up
+    after (admission/retry_budget.py), per tenant, read at scrape time."""
 
     def __init__(self, readings: Callable[[], Iterable[BudgetReading]]) -> None:
         self._readings = readings
@@ -184,13 +184,14 @@ class _RetryBudgetCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         budget = GaugeMetricFamily(
             "kvgate_client_retry_budget",
-            "Sheds after which clients that do not say which retry they send give up; "
-            "absent until learned (their last attempt then queues as an SDK's last retry)",
+            "Unserved attempts (shed, or left before an answer) after which clients that do "
+            "not say which retry they send give up; absent where they show none (their "
+            "last attempt queues as an SDK's last retry)",
             labels=["tenant"],
         )
         seen = GaugeMetricFamily(
             "kvgate_client_retry_outcomes",
-            "Recent shed requests of such clients by what became of them",
+            "Recent unserved attempts of such clients by what became of them",
             labels=["tenant", "outcome"],
         )
         for r in self._readings():

@@ -398,7 +398,8 @@ class Pipeline:
         cap = self.tenants.get(req.tenant).queue_timeout_s or self._queue_timeout
         req.deadline = read_stated(request, ctx, cap, now)
         ctx.admission_id = ctx.request_id
-        # A retry of a request kvgate shed keeps its first arrival, i.e. its place in line
+        # A retry of a request kvgate left unserved (shed, or its client left before an
+        # answer) keeps its first arrival, i.e. its place in line
         # (admission/retries.py). The key is a digest: the memory never holds bodies.
         retry_key = req.retry_key = hash((req.tenant, req.model, ctx.raw))
         first = self._retries.recall(retry_key, now, req.tenant)
