@@ -64,7 +64,7 @@ class AdmissionController:
         self._ledger = Ledger(config)
         self._views = self._ledger.views
         self._placement = Placement(picker, self._ledger)
-        self._queue = Settling(config, self._ledger, self._placement, tenants)
+        self._queue = Settling(config, self._ledger, self._placement, tenants, self._predict)
         self._shedding = Shedding(config, self._views, self._queue, seed)
         self._learning = Learning(config)
         self._patience = ClientPatience()
@@ -98,7 +98,7 @@ class AdmissionController:
         self._learning = Learning(config)  # its derived settings; it keeps no other state
         if router is not None:
             self._placement.set_router(router)
-        return self._queue.settle(now)
+        return self._settle(now)
 
     def _saw(self, now: float) -> None:
         ledger = self._ledger
@@ -136,7 +136,7 @@ class AdmissionController:
                 self._free(res, now, res.completion)
         self._learning.engine_view(rep, state, fresh, now)
         self._views.replica_changed(rep)
-        return self._queue.settle(now)
+        return self._settle(now)
 
     def remove_replica(self, name: str, now: float) -> Events:
         """Forget a replica. Its reservations stay in the ledger until released; queued
@@ -150,7 +150,7 @@ class AdmissionController:
             if rep.running == 0:
                 del self._ledger.replicas[name]
             self._views.replica_changed(rep)
-        return self._queue.settle(now)
+        return self._settle(now)
 
     def mark_unready(self, name: str, now: float) -> Events:
         """Stop sending new requests to `name` (e.g. connection refused) until an upsert
@@ -173,7 +173,7 @@ class AdmissionController:
             return []
         rep.ejected = ejected
         self._views.replica_changed(rep)
-        return self._queue.settle(now)
+        return self._settle(now)
 
     def set_pool_share(
         self,
@@ -201,7 +201,7 @@ class AdmissionController:
         if rep.limit is not None:
             rep.limit.others = max(0, others_running)
         self._views.replica_changed(rep)  # its free room and headroom moved: orders follow
-        return self._queue.settle(now)
+        return self._settle(now)
 
     def adopt_limit(self, replica: str, value: float, reason: str, now: float) -> Events:
         """Take the learned running limit another gateway process published for
@@ -212,7 +212,7 @@ class AdmissionController:
             return []
         rep.limit.adopt(value, now, reason)
         self._views.touch(rep)  # its running headroom moved: the orders follow
-        return self._queue.settle(now)
+        return self._settle(now)
 
     # ------------------------------------------------------------------ requests
     def submit(self, req: AdmissionRequest, now: float) -> Decision:
@@ -270,8 +270,8 @@ class AdmissionController:
             # Queue it and scan in order: the fair order decides what comes before it,
             # and strict order per replica what it may pass.
             queue.enqueue(entry)
-            mine: Admit | Shed | None = None  # settling returns admissions only
-            for a in queue.settle(now):
+            mine: Admit | Shed | None = None  # admitted, or shed with no time left to start
+            for a in self._settle(now):
                 if a.request_id == rid:
                     mine = a
                 else:
@@ -311,7 +311,7 @@ class AdmissionController:
             entry = self._queue.queued.get(request_id)
             if entry is not None:
                 self._queue.dequeue(entry)
-        events.extend(self._queue.settle(now))
+        events.extend(self._settle(now))
         return events
 
     def abandon(self, request_id: str, now: float, completion: Completion | None = None) -> Events:
@@ -351,7 +351,7 @@ class AdmissionController:
         self._queue.rejudge_unstated((tenant, model, stream), after, self._predict)
         events: Events = list(self._shedding.expire(now))
         if events:
-            events.extend(self._queue.settle(now))
+            events.extend(self._settle(now))
         return events
 
     def top_up(self, request_id: str, total_tokens: int, now: float) -> bool:
@@ -374,7 +374,7 @@ class AdmissionController:
         events.extend(self._shedding.expire(now))
         for res in self._ledger.overdue(now):
             self._free(res, now, res.completion)
-        events.extend(self._queue.settle(now))
+        events.extend(self._settle(now))
         return events
 
     def next_deadline(self) -> float | None:
@@ -392,6 +392,15 @@ class AdmissionController:
         self._queue.set_tenants(tenants)
 
     # ------------------------------------------------------------------ internals
+    def _settle(self, now: float) -> Events:
+        """Admit what the queue's order allows now; entries it found with no time left to
+        start (`Settling._late`) are shed first."""
+        admitted = self._queue.settle(now)
+        if not self._queue.overdue:
+            return admitted
+        self._queue.overdue = False
+        return [*self._shedding.expire(now), *admitted]
+
     def _predict(self, req: AdmissionRequest) -> float:
         """The queue's service prediction for `req` on its model's replicas now."""
         return self._views.predict(req, self._views.view(req.model))

@@ -47,6 +47,9 @@ class Outcome:
     retries: int = 0
     wall_s: float = 0.0
     latencies: list[float] = field(default_factory=list)  # completed: first send to end
+    # Seconds from the run's start at which each request that did not complete gave up:
+    # a cold start's losses come in the first seconds, a limit held too low's throughout.
+    lost_at: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
 
@@ -175,6 +178,8 @@ async def drive(client: Any, bodies: list[dict[str, Any]], concurrency: int, out
     queue = list(reversed(bodies))
     loop = asyncio.get_running_loop()
 
+    start = loop.time()
+
     async def worker() -> None:
         while queue:
             body = queue.pop()
@@ -183,6 +188,8 @@ async def drive(client: Any, bodies: list[dict[str, Any]], concurrency: int, out
             await client.send(body)
             if out.completed > before:
                 out.latencies.append(loop.time() - t0)
+            else:
+                out.lost_at.append(round(loop.time() - start, 2))
 
     t0 = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
