@@ -80,7 +80,8 @@ class SdkClient:
             http_client=http,
         )
 
-    async def send(self, body: dict[str, Any]) -> None:
+    async def send(self, body: dict[str, Any]) -> bool:
+        """Whether the request completed (in any attempt)."""
         known = {"model", "messages", "max_tokens", "stream"}
         extra = {k: v for k, v in body.items() if k not in known}
         try:
@@ -95,11 +96,13 @@ class SdkClient:
                 async for _ in answer:  # type: ignore[union-attr]
                     pass
             self.out.completed += 1
+            return True
         except (openai.APITimeoutError, httpx.TimeoutException):
             self.out.timed_out += 1  # (a stream's chunk that came too late: httpx's own)
         except (openai.APIError, httpx.HTTPError) as e:
             self.out.failed += 1
             self.out.errors.append(f"{type(e).__name__}: {str(e)[:160]}")
+        return False
 
     async def close(self) -> None:
         await self.client.close()
@@ -143,12 +146,13 @@ class PlainClient:
             self.out.errors.append(f"{type(e).__name__}: {e}")
             return "error", None
 
-    async def send(self, body: dict[str, Any]) -> None:
+    async def send(self, body: dict[str, Any]) -> bool:
+        """Whether the request completed (in any attempt)."""
         for retry in range(RETRIES + 1):
             kind, wait = await self.attempt(body)
             if kind == "done":
                 self.out.completed += 1
-                return
+                return True
             if kind == "final" or retry == RETRIES:
                 break
             self.out.retries += 1
@@ -157,6 +161,7 @@ class PlainClient:
             self.out.timed_out += 1
         else:
             self.out.failed += 1
+        return False
 
     async def close(self) -> None:
         await self.session.close()
@@ -184,9 +189,8 @@ async def drive(client: Any, bodies: list[dict[str, Any]], concurrency: int, out
         while queue:
             body = queue.pop()
             t0 = loop.time()
-            before = out.completed
-            await client.send(body)
-            if out.completed > before:
+            # Its own answer, not the shared count: another worker may complete meanwhile.
+            if await client.send(body):
                 out.latencies.append(loop.time() - t0)
             else:
                 out.lost_at.append(round(loop.time() - start, 2))
