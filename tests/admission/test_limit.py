@@ -386,9 +386,10 @@ def test_clients_that_state_their_timeout_keep_it_through_a_slowdown(seed) -> No
     where the slowdown caught it already running (0-4 of 640 on seeds 1-4), and the rest
     complete or are shed with a Retry-After well inside their three attempts. Straight at
     the engine, 74-97 complete; a fixed limit of 8 (the card's best before the
-    slowdown) lets 20 attempts time out. Inside the slowdown, a last retry predicted to
-    need its whole budget still starts (shed, it would fail for certain) and may time
-    out (seed 1: one at 474 s, started at 432 s with 49.9 s predicted of its 45)."""
+    slowdown) lets 20 attempts time out. Inside the slowdown, a request predicted to
+    need its whole budget still queues briefly and starts (the prediction is an upper
+    estimate: `queue_slack`), and a last retry so started may time out (seed 1: one at
+    474 s, started at 432 s with 49.9 s predicted of its 45)."""
 
     def slow(t: float) -> float:
         return 2.0 if 250.0 <= t < 650.0 else 1.0
