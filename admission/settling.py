@@ -299,9 +299,7 @@ class Settling:
         req = entry.req
         if req.latency_budget is None:
             return False
-        replicas = self._ledger.replicas
-        seen = sum(len(replicas[n].service) for n in self._placement.candidate_names(req))
-        if seen < _SERVICE_KNOWN:
+        if not self._service_known(req.model):
             return False
         predicted = self._predict(req)
         if predicted <= 0:
@@ -314,6 +312,18 @@ class Settling:
             return False
         self.overdue = True
         return True
+
+    def _service_known(self, model: str) -> bool:
+        """Whether `model`'s replicas have completed `_SERVICE_KNOWN` requests between
+        them (the samples its prediction is fitted to). On the settle path: stops at the
+        first replica that has them all, so a warm model costs one look, not a pass over
+        its replicas."""
+        seen = 0
+        for rep in self._ledger.views.serving(model):
+            seen += len(rep.service)
+            if seen >= _SERVICE_KNOWN:
+                return True
+        return False
 
     def _slo_holds(self, entry: Entry) -> set[str]:
         """Replicas a routing-rejected entry with an ITL target waits for: those that

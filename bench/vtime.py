@@ -157,7 +157,7 @@ def run(
     # a request it shed, or whose client left before an answer began, keeps its first
     # arrival when it comes back, and a plain client's last attempt is known by its
     # budget.
-    memory = RetryMemory(AdmissionConfig().retry_memory_s, 100_000)
+    memory = RetryMemory(cfg.retry_memory_s, cfg.retry_memory_entries)
 
     def push(t: float, kind: str, data: object) -> None:
         heapq.heappush(heap, (t, next(seq), kind, data))
