@@ -50,6 +50,11 @@ class Outcome:
     # Seconds from the run's start at which each request that did not complete gave up:
     # a cold start's losses come in the first seconds, a limit held too low's throughout.
     lost_at: list[float] = field(default_factory=list)
+    # Seconds from the run's start at which each attempt timed out (the plain client's;
+    # the SDK's retries hide theirs): a first wave that waited out a patience kvgate had
+    # not yet learned times out together at T, a limit held too low throughout.
+    timeout_at: list[float] = field(default_factory=list)
+    started: float = 0.0  # the run's start, on time.monotonic()
     errors: list[str] = field(default_factory=list)
 
 
@@ -141,6 +146,7 @@ class PlainClient:
                 return ("error" if r.status >= 500 else "final"), None
         except TimeoutError:
             self.out.attempt_timeouts += 1
+            self.out.timeout_at.append(round(time.monotonic() - self.out.started, 2))
             return "timeout", None
         except aiohttp.ClientError as e:
             self.out.errors.append(f"{type(e).__name__}: {e}")
@@ -195,6 +201,6 @@ async def drive(client: Any, bodies: list[dict[str, Any]], concurrency: int, out
             else:
                 out.lost_at.append(round(loop.time() - start, 2))
 
-    t0 = time.monotonic()
+    t0 = out.started = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     out.wall_s = time.monotonic() - t0

@@ -201,7 +201,7 @@ async def contender(
         engine.stop()
     row = asdict(out)
     lat = sorted(out.latencies)
-    del row["latencies"]
+    del row["latencies"], row["started"]
     row.update(
         rep=rep,
         contender=name,
