@@ -36,7 +36,7 @@ from dataclasses import replace
 from admission.config import AdmissionConfig
 from admission.learning import Learning
 from admission.ledger import Ledger, Reservation
-from admission.patience import ClientEnd, ClientPatience
+from admission.patience import Budget, ClientEnd, ClientPatience
 from admission.placement import Placement
 from admission.refusals import refuse_or_clamp, unknown_model
 from admission.report import AdmissionReport
@@ -345,10 +345,29 @@ class AdmissionController:
             return []
         before = patience.budget(tenant, model, stream)
         patience.observe(tenant, model, stream, end, now)
-        after = patience.budget(tenant, model, stream)
+        return self._patience_moved((tenant, model, stream), before, now)
+
+    def adopt_patience(
+        self, tenant: str, model: str, stream: bool, budget: Budget | None, now: float
+    ) -> Events:
+        """Take the patience another gateway process learned of a population (shared
+        state; None: it dropped it). Used where this process learned none itself; as
+        with `client_ended`, the population's queued requests that stated nothing are
+        judged by a shorter one."""
+        self._saw(now)
+        before = self._patience.budget(tenant, model, stream)
+        self._patience.adopt(tenant, model, stream, budget)
+        return self._patience_moved((tenant, model, stream), before, now) if self._queue else []
+
+    def _patience_moved(
+        self, population: tuple[str, str, bool], before: Budget | None, now: float
+    ) -> Events:
+        """The queued requests a population's new, shorter patience sheds, and those that
+        then fit."""
+        after = self._patience.budget(*population)
         if after is None or (before is not None and after.seconds >= before.seconds):
             return []
-        self._queue.rejudge_unstated((tenant, model, stream), after, self._predict)
+        self._queue.rejudge_unstated(population, after, self._predict)
         events: Events = list(self._shedding.expire(now))
         if events:
             events.extend(self._settle(now))

@@ -70,6 +70,16 @@ class SharedLimit:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class SharedPatience:
+    """A population's client patience as the process that learned it last published it
+    (admission/patience.py)."""
+
+    seconds: float
+    whole: bool
+    version: int
+
+
 def grant(
     total: int,
     want: int,

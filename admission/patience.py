@@ -21,7 +21,9 @@ which uses both kinds; its ``QUANTILE`` (p10: the patience 90% of clients have) 
 deadline of a request that states none. Rules:
 
 * cold start: fewer than ``MIN_EVENTS`` departures in the window, and nothing learned
-  before: no estimate, and the configured ``queue_timeout_s`` applies. A population that
+  before: no estimate, and the configured ``queue_timeout_s`` applies (with shared
+  state, the budget another gateway process learned of the population, if any:
+  `ClientPatience.adopt`). A population that
   never leaves teaches nothing and keeps the default. Except a configured timeout: when
   the window's departures, at least ``MIN_COHORT`` of them, all came after one wait
   (within a tenth, and ``COHORT_S``), the clients share one timeout and it is that wait
@@ -207,8 +209,11 @@ class Patience:
         held = self._held
         if held is None:
             return None
-        stayed_longer = sum(1 for t, _ in self._window if t > held)
-        return None if stayed_longer >= MIN_EVENTS else held
+        return None if self.stayed_past(held) >= MIN_EVENTS else held
+
+    def stayed_past(self, seconds: float) -> int:
+        """Clients of the window seen waiting longer than `seconds`."""
+        return sum(1 for t, _ in self._window if t > seconds)
 
 
 @dataclass(slots=True, frozen=True)
@@ -357,15 +362,24 @@ class PatienceReading:
     observed: int
     left: int
     window_events: int
+    shared: bool = False  # the budget is the fleet's (another process learned it)
 
 
 class ClientPatience:
-    """Patience by population (tenant, model, stream), bounded in number."""
+    """Patience by population (tenant, model, stream), bounded in number.
 
-    __slots__ = ("_pops",)
+    A population this process has not learned takes the budget another gateway process
+    learned of it (`adopt`, from the shared state: gateway/patience_sync.py): the same
+    clients reach every process behind a load balancer, and without it each new
+    process (a worker, a host added, a restart) kept a wave of them under the default
+    queue timeout until they left, as a fresh kvgate's first wave does. What this
+    process learned itself wins over the fleet's."""
+
+    __slots__ = ("_pops", "_shared")
 
     def __init__(self) -> None:
         self._pops: OrderedDict[tuple[str, str, bool], Population] = OrderedDict()
+        self._shared: OrderedDict[tuple[str, str, bool], Budget] = OrderedDict()
 
     def observe(self, tenant: str, model: str, stream: bool, end: ClientEnd, now: float) -> None:
         """One ended request of a client that stated no timeout, at `now`. A stream's
@@ -396,6 +410,14 @@ class ClientPatience:
             pop.served(waited)
         if quiet is not None:
             pop.quiet.observe(quiet, left)
+        shared = self._shared.get(key)
+        if shared is not None and not left:
+            # The fleet's budget is dropped here as one learned here would be: once
+            # ``MIN_EVENTS`` clients of the window were seen staying past it.
+            seen, curve = (waited, pop.total) if shared.whole else (quiet, pop.quiet)
+            if seen is not None and seen > shared.seconds:
+                if curve.stayed_past(shared.seconds) >= MIN_EVENTS:
+                    del self._shared[key]
         if left and end.stalled is not None:
             if end.stalled:
                 pop.stalled += 1
@@ -406,8 +428,29 @@ class ClientPatience:
                 pop.flowing //= 2
 
     def budget(self, tenant: str, model: str, stream: bool) -> Budget | None:
+        """The population's budget: learned here, else the fleet's; None: the default."""
+        own = self.learned(tenant, model, stream)
+        return own if own is not None else self._shared.get((tenant, model, stream))
+
+    def learned(self, tenant: str, model: str, stream: bool) -> Budget | None:
+        """The budget this process learned of the population itself (None: none)."""
         pop = self._pops.get((tenant, model, stream))
         return pop.budget(stream) if pop is not None else None
+
+    def adopt(self, tenant: str, model: str, stream: bool, budget: Budget | None) -> None:
+        """Another process's learned budget of the population (None: it dropped it)."""
+        key = (tenant, model, stream)
+        if budget is None:
+            self._shared.pop(key, None)
+            return
+        self._shared[key] = budget
+        self._shared.move_to_end(key)
+        if len(self._shared) > POPULATIONS:
+            self._shared.popitem(last=False)
+
+    def populations(self) -> list[tuple[str, str, bool]]:
+        """The populations this process has seen clients of."""
+        return list(self._pops)
 
     def estimate(self, tenant: str, model: str, stream: bool) -> float | None:
         b = self.budget(tenant, model, stream)
@@ -415,9 +458,11 @@ class ClientPatience:
 
     def readings(self) -> list[PatienceReading]:
         out = []
-        for (t, m, s), p in sorted(self._pops.items()):
-            b = p.budget(s)
-            total = p.total
+        for key in sorted({*self._pops, *self._shared}):
+            t, m, s = key
+            p = self._pops.get(key)
+            own = p.budget(s) if p is not None else None
+            b = own if own is not None else self._shared.get(key)
             out.append(
                 PatienceReading(
                     t,
@@ -425,9 +470,10 @@ class ClientPatience:
                     s,
                     None if b is None else b.seconds,
                     True if b is None else b.whole,
-                    total.observed,
-                    total.left,
-                    total.events,
+                    p.total.observed if p is not None else 0,
+                    p.total.left if p is not None else 0,
+                    p.total.events if p is not None else 0,
+                    shared=own is None and b is not None,
                 )
             )
         return out

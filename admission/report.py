@@ -14,7 +14,7 @@ from types import MappingProxyType
 from admission.fit import FitLimits
 from admission.ledger import Ledger
 from admission.limit import RunningLimit
-from admission.patience import ClientPatience, PatienceReading
+from admission.patience import Budget, ClientPatience, PatienceReading
 from admission.placement import Placement
 from admission.replica import Replica
 from admission.scaling import ScalingSignal
@@ -117,6 +117,12 @@ class AdmissionReport:
     def patience_readings(self) -> list[PatienceReading]:
         """Every population's learned patience and what it was learned from."""
         return self._patience.readings()
+
+    def learned_patience(self) -> dict[tuple[str, str, bool], Budget | None]:
+        """What this process learned itself of each population it saw (None: nothing
+        yet, or dropped), the fleet's budgets left out: what it has to share."""
+        p = self._patience
+        return {key: p.learned(*key) for key in p.populations()}
 
     def models(self) -> set[str]:
         out: set[str] = set()

@@ -98,6 +98,8 @@ def replicas_snapshot(
             "patience_s": None if r.patience_s is None else round(r.patience_s, 3),
             # True: it bounds the whole response; False: a stream's first token and gaps.
             "whole_response": r.whole,
+            # True: another gateway process learned it (shared state); none learned here.
+            "shared": r.shared,
             "observed": r.observed,
             "left": r.left,
             "window_departures": r.window_events,

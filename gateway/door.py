@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.patience import ClientEnd
+from admission.patience import Budget, ClientEnd
 from admission.report import AdmissionReport
 from admission.settling import TenantLimits
 from admission.types import (
@@ -172,6 +172,16 @@ class AdmissionDoor:
         and hand out what a patience learned shorter sheds of the queue."""
         self._resolve(self._controller.client_ended(tenant, model, stream, end, self._loop.time()))
         self._rearm()  # the queue's deadlines may have come forward
+
+    def adopt_patience(
+        self, tenant: str, model: str, stream: bool, budget: Budget | None, now: float | None = None
+    ) -> None:
+        """Take the patience another gateway process learned of a population (shared
+        state), and hand out what it sheds of the queue."""
+        self._resolve(
+            self._controller.adopt_patience(tenant, model, stream, budget, self._time(now))
+        )
+        self._rearm()
 
     def top_up(self, request_id: str, total_tokens: int, now: float | None = None) -> bool:
         """Grow a stream's reservation (`AdmissionController.top_up`)."""

@@ -14,7 +14,8 @@ Renewal
     process published later is adopted (`RunningLimit.adopt`), and a new process seeds
     its limits from the shared ones; the running lease then splits the shared limit (a
     process alone on a replica is not capped by it, so its limit grows between
-    renewals as a single process's does).
+    renewals as a single process's does). What the process learned of its clients'
+    patience is shared the same way, once per interval (gateway/patience_sync.py).
 
 Tenant budgets
     A tenant's rpm, tpm and concurrency are leased the same way, as a fraction of the
@@ -76,6 +77,7 @@ from admission.tenants import Gcra, TenantLimiter, TenantState
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
+from gateway.patience_sync import PatienceSync
 from gateway.state import LeaseRequest, StateBackend, StateUnavailable
 
 log = logging.getLogger("kvgate.state")
@@ -140,7 +142,8 @@ def holder_id() -> str:
 
 
 class StateSync:
-    """Leases this process's slices of every replica and shares learned limits."""
+    """Leases this process's slices of every replica and shares learned limits and client
+    patience."""
 
     def __init__(
         self,
@@ -170,6 +173,7 @@ class StateSync:
         self._outage_logged = False
         self._ever_up = False
         self._limit_seen: dict[str, tuple[float, int]] = {}  # replica -> (value, version)
+        self._patience = PatienceSync(backend, self.report, door)  # client patience
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
         self._loop = asyncio.get_running_loop()
@@ -235,9 +239,10 @@ class StateSync:
             await asyncio.sleep(min(interval, _DEMAND_CHECK_S))
             now = self._loop.time()
             queued = self.report.queue_depth() > 0
-            if now - self._last >= interval or (queued and now - self._last >= _DEMAND_CHECK_S):
+            due = now - self._last >= interval
+            if due or (queued and now - self._last >= _DEMAND_CHECK_S):
                 try:
-                    await self.renew()
+                    await self.renew(patience=due)
                 except Exception:  # a bug here must not stop the leases for good
                     log.exception("state: renewal failed")
 
@@ -250,13 +255,17 @@ class StateSync:
                 out.append(d)
         return out
 
-    async def renew(self) -> None:
+    async def renew(self, patience: bool = True) -> None:
+        """One round; `patience`: client patience too (the interval's rounds, not the ones
+        demand brings between them)."""
         if self._stopped:  # a renewal after the release would lease the slices again
             return
         sent_at = self._last = self._loop.time()
         demands: list[PoolDemand] = []
         try:
             await self._sync_limits()
+            if patience:
+                await self._patience.sync(sent_at)
             demands = self._demands()
             requests: list[LeaseRequest] = []
             for d in demands:

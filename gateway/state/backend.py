@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedLimit
+from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedLimit, SharedPatience
 
 
 class StateUnavailable(Exception):
@@ -15,7 +15,8 @@ class StateUnavailable(Exception):
 
 
 class StateBackend(ABC):
-    """Leases of shared resources, process heartbeats and shared learned limits.
+    """Leases of shared resources, process heartbeats, shared learned limits and client
+    patience.
 
     Every method raises `StateUnavailable` when the backend cannot be reached."""
 
@@ -50,3 +51,12 @@ class StateBackend(ABC):
     @abstractmethod
     async def limits(self) -> dict[str, SharedLimit]:
         """The latest published limit of every replica."""
+
+    @abstractmethod
+    async def publish_patience(self, population: str, seconds: float, whole: bool) -> int:
+        """Publish a population's learned client patience; returns its version
+        (increasing)."""
+
+    @abstractmethod
+    async def patiences(self) -> dict[str, SharedPatience]:
+        """The latest published patience of every population."""

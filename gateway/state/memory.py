@@ -10,7 +10,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from admission.lease import HolderRecord, Lease, LeaseRequest, RenewResult, SharedLimit, grant
+from admission.lease import (
+    HolderRecord,
+    Lease,
+    LeaseRequest,
+    RenewResult,
+    SharedLimit,
+    SharedPatience,
+    grant,
+)
 from gateway.state.backend import StateBackend
 
 
@@ -23,6 +31,7 @@ class MemoryBackend(StateBackend):
         self._leases: dict[str, dict[str, list[float]]] = {}
         self._procs: dict[str, float] = {}
         self._limits: dict[str, SharedLimit] = {}
+        self._patience: dict[str, SharedPatience] = {}
         self._version = 0
 
     def _live(self, resource: str, now: float) -> dict[str, list[float]]:
@@ -73,3 +82,11 @@ class MemoryBackend(StateBackend):
 
     async def limits(self) -> dict[str, SharedLimit]:
         return dict(self._limits)
+
+    async def publish_patience(self, population: str, seconds: float, whole: bool) -> int:
+        self._version += 1
+        self._patience[population] = SharedPatience(seconds, whole, self._version)
+        return self._version
+
+    async def patiences(self) -> dict[str, SharedPatience]:
+        return dict(self._patience)

@@ -23,7 +23,14 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from admission.lease import HolderRecord, Lease, LeaseRequest, RenewResult, SharedLimit
+from admission.lease import (
+    HolderRecord,
+    Lease,
+    LeaseRequest,
+    RenewResult,
+    SharedLimit,
+    SharedPatience,
+)
 from gateway.state.backend import StateBackend, StateUnavailable
 
 _LEASE_LUA = (Path(__file__).parent / "lease.lua").read_text(encoding="utf-8")
@@ -154,4 +161,26 @@ class RedisBackend(StateBackend):
         for replica, text in raw.items():
             value, version, reason = text.split(" ", 2)
             out[replica] = SharedLimit(float(value), int(version), reason)
+        return out
+
+    async def publish_patience(self, population: str, seconds: float, whole: bool) -> int:
+        try:
+            return int(
+                await self._publish(
+                    keys=[self._key("patience"), self._key("patience", "version")],
+                    args=[population, repr(float(seconds)), "1" if whole else "0"],
+                )
+            )
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+
+    async def patiences(self) -> dict[str, SharedPatience]:
+        try:
+            raw = await self._r.hgetall(self._key("patience"))
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+        out: dict[str, SharedPatience] = {}
+        for population, text in raw.items():
+            seconds, version, whole = text.split(" ", 2)
+            out[population] = SharedPatience(float(seconds), whole == "1", int(version))
         return out

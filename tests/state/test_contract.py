@@ -177,6 +177,21 @@ async def test_shared_limits_carry_the_latest_version(rig: Rig) -> None:
     assert limits["r1"].value == 9.0
 
 
+async def test_shared_patience_carries_the_latest_version_and_its_shape(rig: Rig) -> None:
+    """A population's learned client patience: the latest of each, with whether it
+    bounds the whole response. Tenant and model names may hold the characters a Redis
+    key and a record's text use."""
+    b = rig.backend
+    key = "team a:b\x1fmeta/llama 3:8b\x1fstream"
+    v1 = await b.publish_patience(key, 2.25, True)
+    v2 = await b.publish_patience(key, 0.75, False)
+    v3 = await b.publish_patience("t\x1fm\x1fwhole", 30.0, True)
+    assert v1 < v2 < v3
+    shared = await b.patiences()
+    assert (shared[key].seconds, shared[key].whole, shared[key].version) == (0.75, False, v2)
+    assert (shared["t\x1fm\x1fwhole"].seconds, shared["t\x1fm\x1fwhole"].whole) == (30.0, True)
+
+
 @pytest.mark.parametrize(
     "total,want,used,others",
     [

@@ -14,9 +14,10 @@ import pytest
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedLimit
+from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedLimit, SharedPatience
+from admission.patience import ClientEnd
 from admission.tenants import TenantConfig, TenantLimiter
-from admission.types import AdmissionRequest, Admit
+from admission.types import AdmissionRequest, Admit, Shed
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
 from gateway.sharing import StateSync
@@ -137,6 +138,65 @@ async def test_learned_limits_are_shared(backend: StateBackend) -> None:
     running = [x.report.pool_demand("r1").share_running for x in (a, b, c)]  # type: ignore[union-attr]
     assert all(r is not None for r in running)
     assert sum(r or 0 for r in running) <= 6
+
+
+def leave_at(s: StateSync, waited: float, n: int = 3) -> None:
+    """`n` clients that stated no timeout, of tenant "default" and model "m", left
+    together after `waited` seconds (one configured timeout: admission/patience.py)."""
+    for _ in range(n):
+        s.door.client_ended("default", "m", False, ClientEnd(waited, True))
+
+
+async def test_learned_patience_is_shared_and_outlives_the_process(
+    backend: StateBackend,
+) -> None:
+    """Process a learns that its clients leave at 2 s; process b, which saw none leave,
+    takes it at its next round: its queued request that stated nothing is shed within
+    the learned budget instead of waiting out the 30 s default queue timeout. A process
+    started later (a restart, a worker added) starts from it. What a process learned
+    itself wins over the fleet's, and the fleet's is dropped where clients are seen
+    waiting longer."""
+    a, b = ctrl(), ctrl()
+    sa, sb = sync(backend, a, "a"), sync(backend, b, "b")
+    for _ in range(2):  # the first holder's whole pool is split at the second round
+        await sa.renew()
+        await sb.renew()
+    # Each holds most of its half of the pool, so b's next request waits whatever the
+    # leases grant.
+    assert isinstance(sa.door.submit(request("hog-a", 350, 100)), Admit)
+    assert isinstance(sb.door.submit(request("hog-b", 350, 100)), Admit)
+    sb.door.start()  # deadlines act in time
+    waiting = await queue(sb, request("silent", 300, 100))  # states nothing
+    leave_at(sa, 2.0)
+    assert [r.patience_s for r in a.report.patience_readings()] == [pytest.approx(2.0)]
+    await sa.renew()  # publishes
+    await sb.renew()  # adopts
+    (seen,) = b.report.patience_readings()
+    assert (seen.patience_s, seen.shared) == (pytest.approx(2.0), True)
+    try:
+        verdict, _ = await asyncio.wait_for(waiting, timeout=5.0)  # not the 30 s default
+    finally:
+        await sb.door.stop()
+    assert isinstance(verdict, Shed)
+    assert 0 < verdict.retry_after <= 2.0
+
+    c = ctrl()  # a process started later
+    sc = sync(backend, c, "c")
+    await sc.renew()
+    (seen,) = c.report.patience_readings()
+    assert (seen.patience_s, seen.shared) == (pytest.approx(2.0), True)
+
+    leave_at(sc, 5.0)  # c's own clients wait longer: its own estimate wins there
+    assert [r.patience_s for r in c.report.patience_readings()] == [pytest.approx(5.0)]
+    await sc.renew()
+    assert [r.patience_s for r in c.report.patience_readings()] == [pytest.approx(5.0)]
+
+    # b's own clients are seen staying far past the fleet's 2 s: b drops it, as it
+    # would drop a budget it had learned itself.
+    for _ in range(10):
+        sb.door.client_ended("default", "m", False, ClientEnd(20.0, False))
+    (seen,) = b.report.patience_readings()
+    assert (seen.patience_s, seen.shared, seen.observed) == (None, False, 10)
 
 
 async def test_fail_open_cuts_each_slice_to_one_nth(prefix: str) -> None:
@@ -429,6 +489,12 @@ class LateAnswers(StateBackend):
 
     async def limits(self) -> dict[str, SharedLimit]:
         return await self.inner.limits()
+
+    async def publish_patience(self, population: str, seconds: float, whole: bool) -> int:
+        return await self.inner.publish_patience(population, seconds, whole)
+
+    async def patiences(self) -> dict[str, SharedPatience]:
+        return await self.inner.patiences()
 
 
 async def test_a_late_renewal_lets_nothing_past_the_running_cap(

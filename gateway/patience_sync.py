@@ -1,0 +1,73 @@
+"""Client patience shared between gateway processes (gateway/state), one round at a time.
+
+The clients that state no timeout reach every gateway process behind a load balancer,
+so what one process learned of a population's patience (admission/patience.py) holds
+for the others. Each lease round (gateway/sharing.py) publishes what this process
+learned itself and changed since it last published,
+and adopts for each population the latest budget another process published
+(`AdmissionDoor.adopt_patience`), which applies only while this process has learned
+none of its own, and only until this process's own clients are seen staying past it. The shared records outlive the processes (as the learned limits do):
+a process that starts, a worker added or the fleet restarted after a deploy starts from
+what the fleet learned, instead of holding a first wave under the default queue timeout
+until it leaves at its real patience (bench/real_vllm.py: 15-18 attempt timeouts of a
+fresh kvgate's first wave).
+"""
+
+from __future__ import annotations
+
+from admission.lease import SharedPatience
+from admission.patience import Budget
+from admission.report import AdmissionReport
+from gateway.door import AdmissionDoor
+from gateway.state.backend import StateBackend
+
+_SEP = "\x1f"  # the unit separator: in no tenant or model name a config can hold
+
+
+def population_key(tenant: str, model: str, stream: bool) -> str:
+    """The shared record's name of a population."""
+    return _SEP.join((tenant, model, "stream" if stream else "whole"))
+
+
+def population_of(key: str) -> tuple[str, str, bool] | None:
+    """The population a shared record names (None: not one of ours)."""
+    parts = key.split(_SEP)
+    if len(parts) != 3 or parts[2] not in ("stream", "whole"):
+        return None
+    return parts[0], parts[1], parts[2] == "stream"
+
+
+def budget_of(shared: SharedPatience) -> Budget | None:
+    return Budget(shared.seconds, shared.whole) if shared.seconds > 0 else None
+
+
+class PatienceSync:
+    """Publishes this process's learned patience and adopts the fleet's."""
+
+    def __init__(self, backend: StateBackend, report: AdmissionReport, door: AdmissionDoor):
+        self.backend = backend
+        self.report = report
+        self.door = door
+        self._published: dict[tuple[str, str, bool], Budget | None] = {}
+        self._adopted: dict[str, int] = {}  # record -> the version adopted
+
+    async def sync(self, now: float) -> None:
+        """One round: publish what changed here, adopt newer records of others."""
+        for population, budget in self.report.learned_patience().items():
+            # A dropped estimate is not published: the record is the fleet's latest, and
+            # another process may still hold what it learned; each adopter drops a stale
+            # one as it drops its own (admission/patience.py).
+            if budget is None or self._published.get(population) == budget:
+                continue
+            version = await self.backend.publish_patience(
+                population_key(*population), budget.seconds, budget.whole
+            )
+            self._published[population] = budget
+            self._adopted[population_key(*population)] = version  # our own: not adopted
+        for key, shared in (await self.backend.patiences()).items():
+            if shared.version <= self._adopted.get(key, 0):
+                continue
+            self._adopted[key] = shared.version
+            population = population_of(key)
+            if population is not None:
+                self.door.adopt_patience(*population, budget_of(shared), now)
