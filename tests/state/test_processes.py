@@ -10,6 +10,8 @@ replica, under concurrent load.
   the replica while Redis is away, the leases rebuilt once per process afterwards, and
   nothing leaked. Fail-closed answers 503 with Retry-After meanwhile.
 - ``--workers N``: N processes on one port, a supervisor that forwards SIGTERM.
+- Client patience learned by one process (clients that state no timeout leaving its
+  queue together) sheds another process's silent request in time.
 """
 
 from __future__ import annotations
@@ -574,3 +576,66 @@ async def test_rate_limit_headers_tell_the_tenants_limit_across_three_processes(
         assert headers["x-ratelimit-limit-requests"] == str(rpm)
         message = err["error"]["message"]
         assert f"Limit {rpm}," in message, message
+
+
+async def test_a_process_sheds_in_time_with_the_patience_another_learned(
+    tmp_path: Path,
+    redis_url: str,
+    prefix: str,
+    enginesim_server: Callable[..., Awaitable[Any]],
+    nodes: list[Node],
+) -> None:
+    """Clients that state no timeout leave process a's queue together after 1 s, and a
+    learns that patience; process b, whose clients never left, takes it from the shared
+    state: its own silent request, queued behind the same full pool, is shed with a
+    Retry-After within that second instead of waiting out b's 20 s queue timeout."""
+    srv = await enginesim_server("tiny", speed=0.2)  # a hog that holds the pool for seconds
+    cfg = config(redis_url, prefix, [{"name": "r0", "url": srv.url, "pool_tokens": POOL}])
+    a = await start(tmp_path, cfg, "a")
+    b = await start(tmp_path, cfg, "b")
+    nodes += [a, b]
+    hog_body = {**BODY, "max_tokens": 400}  # most of the 456-token pool, for seconds
+    silent = {**BODY, "max_tokens": 40}
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+
+    async def patience(s: aiohttp.ClientSession, node: Node) -> list[dict[str, Any]]:
+        async with s.get(node.url + "/admin/replicas", headers=headers) as r:
+            return (await r.json())["client_patience"]
+
+    async with aiohttp.ClientSession() as s:
+        hog = asyncio.create_task(s.post(a.url + "/v1/chat/completions", json=hog_body))
+        assert await wait_for(lambda: srv.core.stats().num_running == 1, within=10)
+
+        async def leaves() -> None:
+            with contextlib.suppress(TimeoutError):
+                async with s.post(
+                    a.url + "/v1/chat/completions",
+                    json=silent,
+                    timeout=aiohttp.ClientTimeout(total=1.0),
+                ) as r:
+                    await r.read()
+
+        await asyncio.gather(*(leaves() for _ in range(3)))
+        learned = await patience(s, a)
+        assert [p["patience_s"] for p in learned] == [pytest.approx(1.0, abs=0.2)], learned
+
+        async def b_has_it() -> bool:
+            got = await patience(s, b)
+            return bool(got) and got[0]["shared"] and got[0]["patience_s"] is not None
+
+        for _ in range(100):  # b's next lease round (0.25 s) adopts it
+            if await b_has_it():
+                break
+            await asyncio.sleep(0.05)
+        assert await b_has_it(), await patience(s, b)
+        assert srv.core.stats().num_running == 1  # the hog still holds the pool
+        t0 = asyncio.get_running_loop().time()
+        async with s.post(b.url + "/v1/chat/completions", json=silent) as r:
+            body = await r.json()
+            assert r.status == 503, body
+            assert int(r.headers["Retry-After"]) >= 1
+        assert asyncio.get_running_loop().time() - t0 < 3.0  # not b's 20 s queue timeout
+        hog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            resp = await hog
+            resp.release()
