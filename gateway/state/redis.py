@@ -142,45 +142,44 @@ class RedisBackend(StateBackend):
         return records
 
     async def publish_limit(self, replica: str, value: float, reason: str) -> int:
-        try:
-            return int(
-                await self._publish(
-                    keys=[self._key("limits"), self._key("limits", "version")],
-                    args=[replica, repr(float(value)), reason or "shared"],
-                )
-            )
-        except (RedisError, OSError) as e:
-            raise StateUnavailable(str(e)) from e
+        return await self._publish_record("limits", replica, value, reason or "shared")
 
     async def limits(self) -> dict[str, SharedLimit]:
-        try:
-            raw = await self._r.hgetall(self._key("limits"))
-        except (RedisError, OSError) as e:
-            raise StateUnavailable(str(e)) from e
         out: dict[str, SharedLimit] = {}
-        for replica, text in raw.items():
-            value, version, reason = text.split(" ", 2)
+        for replica, (value, version, reason) in (await self._records("limits")).items():
             out[replica] = SharedLimit(float(value), int(version), reason)
         return out
 
     async def publish_patience(self, population: str, seconds: float, whole: bool) -> int:
+        return await self._publish_record("patience", population, seconds, "1" if whole else "0")
+
+    async def patiences(self) -> dict[str, SharedPatience]:
+        out: dict[str, SharedPatience] = {}
+        for population, (seconds, version, whole) in (await self._records("patience")).items():
+            out[population] = SharedPatience(float(seconds), whole == "1", int(version))
+        return out
+
+    async def _publish_record(self, name: str, field: str, value: float, tail: str) -> int:
+        """Set `field` of the hash `name` to ``value version tail``, with the next version
+        of that hash (one script, atomic); returns the version."""
         try:
             return int(
                 await self._publish(
-                    keys=[self._key("patience"), self._key("patience", "version")],
-                    args=[population, repr(float(seconds)), "1" if whole else "0"],
+                    keys=[self._key(name), self._key(name, "version")],
+                    args=[field, repr(float(value)), tail],
                 )
             )
         except (RedisError, OSError) as e:
             raise StateUnavailable(str(e)) from e
 
-    async def patiences(self) -> dict[str, SharedPatience]:
+    async def _records(self, name: str) -> dict[str, tuple[str, str, str]]:
+        """Every field of the hash `name` as its (value, version, tail)."""
         try:
-            raw = await self._r.hgetall(self._key("patience"))
+            raw = await self._r.hgetall(self._key(name))
         except (RedisError, OSError) as e:
             raise StateUnavailable(str(e)) from e
-        out: dict[str, SharedPatience] = {}
-        for population, text in raw.items():
-            seconds, version, whole = text.split(" ", 2)
-            out[population] = SharedPatience(float(seconds), whole == "1", int(version))
+        out: dict[str, tuple[str, str, str]] = {}
+        for field, text in raw.items():
+            value, version, tail = text.split(" ", 2)
+            out[field] = (value, version, tail)
         return out
