@@ -351,7 +351,7 @@ class AdmissionController:
         self, tenant: str, model: str, stream: bool, budget: Budget | None, now: float
     ) -> Events:
         """Take the patience another gateway process learned of a population (shared
-        state; None: it dropped it). Used where this process learned none itself; as
+        state; None: none usable). Used where this process learned none itself; as
         with `client_ended`, the population's queued requests that stated nothing are
         judged by a shorter one."""
         self._saw(now)

@@ -3,14 +3,14 @@
 The clients that state no timeout reach every gateway process behind a load balancer,
 so what one process learned of a population's patience (admission/patience.py) holds
 for the others. Each lease round (gateway/sharing.py) publishes what this process
-learned itself and changed since it last published,
-and adopts for each population the latest budget another process published
-(`AdmissionDoor.adopt_patience`), which applies only while this process has learned
-none of its own, and only until this process's own clients are seen staying past it. The shared records outlive the processes (as the learned limits do):
-a process that starts, a worker added or the fleet restarted after a deploy starts from
-what the fleet learned, instead of holding a first wave under the default queue timeout
-until it leaves at its real patience (bench/real_vllm.py: 15-18 attempt timeouts of a
-fresh kvgate's first wave).
+learned itself and changed since it last published, and adopts for each population the
+latest budget another process published (`AdmissionDoor.adopt_patience`), which applies
+only while this process has learned none of its own, and only until this process's own
+clients are seen staying past it. The shared records outlive the processes (as the
+learned limits do): a process that starts, a worker added or the fleet restarted after
+a deploy starts from what the fleet learned, instead of holding a first wave under the
+default queue timeout until it leaves at its real patience (bench/real_vllm.py: 15-18
+attempt timeouts of a fresh kvgate's first wave).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def population_of(key: str) -> tuple[str, str, bool] | None:
 
 
 def budget_of(shared: SharedPatience) -> Budget | None:
+    """The budget a shared record holds (None: not a usable one)."""
     return Budget(shared.seconds, shared.whole) if shared.seconds > 0 else None
 
 
