@@ -189,8 +189,6 @@ async def drive(client: Any, bodies: list[dict[str, Any]], concurrency: int, out
     queue = list(reversed(bodies))
     loop = asyncio.get_running_loop()
 
-    start = loop.time()
-
     async def worker() -> None:
         while queue:
             body = queue.pop()
@@ -199,7 +197,7 @@ async def drive(client: Any, bodies: list[dict[str, Any]], concurrency: int, out
             if await client.send(body):
                 out.latencies.append(loop.time() - t0)
             else:
-                out.lost_at.append(round(loop.time() - start, 2))
+                out.lost_at.append(round(time.monotonic() - out.started, 2))
 
     t0 = out.started = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(concurrency)))

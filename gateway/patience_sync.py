@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from admission.lease import SharedPatience
 from admission.patience import Budget
-from admission.report import AdmissionReport
 from gateway.door import AdmissionDoor
 from gateway.state.backend import StateBackend
 
@@ -45,26 +44,24 @@ def budget_of(shared: SharedPatience) -> Budget | None:
 class PatienceSync:
     """Publishes this process's learned patience and adopts the fleet's."""
 
-    def __init__(self, backend: StateBackend, report: AdmissionReport, door: AdmissionDoor):
+    def __init__(self, backend: StateBackend, door: AdmissionDoor):
         self.backend = backend
-        self.report = report
         self.door = door
-        self._published: dict[tuple[str, str, bool], Budget | None] = {}
+        self._published: dict[tuple[str, str, bool], Budget] = {}
         self._adopted: dict[str, int] = {}  # record -> the version adopted
 
     async def sync(self, now: float) -> None:
         """One round: publish what changed here, adopt newer records of others."""
-        for population, budget in self.report.learned_patience().items():
+        for population, budget in self.door.report.learned_patience().items():
             # A dropped estimate is not published: the record is the fleet's latest, and
             # another process may still hold what it learned; each adopter drops a stale
             # one as it drops its own (admission/patience.py).
             if budget is None or self._published.get(population) == budget:
                 continue
-            version = await self.backend.publish_patience(
-                population_key(*population), budget.seconds, budget.whole
-            )
+            key = population_key(*population)
+            version = await self.backend.publish_patience(key, budget.seconds, budget.whole)
             self._published[population] = budget
-            self._adopted[population_key(*population)] = version  # our own: not adopted
+            self._adopted[key] = version  # our own: not adopted
         for key, shared in (await self.backend.patiences()).items():
             if shared.version <= self._adopted.get(key, 0):
                 continue

@@ -173,7 +173,7 @@ class StateSync:
         self._outage_logged = False
         self._ever_up = False
         self._limit_seen: dict[str, tuple[float, int]] = {}  # replica -> (value, version)
-        self._patience = PatienceSync(backend, self.report, door)  # client patience
+        self._patience = PatienceSync(backend, door)  # client patience
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
         self._loop = asyncio.get_running_loop()
