@@ -434,6 +434,9 @@ class AdmissionController:
         self._learning.stream_gap(rep, completion, at_admit, now)
         self._ledger.free(res, now)
         self._scaling.served(res.model, now - res.admitted_at, res.tokens + res.covered, now)
-        self._learning.released(rep, res, completion, now, at_admit)
+        # Only slow start reads the room the running requests leave (a walk of them).
+        growing = rep.limit is not None and rep.limit.slow_start
+        room = self._ledger.growth_room(rep, now) if growing else math.inf
+        self._learning.released(rep, res, completion, now, at_admit, room=room)
         self._placement.released(res.request_id, res.replica, now)
         self._ledger.forget_if_gone(rep)

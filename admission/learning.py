@@ -75,24 +75,33 @@ class Learning:
         completion: Completion | None,
         now: float,
         at_admit: int | None = None,
+        room: float = float("inf"),
     ) -> None:
         """After a reservation is freed: learn its completion (None teaches nothing) and
         tell the limit the running count moved. `at_admit`: the replica's running count
         when it was admitted."""
         if completion is not None:
-            self._completed(rep, res, completion, now, at_admit)
+            self._completed(rep, res, completion, now, at_admit, room)
         if rep.limit is not None:
             rep.limit.running_changed(rep.running, now)
 
     def _completed(
-        self, rep: Replica, res: Reservation, c: Completion, now: float, at_admit: int | None
+        self,
+        rep: Replica,
+        res: Reservation,
+        c: Completion,
+        now: float,
+        at_admit: int | None,
+        room: float,
     ) -> None:
         """Feed one completion to the replica's latency history and learned limit."""
         prompt = c.prompt_tokens or 0
         output = c.completion_tokens or 0
         load = rep.serving_load
+        # The requests it ran beside: the mean of the running counts at its start and end.
+        ran = (rep.running + 1 + at_admit) / 2 if at_admit is not None else None
         if c.ok and c.service_s is not None and prompt + output > 0:
-            rep.service.add(prompt, output, c.service_s, load)
+            rep.service.add(prompt, output, c.service_s, load, ran)
         if c.ok and c.ttft_s is not None and prompt > 0:
             rep.ttft.add(prompt, 0, c.ttft_s, load)
         if rep.limit is None:
@@ -128,6 +137,8 @@ class Learning:
             # The load it was served at: the mean of the running counts at its start and
             # its end (before its slot is freed).
             load=(rep.running + 1 + at_admit) / 2 if at_admit is not None else None,
+            room=room,
+            slope=rep.service.elasticity() if len(rep.service) else 1.0,
         )
 
 

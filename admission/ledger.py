@@ -59,6 +59,9 @@ class Reservation:
     budget_whole: bool = False  # a stream's budget bounds its whole response
     prompt_tokens: int = 0  # its prompt and reserved output, for its predicted service
     output_tokens: int = 0
+    # When its client gives up on it (its attempt's arrival + a budget that bounds the
+    # whole response): growing the limit must not slow it past this.
+    due: float = math.inf
     # Set by `hold`: since when, until when at most, and what to learn on release.
     held_since: float | None = None
     held_until: float = math.inf
@@ -172,7 +175,9 @@ class Ledger:
         return self.config.prefix_settle_s
 
     # ------------------------------------------------------------------ reserve / free
-    def reserve(self, rep: Replica, req: AdmissionRequest, now: float) -> Admit:
+    def reserve(
+        self, rep: Replica, req: AdmissionRequest, now: float, entered: float | None = None
+    ) -> Admit:
         """Reserve `req` on `rep`, which `fits_now` just accepted."""
         memo = rep.need_memo
         if memo is not None and memo[0] == req.request_id and memo[1] == now:
@@ -213,6 +218,7 @@ class Ledger:
             budget_whole=req.budget_whole,
             prompt_tokens=max(1, req.prompt_tokens),
             output_tokens=max(0, req.expected_output),
+            due=_due(req, now if entered is None else entered),
         )
         self.views.touch(rep)
         return Admit(req.request_id, rep.name, full, req.latency_budget)
@@ -256,6 +262,31 @@ class Ledger:
         res.tokens += extra
         self.views.touch(rep)
         return True
+
+    def growth_room(self, rep: Replica, now: float) -> float:
+        """The most requests `rep` may run without slowing one it runs now past its
+        client's deadline: each one's predicted rest of service (at the load it was
+        predicted at) stretches with the load, so the load may grow by the smallest
+        ratio of time left to service left. inf where nothing running is bounded."""
+        if not len(rep.service):
+            return math.inf
+        load = rep.serving_load
+        k = rep.service.elasticity()
+        if k <= 0:
+            return math.inf
+        room = math.inf
+        for res in self.reservations.values():
+            if res.replica != rep.name or res.due == math.inf or res.held_since is not None:
+                continue
+            left = res.due - now
+            rest = rep.service.predict(res.prompt_tokens, res.output_tokens, load) - (
+                now - res.admitted_at
+            )
+            if left <= 0 or rest <= 0:
+                continue  # late already, or done by the prediction: nothing to keep
+            # rest * (1 + k * (room / load - 1)) = left
+            room = min(room, load * (1.0 + (left / rest - 1.0) / k))
+        return room
 
     # ------------------------------------------------------------------ holds
     def hold(self, res: Reservation, now: float, completion: Completion | None) -> None:
@@ -311,3 +342,11 @@ class Ledger:
             if r.replica == rep.name and r.held_since is not None and r.held_since < seen
         ]
         return judged[:stopped]
+
+
+def _due(req: AdmissionRequest, entered: float) -> float:
+    """When the client of `req` gives up on it, if its budget bounds the whole response."""
+    budget = req.latency_budget
+    if budget is None or (req.stream and not req.budget_whole):
+        return math.inf
+    return entered + budget

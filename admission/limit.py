@@ -35,7 +35,11 @@ Per window:
   running as at 8, and cutting for it took the limit to 1-4 and cost up to 37 of 300
   requests), so the limit goes back (``latency_flat``) and holds while the slowest is
   at most ``_FLAT_SLACK`` worse than it was. A window scored by a failure is no
-  evidence either way.
+  evidence either way. No trial cut is needed where the replica's completions already
+  show it: when the service's slope in the load (`ServiceModel.elasticity`, fitted to
+  what ran beside each completion, an upper estimate) is under ``_FLAT_SLOPE``, the
+  limit holds (``latency_flat``). On a fast machine (T = 2.1 s) each trial cut cost a
+  few seconds at 3-4 running, where the engine serves 8 in time.
 * **Goodput.** Every window that kept the replica busy (mean running >= 80% of the
   allowed limit) is a point of the replica's throughput curve at its setting; the
   curve's knee (admission/knee.py: where one more running request buys less than
@@ -46,8 +50,12 @@ Per window:
   From a cold start it grows as TCP's slow start does: one more per request served in
   time (under half its latency aim) while the replica is busy, so it doubles in about
   one service time and a burst on a healthy replica is not queued behind it; never past
-  what that completion predicts (the load it was served at over its score); a
-  completion past half its aim adds nothing. Slow start ends at a window whose slowest
+  what that completion predicts (the load it was served at over its score), nor past
+  the room the requests running there leave (``room``, `Ledger.growth_room`: the most
+  running that keeps each one's predicted rest of service, stretched by the learned
+  slope, inside its client's deadline; doubling outruns the evidence of the long
+  answers it slows, which a queue admitted late in their budget); a completion past
+  half its aim adds nothing. Slow start ends at a window whose slowest
   came past half its aim (TCP's ssthresh, judged on a window, not on one completion: on
   a replica whose service grows little with load, one long answer reaches half its aim
   at any load, and ending there held the real vLLM at 3 of the 8-12 it serves in time),
@@ -92,6 +100,7 @@ _SLOW_START_END = 0.5  # slow start ends at a window whose slowest is this far t
 _BAND = 1.05  # cut only when a score is this far past its aim; between, the limit holds
 _POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortage
 _FLAT_SLACK = 1.1  # a window this much worse than a flat level is news: cut again
+_FLAT_SLOPE = 0.25  # service growing less than this share of the load's growth is flat
 _JUDGED_FALL = 0.7  # a cut is judged once the load fell to this share of what ran before it
 
 
@@ -134,6 +143,8 @@ class RunningLimit:
         "_peak",
         "_cut",
         "_flat",
+        "_room",
+        "_slope",
     )
 
     def __init__(self, settings: LimitSettings, now: float = 0.0) -> None:
@@ -157,6 +168,9 @@ class RunningLimit:
         # The ratio at which a cut was shown to buy nothing (latency flat in load): a
         # window no worse than this holds the limit instead of cutting it again.
         self._flat: float | None = None
+        self._room = math.inf  # the most running that keeps running requests in time
+        # How service grows with the load (1: in proportion; `ServiceModel.elasticity`).
+        self._slope = 1.0
         self._last = now
         self._curve = GoodputCurve()  # the busy windows' goodput, per setting
         self.knee: float | None = None  # fitted knee of the goodput curve
@@ -166,6 +180,11 @@ class RunningLimit:
         # Requests other gateway processes run on the replica (shared state): the limit
         # is the replica's, so it judges the whole load, not this process's part.
         self.others = 0
+
+    @property
+    def slow_start(self) -> bool:
+        """Whether it still grows as slow start does (one more per request in time)."""
+        return self._slow_start
 
     def allowed(self, cap: int | None) -> int:
         """Requests that may run now: floor of the limit, within the hard cap."""
@@ -191,6 +210,8 @@ class RunningLimit:
         ratio: tuple[float | None, float | None],
         cap: int | None,
         load: float | None = None,
+        room: float = math.inf,
+        slope: float = 1.0,
     ) -> None:
         """A request admitted at `admitted_at` ended at `now`; `ratio` is its measured /
         target latency ratio against its client's timeout and against the configured
@@ -202,6 +223,8 @@ class RunningLimit:
             # its timeout while being served). A client that left after part of its
             # budget went to the queue brings the service it got: a lower bound.
             hard = FAILURE_RATIO
+        self._room = room
+        self._slope = slope
         if self._slow_start and ok:
             self._slow_grow(hard, soft, cap, load)
         if admitted_at < self._changed_at:
@@ -253,7 +276,7 @@ class RunningLimit:
             return  # no evidence for more; the window judges whether slow start ends
         served_at = running if load is None else min(running, load + self.others)
         room = served_at / ratio if ratio > 0 else math.inf
-        value = min(self.value + 1.0, room, float(cap) if cap is not None else math.inf)
+        value = min(self.value + 1.0, room, self._room, float(cap) if cap is not None else math.inf)
         if value > self.value:
             self.value = value
             self.reason = "slow_start"
@@ -356,6 +379,11 @@ class RunningLimit:
             self._slow_start = False
             if self._flat is not None and _measured(ratio) and ratio <= self._flat * _FLAT_SLACK:
                 # Cutting was shown to buy no latency at this level: hold.
+                self.reason = "latency_flat"
+                self._reset_window(now)
+                return
+            if self._slope < _FLAT_SLOPE:
+                # Service hardly grows with the load here: a cut would buy no latency.
                 self.reason = "latency_flat"
                 self._reset_window(now)
                 return

@@ -35,6 +35,7 @@ class Placeable(Protocol):
 
     req: AdmissionRequest
     raw: int
+    entered: float
 
 
 class Placement:
@@ -153,7 +154,7 @@ class Placement:
                 full = any(not fit.get(name, True) for name in hinted)
             if full and self._wait_for_warm(req, rep, fit, now):
                 return REJECTED  # waits for the warm replica without blocking anyone
-        admit = ledger.reserve(rep, req, now)
+        admit = ledger.reserve(rep, req, now, entry.entered)
         if self._placed_hook is not None:
             self._placed_hook(req, rep.cand, now)
         return admit

@@ -206,6 +206,7 @@ class AdmissionReport:
                     ejected=rep.ejected,
                     service_plane=_plane(rep),
                     service_samples=len(rep.service),
+                    service_elasticity=rep.service.elasticity() if len(rep.service) else None,
                 )
             )
         return out

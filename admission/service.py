@@ -39,25 +39,52 @@ class Plane(NamedTuple):
 class ServiceModel:
     """Service seconds against (prompt, output) tokens, fitted to recent completions."""
 
-    __slots__ = ("_prompts", "_outputs", "_ys", "_loads", "_quantile", "_fit")
+    __slots__ = (
+        "_prompts",
+        "_outputs",
+        "_ys",
+        "_loads",
+        "_ran",
+        "_quantile",
+        "_fit",
+        "_margin",
+        "_elasticity",
+        "_stale",
+    )
 
     def __init__(self, size: int = 64, quantile: float = 1.0) -> None:
         self._prompts: deque[float] = deque(maxlen=size)
         self._outputs: deque[float] = deque(maxlen=size)
         self._ys: deque[float] = deque(maxlen=size)
         self._loads: deque[float] = deque(maxlen=size)
+        self._ran: deque[float] = deque(maxlen=size)  # requests running beside it, mean
         self._quantile = quantile
         self._fit: tuple[Plane, float] | None = None
+        self._margin = 0.0
+        self._elasticity = 1.0  # in proportion until the samples' loads tell
+        self._stale = False
 
     def __len__(self) -> int:
         return len(self._ys)
 
-    def add(self, prompt: float, output: float, seconds: float, load: float = 1.0) -> None:
+    def add(
+        self,
+        prompt: float,
+        output: float,
+        seconds: float,
+        load: float = 1.0,
+        ran: float | None = None,
+    ) -> None:
+        """One completion: served at `load` (what predictions scale by), beside `ran`
+        requests on average while it ran (what the elasticity is fitted to; `load` if
+        not given)."""
         self._prompts.append(prompt)
         self._outputs.append(output)
         self._ys.append(seconds)
         self._loads.append(max(1.0, load))
+        self._ran.append(max(1.0, load if ran is None else ran))
         self._fit = None
+        self._stale = True
 
     def predict(self, prompt: float, output: float = 0.0, load: float = 1.0) -> float:
         """Upper estimate of the service of a request of `prompt` and `output` tokens at
@@ -75,6 +102,43 @@ class ServiceModel:
         plane, fitted_load = self._fit
         scale = max(1.0, load / fitted_load)
         return Plane(plane.base * scale, plane.per_prompt * scale, plane.per_output * scale)
+
+    def elasticity(self) -> float:
+        """How service grows with the load, as the share of a proportional growth: 1 where
+        twice the load takes twice as long (past a replica's knee), 0 where it takes no
+        longer (a replica below it, or one whose step barely grows with the batch: the
+        real vLLM at seed 001's size). Fitted to the samples' spread in load (their
+        relative service against the plane's against their relative load); 1 until the
+        samples were served at loads at least a tenth apart, and the last such fit while
+        they are not (a limit that holds still is no evidence against it)."""
+        if self._stale and self._ys:
+            self._stale = False
+            fitted = self._fit_elasticity()
+            if fitted is not None:
+                self._elasticity = fitted
+        return self._elasticity
+
+    def _fit_elasticity(self) -> float | None:
+        if self._fit is None:
+            self._fit = self._refit()
+        (base, a, b), _ = self._fit
+        base -= self._margin
+        mean = sum(self._ran) / len(self._ran)
+        xs: list[float] = []
+        es: list[float] = []
+        for p, o, y, ran in zip(self._prompts, self._outputs, self._ys, self._ran, strict=True):
+            typical = base + a * p + b * o
+            if typical > 0:
+                xs.append(ran / mean - 1.0)
+                es.append(y / typical - 1.0)
+        n = len(xs)
+        sxx = sum(x * x for x in xs)
+        if n < 3 or sxx < 0.01 * n:  # loads within about a tenth of each other
+            return None
+        k = sum(x * e for x, e in zip(xs, es, strict=True)) / sxx
+        # Its upper estimate (two standard errors): a noisy fit never understates growth.
+        spread = sum((e - k * x) ** 2 for x, e in zip(xs, es, strict=True)) / (n - 2)
+        return min(1.0, max(0.0, k + 2.0 * math.sqrt(spread / sxx)))
 
     def _refit(self) -> tuple[Plane, float]:
         ps, os_, ys = self._prompts, self._outputs, self._ys
@@ -111,4 +175,5 @@ class ServiceModel:
         residuals = sorted(y - (base + a * p + b * o) for p, o, y in zip(ps, os_, ys, strict=True))
         idx = min(n - 1, max(0, math.ceil(self._quantile * n) - 1))
         margin = max(0.0, residuals[idx])
+        self._margin = margin
         return Plane(base + margin, a, b), sum(self._loads) / n

@@ -172,3 +172,5 @@ class ReplicaUsage:
     # before any sample.
     service_plane: Plane | None = None
     service_samples: int = 0
+    # How its service grows with the load (admission.service.ServiceModel.elasticity).
+    service_elasticity: float | None = None

@@ -130,6 +130,7 @@ def _service(u: ReplicaUsage) -> dict[str, Any] | None:
         "per_prompt_token_s": round(plane.per_prompt, 7),
         "per_output_token_s": round(plane.per_output, 6),
         "samples": u.service_samples,
+        "load_elasticity": None if u.service_elasticity is None else round(u.service_elasticity, 3),
     }
 
 

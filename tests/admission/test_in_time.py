@@ -260,24 +260,26 @@ def test_the_demos_job_with_a_stated_timeout_loses_nothing_to_a_late_start() -> 
     long prompts, 40-200 token answers sent with ignore_eos), 32 clients that state their
     45 s timeout and retry sheds. A queued request starts only while its predicted
     service still fits; with service a line in prompt + output tokens the prediction
-    missed by a whole answer's decode on a few requests, which started and timed out
-    (1 of 738 in two of these three seeds); as a plane in prompt and output none did.
-    A queued request whose service grew while it waited is shed rather than started late
-    (`test_a_queued_request_whose_service_grew_while_it_waited_is_shed_not_started_late`):
-    seed 2's one late start (queued 21 s, started as a probe took the limit from 7 to 8)
-    is gone. One of the 2,214 is still late, in seed 1: started with 21.6 s predicted of
-    the 23.6 left, and 1.3 s later the limit went from 6 to 9 (a cut judged flat given
-    back), which slowed it past its budget. At most that one."""
+    missed by a whole answer's decode on a few requests, which started and timed out; as
+    a plane in prompt and output none did. A queued request whose service grew while it
+    waited is shed rather than started late
+    (`test_a_queued_request_whose_service_grew_while_it_waited_is_shed_not_started_late`).
+    And the limit grows no further than keeps the requests it runs in time
+    (`Ledger.growth_room`): on this card service grows with the load, and slow start, fed
+    by short answers served at a light load, took the limit from 6 to 9 while long ones
+    admitted late in their budget ran (workload seed 1: a cut judged flat given back;
+    11 and 19: slow start, a request started at 7.8 s ran 37 s): one of 738 lost in each
+    before; over workload seeds 0-39, 15 lost in 12 seeds before, 6 in 5 now."""
     from enginesim.workloads import seed2_workload
 
     late = []
-    for seed in (0, 1, 2):
+    for seed in (1, 11, 19):
         report = run("seed2-8b-16gb", seed2_workload(738, seed=seed), concurrency=32,
-                     timeout_s=45.0, seed=seed)  # fmt: skip
+                     timeout_s=45.0)  # fmt: skip
         assert report.failed == 0
         assert report.completed + report.timed_out == 738, (seed, report.timeouts)
-        late += report.timeouts
-    assert len(late) <= 1, late
+        late += [(seed, t) for t in report.timeouts]
+    assert not late, late
 
 
 def test_a_request_queued_cold_is_judged_by_the_first_service_seen() -> None:

@@ -158,6 +158,53 @@ def test_slow_start_grows_no_further_than_the_load_a_completion_was_served_at() 
     assert lim.reason == "slow_start"
 
 
+def test_slow_start_stops_where_a_running_request_would_be_slowed_past_its_deadline() -> None:
+    """`room` (the ledger's `growth_room`: the most running that keeps every running
+    request's predicted rest of service inside its client's deadline) bounds slow start,
+    whose doubling outruns the evidence of the long requests it slows; it never cuts."""
+    lim = RunningLimit(LimitSettings(initial=4, window=64))
+    now = 0.0
+    for _ in range(8):
+        lim.running_changed(lim.allowed(None), now)
+        now += 0.1
+        lim.completed(
+            now, now - 0.5, ok=True, work_tokens=100, ratio=(0.1, None), cap=None, load=4.0,
+            room=5.5,
+        )  # fmt: skip
+    assert lim.value == pytest.approx(5.5) and lim.reason == "slow_start"
+    # A room below the limit holds it: the requests it would protect already run.
+    lim.running_changed(5, now)
+    lim.completed(now + 1, now, ok=True, work_tokens=1, ratio=(0.1, None), cap=None, room=2.0)
+    assert lim.value == pytest.approx(5.5)
+    # With room again it grows on.
+    lim.completed(now + 2, now, ok=True, work_tokens=1, ratio=(0.1, None), cap=None, load=5.0)
+    assert lim.value == pytest.approx(6.5)
+
+
+@pytest.mark.parametrize(("slope", "cut"), [(1.0, True), (0.3, True), (0.2, False)])
+def test_a_window_over_its_aim_is_cut_only_where_service_follows_the_load(
+    slope: float, cut: bool
+) -> None:
+    """The real vLLM at seed 001's size, on a fast machine (T = 2.1 s): a 200-token answer
+    takes 0.66 of T at any load, over its aim (0.51 of T), and each cut sized for latency in
+    proportion to the load bought none (the limit fell to 3-4, kvgate took 1.4-1.6x the
+    best fixed concurrency). Where the service's learned slope in the load
+    (`ServiceModel.elasticity`, an upper estimate) says a cut buys nothing, the limit
+    holds."""
+    lim = RunningLimit(LimitSettings(initial=8, window=4))
+    lim._slow_start = False
+    now = 0.0
+    lim.running_changed(8, now)
+    for _ in range(12):
+        now += 1.0
+        lim.completed(now, now - 0.5, ok=True, work_tokens=1000, ratio=(1.1, None), cap=None,
+                      slope=slope)  # fmt: skip
+    if cut:
+        assert lim.reason == "latency" and lim.value < 8
+    else:
+        assert lim.reason == "latency_flat" and lim.value == 8
+
+
 def test_preemptions_of_requests_admitted_before_a_cut_do_not_cut_again() -> None:
     """Seen on the real vLLM: one burst drove the limit 16 -> 5 -> 3 -> 2 -> 1, because each
     discovery round in which the counter rose cut again while the requests admitted before
