@@ -265,9 +265,10 @@ class Ledger:
 
     def growth_room(self, rep: Replica, now: float) -> float:
         """The most requests `rep` may run without slowing one it runs now past its
-        client's deadline: each one's predicted rest of service (at the load it was
-        predicted at) stretches with the load, so the load may grow by the smallest
-        ratio of time left to service left. inf where nothing running is bounded."""
+        client's deadline: each one's predicted rest of service (at the load the replica
+        serves at) stretches with the load by the service's learned slope, so the load
+        may grow only as far as the tightest of them allows. inf where nothing running
+        is bounded (or service does not grow with the load)."""
         if not len(rep.service):
             return math.inf
         load = rep.serving_load

@@ -53,9 +53,9 @@ Per window:
   what that completion predicts (the load it was served at over its score), nor past
   the room the requests running there leave (``room``, `Ledger.growth_room`: the most
   running that keeps each one's predicted rest of service, stretched by the learned
-  slope, inside its client's deadline; doubling outruns the evidence of the long
-  answers it slows, which a queue admitted late in their budget); a completion past
-  half its aim adds nothing. Slow start ends at a window whose slowest
+  slope, inside its client's deadline: doubling outruns the evidence of the long
+  answers it slows, which the queue may have started late in their budgets); a
+  completion past half its aim adds nothing. Slow start ends at a window whose slowest
   came past half its aim (TCP's ssthresh, judged on a window, not on one completion: on
   a replica whose service grows little with load, one long answer reaches half its aim
   at any load, and ending there held the real vLLM at 3 of the 8-12 it serves in time),
