@@ -35,11 +35,9 @@ Per window:
   running as at 8, and cutting for it took the limit to 1-4 and cost up to 37 of 300
   requests), so the limit goes back (``latency_flat``) and holds while the slowest is
   at most ``_FLAT_SLACK`` worse than it was. A window scored by a failure is no
-  evidence either way. No trial cut is needed where the replica's completions already
-  show it: when the service's slope in the load (`ServiceModel.elasticity`, fitted to
-  what ran beside each completion, an upper estimate) is under ``_FLAT_SLOPE``, the
-  limit holds (``latency_flat``). On a fast machine (T = 2.1 s) each trial cut cost a
-  few seconds at 3-4 running, where the engine serves 8 in time.
+  evidence either way. Where the service's learned slope in the load
+  (`ServiceModel.elasticity`, an upper estimate) is under ``_FLAT_SLOPE``, no trial
+  cut is made: the limit holds (``latency_flat``).
 * **Goodput.** Every window that kept the replica busy (mean running >= 80% of the
   allowed limit) is a point of the replica's throughput curve at its setting; the
   curve's knee (admission/knee.py: where one more running request buys less than
@@ -51,11 +49,8 @@ Per window:
   time (under half its latency aim) while the replica is busy, so it doubles in about
   one service time and a burst on a healthy replica is not queued behind it; never past
   what that completion predicts (the load it was served at over its score), nor past
-  the room the requests running there leave (``room``, `Ledger.growth_room`: the most
-  running that keeps each one's predicted rest of service, stretched by the learned
-  slope, inside its client's deadline: doubling outruns the evidence of the long
-  answers it slows, which the queue may have started late in their budgets); a
-  completion past half its aim adds nothing. Slow start ends at a window whose slowest
+  the ``room`` the running requests leave (`Ledger.growth_room`: doubling outruns the
+  evidence of the long answers it slows); a completion past half its aim adds nothing. Slow start ends at a window whose slowest
   came past half its aim (TCP's ssthresh, judged on a window, not on one completion: on
   a replica whose service grows little with load, one long answer reaches half its aim
   at any load, and ending there held the real vLLM at 3 of the 8-12 it serves in time),
@@ -169,8 +164,7 @@ class RunningLimit:
         # window no worse than this holds the limit instead of cutting it again.
         self._flat: float | None = None
         self._room = math.inf  # the most running that keeps running requests in time
-        # How service grows with the load (1: in proportion; `ServiceModel.elasticity`).
-        self._slope = 1.0
+        self._slope = 1.0  # how service grows with the load (`ServiceModel.elasticity`)
         self._last = now
         self._curve = GoodputCurve()  # the busy windows' goodput, per setting
         self.knee: float | None = None  # fitted knee of the goodput curve
