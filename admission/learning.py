@@ -138,7 +138,7 @@ class Learning:
             # its end (before its slot is freed).
             load=(rep.running + 1 + at_admit) / 2 if at_admit is not None else None,
             room=room,
-            slope=rep.service.elasticity() if len(rep.service) else 1.0,
+            slope=rep.service.elasticity,  # a fit: read only when a window needs it
         )
 
 

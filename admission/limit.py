@@ -84,6 +84,7 @@ The limit is a float kept within [1, cap]; the controller uses its floor.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from admission.knee import GoodputCurve
@@ -164,7 +165,7 @@ class RunningLimit:
         # window no worse than this holds the limit instead of cutting it again.
         self._flat: float | None = None
         self._room = math.inf  # the most running that keeps running requests in time
-        self._slope = 1.0  # how service grows with the load (`ServiceModel.elasticity`)
+        self._slope: Callable[[], float] | None = None  # service's growth in load, or None
         self._last = now
         self._curve = GoodputCurve()  # the busy windows' goodput, per setting
         self.knee: float | None = None  # fitted knee of the goodput curve
@@ -205,7 +206,7 @@ class RunningLimit:
         cap: int | None,
         load: float | None = None,
         room: float = math.inf,
-        slope: float = 1.0,
+        slope: Callable[[], float] | None = None,
     ) -> None:
         """A request admitted at `admitted_at` ended at `now`; `ratio` is its measured /
         target latency ratio against its client's timeout and against the configured
@@ -376,7 +377,7 @@ class RunningLimit:
                 self.reason = "latency_flat"
                 self._reset_window(now)
                 return
-            if self._slope < _FLAT_SLOPE:
+            if self._slope is not None and self._slope() < _FLAT_SLOPE:
                 # Service hardly grows with the load here: a cut would buy no latency.
                 self.reason = "latency_flat"
                 self._reset_window(now)

@@ -198,7 +198,7 @@ def test_a_window_over_its_aim_is_cut_only_where_service_follows_the_load(
     for _ in range(12):
         now += 1.0
         lim.completed(now, now - 0.5, ok=True, work_tokens=1000, ratio=(1.1, None), cap=None,
-                      slope=slope)  # fmt: skip
+                      slope=lambda: slope)  # fmt: skip
     if cut:
         assert lim.reason == "latency" and lim.value < 8
     else:
