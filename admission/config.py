@@ -32,7 +32,11 @@ class AdmissionConfig(BaseModel):
         0.05,
         ge=0.0,
         lt=1.0,
-        description="Fraction of each KV pool kept free: effective = floor(capacity * (1 - headroom)).",
+        description=(
+            "Margin of a reservation resting on an estimated prompt count or output (it "
+            "reserves size / (1 - margin)) until the model's estimates were seen to miss "
+            "(admission/margin.py); one of known size keeps none."
+        ),
     )
     queue_max_per_model: int = Field(256, ge=0, description="Bounded queue length per model.")
     queue_timeout_s: float = Field(

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable
 
 from admission.config import AdmissionConfig
+from admission.margin import EstimateMargin
 
 TokenCounter = Callable[[str], int]
 TokenizerLookup = Callable[[str], TokenCounter | None]
@@ -60,13 +61,14 @@ class SortedWindow:
 
 
 class _ModelStats:
-    __slots__ = ("chars_per_token", "prompt_ratios", "outputs", "output_q")
+    __slots__ = ("chars_per_token", "prompt_ratios", "outputs", "output_q", "short")
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.chars_per_token = config.initial_chars_per_token
         self.prompt_ratios = SortedWindow(config.estimator_window)
         self.outputs = SortedWindow(config.estimator_window)
         self.output_q: int | None = None  # cached learned quantile
+        self.short = EstimateMargin(config.estimator_window)
 
 
 class TokenEstimator:
@@ -172,3 +174,16 @@ class TokenEstimator:
         stats.outputs.add(float(completion_tokens))
         if len(stats.outputs) >= self._config.min_output_samples:
             stats.output_q = max(1, math.ceil(stats.outputs.quantile(self._config.output_quantile)))
+
+    # ----------------------------------------------------------------- margin
+    def observe_estimated(self, model: str, reserved: int, used: int) -> None:
+        """A completed request whose reservation rested on an estimate: it reserved
+        `reserved` tokens (prompt and output, before any margin) and used `used`."""
+        self._stats(model).short.observe(reserved, used)
+
+    def margin(self, model: str) -> float:
+        """The share an estimated reservation of `model` keeps beyond its size
+        (`admission.margin`); the configured headroom until learned."""
+        stats = self._models.get(model)
+        cold = self._config.headroom
+        return cold if stats is None else stats.short.margin(cold)

@@ -9,6 +9,7 @@ slots): the module docstring of `admission.replica`, and docs/admission.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -21,6 +22,7 @@ class FitLimits:
     block_size: int = 16
     preempts: bool = True  # vLLM and SGLang preempt; llama.cpp does not
     private_slots: bool = False  # llama.cpp per-slot KV: a slot cannot overrun the pool
+    margin: float = 0.0  # share of an estimated reservation kept for its error (headroom)
 
 
 def round_up(tokens: int, block_size: int) -> int:
@@ -30,27 +32,49 @@ def round_up(tokens: int, block_size: int) -> int:
 
 
 def reservation(
-    lim: FitLimits, prompt: int, expected_output: int, max_tokens: int, max_tokens_given: bool
+    lim: FitLimits,
+    prompt: int,
+    expected_output: int,
+    max_tokens: int,
+    max_tokens_given: bool,
+    prompt_exact: bool = True,
+    margin: float | None = None,
 ) -> int:
     """The tokens a request holds in the replica's pool: ``prompt + expected_output`` on an
     engine that preempts (an under-estimate is a slowdown there); on one that does not,
     what it may use: ``prompt + max_tokens`` within the context, the whole context when no
-    ``max_tokens`` was given, and never more than a shared pool (alone it cannot overrun it)."""
+    ``max_tokens`` was given, and never more than a shared pool (alone it cannot overrun it).
+
+    A size that rests on an estimate (a prompt counted from its characters, an output
+    reserved below its bound) is grown by ``1 / (1 - margin)``: what the pool keeps for
+    estimates that fall short (`margin`, learned: `admission.margin`; None: the replica's
+    configured headroom). A size known to bound the request (an exact prompt and its
+    whole ``max_tokens``) keeps none: margin kept there is pool left idle."""
     bs = max(1, lim.block_size)
     prompt = max(1, prompt)
     if lim.preempts:
-        return round_up(prompt + max(0, expected_output), bs)
+        raw = prompt + max(0, expected_output)
+        bounded = max_tokens_given and expected_output >= max_tokens
+        return round_up(_with_margin(lim, raw, prompt_exact and bounded, margin), bs)
     most = prompt + max(1, max_tokens) if max_tokens_given else None
     if lim.max_model_len is not None:
         most = lim.max_model_len if most is None else min(most, lim.max_model_len)
+    bounded = most is not None
     if most is None:  # nothing bounds the output here: the best estimate there is
         most = prompt + max(0, expected_output)
-    tokens = round_up(most, bs)
+    tokens = round_up(_with_margin(lim, most, prompt_exact and bounded, margin), bs)
     if lim.pool is not None and not lim.private_slots:
         whole = lim.pool // bs * bs
         if whole >= bs:
             tokens = min(tokens, whole)
     return tokens
+
+
+def _with_margin(lim: FitLimits, tokens: int, exact: bool, margin: float | None) -> int:
+    share = lim.margin if margin is None else margin
+    if exact or share <= 0.0 or lim.private_slots:
+        return tokens
+    return math.ceil(tokens / (1.0 - min(share, 0.9)))
 
 
 def context_needed(preempts: bool, prompt: int, max_tokens: int) -> int:

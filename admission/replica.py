@@ -17,10 +17,15 @@ Reservation size
       ``max_tokens`` runs past the context (it stops at the context's end), so only a
       prompt that leaves no room to generate is refused there.
 
+    A size resting on an estimate (a prompt counted from its characters, an output
+    reserved below its bound) is grown by ``1 / (1 - headroom)``; one that bounds the
+    request (an exact prompt and its whole ``max_tokens``) is not (`admission.fit`).
+
 Effective pool
-    ``floor(capacity * (1 - headroom))``, where capacity is the pinned or engine-reported
-    pool, or the smaller pool the engine's own KV usage shows (`Replica.check_pool`). A
-    pool of private slots (llama.cpp per-slot KV, ``ReplicaState.private_slots``) cannot be
+    The pinned or engine-reported pool, or the smaller pool the engine's own KV usage
+    shows (`Replica.check_pool`): the headroom is kept by the estimated reservations, not
+    carved out of the pool, so a pool of exactly sized requests is packed whole. A pool
+    of private slots (llama.cpp per-slot KV, ``ReplicaState.private_slots``) cannot be
     overrun and keeps no headroom. When several gateway processes share the replica, this
     process admits only within its leased slice (``share_tokens``, ``share_running``).
 """
@@ -99,7 +104,7 @@ class Replica:
     view_at: float = 0.0  # `updated_at` of the engine view in `cand`
     # The last `tokens_for` answer, by the request fields it reads (cleared by refresh,
     # which sets everything else it reads): one decision asks it several times.
-    memo_key: tuple[int, int, int, bool] | None = None
+    memo_key: tuple[int, int, int, bool, bool, float | None] | None = None
     memo_tokens: int = 0
     # The last need of a fit check (request id, time, tokens, shared blocks): the
     # admission that follows in the same decision reuses it (admission.ledger).
@@ -159,7 +164,14 @@ class Replica:
 
     def tokens_for(self, req: AdmissionRequest) -> int:
         """The reservation `req` would hold here (module docstring, Reservation size)."""
-        key = (req.prompt_tokens, req.expected_output, req.max_tokens, req.max_tokens_given)
+        key = (
+            req.prompt_tokens,
+            req.expected_output,
+            req.max_tokens,
+            req.max_tokens_given,
+            req.prompt_exact,
+            req.margin,
+        )
         if key == self.memo_key:
             return self.memo_tokens
         tokens = self._tokens_for(req)
@@ -174,6 +186,8 @@ class Replica:
             req.expected_output,
             req.max_tokens,
             req.max_tokens_given,
+            req.prompt_exact,
+            req.margin,
         )
 
     def context_needed(self, req: AdmissionRequest) -> int:
@@ -231,21 +245,20 @@ class Replica:
         fresh = state.updated_at != self.signals_at
         if fresh and self.capacity is not None:
             self.check_pool(state.kv_usage, now)
-        pool = self.capacity
-        if pool is not None and self.measured_pool is not None:
-            pool = min(pool, self.measured_pool)
-        if not pool:
-            self.effective = 0
-        elif self.private_slots:
-            self.effective = pool
-        else:
-            self.effective = math.floor(pool * (1.0 - config.headroom))
+        # The whole pool: the headroom is kept by the reservations that rest on estimates,
+        # and by a pool measured from the engine's usage, itself an estimate (an upper
+        # bound: the outputs reserved are not all generated yet).
+        pool = self.capacity or 0
+        if pool and self.measured_pool is not None and self.measured_pool < pool:
+            pool = math.floor(self.measured_pool * (1.0 - config.headroom))
+        self.effective = pool
         self.fit = FitLimits(
             self.max_model_len,
             None if self.capacity is None else self.effective,
             self.block_size,
             self.preempts,
             self.private_slots,
+            config.headroom,
         )
         return fresh
 

@@ -33,6 +33,9 @@ class AdmissionRequest(RouteRequest):
     # a request over a limit is forwarded with a reservation clamped to the limit, and
     # the engine's own answer decides (invariant 4).
     prompt_exact: bool = True
+    # The share a reservation resting on an estimate keeps beyond its size, learned from
+    # the model's estimates (admission.margin); None: the configured headroom.
+    margin: float | None = None
     # The client's last retry (openai SDKs: x-stainless-retry-count == max_retries):
     # shedding it turns into a user-visible failure, so it is queued ahead of first
     # attempts of the same priority.

@@ -98,6 +98,7 @@ class _Attempt:
     events: int = 0  # token events received
     stop_after: int | None = None  # a stopper's: it closes the stream after this many
     arrival: float = 0.0  # what the gateway takes as its arrival (a recognised retry's first)
+    estimated: int | None = None  # prompt + output reserved, when the output was a guess
 
 
 def run(
@@ -265,6 +266,7 @@ def run(
                 model, bound, core.max_model_len - p, floor=0 if stream else bound
             ),
             max_tokens=bound,
+            margin=est.margin(model),
             arrival=att.arrival,
             # Only the openai SDKs say which retry this is (kvgate assumes their default
             # budget); a plain client's last is known once its clients' budget is learned.
@@ -275,6 +277,8 @@ def run(
             stream=stream,
             retry_key=hash(item.request_id),
         )
+        if req.expected_output < bound:  # the gateway's rule (gateway/accounting.py)
+            att.estimated = p + req.expected_output
         decision = ctrl.submit(req, now)
         handle_verdict(att, decision.verdict)
         handle(decision.events)
@@ -352,6 +356,9 @@ def run(
                     ttft = (att.first_token or now) - att.admitted_at
                     ended(att, False)
                     est.observe_output(model, ev.completion_tokens)
+                    if att.estimated is not None:
+                        used = len(att.item.prompt_token_ids) + ev.completion_tokens
+                        est.observe_estimated(model, att.estimated, used)
                     admits = ctrl.release(
                         att.rid,
                         now,

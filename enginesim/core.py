@@ -110,7 +110,11 @@ class EngineCore:
         self.max_num_seqs = profile.max_num_seqs
         self.max_num_batched_tokens = profile.max_num_batched_tokens
         self.enable_prefix_caching = eng.enable_prefix_caching
-        self.pool = BlockPool(self.num_gpu_blocks, self.block_size, eng.enable_prefix_caching)
+        # vLLM V1's block pool keeps its first block as the null block, never allocated.
+        self.null_blocks = 1 if self.flavor is Flavor.VLLM else 0
+        self.pool = BlockPool(
+            self.num_gpu_blocks - self.null_blocks, self.block_size, eng.enable_prefix_caching
+        )
         self.roofline = Roofline(profile)
         spec = profile.speculative
         if speculative is None:
@@ -137,6 +141,7 @@ class EngineCore:
         self._running: list[_Req] = []
         self._stats = EngineStats(
             num_gpu_blocks=self.num_gpu_blocks,
+            null_blocks=self.null_blocks,
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
         )

@@ -119,6 +119,7 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     num_gpu_blocks: int = 0
+    null_blocks: int = 0  # never given to a request (vLLM V1 keeps one)
     block_size: int = 16
     enable_prefix_caching: bool = True
     blocks_in_use: int = 0  # blocks referenced by at least one request
@@ -141,7 +142,8 @@ class EngineStats:
 
     @property
     def kv_usage(self) -> float:
-        return self.blocks_in_use / self.num_gpu_blocks if self.num_gpu_blocks else 0.0
+        usable = self.num_gpu_blocks - self.null_blocks  # as vLLM divides it
+        return self.blocks_in_use / usable if usable > 0 else 0.0
 
 
 @dataclass(slots=True)

@@ -159,6 +159,16 @@ class Accounting:
                 )
         if ctx.usage_completion is not None:
             self.estimator.observe_output(ctx.req.model, ctx.usage_completion)
+        r = ctx.req
+        estimated = not r.prompt_exact or not r.max_tokens_given or r.expected_output < r.max_tokens
+        if estimated and ctx.usage_prompt is not None and ctx.usage_completion is not None:
+            # What the estimate reserved against what the engine says was used: the
+            # margin estimated reservations keep (admission.margin).
+            self.estimator.observe_estimated(
+                r.model,
+                r.prompt_tokens + r.expected_output,
+                ctx.usage_prompt + ctx.usage_completion,
+            )
 
     def _account_tenant(self, ctx: RequestContext, now: float) -> None:
         """Settle the rate charge (the engine's usage, or a refund if never admitted) and

@@ -294,6 +294,7 @@ class Pipeline:
         # is reserved its whole context.
         ctx.req.max_tokens = bound if bound is not None else ctx.req.expected_output
         ctx.req.max_tokens_given = ctx.parsed.bounds_output
+        ctx.req.margin = self.estimator.margin(ctx.req.model)
 
     def classify(
         self, request: web.Request, ctx: RequestContext, text: str, tools: str = ""

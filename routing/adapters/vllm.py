@@ -2,7 +2,9 @@
 
 Pool size: ``vllm:cache_config_info`` is an info gauge whose labels carry the cache
 config; the pool is ``num_gpu_blocks * block_size`` tokens, or ``kv_cache_size_tokens``
-when a build reports it directly.
+when a build reports it directly, less one block per engine: V1's block pool keeps its
+first block as the null block and never gives it to a request (its own usage gauge
+divides by the blocks left).
 
 Data parallelism (``--data-parallel-size N``): one server runs N engines, each with its
 own KV pool, and every ``vllm:`` sample carries an ``engine`` label (``"0"``..``"N-1"``)
@@ -123,10 +125,11 @@ class VLLMAdapter:
         state.shares_prefix = shares
         if block_size is not None:
             state.block_size = block_size
-        if direct is not None and direct > 0:
-            state.capacity_tokens = int(direct)
+        null = (block_size or 0) * max(1, len(per_engine))  # one null block per engine
+        if direct is not None and direct > null:
+            state.capacity_tokens = int(direct) - null
         elif per_engine:
-            state.capacity_tokens = sum(per_engine.values())
+            state.capacity_tokens = sum(per_engine.values()) - null
 
 
 def _one_engine(samples: dict[str, list[Sample]], engine: str) -> dict[str, list[Sample]]:

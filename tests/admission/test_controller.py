@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from pydantic import ValidationError
@@ -15,15 +16,24 @@ from routing.types import Router
 from tests.admission.helpers import admits, controller, replica, request, sheds, warm_drain
 
 
-def test_effective_capacity_applies_headroom_and_never_overcommits() -> None:
+def test_headroom_is_kept_by_estimated_reservations_and_never_overcommits() -> None:
+    """Requests of known size (an exact prompt, the whole max_tokens reserved) pack the
+    pool whole; one whose output is an estimate below its max_tokens reserves
+    1 / (1 - headroom) of it, as one with a prompt counted from its characters does."""
     ctrl = controller(headroom=0.1)
-    ctrl.upsert_replica(replica(capacity=1000), 0.0)
+    ctrl.upsert_replica(replica(capacity=1000, block_size=1), 0.0)
     (usage,) = ctrl.report.replica_usage()
-    assert usage.effective_capacity_tokens == 900
-    assert isinstance(ctrl.submit(request("a", 400, 50), 0.0).verdict, Admit)
-    assert isinstance(ctrl.submit(request("b", 400, 50), 0.0).verdict, Admit)
-    assert isinstance(ctrl.submit(request("c", 1, 1), 0.0).verdict, Queued)  # 900 used, 0 free
-    assert ctrl.report.reserved_tokens() == 900
+    assert usage.effective_capacity_tokens == 1000
+    assert ctrl.submit(request("a", 400, 50), 0.0).verdict == Admit("a", "r1", 450)
+    estimated = request("b", 400, 50, max_tokens=400)  # 50 of 400 reserved: a guess
+    assert ctrl.submit(estimated, 0.0).verdict == Admit("b", "r1", 500)  # ceil(450 / 0.9)
+    assert isinstance(ctrl.submit(request("c", 49, 1), 0.0).verdict, Admit)  # 50: exactly full
+    assert ctrl.report.reserved_tokens() == 1000
+    assert isinstance(ctrl.submit(request("d", 1, 1), 0.0).verdict, Queued)
+    counted = replace(request("e", 400, 50), prompt_exact=False)
+    fresh = controller(headroom=0.1)
+    fresh.upsert_replica(replica(capacity=1000, block_size=1), 0.0)
+    assert fresh.submit(counted, 0.0).verdict == Admit("e", "r1", 500)
 
 
 def test_need_is_rounded_up_to_the_replica_block_size() -> None:

@@ -51,12 +51,15 @@ def test_non_preempting_without_max_tokens_reserves_the_slot_context() -> None:
 
 
 def test_non_preempting_request_larger_than_the_pool_runs_alone() -> None:
-    """Unified 4,096 with 5% headroom: an unbounded request may fill the slot (4,096),
-    more than the effective pool (3,891). It takes all of it instead of being refused."""
+    """Unified 4,096 with 5% headroom: an unbounded request whose prompt was counted from
+    its characters may fill the slot (4,096), grown by the margin to more than the pool
+    (4,312). It takes all of the pool instead of being refused."""
     ctrl = controller(headroom=0.05)
     ctrl.upsert_replica(llama(), 0.0)
-    unbounded = replace(request("a", 100, 8, max_tokens=8), max_tokens_given=False)
-    assert ctrl.submit(unbounded, 0.0).verdict == Admit("a", "r1", 3891)
+    unbounded = replace(
+        request("a", 100, 8, max_tokens=8), max_tokens_given=False, prompt_exact=False
+    )
+    assert ctrl.submit(unbounded, 0.0).verdict == Admit("a", "r1", 4096)
     assert isinstance(ctrl.submit(request("b", 10, 1, max_tokens=1), 0.0).verdict, Queued)
     assert ctrl.release("a", 1.0) == [Admit("b", "r1", 11)]
 

@@ -117,3 +117,38 @@ def test_drain_meter_is_unbiased_early() -> None:
     for i in range(1, 5):
         meter.record(100, float(i))  # 100 tokens/s for 4 s, far less than tau
     assert meter.rates(4.0)[0] == pytest.approx(100.0, rel=0.1)
+
+
+# ---------------------------------------------------------------- the estimates' margin
+def test_the_margin_is_the_headroom_until_estimates_were_seen_and_then_what_they_missed() -> None:
+    est = TokenEstimator(AdmissionConfig(headroom=0.05, estimator_window=64))
+    assert est.margin("m") == 0.05  # nothing seen: the configured headroom
+    for _ in range(15):
+        est.observe_estimated("m", 1000, 900)  # over-estimated: nothing missed
+    assert est.margin("m") == 0.05  # 15 of the 16 it needs
+    est.observe_estimated("m", 1000, 950)
+    assert est.margin("m") == 0.0  # the estimates held: pack the pool to them
+    # Now every request uses 10% more than reserved: mean 100 short, no spread.
+    for _ in range(64):
+        est.observe_estimated("m", 1000, 1100)
+    assert est.margin("m") == pytest.approx(0.10)
+    assert est.margin("other") == 0.05  # per model
+
+
+def test_a_few_large_misses_count_with_their_spread() -> None:
+    """One request in ten over by 30%: the mean miss is 3%, the per-request spread 9%:
+    the margin covers both (a pool of a few such requests can hold one of the misses)."""
+    est = TokenEstimator(AdmissionConfig(headroom=0.05))
+    for i in range(100):
+        est.observe_estimated("m", 1000, 1300 if i % 10 == 0 else 1000)
+    assert est.margin("m") == pytest.approx(0.03 + 0.09)
+
+
+def test_the_margin_forgets_old_misses_and_is_bounded() -> None:
+    est = TokenEstimator(AdmissionConfig(headroom=0.05, estimator_window=64))
+    for _ in range(64):
+        est.observe_estimated("m", 100, 400)  # wildly short
+    assert est.margin("m") == 0.5  # at most: reserve twice the estimate
+    for _ in range(64):
+        est.observe_estimated("m", 100, 100)
+    assert est.margin("m") == 0.0  # the window holds only the new, exact ones

@@ -148,7 +148,7 @@ def test_speculation_caches_only_accepted_tokens() -> None:
 
 def test_eviction_stays_lru_with_generated_blocks() -> None:
     """Finished sessions' blocks are evicted least recently freed first, tail first."""
-    core = EngineCore(_tiny(pool_tokens=512, max_model_len=512), seed=0)  # 32 blocks
+    core = EngineCore(_tiny(pool_tokens=528, max_model_len=512), seed=0)  # 32 blocks + null
     rng = random.Random(8)
     histories = {}
     now = 0.0
@@ -179,7 +179,7 @@ def test_eviction_stays_lru_with_generated_blocks() -> None:
 def test_refcounts_hold_through_preemption_of_shared_history() -> None:
     """Two continuations of one session share its cached blocks; one is preempted and
     recomputed. Reference counts stay exact every step, and all blocks come back."""
-    core = EngineCore(_tiny(pool_tokens=512, max_model_len=512), seed=0)  # 32 blocks
+    core = EngineCore(_tiny(pool_tokens=528, max_model_len=512), seed=0)  # 32 blocks + null
     rng = random.Random(9)
     p1 = _prompt(rng, 100)
     core.add_request(SimRequest("t1", p1, max_tokens=60, ignore_eos=True), 0.0)

@@ -110,9 +110,9 @@ async def test_per_slot_server_is_read_as_one_slot_until_its_slots_prove_more(ll
 @pytest.mark.parametrize(
     ("unified", "layout", "pool", "effective", "max_len"),
     [
-        (False, "per_slot", 4096, 4096, 1024),  # private slots keep no headroom
-        (True, "unified", 4096, 3891, 4096),
-        (True, "auto", 4096, 3891, 4096),  # the unified reading is exact here
+        (False, "per_slot", 4096, 4096, 1024),
+        (True, "unified", 4096, 4096, 4096),  # headroom is the estimates' margin, not the pool's
+        (True, "auto", 4096, 4096, 4096),  # the unified reading is exact here
     ],
 )
 async def test_configured_layouts(llama, gateway, unified, layout, pool, effective, max_len):

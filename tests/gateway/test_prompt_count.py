@@ -255,7 +255,7 @@ def _ctx(parsed: ChatCompletionRequest | CompletionRequest) -> RequestContext:
 
 def test_the_counter_reads_the_pool_admission_holds() -> None:
     """One set of fit rules: the counter's limits are admission's own, so a pool of private
-    slots keeps no headroom and a pool the engine's KV usage measured smaller is the
+    slots keeps no margin and a pool the engine's KV usage measured smaller is the
     smaller one (the counter once restated the rules from config, without either)."""
     cfg = config_from_mapping({"admission": {"headroom": 0.1}}, env={})
     slots = _replica(1024, 4096)
@@ -266,6 +266,8 @@ def test_the_counter_reads_the_pool_admission_holds() -> None:
     ctrl = AdmissionController(cfg.admission, default_profile(seed=1), seed=1)
     counter = _counter(cfg, TokenEstimator(cfg.admission), [slots, shared], ctrl)
     pools = sorted(lim.pool for lim in counter._limits_of("m").replicas)
-    assert pools == [4096, 9000]  # private slots: the whole pool; shared: 10% kept free
+    # Both whole: the headroom is the margin of estimated reservations (not of private slots).
+    assert pools == [4096, 10_000]
     report = {lim.pool: lim for lim in ctrl.report.fit_limits("m")}
     assert report[4096].private_slots and not report[4096].preempts
+    assert report[10_000].margin == 0.1

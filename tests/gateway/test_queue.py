@@ -28,7 +28,8 @@ async def hold_pool(s: aiohttp.ClientSession, gw, max_tokens: int) -> aiohttp.Cl
 
 async def test_requests_beyond_the_pool_wait_and_complete_in_order(replica, gateway):
     srv = await replica(speed=5.0)
-    # 512-token pool (486 effective with 5% headroom): two 200-token requests fit, not three.
+    # 512-token pool: two 200-token requests fit (their prompts estimated, so grown by the
+    # 5% cold margin), not three.
     gw = await gateway(srv, pool_tokens=512)
     effective = gw.report.replica_usage()[0].effective_capacity_tokens
     finished: list[int] = []

@@ -260,3 +260,39 @@ def test_a_burst_over_the_pool_is_admitted_and_preempted(vllm: VllmServer) -> No
         t.join(timeout=150)
     assert results == [400] * 16
     assert vllm.metric("vllm:num_preemptions_total") > before
+
+
+def test_the_pools_first_block_is_never_given_to_a_request(vllm: VllmServer) -> None:
+    """vLLM V1 keeps the pool's first block as its null block: of the 128 blocks
+    cache_config_info reports, a request is given at most 127, and the usage gauge divides
+    by those (routing/adapters/vllm.py takes one block off the pool). Read while one stream
+    runs: every reading is a whole number of 127ths, not of 128ths."""
+    blocks = POOL_TOKENS // BLOCK_SIZE
+    readings: list[float] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            reply = vllm.post(
+                "/v1/chat/completions", chat(the(1000, "null-block"), 600), timeout=120
+            )
+            assert reply.status == 200, reply.body
+        finally:
+            done.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 120
+    while not done.is_set() and time.monotonic() < deadline:
+        usage = vllm.metric("vllm:kv_cache_usage_perc")
+        if 0.0 < usage < 1.0:
+            readings.append(usage)
+        time.sleep(0.05)
+    t.join(timeout=10)
+
+    def whole(x: float) -> bool:
+        return abs(x - round(x)) < 1e-6
+
+    assert len(readings) >= 3, readings
+    assert all(whole(u * (blocks - 1)) for u in readings), readings
+    assert not all(whole(u * blocks) for u in readings), readings

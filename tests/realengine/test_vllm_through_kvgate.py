@@ -72,12 +72,14 @@ async def test_discovery_reads_pool_block_size_prefix_caching_and_models(
     r = await admin(gw)
     assert r["ready"] is True and r["engine"] == "vllm"
     assert r["models"] == [MODEL_NAME]
+    # The pool less vLLM's null block, which no request is ever given; the headroom is
+    # kept by the reservations that rest on estimates, not carved out of the pool.
     assert (r["capacity_tokens"], r["block_size"], r["max_model_len"]) == (
-        POOL_TOKENS,
+        POOL_TOKENS - BLOCK_SIZE,
         BLOCK_SIZE,
         MAX_MODEL_LEN,
     )
-    assert r["effective_capacity_tokens"] == int(POOL_TOKENS * 0.95)  # 5% headroom kept
+    assert r["effective_capacity_tokens"] == POOL_TOKENS - BLOCK_SIZE
     assert r["preempts"] is True
     assert r["engine_running"] == 0 and r["engine_kv_usage"] == 0.0
     assert gw.report.shares_prefix(MODEL_NAME) is True  # enable_prefix_caching="True"
@@ -373,6 +375,53 @@ async def test_the_shared_prefix_credit_never_falls_below_what_the_engine_holds(
     assert not short, (short, samples, engine_running)
     assert max(engine_running) >= 2, engine_running
     assert await engine_metric(vllm, "vllm:prefix_cache_hits_total") > 0
+
+
+# ---------------------------------------------------------------------------- packing
+async def test_requests_of_known_size_pack_the_pool_to_its_last_usable_block(
+    vllm: VllmServer, kvgate: Any
+) -> None:
+    """Four completions of exactly 42 blocks each (token ids: an exact count; the whole
+    `max_tokens` generated): three fill 126 of the 127 blocks vLLM can give and run at
+    once, the fourth waits in kvgate, and the engine never preempts. With 5% of the pool
+    kept free for every request, as before, two ran at once."""
+    gw = await through(vllm, kvgate, admission={"initial_limit": 8})
+    output = 100
+    bodies = [
+        {
+            "model": MODEL_NAME,
+            # A first id of its own: no prefix shared with the others or earlier tests.
+            "prompt": [1000 + 10 * i + time.time_ns() % 7]
+            + [200 + j % 50 for j in range(42 * BLOCK_SIZE - output - 1)],
+            "max_tokens": output,
+            "ignore_eos": True,
+        }
+        for i in range(4)
+    ]
+    before = await engine_metric(vllm, "vllm:num_preemptions_total")
+    running: list[int] = []
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        while not done.is_set():
+            running.append(gw.report.replica_usage()[0].running)
+            await asyncio.sleep(0.005)
+
+    async def complete(body: dict[str, Any]) -> int:
+        async with (
+            aiohttp.ClientSession(timeout=TIMEOUT) as s,
+            s.post(gw.url + "/v1/completions", json=body) as r,
+        ):
+            await r.read()
+            return r.status
+
+    watcher = asyncio.create_task(watch())
+    statuses = await asyncio.gather(*(complete(b) for b in bodies))
+    done.set()
+    await watcher
+    assert statuses == [200] * 4
+    assert max(running) == 3, running
+    assert await engine_metric(vllm, "vllm:num_preemptions_total") == before
 
 
 # ---------------------------------------------------------------------------- learned limit

@@ -89,7 +89,8 @@ def _apply(rank: int | None) -> ReplicaState:
 def test_each_rank_reads_only_its_own_engine() -> None:
     r0, r1 = _apply(0), _apply(1)
     assert r0.ready and r1.ready
-    assert r0.capacity_tokens == 1000 * 16 and r1.capacity_tokens == 1200 * 16
+    # Each engine's pool less its null block.
+    assert r0.capacity_tokens == 999 * 16 and r1.capacity_tokens == 1199 * 16
     assert (r0.engine_running, r0.engine_waiting) == (5, 3)
     assert (r1.engine_running, r1.engine_waiting) == (2, 0)
     assert r0.kv_usage == pytest.approx(0.9) and r1.kv_usage == pytest.approx(0.1)
@@ -101,7 +102,7 @@ def test_each_rank_reads_only_its_own_engine() -> None:
 
 def test_whole_server_sums_the_engines() -> None:
     st = _apply(None)
-    assert st.capacity_tokens == (1000 + 1200) * 16
+    assert st.capacity_tokens == (999 + 1199) * 16
     assert (st.engine_running, st.engine_waiting) == (7, 3)
     assert st.kv_usage == pytest.approx(0.5)
 
