@@ -148,26 +148,44 @@ class Accounting:
             log_access(fields)
 
     def _learn(self, ctx: RequestContext) -> None:
-        """Teach the estimator a completed request's true prompt and output tokens."""
+        """Teach the estimator a completed request's true prompt and output tokens, and
+        what its reservation, if estimated, missed."""
+        r = ctx.req
+        estimated_prompt = (
+            not r.prompt_exact
+            and ctx.prompt_countable
+            and bool(ctx.prompt_chars)
+            and not self.estimator.has_tokenizer(r.model)
+        )
+        # What the estimator would reserve for this prompt now, before it learns from it:
+        # a miss of an estimate it has since corrected says nothing of the next
+        # reservation, and neither does one made before it learned the model's
+        # characters per token (the cold guess, which the cold margin covers).
+        learned = self.estimator.most_chars_per_token(r.model) is not None
+        prompt = (
+            self.estimator.prompt_tokens(r.model, ctx.prompt_chars, ctx.num_messages)
+            if estimated_prompt
+            else r.prompt_tokens
+        )
         if ctx.usage_prompt is not None:
-            self.metrics.observe_prompt_estimate(
-                ctx.req.prompt_tokens, ctx.usage_prompt, ctx.req.prompt_exact
-            )
-            if not ctx.req.prompt_exact and ctx.prompt_chars and ctx.prompt_countable:
+            self.metrics.observe_prompt_estimate(r.prompt_tokens, ctx.usage_prompt, r.prompt_exact)
+            if estimated_prompt:
                 self.estimator.observe_prompt(
-                    ctx.req.model, ctx.prompt_chars, ctx.num_messages, ctx.usage_prompt
+                    r.model, ctx.prompt_chars, ctx.num_messages, ctx.usage_prompt
                 )
         if ctx.usage_completion is not None:
-            self.estimator.observe_output(ctx.req.model, ctx.usage_completion)
-        r = ctx.req
+            self.estimator.observe_output(r.model, ctx.usage_completion)
         estimated = not r.prompt_exact or not r.max_tokens_given or r.expected_output < r.max_tokens
-        if estimated and ctx.usage_prompt is not None and ctx.usage_completion is not None:
+        if (
+            estimated
+            and (learned or not estimated_prompt)
+            and ctx.usage_prompt is not None
+            and ctx.usage_completion is not None
+        ):
             # What the estimate reserved against what the engine says was used: the
             # margin estimated reservations keep (admission.margin).
             self.estimator.observe_estimated(
-                r.model,
-                r.prompt_tokens + r.expected_output,
-                ctx.usage_prompt + ctx.usage_completion,
+                r.model, prompt + r.expected_output, ctx.usage_prompt + ctx.usage_completion
             )
 
     def _account_tenant(self, ctx: RequestContext, now: float) -> None:
