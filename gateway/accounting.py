@@ -187,6 +187,7 @@ class Accounting:
             self.estimator.observe_estimated(
                 r.model, prompt + r.expected_output, ctx.usage_prompt + ctx.usage_completion
             )
+            self.metrics.set_estimate_margin(r.model, self.estimator.margin(r.model))
 
     def _account_tenant(self, ctx: RequestContext, now: float) -> None:
         """Settle the rate charge (the engine's usage, or a refund if never admitted) and

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -324,6 +324,13 @@ class GatewayMetrics:
             True: self.prompt_estimate_ratio.labels("true"),
             False: self.prompt_estimate_ratio.labels("false"),
         }
+        self.estimate_margin = Gauge(
+            "kvgate_estimate_margin",
+            "Share an estimated reservation keeps beyond its size, learned from what the "
+            "model's estimates missed (admission/margin.py)",
+            ["model"],
+            registry=r,
+        )
         self.prompt_counts = Counter(
             "kvgate_prompt_counts",
             "Prompts near a limit counted exactly before admission, by how: replica (its "
@@ -479,6 +486,9 @@ class GatewayMetrics:
         """How far the prompt count admission used was from what the engine counted."""
         if estimated > 0 and actual > 0:
             self._ratio_children[exact].observe(estimated / actual)
+
+    def set_estimate_margin(self, model: str, margin: float) -> None:
+        self._child(self.estimate_margin, model).set(margin)
 
     def count_prompt_count(self, how: str) -> None:
         self._child(self.prompt_counts, how).inc()

@@ -104,8 +104,8 @@ async def test_discovery_reports_pool_cap_and_context(
     assert r["ready"] is True and r["engine"] == "llamacpp"
     assert (r["max_running"], r["block_size"], r["preempts"]) == (N_SLOTS, 1, False)
     assert r["max_model_len"] == SLOT_CTX[engine.name]
-    if engine.name == "unified":  # one pool of 4,096, 5% headroom kept
-        assert (r["capacity_tokens"], r["effective_capacity_tokens"]) == (4096, 3891)
+    if engine.name == "unified":  # one pool of 4,096, all of it: exact counts keep no margin
+        assert (r["capacity_tokens"], r["effective_capacity_tokens"]) == (4096, 4096)
         assert r["private_slots"] is False
     elif layout == "configured":  # 4 private slots of 1,024: no headroom needed
         assert (r["capacity_tokens"], r["effective_capacity_tokens"]) == (4096, 4096)

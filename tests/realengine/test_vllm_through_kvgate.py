@@ -443,6 +443,12 @@ async def test_the_margin_learns_what_estimates_miss_not_what_the_cold_guess_mis
         status, _, _ = await call(gw.url, chat(text, 8))
         assert status == 200
     assert est.margin(MODEL_NAME) < 0.02
+    # Operators read it as a gauge per model.
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(gw.url + "/metrics") as r:
+        text = await r.text()
+    line = f'kvgate_estimate_margin{{model="{MODEL_NAME}"}} '
+    (shown,) = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line)]
+    assert shown == pytest.approx(est.margin(MODEL_NAME))
 
 
 # ---------------------------------------------------------------------------- learned limit
