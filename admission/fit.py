@@ -74,6 +74,7 @@ def _with_margin(lim: FitLimits, tokens: int, exact: bool, margin: float | None)
     share = lim.margin if margin is None else margin
     if exact or share <= 0.0 or lim.private_slots:
         return tokens
+    # At most ten times the size: a headroom configured near 1 must not reserve without end.
     return math.ceil(tokens / (1.0 - min(share, 0.9)))
 
 

@@ -18,8 +18,9 @@ Reservation size
       prompt that leaves no room to generate is refused there.
 
     A size resting on an estimate (a prompt counted from its characters, an output
-    reserved below its bound) is grown by ``1 / (1 - headroom)``; one that bounds the
-    request (an exact prompt and its whole ``max_tokens``) is not (`admission.fit`).
+    reserved below its bound) is grown by ``1 / (1 - margin)``, the margin learned from
+    what the model's estimates missed (`admission.margin`; the headroom until then); one
+    that bounds the request (an exact prompt and its whole ``max_tokens``) is not.
 
 Effective pool
     The pinned or engine-reported pool, or the smaller pool the engine's own KV usage
@@ -164,6 +165,7 @@ class Replica:
 
     def tokens_for(self, req: AdmissionRequest) -> int:
         """The reservation `req` would hold here (module docstring, Reservation size)."""
+        # The request fields `reservation` reads, in its order: the memo's key.
         key = (
             req.prompt_tokens,
             req.expected_output,
@@ -172,23 +174,10 @@ class Replica:
             req.prompt_exact,
             req.margin,
         )
-        if key == self.memo_key:
-            return self.memo_tokens
-        tokens = self._tokens_for(req)
-        self.memo_key = key
-        self.memo_tokens = tokens
-        return tokens
-
-    def _tokens_for(self, req: AdmissionRequest) -> int:
-        return reservation(
-            self.fit,
-            req.prompt_tokens,
-            req.expected_output,
-            req.max_tokens,
-            req.max_tokens_given,
-            req.prompt_exact,
-            req.margin,
-        )
+        if key != self.memo_key:
+            self.memo_tokens = reservation(self.fit, *key)
+            self.memo_key = key
+        return self.memo_tokens
 
     def context_needed(self, req: AdmissionRequest) -> int:
         return context_needed(self.preempts, req.prompt_tokens, req.max_tokens)
