@@ -31,6 +31,16 @@ def round_up(tokens: int, block_size: int) -> int:
     return -(-max(0, tokens) // bs) * bs
 
 
+def sized_exactly(
+    prompt_exact: bool, expected_output: int, max_tokens: int, max_tokens_given: bool
+) -> bool:
+    """A reservation of ``prompt + expected_output`` bounds the request: its prompt was
+    counted exactly and its whole ``max_tokens`` is reserved. Anything else rests on an
+    estimate and keeps a margin (`reservation`), which the gateway learns from such
+    requests' misses (`admission.margin`)."""
+    return prompt_exact and max_tokens_given and expected_output >= max_tokens
+
+
 def reservation(
     lim: FitLimits,
     prompt: int,
@@ -54,8 +64,8 @@ def reservation(
     prompt = max(1, prompt)
     if lim.preempts:
         raw = prompt + max(0, expected_output)
-        bounded = max_tokens_given and expected_output >= max_tokens
-        return round_up(_with_margin(lim, raw, prompt_exact and bounded, margin), bs)
+        exact = sized_exactly(prompt_exact, expected_output, max_tokens, max_tokens_given)
+        return round_up(_with_margin(lim, raw, exact, margin), bs)
     most = prompt + max(1, max_tokens) if max_tokens_given else None
     if lim.max_model_len is not None:
         most = lim.max_model_len if most is None else min(most, lim.max_model_len)

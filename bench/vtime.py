@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
+from admission.fit import sized_exactly
 from admission.patience import ClientEnd, stream_end
 from admission.retries import RetryMemory
 from admission.types import AdmissionRequest, Admit, Completion, Events, Queued, Refuse, Shed
@@ -277,7 +278,7 @@ def run(
             stream=stream,
             retry_key=hash(item.request_id),
         )
-        if req.expected_output < bound:  # the gateway's rule (gateway/accounting.py)
+        if not sized_exactly(True, req.expected_output, bound, True):  # as the gateway
             att.estimated = p + req.expected_output
         decision = ctrl.submit(req, now)
         handle_verdict(att, decision.verdict)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from admission.estimate import TokenEstimator
+from admission.fit import sized_exactly
 from admission.patience import ClientEnd, stream_end
 from admission.tenants import TenantLimiter, TenantState
 from admission.types import Completion
@@ -175,7 +176,9 @@ class Accounting:
                 )
         if ctx.usage_completion is not None:
             self.estimator.observe_output(r.model, ctx.usage_completion)
-        estimated = not r.prompt_exact or not r.max_tokens_given or r.expected_output < r.max_tokens
+        estimated = not sized_exactly(
+            r.prompt_exact, r.expected_output, r.max_tokens, r.max_tokens_given
+        )
         if (
             estimated
             and (learned or not estimated_prompt)
