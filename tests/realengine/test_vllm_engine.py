@@ -266,7 +266,8 @@ def test_the_pools_first_block_is_never_given_to_a_request(vllm: VllmServer) -> 
     """vLLM V1 keeps the pool's first block as its null block: of the 128 blocks
     cache_config_info reports, a request is given at most 127, and the usage gauge divides
     by those (routing/adapters/vllm.py takes one block off the pool). Read while one stream
-    runs: every reading is a whole number of 127ths, not of 128ths."""
+    runs: every reading is a whole number of 127ths, not of 128ths (127 and 128 share no
+    factor, so one reading strictly between empty and full already tells them apart)."""
     blocks = POOL_TOKENS // BLOCK_SIZE
     readings: list[float] = []
     done = threading.Event()
@@ -274,7 +275,7 @@ def test_the_pools_first_block_is_never_given_to_a_request(vllm: VllmServer) -> 
     def run() -> None:
         try:
             reply = vllm.post(
-                "/v1/chat/completions", chat(the(1000, "null-block"), 600), timeout=120
+                "/v1/chat/completions", chat(the(1000, "null-block"), 1000), timeout=120
             )
             assert reply.status == 200, reply.body
         finally:
@@ -293,6 +294,8 @@ def test_the_pools_first_block_is_never_given_to_a_request(vllm: VllmServer) -> 
     def whole(x: float) -> bool:
         return abs(x - round(x)) < 1e-6
 
-    assert len(readings) >= 3, readings
+    # /metrics answers slowly while the engine holds both cores: a loaded machine read
+    # only two in a 600-token stream; this one is 1,000 tokens long
+    assert len(readings) >= 2, readings
     assert all(whole(u * (blocks - 1)) for u in readings), readings
     assert not all(whole(u * blocks) for u in readings), readings
