@@ -138,7 +138,7 @@ class Ledger:
         tokens = rep.tokens_for(req)
         if not can_ever_fit(rep.fit, req.prompt_tokens, req.max_tokens, tokens):
             return False
-        allowed = rep.allowed
+        allowed = rep.allowed_for(req.over_limit)
         running = rep.running
         if allowed is not None and running >= allowed:
             return False

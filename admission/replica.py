@@ -134,6 +134,16 @@ class Replica:
             return self.share_running if allowed is None else min(allowed, self.share_running)
         return allowed
 
+    def allowed_for(self, over_limit: bool) -> int | None:
+        """`allowed`, one more for a last retry out of time to start (`over_limit`) where
+        the learned limit binds, not a cap or a leased share: shed, it fails for sure,
+        and the limit is a latency aim that one more running request only dents."""
+        allowed = self.allowed
+        if not over_limit or allowed is None or self.limit is None:
+            return allowed
+        hard = [c for c in (self.cap, self.share_running) if c is not None]
+        return allowed + 1 if not hard or allowed < min(hard) else allowed
+
     @property
     def serving_load(self) -> int:
         """Requests the replica runs at once, the load its service is learned and

@@ -264,7 +264,10 @@ class Shedding:
             self.wait_context(model, now), raw, ahead_tokens + back_tokens, position + back_count
         )
         deadline = entry.deadline
-        if deadline <= now or (wait is not None and now + wait > deadline):
+        # A client's last retry is never shed on an estimate: shed, it fails for sure;
+        # queued at the head, it may still be served (it leaves at its deadline).
+        late = wait is not None and now + wait > deadline and not req.last_retry
+        if deadline <= now or late:
             q.dequeue(entry)
             return self.shed(req, raw, "deadline", wait, deadline, now), displaced
         estimated = wait if wait is not None else self.config.cold_retry_after_s
@@ -288,8 +291,14 @@ class Shedding:
             # in one pass are each told their own wait, not the head's.
             ahead[model] = (tokens + entry.raw, count + 1)
             if entry.deadline <= now:
+                if entry.req.last_retry and not entry.req.over_limit:
+                    # Out of time to start, a last retry fails for sure if shed: it may
+                    # run one over the learned limit at the settle that follows; if the
+                    # pool does not hold it, the next pass sheds it.
+                    entry.req.over_limit = True
+                    continue
                 reason = "queue_timeout"
-            elif wait is None or now + wait <= entry.deadline:
+            elif wait is None or now + wait <= entry.deadline or entry.req.last_retry:
                 continue
             else:
                 reason = "deadline"

@@ -40,6 +40,10 @@ class AdmissionRequest(RouteRequest):
     # shedding it turns into a user-visible failure, so it is queued ahead of first
     # attempts of the same priority.
     last_retry: bool = False
+    # Set on a queued last retry whose time to start ran out: rather than be shed (a
+    # certain failure) it may run one over the learned limit there and then, if the pool
+    # holds it (admission.shedding, `expire`).
+    over_limit: bool = False
     # Seconds the client allows for the whole service once admitted (its read timeout
     # less the time it will have queued, for a non-stream request), or None when unknown.
     # The learned limit keeps service times inside the budgets of the requests it sees.
