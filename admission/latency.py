@@ -25,6 +25,7 @@ def latency_ratio(
     budget_fraction: float,
     targets: LatencyTargets | None,
     stream: bool,
+    alone_s: float = 0.0,
 ) -> tuple[float | None, float | None]:
     """A completion's (client-timeout ratio, worst configured-target ratio), each
     measured / target, None where there is no such target.
@@ -36,8 +37,14 @@ def latency_ratio(
     hard = None
     if budget_s is not None and budget_s > 0:
         measured = ttft_s if stream else service_s
+        aim = budget_s * budget_fraction
+        if not stream and alone_s > 0.0:
+            # A request whose own service (`alone_s`) is long leaves the load room to add
+            # (1 / budget_fraction - 1) of it, within the timeout: no limit serves it
+            # faster than alone, and cutting for it only loses throughput.
+            aim = max(aim, min(budget_s, alone_s / budget_fraction))
         if measured is not None:
-            hard = measured / (budget_s * budget_fraction)
+            hard = measured / aim
     soft = None
     if targets is not None:
         for measured, target in (

@@ -126,6 +126,7 @@ class Learning:
                 targets=targets,
                 # A stream whose budget bounds the whole response is scored on all of it.
                 stream=c.ttft_s is not None and not res.budget_whole,
+                alone_s=rep.service.alone(prompt, output),
             )
         rep.limit.completed(
             now,

@@ -17,7 +17,7 @@ Per window:
 
 * **Latency.** Each completion is scored twice. Against its client's own timeout (the
   openai SDKs send it): its service time, for a stream its time to first token, over
-  ``latency_budget_fraction`` of that timeout; the window's *slowest* request counts,
+  ``latency_budget_fraction`` of that timeout (or more: `latency_ratio`); the slowest counts,
   since a client times out on the tail. Against the model's configured targets
   (`LatencyTargets`: TTFT, inter-token latency, end-to-end): the window's
   ``target_quantile`` (the median user by default, as seed 000's per-user decode rate

@@ -103,6 +103,19 @@ class ServiceModel:
         scale = max(1.0, load / fitted_load)
         return Plane(plane.base * scale, plane.per_prompt * scale, plane.per_output * scale)
 
+    def alone(self, prompt: float, output: float) -> float:
+        """A typical service of such a request with nothing beside it: the fitted plane
+        less its margin, less what the load adds by the elasticity (an upper estimate,
+        so this is a low one: an aim it widens is never too wide); 0 without samples."""
+        if not self._ys:
+            return 0.0
+        if self._fit is None:
+            self._fit = self._refit()
+        (base, a, b), _ = self._fit
+        typical = max(0.0, base - self._margin + a * prompt + b * output)
+        mean = sum(self._ran) / len(self._ran)
+        return typical * (1.0 - self.elasticity() * (1.0 - 1.0 / mean))
+
     def elasticity(self) -> float:
         """How service grows with the load, as the share of a proportional growth: 1 where
         twice the load takes twice as long (past a replica's knee), 0 where it takes no

@@ -138,3 +138,17 @@ def test_the_service_slope_is_proportional_until_the_loads_spread_and_kept_when_
     for p, o, s in seed001_like(random.Random(2), 64, noise=0.01):
         model.add(p, o, s, load=6, ran=6)
     assert model.elasticity() < 0.15
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.5, 1.0])
+def test_a_requests_service_alone_is_its_service_less_what_the_load_adds(slope: float) -> None:
+    """What the learned limit cannot take away: the service with nothing beside it. The
+    real vLLM's case (0): as long as at the load; past a knee (1): a sixth of it at six.
+    Low rather than high (the elasticity is an upper estimate): an aim it widens
+    (admission/latency.py) is never wider than the request's own service allows."""
+    model = ServiceModel()
+    _served_beside(model, slope, random.Random(3))
+    for p, o in ((1400, 40), (4000, 200), (2500, 120)):
+        truth = served(p, o) * (1 - slope * 5 / 6)
+        assert truth * (1 - 0.15 * 5 / 6) - 0.05 <= model.alone(p, o) <= truth * 1.05 + 0.01
+    assert ServiceModel().alone(1000, 100) == 0.0
