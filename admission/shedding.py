@@ -21,7 +21,9 @@ the other tenants' counters let through before its turn.
 
 Expiry (`expire`, run by the controller's `advance`) sheds entries past their deadline
 (``queue_timeout``) or whose re-estimated wait no longer meets it (``deadline``); each is
-told its own wait behind every entry before it, kept or shed in the same pass.
+told its own wait behind every entry before it, kept or shed in the same pass. A client's
+last retry, which a shed fails for sure, is shed on no estimate, and at its deadline it
+is first given one chance to run over the learned limit (`Replica.allowed_for`).
 """
 
 from __future__ import annotations
