@@ -29,15 +29,12 @@ Per window:
   latency grows in proportion to concurrency, so this lands at the aim. This is the
   latency ceiling, and it is what follows a replica that slows down and comes back.
   A later window judges the cut, once the load fell to ``_JUDGED_FALL`` of what ran
-  before it (a series of smaller cuts is judged as one): a mean score that fell by less
-  than half of what the proportion promised says latency does not follow the load there
-  (the real vLLM at seed 001's size: a 200-token answer takes about as long at 5
-  running as at 8, and cutting for it took the limit to 1-4 and cost up to 37 of 300
-  requests), so the limit goes back (``latency_flat``) and holds while the slowest is
-  at most ``_FLAT_SLACK`` worse than it was. A window scored by a failure is no
-  evidence either way. Where the service's learned slope in the load
-  (`ServiceModel.elasticity`, an upper estimate) is under ``_FLAT_SLOPE``, no trial
-  cut is made: the limit holds (``latency_flat``).
+  before it (smaller cuts are judged as one): a mean score that fell by less than half
+  of what the proportion promised (the real vLLM: a 200-token answer takes as long at 5
+  running as at 8; cutting for it cost up to 37 of 300) sends the limit back
+  (``latency_flat``) to hold while the slowest is at most ``_FLAT_SLACK`` worse. A
+  window scored by a failure is no evidence. Where the service's learned slope in the
+  load (`ServiceModel.elasticity`) is under ``_FLAT_SLOPE``, no cut is tried.
 * **Goodput.** Every window that kept the replica busy (mean running >= 80% of the
   allowed limit) is a point of the replica's throughput curve at its setting; the
   curve's knee (admission/knee.py: where one more running request buys less than
@@ -50,22 +47,20 @@ Per window:
   one service time and a burst on a healthy replica is not queued behind it; never past
   what that completion predicts (the load it was served at over its score), nor past
   the ``room`` the running requests leave (`Ledger.growth_room`: doubling outruns the
-  evidence of the long answers it slows); a completion past half its aim adds nothing. Slow start ends at a window whose slowest
-  came past half its aim (TCP's ssthresh, judged on a window, not on one completion: on
-  a replica whose service grows little with load, one long answer reaches half its aim
-  at any load, and ending there held the real vLLM at 3 of the 8-12 it serves in time),
-  at any cut, or at the knee (what it grew past the knee is given back). From then on
+  evidence of the long answers it slows); a completion past half its aim adds nothing.
+  Slow start ends at a window whose slowest came past half its aim (TCP's ssthresh, on
+  a window: one long answer on a flat engine reaches it at any load), at any cut, or at
+  the knee (what it grew past the knee is given back). From then on
   the limit grows by ``limit_probe_step`` per window. Growth never exceeds what the
-  latency score predicts the replica can take (``mean_running / r``) nor the knee. A
-  replica kvgate does not keep busy gives no evidence, and its limit holds.
+  latency score predicts (``mean_running / r``; ``1 / e`` as far where service grows by
+  a share ``e`` of the load's, an upper estimate: on a flat engine the proportion held
+  3.84 at 3 running a whole run) nor the knee. A replica not kept busy holds.
 * **Failures.** A request the replica failed (an upstream error or timeout, a client
   that left at its timeout while being served) scores ``FAILURE_RATIO``; a client that
   left after the queue took most of its budget brings the service it got, a lower bound
-  (admission/learning.py): the queue's misjudgement is not the replica's slowness, and
-  cutting the limit for it lengthens the queue that caused it.
+  (admission/learning.py): the queue's misjudgement is not the replica's slowness.
 
-Rates are measured between the window's first and last completions, so the service time
-of the first requests after a change does not dilute them.
+Rates are measured between a window's first and last completions (no warm-up in them).
 
 Between windows, the engine's own signals act at once (each discovery round):
 
@@ -73,10 +68,9 @@ Between windows, the engine's own signals act at once (each discovery round):
   could keep resident; the limit drops to 75% of the most that ran since the last round
   (the count at this instant may be a lull: on the real vLLM it cut 10 to 1).
 * **The engine's waiting queue** (two rounds in a row with requests waiting inside the
-  engine while kvgate holds more than it runs, and its pool at least 90% used): the
-  engine's pool holds fewer than kvgate admitted, so the limit drops to what it runs.
-  (A request waits briefly in any engine, e.g. for the step's prefill token budget; a
-  waiting queue with free pool is not a pool shortage and is left to the latency rule.)
+  engine while kvgate holds more than it runs, its pool at least 90% used): its pool
+  holds fewer than kvgate admitted; the limit drops to what it runs. (A wait with free
+  pool, e.g. for a step's prefill budget, is left to the latency rule.)
 
 The limit is a float kept within [1, cap]; the controller uses its floor.
 """
@@ -408,7 +402,7 @@ class RunningLimit:
         grow = max(grow, self.value + 1.0)
         bounds: list[tuple[float, str]] = [(grow, "probe")]
         if ratio is not None and ratio > 0:
-            bounds.append((max(self.value, base / ratio), "latency"))
+            bounds.append((max(self.value, self._in_time(base, ratio)), "latency"))
         if self.knee is not None:
             # The knee stops growth; it never pulls the limit down (latency does that).
             bounds.append((max(self.value, self.knee), "knee"))
@@ -418,6 +412,12 @@ class RunningLimit:
         if cap is not None and value >= cap:
             reason = "running_cap"
         self._set(value, reason, now, cap)
+
+    def _in_time(self, base: float, ratio: float) -> float:
+        """The load at which the window's score would reach its aim, for growth: in
+        proportion, or ``1 / e`` as far where service grows by a share ``e`` of that."""
+        e = self._slope() if self._slope is not None and ratio < 1.0 else 1.0
+        return base / ratio if e >= 1.0 else base * (1.0 + (1.0 / ratio - 1.0) / max(e, 1e-9))
 
     def _level(self) -> float | None:
         """The window's typical latency score, for judging a cut: the mean of its
