@@ -13,7 +13,7 @@ from admission.controller import AdmissionController
 from admission.types import Admit, Queued, Refuse, Shed
 from gateway.denials import refusal_message
 from routing.types import Router
-from tests.admission.helpers import admits, controller, replica, request, sheds, warm_drain
+from tests.admission.helpers import admits, controller, filled, replica, request, sheds, warm_drain
 
 
 def test_headroom_is_kept_by_estimated_reservations_and_never_overcommits() -> None:
@@ -311,10 +311,7 @@ def test_cold_start_queues_and_uses_documented_default() -> None:
 
 def test_deadline_that_cannot_be_met_is_shed_at_submit() -> None:
     ctrl = controller()
-    ctrl.upsert_replica(replica(capacity=1000), 0.0)
-    now = warm_drain(ctrl, 200, rate=100.0)
-    for i in range(5):
-        ctrl.submit(request(f"run{i}", 100, 100), now)
+    now = filled(ctrl)
     # Needs 200 tokens to drain; five running, each held ~2 s, release 500 tokens/s
     # (admission/drain.py): ~0.4 s. A 0.2 s deadline cannot be met.
     shed = ctrl.submit(request("hurry", 100, 100, deadline=now + 0.2), now).verdict
@@ -325,10 +322,7 @@ def test_deadline_that_cannot_be_met_is_shed_at_submit() -> None:
     assert isinstance(ok, Queued) and 0.2 < ok.estimated_wait < 1.0
     # The configured queue timeout also bounds the deadline.
     ctrl2 = controller(queue_timeout_s=0.2)
-    ctrl2.upsert_replica(replica(capacity=1000), 0.0)
-    now2 = warm_drain(ctrl2, 200, rate=100.0)
-    for i in range(5):
-        ctrl2.submit(request(f"run{i}", 100, 100), now2)
+    now2 = filled(ctrl2)
     assert isinstance(ctrl2.submit(request("x", 100, 100), now2).verdict, Shed)
 
 
@@ -356,10 +350,7 @@ def test_expire_sheds_overdue_and_admits_what_it_unblocks() -> None:
 
 def test_expire_sheds_entries_whose_deadline_can_no_longer_be_met() -> None:
     ctrl = controller()
-    ctrl.upsert_replica(replica(capacity=1000), 0.0)
-    now = warm_drain(ctrl, 200, rate=100.0)
-    for i in range(5):
-        ctrl.submit(request(f"run{i}", 100, 100), now)
+    now = filled(ctrl)
     queued = ctrl.submit(request("q", 100, 100, deadline=now + 4.0), now).verdict
     assert isinstance(queued, Queued)
     # Nothing drains for a long while: the rate decays and the wait outgrows the deadline.

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from admission.types import Admit, Queued, Shed
-from tests.admission.helpers import controller, replica, request, sheds, warm_drain
+from tests.admission.helpers import controller, filled, replica, request, sheds
 
 
 def last(rid: str, *args: object, **kw: object):
@@ -17,10 +17,7 @@ def last(rid: str, *args: object, **kw: object):
 
 def test_a_last_retry_is_queued_where_an_estimate_would_shed_it_until_its_deadline() -> None:
     ctrl = controller()
-    ctrl.upsert_replica(replica(capacity=1000), 0.0)
-    now = warm_drain(ctrl, 200, rate=100.0)
-    for i in range(5):
-        ctrl.submit(request(f"run{i}", 100, 100), now)
+    now = filled(ctrl)
     # The pool is full and about 0.4 s of draining away: a first attempt that must be
     # served within 0.2 s is shed on the estimate, a last retry waits at the head.
     first = ctrl.submit(request("first", 100, 100, deadline=now + 0.2), now).verdict
