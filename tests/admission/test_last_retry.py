@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from admission.types import Admit, Queued, Shed
+from admission.types import AdmissionRequest, Admit, Queued, Shed
 from tests.admission.helpers import controller, filled, replica, request, sheds
 
 
-def last(rid: str, *args: object, **kw: object):
-    return replace(request(rid, *args, **kw), last_retry=True)
+def last(rid: str, prompt: int, output: int, *, deadline: float) -> AdmissionRequest:
+    return replace(request(rid, prompt, output, deadline=deadline), last_retry=True)
 
 
 def test_a_last_retry_is_queued_where_an_estimate_would_shed_it_until_its_deadline() -> None:
@@ -40,7 +40,7 @@ def test_a_last_retry_out_of_time_runs_one_over_the_learned_limit_never_over_a_c
     ctrl.upsert_replica(replica(capacity=10_000), 0.0)
     for i in range(2):
         assert isinstance(ctrl.submit(request(f"run{i}", 100, 100), 0.0).verdict, Admit)
-    # Queued at the head, ahead of an earlier first attempt, while its time lasts.
+    # A first attempt waits; two last retries queue ahead of it while their time lasts.
     assert isinstance(ctrl.submit(request("first", 100, 100, deadline=1.0), 0.0).verdict, Queued)
     for name in ("last1", "last2"):
         assert isinstance(ctrl.submit(last(name, 100, 100, deadline=2.0), 0.0).verdict, Queued)
