@@ -10,7 +10,7 @@ index (routing.kvindex) with what routing.kvevents decodes.
   missing, the index starts over from the message at hand (`EngineBlocks.resync`).
 - A subscription that stays silent while the engine serves prompts (its prefix-cache
   query counter moves) is stale: the scorer stops trusting it and this loop subscribes
-  again.
+  again, at most once a stale period (`EngineBlocks.silent`).
 
 pyzmq and msgpack are the optional extra ``kvgate[kvevents]``.
 """
@@ -73,6 +73,7 @@ class KVEventSubscriber:
             # await per message costs the loop more than decoding and applying it.
             now_queued = zmq.Socket.shadow(sub.underlying)
             self.subscriptions += 1
+            subscribed_at = loop.time()
             try:
                 while True:
                     if await sub.poll(POLL_MS):
@@ -84,9 +85,10 @@ class KVEventSubscriber:
                             await self._on_message(frames, loop.time())
                         else:
                             await asyncio.sleep(0)  # a full batch: let the others run
-                    elif self.blocks.last_seq is not None and not self.blocks.usable(
-                        loop.time(), self._queries()
-                    ):
+                    elif (
+                        loop.time() - subscribed_at > self.blocks.stale_after_s
+                        and self.blocks.silent(loop.time(), self._queries())
+                    ):  # at most once a stale period: a new socket may miss messages
                         log.warning(
                             "kv events of %s are stale: subscribing again", self.blocks.name
                         )

@@ -254,6 +254,17 @@ class EngineBlocks:
             i += 1
         return i
 
+    def silent(self, now: float, queries_total: float | None) -> bool:
+        """No event for ``stale_after_s`` while the engine served prompts (its prefix-cache
+        query counter rose): a subscription to renew. A restart is not one (its counter
+        starts over lower): ZMQ reconnects by itself and the sequence starting over
+        clears the index, where a socket renewed as the new engine came up lost its
+        first messages, and the index their blocks."""
+        if self.last_event_at is None or now - self.last_event_at <= self.stale_after_s:
+            return False
+        seen = self.queries_at_event
+        return queries_total is not None and seen is not None and queries_total > seen
+
     def usable(self, now: float, queries_total: float | None) -> bool:
         """Subscribed, and not silent while its engine served prompts (module docstring)."""
         if self.last_seq is None or self.last_event_at is None:

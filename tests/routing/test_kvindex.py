@@ -120,6 +120,11 @@ def test_staleness_when_the_engine_serves_prompts_and_no_event_comes() -> None:
     assert blocks.usable(60.0, 100.0)  # silent, but the engine served nothing either
     assert not blocks.usable(60.0, 500.0)  # the engine served prompts: events are lost
     assert not blocks.usable(1.0, 10.0)  # its counters started over: it restarted
+    # A subscription to renew only after a silence while the counter moved; a restart
+    # alone is not one (ZMQ reconnects; the sequence starting over clears the index).
+    assert not blocks.silent(1.0, 10.0) and not blocks.silent(60.0, 10.0)
+    assert not blocks.silent(60.0, 100.0) and not blocks.silent(5.0, 500.0)
+    assert blocks.silent(60.0, 500.0)
 
 
 def cand(name: str, queries: float | None = None) -> Candidate:
