@@ -117,6 +117,8 @@ class Learning:
             # A failure that brings its service is a client that left after part of its
             # budget went to the queue: the service it got is a lower bound, not proof
             # of a slow replica (the queue's deadline judged it, admission/settling.py).
+            # A stream whose budget bounds the whole response is scored on all of it.
+            stream = c.ttft_s is not None and not res.budget_whole
             ratio = latency_ratio(
                 service_s=c.service_s,
                 ttft_s=ttft,
@@ -124,9 +126,9 @@ class Learning:
                 budget_s=budget,
                 budget_fraction=self.config.latency_budget_fraction,
                 targets=targets,
-                # A stream whose budget bounds the whole response is scored on all of it.
-                stream=c.ttft_s is not None and not res.budget_whole,
-                alone_s=rep.service.alone(prompt, output),
+                stream=stream,
+                # Read only where it is used: a fit of the service's slope per call.
+                alone_s=rep.service.alone(prompt, output) if budget and not stream else 0.0,
             )
         rep.limit.completed(
             now,

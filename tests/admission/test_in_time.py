@@ -160,6 +160,19 @@ def real_vllm_items(n: int, seed: int = 1) -> list:
     return out
 
 
+def timeout_and_best_fixed(profile: str, items: list) -> tuple[float, float]:
+    """bench/real_vllm.py's client timeout (1.5x the worst latency straight at 8) and the
+    best wall time of a fixed concurrency (4, 8 or 16) completing every request within it:
+    found without admission, never given to it."""
+    timeout = 1.5 * run_closed_loop(profile, items, 8, 1e9).max_latency
+    best = min(
+        r.wall_time
+        for r in (run_closed_loop(profile, items, c, timeout) for c in (4, 8, 16))
+        if r.completed == len(items)
+    )
+    return timeout, best
+
+
 @pytest.fixture(scope="module")
 def vllm_8k(tmp_path_factory) -> str:
     """The fitted vllm-cpu-tiny profile with bench/real_vllm.py's 8,192-token pool."""
@@ -186,12 +199,7 @@ def test_the_sdk_at_32_completes_every_request_near_the_best_fixed_concurrency(v
     whose slowest is past half its aim, it takes 1.115x (1.101x and 1.092x on seeds 2
     and 3): still short of 1.10x, and reported (bench/parity_vtime.py)."""
     items = real_vllm_items(150)
-    timeout = 1.5 * run_closed_loop(vllm_8k, items, 8, 1e9).max_latency
-    best = min(
-        r.wall_time
-        for r in (run_closed_loop(vllm_8k, items, c, timeout) for c in (4, 8, 16))
-        if r.completed == len(items)
-    )
+    timeout, best = timeout_and_best_fixed(vllm_8k, items)
     report = run(vllm_8k, items, concurrency=32, timeout_s=timeout, max_retries=2)
     assert report.completed == len(items), (report.timed_out, report.failed)
     assert report.wall_s <= 1.15 * best, (report.wall_s, best, report.limits)
@@ -209,12 +217,7 @@ def test_the_sdk_on_an_engine_slower_than_its_timeout_was_set_for_is_not_cut_bel
     and 1.37x with growth that follows the service's slope in the load (seed 2: the
     limit held at 3 for the whole run, 1.92x; now 1.49x; bench/results/real_vllm.stop41.md)."""
     items = real_vllm_items(150, 7)
-    timeout = 1.5 * run_closed_loop(vllm_8k, items, 8, 1e9).max_latency
-    best = min(
-        r.wall_time
-        for r in (run_closed_loop(vllm_8k, items, c, timeout) for c in (4, 8, 16))
-        if r.completed == len(items)
-    )
+    timeout, best = timeout_and_best_fixed(vllm_8k, items)
     report = run(vllm_8k, items, concurrency=32, timeout_s=timeout, max_retries=2,
                  slow=lambda _t: 1.25)  # fmt: skip
     assert report.completed == len(items), (report.timed_out, report.failed)

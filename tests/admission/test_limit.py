@@ -30,16 +30,26 @@ def feed_window(
     work: int = 1000,
     gap: float = 1.0,
     cap: int | None = None,
+    slope: float | None = None,
 ) -> float:
     """Complete enough requests at `running` in flight to close one window (a sequence
-    of ratios is cycled through, one per completion)."""
+    of ratios is cycled through, one per completion); `slope`: the service's learned
+    slope in the load, as the replica reports it."""
     lim.running_changed(running, now)
     windows, value = lim.windows, lim.value
     ratios = ratio if isinstance(ratio, Sequence) else [ratio]
     for i in range(60):
         now += gap
         r = ratios[i % len(ratios)]
-        lim.completed(now, now - 0.5, ok=True, work_tokens=work, ratio=(r, None), cap=cap)
+        lim.completed(
+            now,
+            now - 0.5,
+            ok=True,
+            work_tokens=work,
+            ratio=(r, None),
+            cap=cap,
+            slope=None if slope is None else (lambda: slope),
+        )
         if lim.windows > windows or lim.value != value:
             break
     return now
@@ -153,19 +163,9 @@ def test_growth_where_service_grows_little_with_the_load_follows_its_slope(
     the best fixed concurrency). Where the service's learned slope in the load is 0.3, the
     load may grow 1 / 0.3 as far: 3 * (1 + (1 / 0.85 - 1) / 0.3) = 4.76."""
     lim = RunningLimit(LimitSettings(initial=3.84, window=4))
-    lim.running_changed(3, 0.0)
-    now = 0.0
-    while lim.windows == 0:
-        now += 1.0
-        lim.completed(
-            now,
-            now - 0.5,
-            ok=True,
-            work_tokens=1000,
-            ratio=(0.85 * 0.85, None),  # aimed at from 85% inside: the window's 0.85
-            cap=None,
-            slope=None if slope is None else (lambda: slope),
-        )
+    # Aimed at from 85% inside: the window's 0.85.
+    feed_window(lim, 0.0, running=3, ratio=0.85 * 0.85, slope=slope)
+    assert lim.windows == 1
     assert lim.value == pytest.approx(grown, abs=0.01)
     assert lim.reason == "latency"
 
