@@ -3,13 +3,15 @@
 (evictions included), the index predicts, for every prompt, exactly the cached tokens
 the engine reports for it (``usage.prompt_tokens_details.cached_tokens``: the judge);
 events missed while kvgate was not listening are replayed from the engine's replay
-socket; a restarted engine starts empty in the index too.
+socket; a subscription gone silent on the wire (no close, no reset) is noticed, not
+trusted, renewed and caught up; a restarted engine starts empty in the index too.
 
 Fails (never skips) without the vLLM env (tests/realengine/vllm.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from typing import Any
 
@@ -40,12 +42,58 @@ def events_vllm(vllm: VllmServer) -> tuple[VllmServer, int, int]:
     return vllm, *vllm.kv_ports
 
 
-async def gateway_for(kvgate: Any, server: VllmServer, port: int, replay: int) -> Gateway:
+class SilentRelay:
+    """A TCP relay on loopback between kvgate's SUB socket and the engine's PUB socket
+    that can go silent: connections open at `silence` stay open and their bytes are
+    dropped both ways (a NAT or load balancer that forgot the flow: no FIN, no RST, so
+    ZMQ never notices), while connections made after it are relayed."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._open: list[dict[str, Any]] = []
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def silence(self) -> None:
+        for conn in self._open:
+            conn["silent"] = True
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for conn in self._open:
+            for writer in conn["writers"]:
+                writer.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        conn: dict[str, Any] = {"silent": False, "writers": (writer, up_writer)}
+        self._open.append(conn)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await src.read(65536):
+                    if not conn["silent"]:
+                        dst.write(data)
+                        await dst.drain()
+            if not conn["silent"]:  # a close is relayed only while the flow is alive
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+async def gateway_for(
+    kvgate: Any, server: VllmServer, port: int, replay: int, *, endpoint_port: int | None = None
+) -> Gateway:
     gw = await kvgate(
         server,
         engine="vllm",
         kv_events={
-            "endpoint": f"tcp://127.0.0.1:{port}",
+            "endpoint": f"tcp://127.0.0.1:{endpoint_port or port}",
             "replay_endpoint": f"tcp://127.0.0.1:{replay}",
             "topic": "kv",
         },
@@ -142,6 +190,54 @@ async def test_the_index_equals_the_engines_cache_after_a_burst_with_evictions(
         probes = [burst[0], burst[1], burst[-1], burst[-2], prompt(rng, systems[3], 70)]
         await judge(http, server, gw, probes)
     assert blocks.gaps == 0 and blocks.restarts == 0
+
+
+async def test_a_subscription_silent_on_the_wire_is_distrusted_renewed_and_caught_up(
+    events_vllm: tuple[VllmServer, int, int], kvgate: Any
+) -> None:
+    server, port, replay = events_vllm
+    relay = SilentRelay(port)
+    await relay.start()
+    try:
+        gw = await gateway_for(kvgate, server, port, replay, endpoint_port=relay.port)
+        subscriber: KVEventSubscriber = gw.state.kv_subscribers[0]
+        blocks = subscriber.blocks
+        blocks.stale_after_s = 3.0  # 10 s by default: a shorter test
+        watcher = gw.state.discovery.watchers["r0"]
+        loop = asyncio.get_running_loop()
+
+        def usable() -> bool:
+            return blocks.usable(loop.time(), watcher.state.prefix_cache_queries_total)
+
+        rng = random.Random(23)
+        system = " ".join(rng.choice(WORDS) for _ in range(100))
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+            await chat(http, gw.url, prompt(rng, system, 50))
+            await settle(server, gw)
+            assert usable() and subscriber.subscriptions == 1
+            # The wire goes silent; the engine goes on storing blocks (and counting
+            # prefix-cache queries, which is how kvgate tells silence from idleness).
+            relay.silence()
+            missed = [prompt(rng, system, 40 + i) for i in range(3)]
+            for m in missed:
+                await chat(http, server.url, m)
+            assert await until(lambda: not usable(), 30.0), "a silent subscription was trusted"
+            assert await until(lambda: subscriber.subscriptions >= 2, 30.0), "never renewed"
+            # The renewed subscription's first message is past a gap: the replay socket
+            # fills it. Until that message arrives (ZMQ's slow joiner may drop the first
+            # ones), requests of their own, straight to the engine.
+            before = blocks.last_seq
+            for i in range(5):
+                await chat(http, server.url, prompt(rng, system, 30 + i))
+                await settle(server, gw)
+                if blocks.last_seq != before:
+                    break
+            assert blocks.last_seq != before, "nothing arrived on the renewed subscription"
+            assert usable() and blocks.gaps >= 1 and subscriber.replayed >= 1
+            assert blocks.resyncs == 0 and blocks.restarts == 0
+            await judge(http, server, gw, [*missed, prompt(rng, system, 45)])
+    finally:
+        await relay.stop()
 
 
 async def test_missed_events_are_replayed_and_a_restarted_engine_starts_empty(
