@@ -129,6 +129,8 @@ class Learning:
                 stream=stream,
                 # Read only where it is used: a fit of the service's slope per call.
                 alone_s=rep.service.alone(prompt, output) if budget and not stream else 0.0,
+                # Slow start keeps the fixed share: the first wave waits behind its growth.
+                waited_s=None if rep.limit.slow_start else res.waited,
             )
         rep.limit.completed(
             now,

@@ -62,6 +62,8 @@ class Reservation:
     # When its client gives up on it (its attempt's arrival + a budget that bounds the
     # whole response): growing the limit must not slow it past this.
     due: float = math.inf
+    # Since its first attempt's arrival (a Retry-After slept is queueing too) until admitted.
+    waited: float = 0.0
     # Set by `hold`: since when, until when at most, and what to learn on release.
     held_since: float | None = None
     held_until: float = math.inf
@@ -219,6 +221,7 @@ class Ledger:
             prompt_tokens=max(1, req.prompt_tokens),
             output_tokens=max(0, req.expected_output),
             due=_due(req, now if entered is None else entered),
+            waited=now - min(req.arrival, now if entered is None else entered),
         )
         self.views.touch(rep)
         return Admit(req.request_id, rep.name, full, req.latency_budget)

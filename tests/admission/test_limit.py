@@ -422,6 +422,35 @@ def test_a_request_long_on_its_own_is_aimed_at_its_own_service_not_a_share_of_th
     assert hard(0.9, 0.8) == pytest.approx(0.9 / 1.2)  # within the timeout, never past it
 
 
+def test_a_request_that_waited_less_than_the_queues_share_may_use_what_its_wait_left():
+    """The 40% of a client's timeout kept for queueing is the queue's: with 16 clients
+    and a replica that serves 16 within their timeout, the limit held at 9 (each window's
+    slowest past 60% of it) and 7 clients queued behind it, 8% below the replica alone.
+    A request that started after a short wait (from its first attempt: a Retry-After
+    slept counts) is scored against what that wait left; one that waited longer than the
+    share, or whose wait is not counted (slow start), keeps the share."""
+
+    def hard(service: float, waited: float | None, stream: bool = False) -> float:
+        ratio, _ = latency_ratio(
+            service_s=service,
+            ttft_s=service,
+            itl_s=None,
+            budget_s=40.0,
+            budget_fraction=0.6,
+            targets=None,
+            stream=stream,
+            waited_s=waited,
+        )
+        assert ratio is not None
+        return ratio
+
+    assert hard(30.0, None) == pytest.approx(30.0 / 24.0)
+    assert hard(30.0, 0.0) == pytest.approx(30.0 / 40.0)
+    assert hard(30.0, 10.0) == pytest.approx(30.0 / 30.0)
+    assert hard(30.0, 25.0) == pytest.approx(30.0 / 24.0)  # never below the share
+    assert hard(30.0, 10.0, stream=True) == pytest.approx(30.0 / 30.0)  # its first token
+
+
 # ---------------------------------------------------------------- against enginesim
 
 
@@ -484,7 +513,7 @@ def test_the_limit_follows_a_slowdown_and_the_recovery(seed2_items) -> None:
 def test_clients_that_state_their_timeout_keep_it_through_a_slowdown(seed) -> None:
     """The openai SDK's clients (T stated, two retries after Retry-After) at 32 while the
     replica runs at half speed for 400 s: the limit follows, so an attempt times out only
-    where the slowdown caught it already running (0-4 of 640 on seeds 1-4), and the rest
+    where the slowdown caught it already running (0-8 of 640 on seeds 1-4), and the rest
     complete or are shed with a Retry-After well inside their three attempts. Straight at
     the engine, 74-97 complete; a fixed limit of 8 (the card's best before the
     slowdown) lets 20 attempts time out. Inside the slowdown, a request predicted to
@@ -498,7 +527,9 @@ def test_clients_that_state_their_timeout_keep_it_through_a_slowdown(seed) -> No
     items = seed2_workload(320, seed=seed) * 2
     report = run(PROFILE, items, concurrency=32, timeout_s=TIMEOUT_S, slow=slow, max_retries=2,
                  seed=seed)  # fmt: skip
-    assert report.timed_out <= 6, report.timeouts
+    # Seeds 1-10: 33 attempt timeouts and 6,233 completed, where scoring every request
+    # against 60% of its timeout gave 26 and 6,219 (seed 3: 8 against 4, 620 against 613).
+    assert report.timed_out <= 8, report.timeouts
     assert all(250.0 <= t <= 650.0 for t, _, _ in report.timeouts), report.timeouts
     assert all(t <= 450.0 or n == 2 for t, n, _ in report.timeouts), report.timeouts
     assert report.completed >= 0.93 * len(items), (report.completed, report.failed)
