@@ -437,6 +437,13 @@ class AdmissionController:
         # Only slow start reads the room the running requests leave (a walk of them).
         growing = rep.limit is not None and rep.limit.slow_start
         room = self._ledger.growth_room(rep, now) if growing else math.inf
+        if res.unbudgeted is not None and completion is not None:
+            # Admitted before its clients' patience was learned: scored against it now,
+            # or the limit grows on completions it cannot judge while they time out.
+            tenant, stream = res.unbudgeted
+            learned = self._patience.budget(tenant, res.model, stream)
+            if learned is not None:
+                res.budget, res.budget_whole = learned.seconds, learned.whole
         self._learning.released(rep, res, completion, now, at_admit, room=room)
         self._placement.released(res.request_id, res.replica, now)
         self._ledger.forget_if_gone(rep)

@@ -64,6 +64,9 @@ class Reservation:
     due: float = math.inf
     # Since its first attempt's arrival (a Retry-After slept is queueing too) until admitted.
     waited: float = 0.0
+    # (tenant, stream) of a client that stated nothing, admitted before its population's
+    # patience was learned: scored against that patience once it is (AdmissionController).
+    unbudgeted: tuple[str, bool] | None = None
     # Set by `hold`: since when, until when at most, and what to learn on release.
     held_since: float | None = None
     held_until: float = math.inf
@@ -222,6 +225,11 @@ class Ledger:
             output_tokens=max(0, req.expected_output),
             due=_due(req, now if entered is None else entered),
             waited=now - min(req.arrival, now if entered is None else entered),
+            unbudgeted=(
+                (req.tenant, req.stream)
+                if req.latency_budget is None and req.deadline == math.inf
+                else None
+            ),
         )
         self.views.touch(rep)
         return Admit(req.request_id, rep.name, full, req.latency_budget)

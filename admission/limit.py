@@ -371,7 +371,7 @@ class RunningLimit:
                 self.reason = "latency_flat"
                 self._reset_window(now)
                 return
-            if self._slope is not None and self._slope() < _FLAT_SLOPE:
+            if self._slope is not None and _measured(ratio) and self._slope() < _FLAT_SLOPE:
                 # Service hardly grows with the load here: a cut would buy no latency.
                 self.reason = "latency_flat"
                 self._reset_window(now)

@@ -232,6 +232,21 @@ def test_a_window_over_its_aim_is_cut_only_where_service_follows_the_load(
         assert lim.reason == "latency_flat" and lim.value == 8
 
 
+def test_a_window_of_clients_that_timed_out_is_cut_whatever_the_slope() -> None:
+    """A failure is no latency measured, so the slope cannot say a cut buys nothing: 64
+    plain clients on seed 001's card, every request of a window timed out while running
+    at 27, and the limit held there (`latency_flat`) on a slope of 0.2."""
+    lim = RunningLimit(LimitSettings(initial=27, window=4))
+    lim._slow_start = False
+    now = 0.0
+    lim.running_changed(27, now)
+    while lim.windows == 0:  # a window: at least the limit's completions
+        now += 1.0
+        lim.completed(now, now - 0.5, ok=False, work_tokens=1000, ratio=(None, None),
+                      cap=None, slope=lambda: 0.2)  # fmt: skip
+    assert lim.reason == "latency" and lim.value < 27
+
+
 def test_preemptions_of_requests_admitted_before_a_cut_do_not_cut_again() -> None:
     """Seen on the real vLLM: one burst drove the limit 16 -> 5 -> 3 -> 2 -> 1, because each
     discovery round in which the counter rose cut again while the requests admitted before

@@ -389,3 +389,32 @@ def test_patient_streams_beside_readers_are_not_shed_in_virtual_time() -> None:
     assert report.stopped >= 300  # the readers did what they do
     assert report.completed + report.stopped == len(items)
     assert sum(n for client, n in report.sheds.items() if client >= 4) == 0
+
+
+def test_requests_admitted_before_their_clients_patience_was_learned_are_scored_by_it() -> None:
+    """64 plain clients on seed 001's card: slow start grew to 24 on completions it could
+    not judge (their clients stated nothing and no patience was learned when they were
+    admitted), and they timed out while running. Once the population's patience is
+    known, the completions of requests admitted before it are scored against it."""
+
+    def limit_after(learn: bool) -> tuple[int, str]:
+        ctrl = controller(learn_limit=True, initial_limit=8, limit_window=4)
+        ctrl.upsert_replica(replica(capacity=100_000), 0.0)
+        for i in range(8):  # their clients state nothing
+            assert isinstance(ctrl.submit(request(f"r{i}", 100, 100), 0.0).verdict, Admit)
+        if learn:
+            ctrl.adopt_patience("default", "m", False, Budget(10.0), 1.0)
+        served = Completion(service_s=9.0, prompt_tokens=100, completion_tokens=100)
+        for i in range(8):  # each served for 9 s of its clients' 10
+            ctrl.release(f"r{i}", 9.0 + i, served)
+        # The window's last: a client that states 100 s, served in 1.
+        assert isinstance(ctrl.submit(request("last", latency_budget=100.0), 17.0).verdict, Admit)
+        ctrl.release("last", 18.0, Completion(service_s=1.0, prompt_tokens=100,
+                                              completion_tokens=100, latency_budget=100.0))  # fmt: skip
+        (usage,) = ctrl.report.replica_usage()
+        assert usage.limit is not None
+        return usage.limit, usage.limit_reason
+
+    assert limit_after(learn=False)[0] >= 8  # nothing to judge the eight by
+    limit, reason = limit_after(learn=True)
+    assert limit < 8 and reason == "latency"
