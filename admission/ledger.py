@@ -211,7 +211,9 @@ class Ledger:
         if rep.limit is not None:
             rep.limit.running_changed(rep.running, now)
         full = rep.tokens_for(req)  # its whole need, the shared part included
-        self.reservations[req.request_id] = Reservation(
+        since = now if entered is None else entered
+        first = req.arrival if req.arrival < since else since  # not min(): a call per decision
+        res = self.reservations[req.request_id] = Reservation(
             req.request_id,
             rep.name,
             req.model,
@@ -223,14 +225,11 @@ class Ledger:
             budget_whole=req.budget_whole,
             prompt_tokens=max(1, req.prompt_tokens),
             output_tokens=max(0, req.expected_output),
-            due=_due(req, now if entered is None else entered),
-            waited=now - min(req.arrival, now if entered is None else entered),
-            unbudgeted=(
-                (req.tenant, req.stream)
-                if req.latency_budget is None and req.deadline == math.inf
-                else None
-            ),
+            due=_due(req, since),
+            waited=now - first,
         )
+        if req.latency_budget is None and req.deadline == math.inf:
+            res.unbudgeted = (req.tenant, req.stream)
         self.views.touch(rep)
         return Admit(req.request_id, rep.name, full, req.latency_budget)
 
