@@ -410,6 +410,31 @@ def test_latency_ratio_separates_client_timeouts_from_targets() -> None:
     assert soft == pytest.approx(2.0)  # worst of TTFT 2/1 and ITL 0.3/0.2
 
 
+def hard_ratio(
+    service: float,
+    *,
+    budget: float,
+    stream: bool = False,
+    alone: float = 0.0,
+    waited: float | None = None,
+) -> float:
+    """`latency_ratio`'s client-timeout score at the default 60% share, no targets (a
+    stream's measured first token taken as `service`)."""
+    ratio, _ = latency_ratio(
+        service_s=service,
+        ttft_s=service if stream else None,
+        itl_s=None,
+        budget_s=budget,
+        budget_fraction=0.6,
+        targets=None,
+        stream=stream,
+        alone_s=alone,
+        waited_s=waited,
+    )
+    assert ratio is not None
+    return ratio
+
+
 def test_a_request_long_on_its_own_is_aimed_at_its_own_service_not_a_share_of_the_budget():
     """The real vLLM, its timeout calibrated on a faster minute: a 200-token answer takes
     0.8 s alone where 60% of the SDK's 1.2 s is 0.72 s. Scored against that share it is
@@ -418,18 +443,7 @@ def test_a_request_long_on_its_own_is_aimed_at_its_own_service_not_a_share_of_th
     timeout. A request short on its own keeps the share."""
 
     def hard(service: float, alone: float) -> float:
-        ratio, _ = latency_ratio(
-            service_s=service,
-            ttft_s=None,
-            itl_s=None,
-            budget_s=1.2,
-            budget_fraction=0.6,
-            targets=None,
-            stream=False,
-            alone_s=alone,
-        )
-        assert ratio is not None
-        return ratio
+        return hard_ratio(service, budget=1.2, alone=alone)
 
     assert hard(0.9, 0.0) == pytest.approx(0.9 / 0.72)
     assert hard(0.9, 0.3) == pytest.approx(0.9 / 0.72)  # 0.3 / 0.6 is inside the share
@@ -446,18 +460,7 @@ def test_a_request_that_waited_less_than_the_queues_share_may_use_what_its_wait_
     share, or whose wait is not counted (slow start), keeps the share."""
 
     def hard(service: float, waited: float | None, stream: bool = False) -> float:
-        ratio, _ = latency_ratio(
-            service_s=service,
-            ttft_s=service,
-            itl_s=None,
-            budget_s=40.0,
-            budget_fraction=0.6,
-            targets=None,
-            stream=stream,
-            waited_s=waited,
-        )
-        assert ratio is not None
-        return ratio
+        return hard_ratio(service, budget=40.0, stream=stream, waited=waited)
 
     assert hard(30.0, None) == pytest.approx(30.0 / 24.0)
     assert hard(30.0, 0.0) == pytest.approx(30.0 / 40.0)
