@@ -179,6 +179,8 @@ async def contender(
             client = CLIENTS[client_kind](url, timeout_s, out)
             samples: list[dict[str, Any]] = []
             watch = asyncio.create_task(watch_admin(gw.url, samples)) if gw else None
+            held: list[tuple[float, float]] = []
+            engine_watch = asyncio.create_task(watch_engine(engine.url, held))
             groups = cpu_groups(engine, gw.popen.pid if gw else None)
             before = cpu_share.snapshot(groups)
             try:
@@ -187,6 +189,7 @@ async def contender(
                 await client.close()
                 if watch is not None:
                     watch.cancel()
+                engine_watch.cancel()
             cpu = cpu_share.spent(before, cpu_share.snapshot(groups), out.wall_s or 1.0)
             if gw is not None:
                 async with (
@@ -218,6 +221,7 @@ async def contender(
         # kvgate kept the engine fed, from /admin/replicas read every ADMIN_EVERY_S.
         kvgate_service=(replica or {}).get("service"),
         **fed(samples),
+        **engine_fed(held),
         cpu=cpu,  # per process: cpu_s, wait_s (runnable, not running), cores (cpu/wall)
         errors=sorted(set(out.errors))[:5],
         load_1m_after=round(os.getloadavg()[0], 2),  # other sessions share the 2 cores
@@ -225,7 +229,8 @@ async def contender(
     print(
         f"  {label}: completed {out.completed}/{out.requests}, timed out {out.timed_out}, "
         f"failed {out.failed}, attempt timeouts {out.attempt_timeouts}, shed {out.shed}, retries {out.retries}, wall {out.wall_s:.1f} s, "
-        f"p50 {row['p50_s']} max {row['max_s']}, preemptions {row['preemptions']}"
+        f"p50 {row['p50_s']} max {row['max_s']}, preemptions {row['preemptions']}, "
+        f"the engine ran {row.get('engine_mean_running')} on average"
         + (
             f", kvgate ran {row['kvgate_mean_running']} on average, underfed "
             f"{row['kvgate_underfed_share']:.0%} of readings"
@@ -272,6 +277,36 @@ async def watch_admin(url: str, samples: list[dict[str, Any]]) -> None:
             except (aiohttp.ClientError, ValueError):
                 pass  # a missed reading; the next one counts
             await asyncio.sleep(ADMIN_EVERY_S)
+
+
+async def watch_engine(url: str, held: list[tuple[float, float]]) -> None:
+    """Read the engine's own gauges every ADMIN_EVERY_S until cancelled: the requests it
+    runs and its KV usage. What a gateway counts as running includes requests on their
+    way to the engine and answers on their way back; this is what the engine had."""
+    names = ("vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+    async with aiohttp.ClientSession() as s:
+        while True:
+            try:
+                async with s.get(url + "/metrics") as r:
+                    values = dict.fromkeys(names, 0.0)
+                    for line in (await r.text()).splitlines():
+                        name = line.split("{", 1)[0].split(" ", 1)[0]
+                        if name in values:
+                            values[name] += float(line.rsplit(" ", 1)[1])
+                    held.append((values[names[0]], values[names[1]]))
+            except (aiohttp.ClientError, ValueError):
+                pass  # a missed reading; the next one counts
+            await asyncio.sleep(ADMIN_EVERY_S)
+
+
+def engine_fed(held: list[tuple[float, float]]) -> dict[str, Any]:
+    """The engine's mean running requests and KV usage over the run's readings."""
+    if not held:
+        return {}
+    return {
+        "engine_mean_running": round(statistics.fmean(r for r, _ in held), 2),
+        "engine_mean_kv_usage": round(statistics.fmean(u for _, u in held), 3),
+    }
 
 
 def fed(samples: list[dict[str, Any]]) -> dict[str, Any]:
