@@ -8,7 +8,10 @@ final size exactly (the engine's own prompt count with the chat template, plus i
 ``max_tokens``: the workload ignores EOS) and sends a request the moment the final sizes
 of all it has in flight fit the pool, in vLLM's blocks. Two oracles: ``fifo`` keeps the
 order (the head waits for room, as kvgate's strict order does), ``first-fit`` sends any
-request that fits (backfilling past the head, perfect packing). Beside them in the same
+request that fits (backfilling past the head, perfect packing); ``fifo-via-kvgate`` sends
+the in-order oracle's requests through a fresh ``kvgate serve`` configured with the
+replica's URL alone, so what the gateway's hop and its own booking cost shows beside
+it (the oracle still decides when each request goes). Beside them in the same
 rep, straight at fixed concurrencies: the best fixed one is the 1.10x target's judge in
 `bench/real_vllm.py`. No timeouts, no retries: every request completes; what is compared
 is wall time.
@@ -48,9 +51,11 @@ from bench.real_vllm import (  # noqa: E402
     watch_engine,
     workload,
 )
+from kvgate_demo.demo import start_gateway, stopping, wait_http  # noqa: E402
 from tests.realengine.vllm import MODEL_NAME, vllm_path  # noqa: E402
 
 ORACLES = ("fifo", "first-fit")
+VIA_KVGATE = "fifo-via-kvgate"  # the in-order oracle's requests sent through a fresh kvgate
 RUNNING_EVERY_S = 0.1
 
 
@@ -146,16 +151,28 @@ async def contender(name: str, reqs: list[Request], workdir: Path, rep: int) -> 
         if not name.startswith("c"):
             async with aiohttp.ClientSession() as s:
                 sizes = await final_blocks(s, engine.url, reqs, block)
-        held: list[tuple[float, float]] = []
-        watch = asyncio.create_task(watch_engine(engine.url, held))
-        try:
-            if name.startswith("c"):
-                row = await fixed(engine.url, reqs, int(name[1:]))
-            else:
-                # vLLM keeps one block of its pool as the null block, given to no request.
-                row = await oracle(engine.url, reqs, sizes, pool // block - 1, name)
-        finally:
-            watch.cancel()
+        gw = None
+        if name == VIA_KVGATE:  # configured as a new user would: the replica's URL alone
+            config = {
+                "replicas": [{"name": "vllm", "url": engine.url}],
+                "logging": {"level": "warning", "access_log": False},
+            }
+            gw = start_gateway(config, workdir=workdir, log=workdir / f"kvgate-{rep}.log")
+        with stopping(*([gw] if gw else [])):
+            url = engine.url
+            if gw is not None:
+                await wait_http(gw.url + "/ready", 60.0, gw)
+                url = gw.url
+            held: list[tuple[float, float]] = []
+            watch = asyncio.create_task(watch_engine(engine.url, held))
+            try:
+                if name.startswith("c"):
+                    row = await fixed(url, reqs, int(name[1:]))
+                else:
+                    # vLLM keeps one block of its pool as the null block, given to nobody.
+                    row = await oracle(url, reqs, sizes, pool // block - 1, name.split("-via")[0])
+            finally:
+                watch.cancel()
         row.update(**engine_fed(held), contender=name, rep=rep, pool_tokens=pool,
                    preemptions=int(engine.metric("vllm:num_preemptions_total") - before))  # fmt: skip
     finally:
@@ -169,10 +186,12 @@ async def main() -> None:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--fixed", type=int, nargs="+", default=[6, 8])
+    ap.add_argument("--oracles", nargs="+", choices=[*ORACLES, VIA_KVGATE],
+                    default=[*ORACLES, VIA_KVGATE])  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     reqs = workload(args.requests, vllm_path("KVGATE_VLLM_MODEL"))
-    names = [f"c{c}" for c in args.fixed] + list(ORACLES)
+    names = [f"c{c}" for c in args.fixed] + list(args.oracles)
     rows = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kvgate-pool-bound-") as tmp:
@@ -193,10 +212,12 @@ async def main() -> None:
         ratio = statistics.median(r["wall_s"] / best[r["rep"]] for r in mine)
         line = {
             "contender": name,
-            "wall_s": statistics.median(r["wall_s"] for r in mine),
+            "wall_s": round(statistics.median(r["wall_s"] for r in mine), 2),
             "per_rep": [r["wall_s"] for r in mine],
-            "mean_running": statistics.median(r["mean_running"] for r in mine),
-            "engine_mean_running": statistics.median(r["engine_mean_running"] for r in mine),
+            "mean_running": round(statistics.median(r["mean_running"] for r in mine), 2),
+            "engine_mean_running": round(
+                statistics.median(r["engine_mean_running"] for r in mine), 2
+            ),
             "preemptions": statistics.median(r["preemptions"] for r in mine),
             "ratio_to_best_fixed": round(ratio, 3),
         }
