@@ -42,6 +42,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.closed_loop import Outcome, PlainClient, drive  # noqa: E402
 from bench.real_vllm import (  # noqa: E402
     Request,
     body,
@@ -57,6 +58,7 @@ from tests.realengine.vllm import MODEL_NAME, vllm_path  # noqa: E402
 ORACLES = ("fifo", "first-fit")
 VIA_KVGATE = "fifo-via-kvgate"  # the in-order oracle's requests sent through a fresh kvgate
 RUNNING_EVERY_S = 0.1
+NO_TIMEOUT_S = 3600.0
 
 
 async def final_blocks(session: aiohttp.ClientSession, url: str, reqs: list[Request],
@@ -123,21 +125,17 @@ async def oracle(url: str, reqs: list[Request], sizes: list[int], room: int,
 
 
 async def fixed(url: str, reqs: list[Request], concurrency: int) -> dict[str, Any]:
-    """Straight at a fixed concurrency (a closed loop), no timeout."""
-    todo = list(reversed(range(len(reqs))))
-    loop = asyncio.get_running_loop()
-
-    async def worker(session: aiohttp.ClientSession) -> None:
-        while todo:
-            i = todo.pop()
-            async with session.post(url + "/v1/chat/completions", json=body(reqs[i])) as r:
-                r.raise_for_status()
-                await r.read()
-
-    t0 = loop.time()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
-    return {"wall_s": round(loop.time() - t0, 2), "mean_running": float(concurrency)}
+    """Straight at a fixed concurrency: real_vllm.py's plain client in a closed loop, with
+    no timeout that could cut an attempt short (as its calibration runs)."""
+    out = Outcome(requests=len(reqs))
+    client = PlainClient(url, NO_TIMEOUT_S, out)
+    try:
+        await drive(client, [body(r) for r in reqs], concurrency, out)
+    finally:
+        await client.close()
+    if out.completed != out.requests:
+        raise RuntimeError(f"straight at {concurrency}: {out.completed} of {out.requests}")
+    return {"wall_s": round(out.wall_s, 2), "mean_running": float(concurrency)}
 
 
 async def contender(name: str, reqs: list[Request], workdir: Path, rep: int) -> dict[str, Any]:
@@ -170,7 +168,8 @@ async def contender(name: str, reqs: list[Request], workdir: Path, rep: int) -> 
                     row = await fixed(url, reqs, int(name[1:]))
                 else:
                     # vLLM keeps one block of its pool as the null block, given to nobody.
-                    row = await oracle(url, reqs, sizes, pool // block - 1, name.split("-via")[0])
+                    order = "fifo" if name == VIA_KVGATE else name
+                    row = await oracle(url, reqs, sizes, pool // block - 1, order)
             finally:
                 watch.cancel()
         row.update(**engine_fed(held), contender=name, rep=rep, pool_tokens=pool,

@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 from bench import cpu_share  # noqa: E402
 from bench.closed_loop import CLIENTS, PLAIN_BACKOFF_S, RETRIES, Outcome, drive  # noqa: E402
 from kvgate_demo.demo import start_gateway, stopping, wait_http  # noqa: E402
+from routing.adapters._common import parse_prometheus, total  # noqa: E402
 from tests.realengine.vllm import MODEL_NAME, VllmServer, vllm_path  # noqa: E402
 
 POOL_TOKENS = 8192  # the tiny model's KV is 1 KiB a token (REAL_ENGINE_NOTES.md)
@@ -283,18 +284,16 @@ async def watch_engine(url: str, held: list[tuple[float, float]]) -> None:
     """Read the engine's own gauges every ADMIN_EVERY_S until cancelled: the requests it
     runs and its KV usage. What a gateway counts as running includes requests on their
     way to the engine and answers on their way back; this is what the engine had."""
-    names = ("vllm:num_requests_running", "vllm:kv_cache_usage_perc")
     async with aiohttp.ClientSession() as s:
         while True:
             try:
                 async with s.get(url + "/metrics") as r:
-                    values = dict.fromkeys(names, 0.0)
-                    for line in (await r.text()).splitlines():
-                        name = line.split("{", 1)[0].split(" ", 1)[0]
-                        if name in values:
-                            values[name] += float(line.rsplit(" ", 1)[1])
-                    held.append((values[names[0]], values[names[1]]))
-            except (aiohttp.ClientError, ValueError):
+                    samples = parse_prometheus(await r.text())
+                if samples is not None:
+                    running = total(samples, "vllm:num_requests_running") or 0.0
+                    usage = total(samples, "vllm:kv_cache_usage_perc") or 0.0
+                    held.append((running, usage))
+            except aiohttp.ClientError:
                 pass  # a missed reading; the next one counts
             await asyncio.sleep(ADMIN_EVERY_S)
 
