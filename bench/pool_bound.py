@@ -43,13 +43,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.closed_loop import Outcome, PlainClient, drive  # noqa: E402
+from bench.engine_gauges import engine_fed, watch_engine  # noqa: E402
 from bench.real_vllm import (  # noqa: E402
     Request,
     body,
-    engine_fed,
     pool_of,
     start_engine,
-    watch_engine,
     workload,
 )
 from kvgate_demo.demo import start_gateway, stopping, wait_http  # noqa: E402
@@ -58,6 +57,7 @@ from tests.realengine.vllm import MODEL_NAME, vllm_path  # noqa: E402
 ORACLES = ("fifo", "first-fit")
 VIA_KVGATE = "fifo-via-kvgate"  # the in-order oracle's requests sent through a fresh kvgate
 RUNNING_EVERY_S = 0.1
+ENGINE_EVERY_S = 0.25
 NO_TIMEOUT_S = 3600.0
 
 
@@ -162,7 +162,7 @@ async def contender(name: str, reqs: list[Request], workdir: Path, rep: int) -> 
                 await wait_http(gw.url + "/ready", 60.0, gw)
                 url = gw.url
             held: list[tuple[float, float]] = []
-            watch = asyncio.create_task(watch_engine(engine.url, held))
+            watch = asyncio.create_task(watch_engine(engine.url, held, ENGINE_EVERY_S))
             try:
                 if name.startswith("c"):
                     row = await fixed(url, reqs, int(name[1:]))

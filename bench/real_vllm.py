@@ -57,8 +57,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import cpu_share  # noqa: E402
 from bench.closed_loop import CLIENTS, PLAIN_BACKOFF_S, RETRIES, Outcome, drive  # noqa: E402
+from bench.engine_gauges import engine_fed, watch_engine  # noqa: E402
 from kvgate_demo.demo import start_gateway, stopping, wait_http  # noqa: E402
-from routing.adapters._common import parse_prometheus, total  # noqa: E402
 from tests.realengine.vllm import MODEL_NAME, VllmServer, vllm_path  # noqa: E402
 
 POOL_TOKENS = 8192  # the tiny model's KV is 1 KiB a token (REAL_ENGINE_NOTES.md)
@@ -181,7 +181,7 @@ async def contender(
             samples: list[dict[str, Any]] = []
             watch = asyncio.create_task(watch_admin(gw.url, samples)) if gw else None
             held: list[tuple[float, float]] = []
-            engine_watch = asyncio.create_task(watch_engine(engine.url, held))
+            engine_watch = asyncio.create_task(watch_engine(engine.url, held, ADMIN_EVERY_S))
             groups = cpu_groups(engine, gw.popen.pid if gw else None)
             before = cpu_share.snapshot(groups)
             try:
@@ -278,34 +278,6 @@ async def watch_admin(url: str, samples: list[dict[str, Any]]) -> None:
             except (aiohttp.ClientError, ValueError):
                 pass  # a missed reading; the next one counts
             await asyncio.sleep(ADMIN_EVERY_S)
-
-
-async def watch_engine(url: str, held: list[tuple[float, float]]) -> None:
-    """Read the engine's own gauges every ADMIN_EVERY_S until cancelled: the requests it
-    runs and its KV usage. What a gateway counts as running includes requests on their
-    way to the engine and answers on their way back; this is what the engine had."""
-    async with aiohttp.ClientSession() as s:
-        while True:
-            try:
-                async with s.get(url + "/metrics") as r:
-                    samples = parse_prometheus(await r.text())
-                if samples is not None:
-                    running = total(samples, "vllm:num_requests_running") or 0.0
-                    usage = total(samples, "vllm:kv_cache_usage_perc") or 0.0
-                    held.append((running, usage))
-            except aiohttp.ClientError:
-                pass  # a missed reading; the next one counts
-            await asyncio.sleep(ADMIN_EVERY_S)
-
-
-def engine_fed(held: list[tuple[float, float]]) -> dict[str, Any]:
-    """The engine's mean running requests and KV usage over the run's readings."""
-    if not held:
-        return {}
-    return {
-        "engine_mean_running": round(statistics.fmean(r for r, _ in held), 2),
-        "engine_mean_kv_usage": round(statistics.fmean(u for _, u in held), 3),
-    }
 
 
 def fed(samples: list[dict[str, Any]]) -> dict[str, Any]:
