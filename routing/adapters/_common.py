@@ -38,10 +38,18 @@ def parse_json(body: str | None) -> Any:
         return None
 
 
-def parse_prometheus(body: str | None) -> dict[str, list[Sample]] | None:
-    """Samples by sample name (e.g. ``vllm:num_preemptions_total``), or None if unparsable."""
+def parse_prometheus(
+    body: str | None, names: frozenset[str] | None = None
+) -> dict[str, list[Sample]] | None:
+    """Samples by sample name (e.g. ``vllm:num_preemptions_total``), or None if unparsable.
+    `names`: only these samples; the other lines are dropped before parsing (vLLM's
+    ``/metrics`` is mostly histogram buckets no adapter reads: parsing it whole took 7.6
+    ms a round for one quiet engine, 0.4 ms for the lines read, and discovery parses
+    every replica's every round)."""
     if body is None:
         return None
+    if names is not None:
+        body = _only(body, names)
     out: dict[str, list[Sample]] = {}
     try:
         for family in text_string_to_metric_families(body):
@@ -50,6 +58,22 @@ def parse_prometheus(body: str | None) -> dict[str, list[Sample]] | None:
     except (ValueError, TypeError, IndexError):
         return None
     return out
+
+
+def _only(body: str, names: frozenset[str]) -> str:
+    """The sample lines of `body` named in `names` (comments dropped: without its
+    ``# TYPE`` a sample parses as untyped under its own name, the key read here)."""
+    kept = []
+    for line in body.split("\n"):
+        if not line or line[0] == "#":
+            continue
+        end = line.find("{")
+        if end < 0:
+            end = line.find(" ")
+        if line[:end] in names:
+            kept.append(line)
+    kept.append("")
+    return "\n".join(kept)
 
 
 def total(samples: dict[str, list[Sample]], *names: str) -> float | None:

@@ -46,6 +46,27 @@ def _lookup(info: dict[str, Any], key: str) -> int | None:
     return None
 
 
+_RUNNING = ("sglang:num_running_reqs",)
+_WAITING = ("sglang:num_queue_reqs",)
+_USAGE = ("sglang:token_usage",)
+_RETRACTED = ("sglang:num_retracted_reqs_total",)
+_ITL = ("sglang:inter_token_latency_seconds",)
+_ACCEPT_LENGTH = "sglang:spec_accept_length"
+_POOL_TOKENS = "sglang:max_total_num_tokens"
+# Every sample this adapter reads: the rest of /metrics is not parsed.
+_READ = frozenset(
+    (
+        *_RUNNING,
+        *_WAITING,
+        *_USAGE,
+        *_RETRACTED,
+        *(name + suffix for name in _ITL for suffix in ("_sum", "_count")),
+        _ACCEPT_LENGTH,
+        _POOL_TOKENS,
+    )
+)
+
+
 class SGLangAdapter:
     engine = "sglang"
     probe_paths: tuple[str, ...] = ("/server_info", "/metrics", "/v1/models")
@@ -83,22 +104,22 @@ class SGLangAdapter:
                 if state.speculative and verified is not None and verified > 1
                 else None
             )
-        samples = parse_prometheus(ok_body(responses, "/metrics"))
+        samples = parse_prometheus(ok_body(responses, "/metrics"), _READ)
         metrics_ok = samples is not None
         if samples is not None:
             if state.capacity_tokens is None:
-                pool_metric = total(samples, "sglang:max_total_num_tokens")
+                pool_metric = total(samples, _POOL_TOKENS)
                 if pool_metric:
                     state.capacity_tokens = int(pool_metric)
             apply_load(
                 state,
                 samples,
-                running=("sglang:num_running_reqs",),
-                waiting=("sglang:num_queue_reqs",),
-                usage=("sglang:token_usage",),
-                preemptions=("sglang:num_retracted_reqs_total",),
-                itl=("sglang:inter_token_latency_seconds",),
+                running=_RUNNING,
+                waiting=_WAITING,
+                usage=_USAGE,
+                preemptions=_RETRACTED,
+                itl=_ITL,
             )
-            accept = total(samples, "sglang:spec_accept_length")
+            accept = total(samples, _ACCEPT_LENGTH)
             state.spec_accept_length = accept if accept is not None and accept >= 1.0 else None
         state.ready = models_ok and info_ok and metrics_ok and state.capacity_tokens is not None

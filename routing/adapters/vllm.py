@@ -59,6 +59,38 @@ from routing.adapters._common import (
 )
 from routing.types import ReplicaState
 
+_RUNNING = ("vllm:num_requests_running",)
+_WAITING = ("vllm:num_requests_waiting",)
+_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_PREEMPTIONS = ("vllm:num_preemptions_total",)
+_PREFIX_QUERIES = ("vllm:prefix_cache_queries_total",)
+_PREFIX_HITS = ("vllm:prefix_cache_hits_total",)
+_SPEC_DRAFT = ("vllm:spec_decode_num_draft_tokens_total",)
+_SPEC_ACCEPTED = ("vllm:spec_decode_num_accepted_tokens_total",)
+_SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
+_SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+_ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+_CACHE_CONFIG = "vllm:cache_config_info"
+_POOL_TOKENS = "vllm:kv_cache_size_tokens"
+# Every sample this adapter reads: the rest of /metrics is not parsed.
+_READ = frozenset(
+    (
+        *_RUNNING,
+        *_WAITING,
+        *_USAGE,
+        *_PREEMPTIONS,
+        *_PREFIX_QUERIES,
+        *_PREFIX_HITS,
+        *_SPEC_DRAFT,
+        *_SPEC_ACCEPTED,
+        _SPEC_DRAFTS,
+        _SPEC_PER_POS,
+        *(name + suffix for name in _ITL for suffix in ("_sum", "_count")),
+        _CACHE_CONFIG,
+        _POOL_TOKENS,
+    )
+)
+
 
 class VLLMAdapter:
     engine = "vllm"
@@ -70,7 +102,7 @@ class VLLMAdapter:
         state.updated_at = now
         state.preempts = True
         models_ok = apply_models(state, ok_body(responses, "/v1/models"))
-        samples = parse_prometheus(ok_body(responses, "/metrics"))
+        samples = parse_prometheus(ok_body(responses, "/metrics"), _READ)
         if samples is not None and state.dp_rank is not None:
             samples = _one_engine(samples, str(state.dp_rank))
         metrics_ok = samples is not None
@@ -79,25 +111,20 @@ class VLLMAdapter:
             apply_load(
                 state,
                 samples,
-                running=("vllm:num_requests_running",),
-                waiting=("vllm:num_requests_waiting",),
-                usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-                preemptions=("vllm:num_preemptions_total",),
-                prefix_queries=("vllm:prefix_cache_queries_total",),
-                prefix_hits=("vllm:prefix_cache_hits_total",),
-                spec_draft=("vllm:spec_decode_num_draft_tokens_total",),
-                spec_accepted=("vllm:spec_decode_num_accepted_tokens_total",),
-                itl=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+                running=_RUNNING,
+                waiting=_WAITING,
+                usage=_USAGE,
+                preemptions=_PREEMPTIONS,
+                prefix_queries=_PREFIX_QUERIES,
+                prefix_hits=_PREFIX_HITS,
+                spec_draft=_SPEC_DRAFT,
+                spec_accepted=_SPEC_ACCEPTED,
+                itl=_ITL,
             )
-            drafts = total(samples, "vllm:spec_decode_num_drafts_total")
-            state.speculative = (
-                drafts is not None or "vllm:spec_decode_num_draft_tokens_total" in samples
-            )
+            drafts = total(samples, _SPEC_DRAFTS)
+            state.speculative = drafts is not None or _SPEC_DRAFT[0] in samples
             state.spec_drafts_total = drafts
-            positions = {
-                s.labels.get("position")
-                for s in samples.get("vllm:spec_decode_num_accepted_tokens_per_pos_total", [])
-            }
+            positions = {s.labels.get("position") for s in samples.get(_SPEC_PER_POS, [])}
             positions.discard(None)
             state.spec_num_draft_tokens = len(positions) or None
             state.itl_per_step = True
@@ -105,11 +132,11 @@ class VLLMAdapter:
 
     @staticmethod
     def _apply_cache_config(state: ReplicaState, samples: dict) -> None:
-        direct = total(samples, "vllm:kv_cache_size_tokens")
+        direct = total(samples, _POOL_TOKENS)
         per_engine: dict[str, int] = {}
         block_size: int | None = None
         shares = False
-        for s in samples.get("vllm:cache_config_info", []):
+        for s in samples.get(_CACHE_CONFIG, []):
             # Prefix caching shares a common prefix's blocks between running requests.
             shares = shares or s.labels.get("enable_prefix_caching", "").lower() == "true"
             bs = as_int(s.labels.get("block_size"))

@@ -232,6 +232,40 @@ def test_vllm_unreachable_or_broken_is_not_ready_and_keeps_last_capacity() -> No
     assert fresh.ready is False and fresh.capacity_tokens is None  # capacity unknown
 
 
+def test_vllm_parses_only_the_samples_it_reads() -> None:
+    """Discovery parses every replica's /metrics every round, and vLLM's is mostly
+    histogram buckets: the adapter parses only the lines of the samples it reads. So a
+    line it does not read, even a malformed one, neither costs parsing nor makes a
+    healthy engine look broken, while a malformed line it reads still does."""
+    from routing.adapters._common import parse_prometheus
+
+    names = frozenset({"vllm:num_requests_running", "vllm:time_to_first_token_seconds_sum"})
+    whole = parse_prometheus(VLLM_METRICS)
+    only = parse_prometheus(VLLM_METRICS, names)
+    assert whole is not None and only is not None
+    assert set(only) == names
+    for name in names:
+        assert [(s.labels, s.value) for s in only[name]] == [
+            (s.labels, s.value) for s in whole[name]
+        ]
+    broken = VLLM_METRICS.replace(
+        'python_gc_objects_collected_total{generation="0"} 12345.0',
+        "python_gc_objects_collected_total{generation=0 oops",
+    )
+    assert parse_prometheus(broken) is None  # the whole exposition fails to parse
+    st = state("vllm")
+    adapter_for("vllm").apply(
+        st, {"/metrics": (200, broken), "/v1/models": (200, VLLM_MODELS)}, 0.0
+    )
+    assert st.ready is True and st.engine_running == 7
+    bad_read = VLLM_METRICS.replace("} 7.0\n", "} seven\n")
+    st = state("vllm")
+    adapter_for("vllm").apply(
+        st, {"/metrics": (200, bad_read), "/v1/models": (200, VLLM_MODELS)}, 0.0
+    )
+    assert st.ready is False
+
+
 def test_sglang_server_info_metrics_and_models() -> None:
     adapter = adapter_for("sglang")
     assert set(adapter.probe_paths) == {"/server_info", "/metrics", "/v1/models"}
