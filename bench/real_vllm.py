@@ -16,9 +16,11 @@ One run, in order:
    later contender is 1.5x the worst latency seen here;
 2. for each client kind, straight at every concurrency of the sweep (4, 8, 16, 32: the
    best fixed concurrency is found here and never given to kvgate; 32 is also "straight at
-   32"), then a fresh ``kvgate serve`` subprocess at 32, configured as a new user would:
-   one replica, its URL (no cap, no pool; only logging turned down and an admin token to
-   read its report afterwards).
+   32"), the best of them again through bench/bare_proxy.py (a pass-through with no
+   admission: what any Python gateway's hop costs on these 2 cores, which the engine
+   itself nearly fills; a reference, not a target), then a fresh ``kvgate serve``
+   subprocess at 32, configured as a new user would: one replica, its URL (no cap, no
+   pool; only logging turned down and an admin token to read its report afterwards).
 
 Client kinds (bench/closed_loop.py, shared with bench/parity_sweep.py), the same retries
 (two) and per-attempt timeout T for both: ``sdk``, the official openai SDK with its
@@ -42,6 +44,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,7 +61,13 @@ sys.path.insert(0, str(ROOT))
 from bench import cpu_share  # noqa: E402
 from bench.closed_loop import CLIENTS, PLAIN_BACKOFF_S, RETRIES, Outcome, drive  # noqa: E402
 from bench.engine_gauges import engine_fed, watch_engine  # noqa: E402
-from kvgate_demo.demo import start_gateway, stopping, wait_http  # noqa: E402
+from kvgate_demo.demo import (  # noqa: E402
+    Process,
+    free_port,
+    start_gateway,
+    stopping,
+    wait_http,
+)
 from tests.realengine.vllm import MODEL_NAME, VllmServer, vllm_path  # noqa: E402
 
 POOL_TOKENS = 8192  # the tiny model's KV is 1 KiB a token (REAL_ENGINE_NOTES.md)
@@ -172,17 +181,23 @@ async def contender(
             gw = start_gateway(
                 config, workdir=workdir, log=workdir / f"kvgate-{label}.log", source=source
             )
+        elif name == "proxy":
+            gw = start_proxy(engine.url, workdir / f"{label}.log")
         with stopping(*([gw] if gw else [])):
             if gw is not None:
-                await wait_http(gw.url + "/ready", 60.0, gw)
+                await wait_http(gw.url + ("/v1/models" if name == "proxy" else "/ready"), 60.0, gw)
                 url = gw.url
             out = Outcome(requests=len(reqs))
             client = CLIENTS[client_kind](url, timeout_s, out)
             samples: list[dict[str, Any]] = []
-            watch = asyncio.create_task(watch_admin(gw.url, samples)) if gw else None
+            watch = (
+                asyncio.create_task(watch_admin(gw.url, samples)) if replica_kind(name) else None
+            )
             held: list[tuple[float, float]] = []
             engine_watch = asyncio.create_task(watch_engine(engine.url, held, ADMIN_EVERY_S))
-            groups = cpu_groups(engine, gw.popen.pid if gw else None)
+            groups = cpu_groups(
+                engine, gw.popen.pid if gw else None, "proxy" if name == "proxy" else "kvgate"
+            )
             before = cpu_share.snapshot(groups)
             try:
                 await drive(client, [body(r) for r in reqs], concurrency, out)
@@ -192,7 +207,7 @@ async def contender(
                     watch.cancel()
                 engine_watch.cancel()
             cpu = cpu_share.spent(before, cpu_share.snapshot(groups), out.wall_s or 1.0)
-            if gw is not None:
+            if replica_kind(name):
                 async with (
                     aiohttp.ClientSession() as s,
                     s.get(
@@ -248,7 +263,26 @@ async def contender(
     return row
 
 
-def cpu_groups(engine: VllmServer, kvgate_pid: int | None) -> dict[str, list[int]]:
+def replica_kind(name: str) -> bool:
+    """Whether the contender is a kvgate (it has an /admin/replicas to read)."""
+    return name.startswith("kvgate")
+
+
+def start_proxy(upstream: str, log: Path) -> Process:
+    """bench/bare_proxy.py in front of the engine: what any Python gateway's hop costs on
+    this machine, where the engine itself takes nearly both cores (no admission)."""
+    port = free_port()
+    popen = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "bare_proxy.py"), str(port), upstream],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("wb"),
+    )
+    return Process(f"proxy:{port}", popen, f"http://127.0.0.1:{port}")
+
+
+def cpu_groups(
+    engine: VllmServer, kvgate_pid: int | None, gateway: str = "kvgate"
+) -> dict[str, list[int]]:
     """The processes that share the 2 cores: the engine's model worker (bound to core 0),
     its engine core (scheduler; nice 19), its API server, kvgate, this bench's clients."""
     assert engine.proc is not None
@@ -258,7 +292,7 @@ def cpu_groups(engine: VllmServer, kvgate_pid: int | None) -> dict[str, list[int
         "api_server": [engine.proc.pid],
     }
     if kvgate_pid is not None:
-        groups["kvgate"] = [kvgate_pid]
+        groups[gateway] = [kvgate_pid]
     groups["clients"] = [os.getpid()]
     return groups
 
@@ -375,8 +409,11 @@ async def one_run(
     verdicts: dict[str, Any] = {}
     for kind in clients:
         fixed = [await contender("straight", kind, c, timeout_s, reqs, workdir, rep) for c in sweep]
+        best = best_fixed(fixed)
+        # The best fixed concurrency again, through a bare proxy: the hop's own cost here.
+        proxy = await contender("proxy", kind, best["concurrency"], timeout_s, reqs, workdir, rep)
         gw = await contender("kvgate", kind, KVGATE_CONCURRENCY, timeout_s, reqs, workdir, rep)
-        rows += [*fixed, gw]
+        rows += [*fixed, proxy, gw]
         if baseline is not None:  # the same run's kvgate of another tree (before/after)
             rows.append(
                 await contender(
@@ -391,7 +428,8 @@ async def one_run(
                 )
             )
             verdicts[f"{kind}-baseline"] = verdict(rows[-1], best_fixed(fixed))
-        verdicts[kind] = verdict(gw, best_fixed(fixed))
+        verdicts[kind] = verdict(gw, best)
+        verdicts[kind]["proxy_wall_ratio"] = round(proxy["wall_s"] / best["wall_s"], 2)
     return {"rep": rep, "timeout_s": round(timeout_s, 2), "rows": rows, "verdicts": verdicts}
 
 
