@@ -76,6 +76,11 @@ def _only(body: str, names: frozenset[str]) -> str:
     return "\n".join(kept)
 
 
+def histogram_read(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The samples `apply_load` reads of the histograms in `names` (its `itl`)."""
+    return tuple(name + suffix for name in names for suffix in ("_sum", "_count"))
+
+
 def total(samples: dict[str, list[Sample]], *names: str) -> float | None:
     """Sum of the first metric name present (summed across label sets, e.g. DP engines)."""
     for name in names:

@@ -26,6 +26,7 @@ from routing.adapters._common import (
     apply_load,
     apply_models,
     as_int,
+    histogram_read,
     ok_body,
     parse_json,
     parse_prometheus,
@@ -60,7 +61,7 @@ _READ = frozenset(
         *_WAITING,
         *_USAGE,
         *_RETRACTED,
-        *(name + suffix for name in _ITL for suffix in ("_sum", "_count")),
+        *histogram_read(_ITL),
         _ACCEPT_LENGTH,
         _POOL_TOKENS,
     )

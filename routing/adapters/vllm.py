@@ -53,6 +53,7 @@ from routing.adapters._common import (
     apply_load,
     apply_models,
     as_int,
+    histogram_read,
     ok_body,
     parse_prometheus,
     total,
@@ -85,7 +86,7 @@ _READ = frozenset(
         *_SPEC_ACCEPTED,
         _SPEC_DRAFTS,
         _SPEC_PER_POS,
-        *(name + suffix for name in _ITL for suffix in ("_sum", "_count")),
+        *histogram_read(_ITL),
         _CACHE_CONFIG,
         _POOL_TOKENS,
     )
