@@ -190,9 +190,7 @@ async def contender(
             out = Outcome(requests=len(reqs))
             client = CLIENTS[client_kind](url, timeout_s, out)
             samples: list[dict[str, Any]] = []
-            watch = (
-                asyncio.create_task(watch_admin(gw.url, samples)) if replica_kind(name) else None
-            )
+            watch = asyncio.create_task(watch_admin(gw.url, samples)) if is_kvgate(name) else None
             held: list[tuple[float, float]] = []
             engine_watch = asyncio.create_task(watch_engine(engine.url, held, ADMIN_EVERY_S))
             groups = cpu_groups(
@@ -207,7 +205,7 @@ async def contender(
                     watch.cancel()
                 engine_watch.cancel()
             cpu = cpu_share.spent(before, cpu_share.snapshot(groups), out.wall_s or 1.0)
-            if replica_kind(name):
+            if is_kvgate(name):
                 async with (
                     aiohttp.ClientSession() as s,
                     s.get(
@@ -263,7 +261,7 @@ async def contender(
     return row
 
 
-def replica_kind(name: str) -> bool:
+def is_kvgate(name: str) -> bool:
     """Whether the contender is a kvgate (it has an /admin/replicas to read)."""
     return name.startswith("kvgate")
 
@@ -281,18 +279,19 @@ def start_proxy(upstream: str, log: Path) -> Process:
 
 
 def cpu_groups(
-    engine: VllmServer, kvgate_pid: int | None, gateway: str = "kvgate"
+    engine: VllmServer, gateway_pid: int | None, gateway: str = "kvgate"
 ) -> dict[str, list[int]]:
     """The processes that share the 2 cores: the engine's model worker (bound to core 0),
-    its engine core (scheduler; nice 19), its API server, kvgate, this bench's clients."""
+    its engine core (scheduler; nice 19), its API server, the gateway in front of it if
+    any (kvgate or the bare proxy, named `gateway`), this bench's clients."""
     assert engine.proc is not None
     groups = {
         "worker": engine.children_named("VLLM::Worker"),
         "engine_core": engine.children_named("VLLM::EngineCor"),
         "api_server": [engine.proc.pid],
     }
-    if kvgate_pid is not None:
-        groups[gateway] = [kvgate_pid]
+    if gateway_pid is not None:
+        groups[gateway] = [gateway_pid]
     groups["clients"] = [os.getpid()]
     return groups
 
