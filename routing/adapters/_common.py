@@ -67,10 +67,8 @@ def _only(body: str, names: frozenset[str]) -> str:
     for line in body.split("\n"):
         if not line or line[0] == "#":
             continue
-        end = line.find("{")
-        if end < 0:
-            end = line.find(" ")
-        if line[:end] in names:
+        name = line.split("{", 1)[0].split(None, 1)[0]  # before the labels or the value
+        if name in names:
             kept.append(line)
     kept.append("")
     return "\n".join(kept)
