@@ -98,6 +98,23 @@ def test_cache_config_info_carries_the_pool_block_size_and_prefix_caching(
     assert labels["engine"] == "0"
 
 
+def test_the_adapter_reads_its_samples_from_a_tenth_of_the_exposition(vllm: VllmServer) -> None:
+    """routing/adapters/vllm.py parses only the samples it reads: on the real exposition
+    they come out as a whole parse gives them, and they are a small part of it (the rest,
+    mostly histogram buckets, is what discovery no longer parses every round)."""
+    from routing.adapters._common import parse_prometheus
+    from routing.adapters.vllm import _READ
+
+    vllm.post("/v1/chat/completions", chat("hello", 8))  # the histograms have samples
+    body = vllm.get("/metrics").body.decode()
+    whole, read = parse_prometheus(body), parse_prometheus(body, _READ)
+    assert whole is not None and read is not None
+    assert {"vllm:cache_config_info", "vllm:num_preemptions_total"} <= set(read)
+    assert read == {name: whole[name] for name in _READ if name in whole}
+    lines = [line for line in body.splitlines() if line and not line.startswith("#")]
+    assert sum(len(found) for found in read.values()) * 10 < len(lines)
+
+
 def test_tokenize_counts_chat_with_tools_exactly_as_usage_does(vllm: VllmServer) -> None:
     messages = [
         {"role": "system", "content": "You answer briefly."},
