@@ -14,6 +14,9 @@ import aiohttp
 
 from routing.adapters._common import parse_prometheus, total
 
+_RUNNING, _USAGE = "vllm:num_requests_running", "vllm:kv_cache_usage_perc"
+_READ = frozenset((_RUNNING, _USAGE))  # parsed alone: the scrape shares the engine's cores
+
 
 async def watch_engine(url: str, held: list[tuple[float, float]], every_s: float) -> None:
     """Read the engine's own gauges every `every_s` until cancelled: the requests it
@@ -23,10 +26,10 @@ async def watch_engine(url: str, held: list[tuple[float, float]], every_s: float
         while True:
             try:
                 async with s.get(url + "/metrics") as r:
-                    samples = parse_prometheus(await r.text())
+                    samples = parse_prometheus(await r.text(), _READ)
                 if samples is not None:
-                    running = total(samples, "vllm:num_requests_running") or 0.0
-                    usage = total(samples, "vllm:kv_cache_usage_perc") or 0.0
+                    running = total(samples, _RUNNING) or 0.0
+                    usage = total(samples, _USAGE) or 0.0
                     held.append((running, usage))
             except aiohttp.ClientError:
                 pass  # a missed reading; the next one counts

@@ -74,11 +74,6 @@ def _only(body: str, names: frozenset[str]) -> str:
     return "\n".join(kept)
 
 
-def histogram_read(names: tuple[str, ...]) -> tuple[str, ...]:
-    """The samples `apply_load` reads of the histograms in `names` (its `itl`)."""
-    return tuple(name + suffix for name in names for suffix in ("_sum", "_count"))
-
-
 def total(samples: dict[str, list[Sample]], *names: str) -> float | None:
     """Sum of the first metric name present (summed across label sets, e.g. DP engines)."""
     for name in names:
@@ -136,40 +131,61 @@ def apply_models(state: ReplicaState, body: str | None) -> bool:
     return True
 
 
-def apply_load(
-    state: ReplicaState,
-    samples: dict[str, list[Sample]],
-    *,
-    running: tuple[str, ...],
-    waiting: tuple[str, ...],
-    usage: tuple[str, ...],
-    preemptions: tuple[str, ...],
-    prefix_queries: tuple[str, ...] = (),
-    prefix_hits: tuple[str, ...] = (),
-    spec_draft: tuple[str, ...] = (),
-    spec_accepted: tuple[str, ...] = (),
-    itl: tuple[str, ...] = (),
-) -> None:
+@dataclass(slots=True, frozen=True)
+class LoadMetrics:
+    """An engine's names for the load `apply_load` reads: each field the sample names
+    tried in order (empty: the engine has none)."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    usage: tuple[str, ...]
+    preemptions: tuple[str, ...]
+    prefix_queries: tuple[str, ...] = ()
+    prefix_hits: tuple[str, ...] = ()
+    spec_draft: tuple[str, ...] = ()
+    spec_accepted: tuple[str, ...] = ()
+    itl: tuple[str, ...] = ()  # histograms' base names: their _sum and _count are read
+
+    def read(self, *more: str) -> frozenset[str]:
+        """Every sample `apply_load` reads with these names, and `more` an adapter reads
+        itself: what `parse_prometheus` keeps."""
+        return frozenset(
+            (
+                *self.running,
+                *self.waiting,
+                *self.usage,
+                *self.preemptions,
+                *self.prefix_queries,
+                *self.prefix_hits,
+                *self.spec_draft,
+                *self.spec_accepted,
+                *(name + suffix for name in self.itl for suffix in ("_sum", "_count")),
+                *more,
+            )
+        )
+
+
+def apply_load(state: ReplicaState, samples: dict[str, list[Sample]], m: LoadMetrics) -> None:
     """Copy an engine's load gauges onto `state`, each from the first metric name present
     (summed across label sets; KV usage averaged). Absent metrics leave the field as is."""
-    if (value := total(samples, *running)) is not None:
+    if (value := total(samples, *m.running)) is not None:
         state.engine_running = int(value)
         state.running_seen_at = state.updated_at
-    if (value := total(samples, *waiting)) is not None:
+    if (value := total(samples, *m.waiting)) is not None:
         state.engine_waiting = int(value)
-    if (value := mean(samples, *usage)) is not None:
+    if (value := mean(samples, *m.usage)) is not None:
         state.kv_usage = value
-    if (value := total(samples, *preemptions)) is not None:
+    if (value := total(samples, *m.preemptions)) is not None:
         state.preemptions_total = value
-    if prefix_queries and (value := total(samples, *prefix_queries)) is not None:
+    if m.prefix_queries and (value := total(samples, *m.prefix_queries)) is not None:
         state.prefix_cache_queries_total = value
-    if prefix_hits and (value := total(samples, *prefix_hits)) is not None:
+    if m.prefix_hits and (value := total(samples, *m.prefix_hits)) is not None:
         state.prefix_cache_hits_total = value
-    if spec_draft and (value := total(samples, *spec_draft)) is not None:
+    if m.spec_draft and (value := total(samples, *m.spec_draft)) is not None:
         state.spec_draft_tokens_total = value
-    if spec_accepted and (value := total(samples, *spec_accepted)) is not None:
+    if m.spec_accepted and (value := total(samples, *m.spec_accepted)) is not None:
         state.spec_accepted_tokens_total = value
-    for name in itl:  # a histogram's base name: the first one present wins
+    for name in m.itl:  # a histogram's base name: the first one present wins
         s = total(samples, name + "_sum")
         n = total(samples, name + "_count")
         if s is not None and n is not None:

@@ -22,11 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 from routing.adapters._common import (
+    LoadMetrics,
     Responses,
     apply_load,
     apply_models,
     as_int,
-    histogram_read,
     ok_body,
     parse_json,
     parse_prometheus,
@@ -47,25 +47,17 @@ def _lookup(info: dict[str, Any], key: str) -> int | None:
     return None
 
 
-_RUNNING = ("sglang:num_running_reqs",)
-_WAITING = ("sglang:num_queue_reqs",)
-_USAGE = ("sglang:token_usage",)
-_RETRACTED = ("sglang:num_retracted_reqs_total",)
-_ITL = ("sglang:inter_token_latency_seconds",)
+_LOAD = LoadMetrics(
+    running=("sglang:num_running_reqs",),
+    waiting=("sglang:num_queue_reqs",),
+    usage=("sglang:token_usage",),
+    preemptions=("sglang:num_retracted_reqs_total",),
+    itl=("sglang:inter_token_latency_seconds",),
+)
 _ACCEPT_LENGTH = "sglang:spec_accept_length"
 _POOL_TOKENS = "sglang:max_total_num_tokens"
 # Every sample this adapter reads: the rest of /metrics is not parsed.
-_READ = frozenset(
-    (
-        *_RUNNING,
-        *_WAITING,
-        *_USAGE,
-        *_RETRACTED,
-        *histogram_read(_ITL),
-        _ACCEPT_LENGTH,
-        _POOL_TOKENS,
-    )
-)
+_READ = _LOAD.read(_ACCEPT_LENGTH, _POOL_TOKENS)
 
 
 class SGLangAdapter:
@@ -112,15 +104,7 @@ class SGLangAdapter:
                 pool_metric = total(samples, _POOL_TOKENS)
                 if pool_metric:
                     state.capacity_tokens = int(pool_metric)
-            apply_load(
-                state,
-                samples,
-                running=_RUNNING,
-                waiting=_WAITING,
-                usage=_USAGE,
-                preemptions=_RETRACTED,
-                itl=_ITL,
-            )
+            apply_load(state, samples, _LOAD)
             accept = total(samples, _ACCEPT_LENGTH)
             state.spec_accept_length = accept if accept is not None and accept >= 1.0 else None
         state.ready = models_ok and info_ok and metrics_ok and state.capacity_tokens is not None

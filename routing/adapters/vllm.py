@@ -48,49 +48,35 @@ greedy stream that accepted 170 drafts), so its mean is the step time (``itl_per
 from __future__ import annotations
 
 from routing.adapters._common import (
+    LoadMetrics,
     Responses,
     Sample,
     apply_load,
     apply_models,
     as_int,
-    histogram_read,
     ok_body,
     parse_prometheus,
     total,
 )
 from routing.types import ReplicaState
 
-_RUNNING = ("vllm:num_requests_running",)
-_WAITING = ("vllm:num_requests_waiting",)
-_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-_PREEMPTIONS = ("vllm:num_preemptions_total",)
-_PREFIX_QUERIES = ("vllm:prefix_cache_queries_total",)
-_PREFIX_HITS = ("vllm:prefix_cache_hits_total",)
-_SPEC_DRAFT = ("vllm:spec_decode_num_draft_tokens_total",)
-_SPEC_ACCEPTED = ("vllm:spec_decode_num_accepted_tokens_total",)
+_LOAD = LoadMetrics(
+    running=("vllm:num_requests_running",),
+    waiting=("vllm:num_requests_waiting",),
+    usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    preemptions=("vllm:num_preemptions_total",),
+    prefix_queries=("vllm:prefix_cache_queries_total",),
+    prefix_hits=("vllm:prefix_cache_hits_total",),
+    spec_draft=("vllm:spec_decode_num_draft_tokens_total",),
+    spec_accepted=("vllm:spec_decode_num_accepted_tokens_total",),
+    itl=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+)
 _SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 _SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-_ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 _CACHE_CONFIG = "vllm:cache_config_info"
 _POOL_TOKENS = "vllm:kv_cache_size_tokens"
 # Every sample this adapter reads: the rest of /metrics is not parsed.
-_READ = frozenset(
-    (
-        *_RUNNING,
-        *_WAITING,
-        *_USAGE,
-        *_PREEMPTIONS,
-        *_PREFIX_QUERIES,
-        *_PREFIX_HITS,
-        *_SPEC_DRAFT,
-        *_SPEC_ACCEPTED,
-        _SPEC_DRAFTS,
-        _SPEC_PER_POS,
-        *histogram_read(_ITL),
-        _CACHE_CONFIG,
-        _POOL_TOKENS,
-    )
-)
+_READ = _LOAD.read(_SPEC_DRAFTS, _SPEC_PER_POS, _CACHE_CONFIG, _POOL_TOKENS)
 
 
 class VLLMAdapter:
@@ -109,21 +95,9 @@ class VLLMAdapter:
         metrics_ok = samples is not None
         if samples is not None:
             self._apply_cache_config(state, samples)
-            apply_load(
-                state,
-                samples,
-                running=_RUNNING,
-                waiting=_WAITING,
-                usage=_USAGE,
-                preemptions=_PREEMPTIONS,
-                prefix_queries=_PREFIX_QUERIES,
-                prefix_hits=_PREFIX_HITS,
-                spec_draft=_SPEC_DRAFT,
-                spec_accepted=_SPEC_ACCEPTED,
-                itl=_ITL,
-            )
+            apply_load(state, samples, _LOAD)
             drafts = total(samples, _SPEC_DRAFTS)
-            state.speculative = drafts is not None or _SPEC_DRAFT[0] in samples
+            state.speculative = drafts is not None or _LOAD.spec_draft[0] in samples
             state.spec_drafts_total = drafts
             positions = {s.labels.get("position") for s in samples.get(_SPEC_PER_POS, [])}
             positions.discard(None)
