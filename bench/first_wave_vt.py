@@ -36,6 +36,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.closed_loop import PLAIN_BACKOFF_S  # noqa: E402
+from bench.enginesim_vs_vllm import token_ids  # noqa: E402
+from bench.parity_sweep import TIMEOUT_FACTOR  # noqa: E402
+from bench.parity_vtime import CLIENTS  # noqa: E402
 from bench.vtime import run  # noqa: E402
 from enginesim.types import Workload  # noqa: E402
 from enginesim.workloads import WorkItem, seed2_workload  # noqa: E402
@@ -56,24 +60,25 @@ def vllm_items(seed: int, n: int = 300) -> list[WorkItem]:
             f"v{seed}-{i}",
             [],
             "",
-            [rng.randrange(16, 4000) for _ in range(rng.randint(600, 1800))],
+            token_ids(rng, rng.randint(600, 1800)),
             rng.randint(40, 200),
             Workload.CHAT,
-        )  # fmt: skip
+        )
         for i in range(n)
     ]
 
 
 def vllm(seed: int) -> dict[str, int]:
     items = vllm_items(seed)
-    common = {"pool_tokens": 8192, "seed": seed}
-    cal = run("vllm-cpu-tiny", items, concurrency=8, timeout_s=1e6, straight=True, **common)
-    timeout = 1.5 * max(cal.latencies)
+    # parity_vtime's calibration (the worst latency straight at 8), on this regime's pool
+    cal = run("vllm-cpu-tiny", items, concurrency=8, timeout_s=1e9, straight=True,
+              pool_tokens=8192, seed=seed)  # fmt: skip
+    timeout = TIMEOUT_FACTOR * max(cal.latencies)
     lost = {}
-    for kind, stated in (("sdk", True), ("plain", False)):
+    for kind, client in CLIENTS.items():
         r = run("vllm-cpu-tiny", items, concurrency=32, timeout_s=timeout, max_retries=2,
-                send_timeout=stated, retry_after_unit_s=None if stated else 1.0,
-                timeout_backoff_s=(0.5, 1.0), slow=lambda _t: SLOW, **common)  # fmt: skip
+                timeout_backoff_s=PLAIN_BACKOFF_S, slow=lambda _t: SLOW, pool_tokens=8192,
+                seed=seed, **client)  # fmt: skip
         lost[kind] = r.requests - r.completed
     return lost
 
@@ -96,7 +101,7 @@ def main() -> None:
         print(f"demo: lost {total} of {738 * len(seeds)} in {with_loss} of {len(seeds)} "
               f"seeds; {first_wave} timeouts of a first attempt")  # fmt: skip
     else:
-        sums = {"sdk": 0, "plain": 0}
+        sums = dict.fromkeys(CLIENTS, 0)
         for s in seeds:
             lost = vllm(s)
             if any(lost.values()):
@@ -104,7 +109,7 @@ def main() -> None:
             for k, v in lost.items():
                 sums[k] += v
         n = 300 * len(seeds)
-        print(f"vllm x{SLOW}: sdk lost {sums['sdk']} of {n}, plain {sums['plain']} of {n}")
+        print(f"vllm x{SLOW}: lost " + ", ".join(f"{k} {v} of {n}" for k, v in sums.items()))
 
 
 if __name__ == "__main__":
