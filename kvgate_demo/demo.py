@@ -150,6 +150,7 @@ def gateway_config(
     max_running: int | None = None,
     admission: dict | None = None,
     engine: str = "vllm",
+    access_log: bool = False,
 ) -> dict:
     """kvgate in front of the replicas, with its timers in wall seconds.
 
@@ -157,6 +158,7 @@ def gateway_config(
     running limit, and queues a request only while its client's own timeout (sent in
     ``x-stainless-read-timeout``, as the openai SDKs do) still leaves room for its
     predicted service. `max_running` is an optional upper bound for experiments.
+    `access_log`: one line per request in kvgate's log (the demo reads its losses there).
     """
     return {
         "replicas": [
@@ -176,7 +178,7 @@ def gateway_config(
         },
         "upstream": {"first_byte_s": timeout_s / speed, "total_s": 2 * timeout_s / speed},
         "discovery": {"refresh_interval_s": 0.5},
-        "logging": {"level": "warning", "access_log": False},
+        "logging": {"level": "info" if access_log else "warning", "access_log": access_log},
         "auth": {"admin_token": ADMIN_TOKEN},
     }
 
@@ -210,6 +212,7 @@ class Row:
     result: ReplayResult
     preemptions: float
     limits: list[tuple[float, int, str]] = field(default_factory=list)
+    gateway_log: Path | None = None  # kvgate's log, for a phase through it
 
     def limit_summary(self) -> str:
         """The learned limit: its value over the second half of the run (min-max)."""
@@ -286,6 +289,7 @@ async def run_phase(
     slow_at: tuple[float, float, float] | None = None,
     stream: bool = False,
     admission: dict | None = None,
+    access_log: bool = False,
 ) -> Row:
     """Replay `items` on a fresh replica, straight or through a fresh kvgate, and read the
     replica's preemption counter afterwards. `timeout_s` is in simulated seconds."""
@@ -295,6 +299,7 @@ async def run_phase(
         await wait_http(replica.url + "/health", proc=replica)
         target = replica.url
         gw: Process | None = None
+        gateway_log = workdir / f"kvgate-{slug}.log" if through_kvgate else None
         if through_kvgate:
             gw = start_gateway(
                 gateway_config(
@@ -304,9 +309,10 @@ async def run_phase(
                     max_running=max_running,
                     admission=admission,
                     engine=str(load_profile(profile).flavor),
+                    access_log=access_log,
                 ),
                 workdir=workdir,
-                log=workdir / f"kvgate-{slug}.log",
+                log=gateway_log,
             )
         limits: list[tuple[float, int, str]] = []
         with stopping(*([gw] if gw else [])):
@@ -337,7 +343,27 @@ async def run_phase(
                         await t
         preemptions = await engine_counter(replica.url, "vllm:num_preemptions")
         preemptions += await engine_counter(replica.url, "sglang:num_retracted_reqs")
-    return Row(label, res, preemptions, limits)
+    return Row(label, res, preemptions, limits, gateway_log)
+
+
+def client_losses(log: Path, speed: float) -> list[str]:
+    """What kvgate's access log says of each request whose client gave up on it: how long
+    it queued and then ran before the client left, in the replica's seconds."""
+    lines = []
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("logger") != "kvgate.access" or rec.get("outcome") != "client_disconnect":
+            continue
+        queued = float(rec.get("queue_wait_s") or 0.0)
+        ran = float(rec.get("duration_s") or 0.0) - queued
+        lines.append(
+            f"{rec.get('request_id')}: queued {queued * speed:.1f} s, then ran "
+            f"{ran * speed:.1f} s on {rec.get('replica') or 'no replica'} before its client left"
+        )
+    return lines
 
 
 async def slow_replica(url: str, start_s: float, end_s: float, factor: float) -> None:
@@ -377,6 +403,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             workdir=workdir,
             max_running=args.max_running or None,
             time_limit_s=args.time_limit,
+            access_log=through,
         )
         rows.append(row)
         print(f"    done: {row.result.completed} completed, {row.result.timed_out} timed out")
@@ -385,6 +412,10 @@ async def run_demo(args: argparse.Namespace) -> int:
             print(f"  {row.label}: error: {sample}", file=sys.stderr)
     print()
     print(render_table(rows, args.speed))
+    lost = client_losses(rows[1].gateway_log, args.speed) if rows[1].gateway_log else []
+    if lost:  # the reason a run exits 1, in kvgate's own words
+        print("\nthrough kvgate, clients gave up on:")
+        print("\n".join(f"  {line}" for line in lost))
     print(f"\n(logs in {workdir})")
     return 0 if rows[1].result.completed == len(items) else 1
 
