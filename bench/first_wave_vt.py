@@ -22,8 +22,8 @@ Nothing here is given to kvgate: it runs with `AdmissionConfig()`'s defaults.
     PYTHONPATH=$PWD .venv/bin/python bench/first_wave_vt.py demo --seeds 41 141
     PYTHONPATH=$PWD .venv/bin/python bench/first_wave_vt.py vllm --seeds 0 30
 
-Prints one line per seed with a loss and the totals; about 6 CPU s per demo seed and 8
-per vllm seed. Run two trees side by side on the same seeds (results quoted in
+Prints one line per seed with a loss and the totals; 1-2 CPU s per seed (6-8 on a slow
+machine of this kind). Run two trees side by side on the same seeds (results quoted in
 docs/admission.md, "What is left of the demo's losses").
 """
 
@@ -45,10 +45,11 @@ from enginesim.types import Workload  # noqa: E402
 from enginesim.workloads import WorkItem, seed2_workload  # noqa: E402
 
 SLOW = 1.25  # the real engine's pace beside kvgate, against its calibration alone
+DEMO_REQUESTS = 738  # `kvgate demo`'s job
 
 
 def demo(seed: int) -> tuple[int, list]:
-    r = run("seed2-8b-16gb", seed2_workload(738, seed=seed), concurrency=32, timeout_s=45.0,
+    r = run("seed2-8b-16gb", seed2_workload(DEMO_REQUESTS, seed=seed), concurrency=32, timeout_s=45.0,
             seed=seed)  # fmt: skip
     return r.requests - r.completed, r.timeouts
 
@@ -98,7 +99,7 @@ def main() -> None:
                 first_wave += sum(1 for _t, retries, _w in timeouts if retries == 0)
                 print(f"seed {s}: lost {lost}; timeouts (t, retries, queued s): {timeouts}")
             total += lost
-        print(f"demo: lost {total} of {738 * len(seeds)} in {with_loss} of {len(seeds)} "
+        print(f"demo: lost {total} of {DEMO_REQUESTS * len(seeds)} in {with_loss} of {len(seeds)} "
               f"seeds; {first_wave} timeouts of a first attempt")  # fmt: skip
     else:
         sums = dict.fromkeys(CLIENTS, 0)

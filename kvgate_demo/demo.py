@@ -299,8 +299,9 @@ async def run_phase(
         await wait_http(replica.url + "/health", proc=replica)
         target = replica.url
         gw: Process | None = None
-        gateway_log = workdir / f"kvgate-{slug}.log" if through_kvgate else None
+        gateway_log: Path | None = None
         if through_kvgate:
+            gateway_log = workdir / f"kvgate-{slug}.log"
             gw = start_gateway(
                 gateway_config(
                     [replica.url],
