@@ -283,32 +283,39 @@ def test_the_pools_first_block_is_never_given_to_a_request(vllm: VllmServer) -> 
     factor, so one reading strictly between empty and full already tells them apart)."""
     blocks = POOL_TOKENS // BLOCK_SIZE
     readings: list[float] = []
-    done = threading.Event()
 
-    def run() -> None:
-        try:
-            reply = vllm.post(
-                "/v1/chat/completions", chat(the(1000, "null-block"), 1000), timeout=120
-            )
-            assert reply.status == 200, reply.body
-        finally:
-            done.set()
+    def stream_and_read() -> None:
+        done = threading.Event()
 
-    t = threading.Thread(target=run)
-    t.start()
-    deadline = time.monotonic() + 120
-    while not done.is_set() and time.monotonic() < deadline:
-        usage = vllm.metric("vllm:kv_cache_usage_perc")
-        if 0.0 < usage < 1.0:
-            readings.append(usage)
-        time.sleep(0.05)
-    t.join(timeout=10)
+        def run() -> None:
+            try:
+                reply = vllm.post(
+                    "/v1/chat/completions", chat(the(1000, "null-block"), 1000), timeout=120
+                )
+                assert reply.status == 200, reply.body
+            finally:
+                done.set()
+
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 120
+        while not done.is_set() and time.monotonic() < deadline:
+            usage = vllm.metric("vllm:kv_cache_usage_perc")
+            if 0.0 < usage < 1.0:
+                readings.append(usage)
+            time.sleep(0.05)
+        t.join(timeout=10)
+
+    # /metrics answers slowly while the engine holds both cores (a loaded CI machine read
+    # one value in a 1,000-token stream): stream again until two readings, at most 3 times
+    for _ in range(3):
+        stream_and_read()
+        if len(readings) >= 2:
+            break
 
     def whole(x: float) -> bool:
         return abs(x - round(x)) < 1e-6
 
-    # /metrics answers slowly while the engine holds both cores: a loaded machine read
-    # only two in a 600-token stream; this one is 1,000 tokens long
     assert len(readings) >= 2, readings
     assert all(whole(u * (blocks - 1)) for u in readings), readings
     assert not all(whole(u * blocks) for u in readings), readings
