@@ -73,6 +73,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvgate_demo.demo import (  # noqa: E402
     Process,
+    access_records,
     engine_counter,
     free_port,
     gateway_config,
@@ -590,17 +591,13 @@ async def one_contender(
 def access_lines(log: Path) -> dict[str, dict]:
     """kvgate's access lines by request id: where each request went and how long it
     queued (the fields a trace needs)."""
-    out = {}
-    for line in log.read_text(errors="replace").splitlines():
-        if '"logger":"kvgate.access"' not in line:
-            continue
-        with contextlib.suppress(json.JSONDecodeError):
-            rec = json.loads(line)
-            out[rec.get("request_id", "")] = {
-                k: rec.get(k)
-                for k in ("replica", "queue_wait_s", "ttft_s", "duration_s", "route", "attempts")
-            }
-    return out
+    return {
+        rec.get("request_id", ""): {
+            k: rec.get(k)
+            for k in ("replica", "queue_wait_s", "ttft_s", "duration_s", "route", "attempts")
+        }
+        for rec in access_records(log)
+    }
 
 
 METRICS = (

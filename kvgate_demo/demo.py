@@ -347,16 +347,21 @@ async def run_phase(
     return Row(label, res, preemptions, limits, gateway_log)
 
 
+def access_records(log: Path) -> Iterator[dict]:
+    """kvgate's access lines (one JSON object per request) in a gateway's log."""
+    for line in log.read_text(errors="replace").splitlines():
+        if '"logger":"kvgate.access"' not in line:
+            continue
+        with contextlib.suppress(json.JSONDecodeError):
+            yield json.loads(line)
+
+
 def client_losses(log: Path, speed: float) -> list[str]:
     """What kvgate's access log says of each request whose client gave up on it: how long
     it queued and then ran before the client left, in the replica's seconds."""
     lines = []
-    for line in log.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("logger") != "kvgate.access" or rec.get("outcome") != "client_disconnect":
+    for rec in access_records(log):
+        if rec.get("outcome") != "client_disconnect":
             continue
         queued = float(rec.get("queue_wait_s") or 0.0)
         ran = float(rec.get("duration_s") or 0.0) - queued

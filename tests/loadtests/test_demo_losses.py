@@ -10,7 +10,14 @@ import aiohttp
 import pytest
 
 from enginesim.profiles import load_profile
-from kvgate_demo.demo import client_losses, gateway_config, start_gateway, start_replica, wait_http
+from kvgate_demo.demo import (
+    client_losses,
+    gateway_config,
+    start_gateway,
+    start_replica,
+    stopping,
+    wait_http,
+)
 
 SPEED = 0.2  # the engine's clock at a fifth of wall time: a request lasts over half a second
 
@@ -25,25 +32,23 @@ async def test_the_demo_reads_who_gave_up_from_kvgates_access_log(tmp_path: Path
     }
     replica = start_replica("tiny", SPEED, log=tmp_path / "replica.log")
     log = tmp_path / "kvgate.log"
-    gw = None
-    try:
+    with stopping(replica):
         await wait_http(replica.url + "/health", proc=replica)
         cfg = gateway_config(
             [replica.url], speed=1.0, timeout_s=60.0, engine=str(profile.flavor), access_log=True
         )
         gw = start_gateway(cfg, workdir=tmp_path, log=log)
-        await wait_http(gw.url + "/ready", proc=gw)
-        url = gw.url + "/v1/chat/completions"
-        async with aiohttp.ClientSession() as s:
-            with pytest.raises(TimeoutError):  # leaves while its request runs
-                async with s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=0.3)) as r:
-                    await r.read()
-            async with s.post(url, json=body) as r:  # waits for its answer
-                assert r.status == 200, await r.text()
-    finally:
-        if gw is not None:
-            gw.stop()
-        replica.stop()
+        with stopping(gw):
+            await wait_http(gw.url + "/ready", proc=gw)
+            url = gw.url + "/v1/chat/completions"
+            async with aiohttp.ClientSession() as s:
+                with pytest.raises(TimeoutError):  # leaves while its request runs
+                    async with s.post(
+                        url, json=body, timeout=aiohttp.ClientTimeout(total=0.3)
+                    ) as r:
+                        await r.read()
+                async with s.post(url, json=body) as r:  # waits for its answer
+                    assert r.status == 200, await r.text()
     for speed in (1.0, 25.0):  # in the replica's seconds: wall seconds times its clock's speed-up
         lost = client_losses(log, speed)
         assert len(lost) == 1, log.read_text()
