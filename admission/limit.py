@@ -1,11 +1,11 @@
 """The running ceiling of one replica, learned online from what it measures (sans-IO).
 
-Seed 000 names three ceilings: KV capacity, the running-request cap, and the per-user
-latency SLO, and says the latency one usually binds first; seed 001's card is the
-example (its KV pool holds ~19 of that job's requests, but the card serves only ~8 at
-once inside a 45 s client timeout). The ledger enforces the KV ceiling; a configured or
-engine-reported cap is an upper bound. This module learns the rest, per replica, so that
-no operator has to run the ceiling sweep and copy its answer into the config.
+Seed 000 names three ceilings: KV capacity, the running-request cap and the per-user
+latency SLO, the latency one usually binding first (seed 001's card holds ~19 of that
+job's requests but serves ~8 inside a 45 s client timeout). The ledger enforces the KV
+ceiling; a configured or engine-reported cap is an upper bound. This module learns the
+rest, per replica, so that no operator has to run the ceiling sweep and copy its answer.
+Each change of the allowed count is kept with its evidence (`admission/limitlog.py`).
 
 The limit L is the number of requests kvgate lets run on the replica at once. It moves
 on evidence, one *window* at a time. A window is at least ``limit_window`` (and at least
@@ -28,49 +28,40 @@ Per window:
   goes to ``mean_running / r``, within [0.5, 0.9] of the current limit: past the knee,
   latency grows in proportion to concurrency, so this lands at the aim. This is the
   latency ceiling, and it is what follows a replica that slows down and comes back.
-  A later window judges the cut, once the load fell to ``_JUDGED_FALL`` of what ran
-  before it (smaller cuts are judged as one): a mean score that fell by less than half
-  of what the proportion promised (the real vLLM: a 200-token answer takes as long at 5
-  running as at 8; cutting for it cost up to 37 of 300) sends the limit back
-  (``latency_flat``) to hold while the slowest is at most ``_FLAT_SLACK`` worse. A
-  window scored by a failure is no evidence. Where the service's learned slope in the
-  load (`ServiceModel.elasticity`) is under ``_FLAT_SLOPE``, no cut is tried.
+  A later window judges the cut once the load fell to ``_JUDGED_FALL`` of what ran
+  before it: a mean score that fell by less than half of what the proportion promised
+  (the real vLLM: a 200-token answer takes as long at 5 running as at 8) sends the limit
+  back (``latency_flat``) to hold while the slowest is at most ``_FLAT_SLACK`` worse. A
+  window scored by a failure is no evidence; no cut is tried where the service's learned
+  slope in the load (`ServiceModel.elasticity`) is under ``_FLAT_SLOPE``.
 * **Goodput.** Every window that kept the replica busy (mean running >= 80% of the
-  allowed limit) is a point of the replica's throughput curve at its setting; the
-  curve's knee (admission/knee.py: where one more running request buys less than
-  ``knee_efficiency`` of an average request's throughput, and never past a peak where
-  goodput falls) is seed 001's sweep done live. The knee stops growth; it never pulls
-  the limit down (noisy points would), latency does that.
-* **Growth.** While the replica is kept busy and latency allows it, the limit grows.
-  From a cold start it grows as TCP's slow start does: one more per request served in
-  time (under half its latency aim) while the replica is busy, so it doubles in about
-  one service time and a burst on a healthy replica is not queued behind it; never past
-  what that completion predicts (the load it was served at over its score), nor past
-  the ``room`` the running requests leave (`Ledger.growth_room`: doubling outruns the
-  evidence of the long answers it slows); a completion past half its aim adds nothing.
-  Slow start ends at a window whose slowest came past half its aim (TCP's ssthresh, on
-  a window: one long answer on a flat engine reaches it at any load), at any cut, or at
-  the knee (what it grew past the knee is given back). From then on
-  the limit grows by ``limit_probe_step`` per window. Growth never exceeds what the
-  latency score predicts (``mean_running / r``; ``1 / e`` as far where service grows by
-  a share ``e`` of the load's, an upper estimate: on a flat engine the proportion held
-  3.84 at 3 running a whole run) nor the knee. A replica not kept busy holds.
+  allowed limit) is a point of its throughput curve; the curve's knee (admission/knee.py:
+  where one more running request buys less than ``knee_efficiency`` of an average one's
+  throughput, never past a peak) is seed 001's sweep done live. It stops growth, never
+  pulls the limit down (noisy points would): latency does that.
+* **Growth.** While the replica is kept busy and latency allows it, the limit grows:
+  from a cold start as TCP's slow start, one more per request served under half its
+  aim, so it doubles in about one service time and a burst on a healthy replica is not
+  queued; never past what that completion predicts (its load over its score) nor the
+  ``room`` the running requests leave (`Ledger.growth_room`).
+  Slow start ends at a window whose slowest came past half its aim (TCP's ssthresh),
+  at any cut, or at the knee (what it grew past the knee is given back). From then on
+  the limit grows by ``limit_probe_step`` per window, never past what the latency score
+  predicts (``mean_running / r``; ``1 / e`` as far where service grows by a share ``e``
+  of the load's, an upper estimate) nor the knee. A replica not kept busy holds.
 * **Failures.** A request the replica failed (an upstream error or timeout, a client
-  that left at its timeout while being served) scores ``FAILURE_RATIO``; a client that
+  that left at its timeout while being served) scores ``FAILURE_RATIO``; one whose client
   left after the queue took most of its budget brings the service it got, a lower bound
-  (admission/learning.py): the queue's misjudgement is not the replica's slowness.
-
-Rates are measured between a window's first and last completions (no warm-up in them).
+  (admission/learning.py): the queue's misjudgement is not the replica's slowness. Rates
+  are measured between a window's first and last completions (no warm-up in them).
 
 Between windows, the engine's own signals act at once (each discovery round):
 
-* **Preemptions** (the engine's counter rose): kvgate admitted more than the engine
-  could keep resident; the limit drops to 75% of the most that ran since the last round
-  (the count at this instant may be a lull: on the real vLLM it cut 10 to 1).
-* **The engine's waiting queue** (two rounds in a row with requests waiting inside the
-  engine while kvgate holds more than it runs, its pool at least 90% used): its pool
-  holds fewer than kvgate admitted; the limit drops to what it runs. (A wait with free
-  pool, e.g. for a step's prefill budget, is left to the latency rule.)
+* **Preemptions** (the engine's counter rose): the limit drops to 75% of the most that
+  ran since the last round (the count at this instant may be a lull).
+* **The engine's waiting queue** (two rounds in a row with requests waiting in the
+  engine while kvgate holds more than it runs, its pool at least 90% used): the limit
+  drops to what it runs (a wait with free pool is left to the latency rule).
 
 The limit is a float kept within [1, cap]; the controller uses its floor.
 """
@@ -82,6 +73,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from admission.knee import GoodputCurve
+from admission.limitlog import LimitHistory, Seen
 
 FAILURE_RATIO = 2.0
 _INSIDE_HARD = 0.85  # aim this far inside a client's timeout budget (its slowest request)
@@ -135,6 +127,7 @@ class RunningLimit:
         "_flat",
         "_room",
         "_slope",
+        "history",
     )
 
     def __init__(self, settings: LimitSettings, now: float = 0.0) -> None:
@@ -169,6 +162,7 @@ class RunningLimit:
         # Requests other gateway processes run on the replica (shared state): the limit
         # is the replica's, so it judges the whole load, not this process's part.
         self.others = 0
+        self.history = LimitHistory()  # each change of the allowed count, with its evidence
 
     @property
     def slow_start(self) -> bool:
@@ -209,13 +203,12 @@ class RunningLimit:
         hard, soft = ratio
         if not ok and hard is None:
             # Failed by the replica (an upstream error or timeout, a client that left at
-            # its timeout while being served). A client that left after part of its
-            # budget went to the queue brings the service it got: a lower bound.
+            # its timeout while being served).
             hard = FAILURE_RATIO
         self._room = room
         self._slope = slope
         if self._slow_start and ok:
-            self._slow_grow(hard, soft, cap, load)
+            self._slow_grow(hard, soft, cap, load, now)
         if admitted_at < self._changed_at:
             return  # admitted under an earlier limit: no evidence about this one
         if self._count == 0:
@@ -231,9 +224,9 @@ class RunningLimit:
             self._hard.append(hard)
         if soft is not None:
             self._soft.append(soft)
-        # Slow start needs less evidence to double than a decision near the knee.
+        # Slow start needs less evidence to double than a decision near the knee; and
+        # the limit as the window opened (slow start grows it under a window's feet).
         window = self._s.window // 2 if self._slow_start else self._s.window
-        # (The limit as the window opened: slow start grows it under a window's feet.)
         window = max(window, math.ceil(self._opened))
         if self.others > 0:
             # Processes sharing the replica (gateway/sharing.py) each see their part of
@@ -244,7 +237,12 @@ class RunningLimit:
             self._close_window(now, cap)
 
     def _slow_grow(
-        self, hard: float | None, soft: float | None, cap: int | None, load: float | None
+        self,
+        hard: float | None,
+        soft: float | None,
+        cap: int | None,
+        load: float | None,
+        now: float,
     ) -> None:
         """Slow start, as TCP's: one more per request served in time while the replica
         is kept busy, so the limit doubles in about one service time, not one window.
@@ -267,6 +265,7 @@ class RunningLimit:
         room = served_at / ratio if ratio > 0 else math.inf
         value = min(self.value + 1.0, room, self._room, float(cap) if cap is not None else math.inf)
         if value > self.value:
+            self.history.record(now, int(self.value), int(value), "slow_start", served_at, ratio, 1)
             self.value = value
             self.reason = "slow_start"
 
@@ -291,10 +290,9 @@ class RunningLimit:
             before = self._preemptions
             self._preemptions = preemptions_total
             # While more run than the limit allows, the excess was admitted under an
-            # earlier, larger limit (a cut does not stop running requests): preemptions
-            # then are that limit's doing, already judged, not evidence against this one.
-            # Judged on the peak: a burst can end before the round that sees its
-            # preemptions, and nothing running then does not make them nobody's.
+            # earlier, larger limit: preemptions then are that limit's doing, already
+            # judged. Judged on the peak: a burst can end before the round that sees its
+            # preemptions.
             if (
                 before is not None
                 and preemptions_total > before
@@ -302,18 +300,18 @@ class RunningLimit:
             ):
                 self._slow_start = False
                 self._cut = None
-                self._set(min(self.value, peak) * 0.75, "preemption", now, cap)
+                self._set(min(self.value, peak) * 0.75, "preemption", now, cap, (peak, None, 0))
                 return
-        # A request waits inside the engine for a moment as a matter of course (a prefill
-        # waits for the step's token budget); it is kvgate's doing only when the engine
-        # keeps requests waiting because its pool is full.
+        # A request waits in the engine for a moment as a matter of course (a prefill
+        # for the step's token budget); it is kvgate's doing only when the pool is full.
         if waiting > 0 and 0 < engine_running < running and kv_usage >= _POOL_FULL:
             self._waiting_rounds += 1
             if self._waiting_rounds >= 2:
                 self._waiting_rounds = 0
                 self._slow_start = False
                 self._cut = None
-                self._set(min(self.value, float(engine_running)), "engine_queue", now, cap)
+                running = float(engine_running)
+                self._set(min(self.value, running), "engine_queue", now, cap, (running, None, 0))
         else:
             self._waiting_rounds = 0
 
@@ -325,6 +323,7 @@ class RunningLimit:
             self._slow_start = False
             if int(value) != int(self.value):
                 self._changed_at = now
+            self.history.record(now, int(self.value), int(value), reason)
             self.value = value
             self.reason = reason
             self._cut = None
@@ -360,6 +359,7 @@ class RunningLimit:
                 window=self.windows, limit=int(self.value), efficiency=self._s.knee_efficiency
             )
         base = max(1.0, mean_running)
+        seen = (mean_running, ratio, self._count)  # the evidence a change records
         level = self._level()
         if self._refuted(ratio, level, mean_running, now, cap):
             return
@@ -379,18 +379,17 @@ class RunningLimit:
             self._cut = pending or (self.value, base, level, ratio)
             target = base / ratio
             lo, hi = 0.5 * self.value, 0.9 * self.value
-            self._set(min(hi, max(lo, target)), "latency", now, cap)
+            self._set(min(hi, max(lo, target)), "latency", now, cap, seen)
             return
         if not busy:
             self._reset_window(now)  # no evidence for more: hold
             return
         if self._slow_start:
             # Growth was per completion (`_slow_grow`); the knee, once fitted, ends it,
-            # and what slow start grew past the knee (its points showed it buys nothing)
-            # is given back.
+            # and what slow start grew past it (buying nothing) is given back.
             if self.knee is not None and self.value >= self.knee:
                 self._slow_start = False
-                self._set(max(1.0, self.knee), "knee", now, cap)
+                self._set(max(1.0, self.knee), "knee", now, cap, seen)
                 return
             if ratio is None or ratio <= _SLOW_START_END:
                 self._reset_window(now)
@@ -411,7 +410,7 @@ class RunningLimit:
             self._slow_start = False
         if cap is not None and value >= cap:
             reason = "running_cap"
-        self._set(value, reason, now, cap)
+        self._set(value, reason, now, cap, seen)
 
     def _in_time(self, base: float, ratio: float) -> float:
         """The load at which the window's score would reach its aim, for growth: in
@@ -466,14 +465,15 @@ class RunningLimit:
             self._flat = None  # latency followed the load: cuts work here
             return False
         self._flat = max(slowest, ratio)
-        self._set(before, "latency_flat", now, cap)
+        self._set(before, "latency_flat", now, cap, (mean_running, ratio, self._count))
         return True
 
-    def _set(self, value: float, reason: str, now: float, cap: int | None) -> None:
+    def _set(self, value: float, reason: str, now: float, cap: int | None, seen: Seen) -> None:
         hi = float(cap) if cap is not None else math.inf
         value = min(max(1.0, value), hi)
         if int(value) != int(self.value):
             self._changed_at = now
+            self.history.record(now, int(self.value), int(value), reason, *seen)
         self.value = value
         self.reason = reason
         self._reset_window(now)

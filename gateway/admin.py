@@ -72,6 +72,12 @@ def replicas_snapshot(
                 "ejections": outliers.ejections(name) if outliers is not None else 0,
                 "limit": u.limit if u else None,
                 "limit_reason": u.limit_reason if u else "",
+                # What moved the limit, and on what evidence (admission/limitlog.py).
+                "limit_changes": [
+                    {"at": iso8601(wall - (now - c.at)), **c.fields()} for c in u.limit_changes
+                ]
+                if u
+                else [],
                 # What the queue predicts of a request's service here (an upper estimate
                 # at the load it runs): seconds = base + per token of prompt and output.
                 "service": _service(u) if u else None,

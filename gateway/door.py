@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable
 
 from admission.config import AdmissionConfig
@@ -37,10 +38,12 @@ from admission.types import (
     Shed,
     Verdict,
 )
+from gateway.logging import iso8601
 from gateway.tasks import cancel_all
 from routing.types import ReplicaState, Router
 
 log = logging.getLogger("kvgate.admission")
+limit_log = logging.getLogger("kvgate.limit")
 
 
 class AdmissionDoor:
@@ -51,6 +54,7 @@ class AdmissionDoor:
         self._wake = asyncio.Event()
         self._armed = math.inf  # the deadline the expiry task currently sleeps towards
         self._task: asyncio.Task[None] | None = None
+        self._limits_logged: dict[str, int] = {}  # replica -> its last limit change logged
 
     @property
     def report(self) -> AdmissionReport:
@@ -196,17 +200,40 @@ class AdmissionDoor:
         pinned_capacity: int | None = None,
         max_running: int | None = None,
     ) -> None:
+        now = self._time(now)
         self._resolve(
             self._controller.upsert_replica(
-                state,
-                self._time(now),
-                pinned_capacity=pinned_capacity,
-                max_running=max_running,
+                state, now, pinned_capacity=pinned_capacity, max_running=max_running
             )
         )
+        self._log_limit_changes(state.name, now)
 
     def remove_replica(self, name: str, now: float | None = None) -> None:
         self._resolve(self._controller.remove_replica(name, self._time(now)))
+        self._limits_logged.pop(name, None)
+
+    def _log_limit_changes(self, name: str, now: float) -> None:
+        """Log what moved `name`'s learned limit since its last discovery round, each
+        change at INFO with the evidence that made it (slow start's steps at DEBUG)."""
+        limit = self._controller.report.limit_of(name)
+        if limit is None:
+            return
+        seen = self._limits_logged.get(name, 0)
+        if limit.history.count < seen:
+            seen = 0  # a new limit (the replica came back): its changes count from 1
+        changes = limit.history.since(seen)
+        if not changes:
+            return
+        self._limits_logged[name] = changes[-1].seq
+        wall = time.time() - now  # the loop's clock to the wall's
+        for c in changes:
+            limit_log.log(
+                logging.DEBUG if c.reason == "slow_start" else logging.INFO,
+                "replica %s: %s",
+                name,
+                c.describe(),
+                extra={"fields": {"replica": name, "at": iso8601(wall + c.at), **c.fields()}},
+            )
 
     def mark_unready(self, name: str, now: float | None = None) -> None:
         self._resolve(self._controller.mark_unready(name, self._time(now)))

@@ -508,3 +508,7 @@ async def test_the_learned_limit_reads_the_engines_preemptions(
     # limit: it settles near what the pool holds (4,096 / ~850 tokens: 4), where it once
     # fell 16 -> 5 -> 3 -> 2 -> 1 on one burst.
     assert min(limit for limit, _ in moves if limit is not None) >= 3, moves
+    # An operator sees the cut and its evidence in /admin/replicas (and in the log).
+    listed = [c for c in (await admin(gw))["limit_changes"] if c["reason"] in cuts]
+    assert listed and listed[0]["limit_before"] >= 16 and listed[0]["limit_after"] <= 12, listed
+    assert listed[0]["running"] is not None and listed[0]["running"] > 0, listed
