@@ -234,6 +234,11 @@ async def contender(
         # What the queue predicted with at the end (GET /admin/replicas `service`), and how
         # kvgate kept the engine fed, from /admin/replicas read every ADMIN_EVERY_S.
         kvgate_service=(replica or {}).get("service"),
+        # What moved the learned limit, on what evidence (its last 16 moves).
+        kvgate_limit_changes=[
+            {k: v for k, v in c.items() if k != "at"}
+            for c in (replica or {}).get("limit_changes", [])
+        ],
         **fed(samples),
         **engine_fed(held),
         cpu=cpu,  # per process: cpu_s, wait_s (runnable, not running), cores (cpu/wall)
