@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
+from admission.limitlog import LimitHistory
 from admission.patience import Budget, ClientEnd
 from admission.report import AdmissionReport
 from admission.settling import TenantLimits
@@ -54,7 +55,8 @@ class AdmissionDoor:
         self._wake = asyncio.Event()
         self._armed = math.inf  # the deadline the expiry task currently sleeps towards
         self._task: asyncio.Task[None] | None = None
-        self._limits_logged: dict[str, int] = {}  # replica -> its last limit change logged
+        # replica -> its limit's history and the last change of it logged
+        self._limits_logged: dict[str, tuple[LimitHistory, int]] = {}
 
     @property
     def report(self) -> AdmissionReport:
@@ -218,13 +220,13 @@ class AdmissionDoor:
         limit = self._controller.report.limit_of(name)
         if limit is None:
             return
-        seen = self._limits_logged.get(name, 0)
-        if limit.history.count < seen:
-            seen = 0  # a new limit (the replica came back): its changes count from 1
+        logged, seen = self._limits_logged.get(name, (None, 0))
+        if logged is not limit.history:
+            seen = 0  # a new limit (the replica came back, a reload): its changes from 1
         changes = limit.history.since(seen)
         if not changes:
             return
-        self._limits_logged[name] = changes[-1].seq
+        self._limits_logged[name] = (limit.history, changes[-1].seq)
         wall = time.time() - now  # the loop's clock to the wall's
         for c in changes:
             limit_log.log(
