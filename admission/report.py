@@ -202,7 +202,6 @@ class AdmissionReport:
                     models=sorted(rep.models),
                     limit=rep.allowed if rep.limit is not None else None,
                     limit_reason=rep.limit.reason if rep.limit is not None else "",
-                    limit_changes=tuple(rep.limit.history.changes) if rep.limit else (),
                     held=rep.held,
                     ejected=rep.ejected,
                     service_plane=_plane(rep),

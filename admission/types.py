@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from admission.limitlog import LimitChange
 from admission.service import Plane
 from routing.types import RouteRequest
 
@@ -173,8 +172,6 @@ class ReplicaUsage:
     models: list[str] = field(default_factory=list)
     limit: int | None = None  # the learned running limit in force (None: not learning)
     limit_reason: str = ""  # what last moved the learned limit
-    # The last changes of the limit's allowed count, with their evidence, oldest first.
-    limit_changes: tuple[LimitChange, ...] = ()
     engine_kv_tokens: int | None = None  # the engine's own KV usage, in tokens
     held: int = 0  # abandoned requests whose reservation waits for the engine to stop
     ejected: bool = False  # out of service by outlier detection

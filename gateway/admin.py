@@ -48,6 +48,7 @@ def replicas_snapshot(
         u = usage.get(name)
         models = list(u.models) if u else list(s.models)
         until = outliers.ejected_until(name) if outliers is not None else None
+        limit = report.limit_of(name)
         out.append(
             {
                 "name": name,
@@ -74,10 +75,9 @@ def replicas_snapshot(
                 "limit_reason": u.limit_reason if u else "",
                 # What moved the limit, and on what evidence (admission/limitlog.py).
                 "limit_changes": [
-                    {"at": iso8601(wall - (now - c.at)), **c.fields()} for c in u.limit_changes
-                ]
-                if u
-                else [],
+                    {"at": iso8601(wall - (now - c.at)), **c.fields()}
+                    for c in (limit.history.changes if limit is not None else ())
+                ],
                 # What the queue predicts of a request's service here (an upper estimate
                 # at the load it runs): seconds = base + per token of prompt and output.
                 "service": _service(u) if u else None,
