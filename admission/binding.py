@@ -10,6 +10,8 @@ pool being full. Read from the model's ready replicas at the moment of the shed:
 - ``running_learned`` / ``running_cap`` / ``running_share``: the KV need fits somewhere,
   but every such replica runs as many requests as it may: the limit kvgate learned, the
   configured or engine's cap, or this process's leased share of it;
+- ``running_deadlines``: the same, where what binds is the requests it runs, one of which
+  one more would slow past its client's deadline (admission/room.py);
 - ``tenant_concurrency``: the tenant runs as many requests as it may;
 - ``queue``: a replica has room, but the queue ahead of the request is longer than it can
   wait for;
@@ -27,7 +29,7 @@ def _running_bound(r: Replica) -> str | None:
     """The running ceiling `r` is at, or None when it may run one more."""
     allowed = r.allowed
     if allowed is None or r.running < allowed:
-        return None
+        return "running_deadlines" if r.running + 1 > r.room else None
     own = r.cap if r.limit is None else r.limit.allowed(r.cap)
     if r.share_running is not None and (own is None or r.share_running < own):
         return "running_share"

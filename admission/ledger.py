@@ -41,6 +41,7 @@ from admission.drain import DrainMeter
 from admission.fit import can_ever_fit
 from admission.limit import RunningLimit
 from admission.replica import Replica
+from admission.room import deadline_room
 from admission.types import AdmissionRequest, Admit, Completion
 from admission.views import ModelViews
 from routing.types import ReplicaState
@@ -82,6 +83,9 @@ class Ledger:
         self.views = ModelViews(self.replicas)
         self.reservations: dict[str, Reservation] = {}
         self.held: dict[str, Reservation] = {}  # abandoned, in order of abandonment
+        # The live reservations whose client's deadline bounds them, by replica: what its
+        # deadline room is computed from (admission/room.py).
+        self.bounded: dict[str, dict[str, Reservation]] = {}
         # Reservations a stream outgrew while its replica had no room (exported by the shell).
         self.top_up_failures = 0
         self.latest = 0.0  # the latest `now` a call passed (reads judge by it)
@@ -133,8 +137,7 @@ class Ledger:
         bs = rep.block_size
         return max(bs, tokens - credit // bs * bs), shared
 
-    @staticmethod
-    def fits_now(rep: Replica, req: AdmissionRequest, now: float) -> bool:
+    def fits_now(self, rep: Replica, req: AdmissionRequest, now: float) -> bool:
         """`rep` can take `req` now; if so its candidate is refreshed in place (the
         ledger now, the engine view's age). On every candidate of every decision: the
         reservation is computed once (`tokens_for`'s memo), for the fit and the need."""
@@ -147,6 +150,8 @@ class Ledger:
         running = rep.running
         if allowed is not None and running >= allowed:
             return False
+        if running + 1 > (self.room(rep, now) if rep.room_stale else rep.room):
+            return False  # one more would slow a running request past its deadline
         free = rep.free
         need, shared = Ledger.less_shared(rep, req, tokens, now)
         if need > free:
@@ -230,6 +235,9 @@ class Ledger:
         )
         if req.latency_budget is None and req.deadline == math.inf:
             res.unbudgeted = (req.tenant, req.stream)
+        if res.due != math.inf:
+            self.bounded.setdefault(rep.name, {})[req.request_id] = res
+        rep.room_stale = True  # the load it serves at moved
         self.views.touch(rep)
         return Admit(req.request_id, rep.name, full, req.latency_budget)
 
@@ -246,6 +254,8 @@ class Ledger:
             freed += rep.prefixes.unpin(res.pins)
         rep.reserved -= freed
         rep.running -= 1
+        self._unbound(res)
+        rep.room_stale = True
         rep.drain.record(freed, now, now - res.admitted_at)
         rep.drain.set_busy(rep.running > 0, now)
         return rep
@@ -273,31 +283,24 @@ class Ledger:
         self.views.touch(rep)
         return True
 
-    def growth_room(self, rep: Replica, now: float) -> float:
-        """The most requests `rep` may run without slowing one it runs now past its
-        client's deadline: each one's predicted rest of service (at the load the replica
-        serves at) stretches with the load by the service's learned slope, so the load
-        may grow only as far as the tightest of them allows. inf where nothing running
-        is bounded (or service does not grow with the load)."""
-        if not len(rep.service):
-            return math.inf
-        load = rep.serving_load
-        k = rep.service.elasticity()
-        if k <= 0:
-            return math.inf
-        room = math.inf
-        for res in self.reservations.values():
-            if res.replica != rep.name or res.due == math.inf or res.held_since is not None:
-                continue
-            left = res.due - now
-            rest = rep.service.predict(res.prompt_tokens, res.output_tokens, load) - (
-                now - res.admitted_at
-            )
-            if left <= 0 or rest <= 0:
-                continue  # late already, or done by the prediction: nothing to keep
-            # rest * (1 + k * (room / load - 1)) = left
-            room = min(room, load * (1.0 + (left / rest - 1.0) / k))
-        return room
+    def room(self, rep: Replica, now: float) -> float:
+        """The most requests `rep` may run without slowing a running one past its
+        client's deadline (admission/room.py): admission holds it to that, slow start
+        grows its limit no further. Recomputed only after a reservation there came or
+        went or its view was refreshed (a discovery round)."""
+        bounded = self.bounded.get(rep.name)
+        rep.room = (
+            deadline_room(rep.service, rep.serving_load, bounded.values(), now)
+            if bounded
+            else math.inf
+        )
+        rep.room_stale = False
+        return rep.room
+
+    def _unbound(self, res: Reservation) -> None:
+        bounded = self.bounded.get(res.replica)
+        if bounded is not None and bounded.pop(res.request_id, None) is not None and not bounded:
+            del self.bounded[res.replica]
 
     # ------------------------------------------------------------------ holds
     def hold(self, res: Reservation, now: float, completion: Completion | None) -> None:
@@ -315,6 +318,8 @@ class Ledger:
             res.completion = completion
             rep.held += 1
             self.held[res.request_id] = res
+            self._unbound(res)  # its client has gone: no deadline left to keep
+            rep.room_stale = True
 
     def overdue(self, now: float) -> list[Reservation]:
         """Held reservations whose ``abandoned_hold_s`` has passed."""

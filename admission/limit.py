@@ -43,7 +43,7 @@ Per window:
   from a cold start as TCP's slow start, one more per request served under half its
   aim, so it doubles in about one service time and a burst on a healthy replica is not
   queued; never past what that completion predicts (its load over its score) nor the
-  ``room`` the running requests leave (`Ledger.growth_room`).
+  ``room`` the running requests leave (admission/room.py).
   Slow start ends at a window whose slowest came past half its aim (TCP's ssthresh),
   at any cut, or at the knee (what it grew past the knee is given back). From then on
   the limit grows by ``limit_probe_step`` per window, never past what the latency score

@@ -113,6 +113,9 @@ class Replica:
     # What the per-model views group and filter this replica by; a change rebuilds them
     # (admission.views).
     sig: tuple[object, ...] | None = None
+    # Its deadline room (admission/room.py), and whether a change since calls for a new one.
+    room: float = math.inf
+    room_stale: bool = False
 
     def shape(self) -> tuple[object, ...]:
         """What the fit checks (`can_ever_fit`, `tokens_for`) read besides the request."""
@@ -208,6 +211,7 @@ class Replica:
         routing. Returns whether the view is fresh (not the one seen last time)."""
         self.present = True
         self.memo_key = None
+        self.room_stale = True  # time moved the running requests' rests and deadlines
         self.models = frozenset(state.models)
         self.capacity = pinned_capacity if pinned_capacity is not None else state.capacity_tokens
         self.ready = bool(state.ready) and self.capacity is not None

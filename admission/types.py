@@ -167,7 +167,9 @@ class ReplicaUsage:
     running: int
     max_running: int | None  # configured or engine-reported cap (an upper bound)
     binding_ceiling: (
-        str  # "none" | "kv_capacity" | "running_cap" | "latency" | "not_ready" | "ejected"
+        # "none" | "kv_capacity" | "running_cap" | "latency" | "deadlines" | "not_ready" |
+        # "ejected"
+        str
     )
     models: list[str] = field(default_factory=list)
     limit: int | None = None  # the learned running limit in force (None: not learning)

@@ -62,6 +62,9 @@ _BINDS = {
     "running_share": (
         "are at this gateway process's leased share of their running limit (their KV pool has room)"
     ),
+    "running_deadlines": (
+        "are running requests that one more would slow past their clients' deadlines"
+    ),
     "tenant_concurrency": "are busy with as many of this tenant's requests as it may run",
     "queue": "have a queue ahead longer than this request can wait for",
     "no_replica": "are not ready",

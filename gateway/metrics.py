@@ -27,7 +27,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
-CEILINGS = ("kv_capacity", "running_cap", "latency", "not_ready", "ejected", "none")
+CEILINGS = ("kv_capacity", "running_cap", "latency", "deadlines", "not_ready", "ejected", "none")
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 # estimated / actual prompt tokens: 1 is a perfect count, 2 reserves twice what is used.
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0)

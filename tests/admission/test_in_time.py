@@ -294,7 +294,7 @@ def test_the_demos_job_with_a_stated_timeout_loses_nothing_to_a_late_start() -> 
     waited is shed rather than started late
     (`test_a_queued_request_whose_service_grew_while_it_waited_is_shed_not_started_late`).
     And the limit grows no further than keeps the requests it runs in time
-    (`Ledger.growth_room`): on this card service grows with the load, and slow start, fed
+    (`Ledger.room`, admission/room.py): on this card service grows with the load, and slow start, fed
     by short answers served at a light load, took the limit from 6 to 9 while long ones
     admitted late in their budget ran (workload seed 1: a cut judged flat given back;
     11 and 19: slow start, a request started at 7.8 s ran 37 s): one of 738 lost in each

@@ -186,8 +186,9 @@ def test_slow_start_grows_no_further_than_the_load_a_completion_was_served_at() 
 
 
 def test_slow_start_stops_where_a_running_request_would_be_slowed_past_its_deadline() -> None:
-    """`room` (the ledger's `growth_room`: the most running that keeps every running
-    request's predicted rest of service inside its client's deadline) bounds slow start,
+    """`room` (the ledger's deadline room, admission/room.py: the most running that keeps
+    every running request's predicted rest of service inside its client's deadline) bounds
+    slow start,
     whose doubling outruns the evidence of the long requests it slows; it never cuts."""
     lim = RunningLimit(LimitSettings(initial=4, window=64))
     now = 0.0

@@ -1,0 +1,90 @@
+"""The deadline room (admission/room.py): a replica takes no more requests than its
+running requests' deadlines allow."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from admission.room import deadline_room
+from admission.service import ServiceModel
+from admission.types import Admit, Completion, Queued, Shed
+from tests.admission.helpers import controller, replica, request
+
+
+@dataclass
+class _Running:
+    due: float
+    admitted_at: float
+    prompt_tokens: int = 400
+    output_tokens: int = 100
+
+
+def _service(seconds: float, load: float) -> ServiceModel:
+    """Every sample the same: `seconds` at `load` (no margin; elasticity 1)."""
+    s = ServiceModel()
+    for _ in range(8):
+        s.add(400, 100, seconds, load=load)
+    return s
+
+
+def test_the_room_is_the_load_at_which_the_tightest_running_request_still_ends_in_time() -> None:
+    service = _service(2.0, load=2)
+    # At load 4 its service is 4 s, 3 s of it left at t = 1, and its client leaves at t =
+    # 3.4: at a load L it has 3 x L / 4 s left, which ends in time while L <= 4 x 2.4 / 3.
+    tight = _Running(due=3.4, admitted_at=0.0)
+    easy = _Running(due=100.0, admitted_at=0.0)
+    assert deadline_room(service, 4, [easy, tight], 1.0) == pytest.approx(4 * 2.4 / 3)
+    # A client already gone, or a request the prediction has done, keeps nothing.
+    gone = _Running(due=0.5, admitted_at=0.0)
+    done = _Running(due=10.0, admitted_at=-5.0)
+    assert deadline_room(service, 4, [gone, done], 1.0) == math.inf
+    # Nothing bounded, or no service seen yet: no room to keep.
+    assert deadline_room(service, 4, [], 1.0) == math.inf
+    assert deadline_room(ServiceModel(), 4, [tight], 1.0) == math.inf
+
+
+def _served(ctrl, n: int, seconds: float) -> float:
+    now = 0.0
+    for i in range(n):
+        assert isinstance(ctrl.submit(request(f"w{i}", 400, 100), now).verdict, Admit)
+        ctrl.release(f"w{i}", now + seconds, Completion(service_s=seconds, prompt_tokens=400,
+                                                       completion_tokens=100))  # fmt: skip
+        now += seconds
+    return now
+
+
+@pytest.mark.parametrize("budget", [1.5, None])
+def test_a_replica_takes_no_more_than_a_running_requests_deadline_allows(budget) -> None:
+    """Service takes 2 s at the replica's load of 4. A request whose client leaves after
+    1.5 s is late by that prediction; the load at which it still ends in time is 3
+    (4 x (1 + (1.5 / 2 - 1))), so the replica takes two more beside it and queues the
+    rest, naming the ceiling, until it ends. A request whose client states no deadline
+    (and whose clients' patience is not learned) keeps nothing: the cap of 4 binds."""
+    ctrl = controller(min_drain_samples=1)
+    ctrl.upsert_replica(replica("r1", 100_000, max_running=4), 0.0)
+    now = _served(ctrl, 16, 2.0)
+    assert isinstance(ctrl.submit(request("tight", 400, 100, latency_budget=budget), now).verdict,
+                      Admit)  # fmt: skip
+    verdicts = [type(ctrl.submit(request(f"n{i}", 400, 100), now).verdict) for i in range(4)]
+    (usage,) = ctrl.report.replica_usage()
+    if budget is None:
+        assert verdicts == [Admit, Admit, Admit, Queued]
+        assert usage.binding_ceiling == "running_cap"
+        return
+    assert verdicts == [Admit, Admit, Queued, Queued]
+    assert usage.binding_ceiling == "deadlines" and usage.running == 3
+    # A request that cannot wait longer is shed, told what binds.
+    assert isinstance(ctrl.submit(request("hurry", 400, 100, latency_budget=0.1), now).verdict,
+                      Queued)  # fmt: skip
+    (shed,) = [e for e in ctrl.advance(now + 0.1) if isinstance(e, Shed)]
+    assert shed.request_id == "hurry" and shed.binds == "running_deadlines", shed
+    # When it ends, the room is the cap's again.
+    events = ctrl.release("tight", now + 1.4, Completion(service_s=1.4, prompt_tokens=400,
+                                                         completion_tokens=100))  # fmt: skip
+    assert sorted(e.request_id for e in events if isinstance(e, Admit)) == ["n2", "n3"]
+    for rid in ("n0", "n1", "n2", "n3"):
+        ctrl.release(rid, now + 2.0)
+    assert ctrl.report.reserved_tokens() == 0
