@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.types import AdmissionRequest, Admit, Events, Shed
+from admission.types import AdmissionRequest, Admit, Completion, Events, Shed
 from routing.scheduler import default_profile
 from routing.types import ReplicaState
 
@@ -93,4 +93,16 @@ def filled(ctrl: AdmissionController) -> float:
     now = warm_drain(ctrl, 200, rate=100.0)
     for i in range(5):
         ctrl.submit(request(f"run{i}", 100, 100), now)
+    return now
+
+
+def served_one_by_one(ctrl: AdmissionController, n: int, seconds: float) -> float:
+    """`n` completions of `seconds` each (400 prompt and 100 output tokens), one after
+    another on replica r1: its service model learns them. Returns the time reached."""
+    now = 0.0
+    for i in range(n):
+        assert isinstance(ctrl.submit(request(f"w{i}", 400, 100), now).verdict, Admit)
+        ctrl.release(f"w{i}", now + seconds, Completion(service_s=seconds, prompt_tokens=400,
+                                                       completion_tokens=100))  # fmt: skip
+        now += seconds
     return now

@@ -19,7 +19,14 @@ from bench.vtime import run
 from enginesim.simulate import run_closed_loop
 from enginesim.types import Workload
 from enginesim.workloads import seed2_workload, synthetic_items
-from tests.admission.helpers import admits, controller, replica, request, sheds
+from tests.admission.helpers import (
+    admits,
+    controller,
+    replica,
+    request,
+    served_one_by_one,
+    sheds,
+)
 
 PROFILE = Path(__file__).resolve().parents[2] / "enginesim" / "profiles" / "vllm-cpu-tiny.yaml"
 
@@ -106,17 +113,6 @@ def test_a_queued_request_waits_as_long_as_its_predicted_service_leaves() -> Non
     ctrl.release("late", now + 1.0)
 
 
-def _served(ctrl, n: int, seconds: float) -> float:
-    """`n` completions of `seconds` each, one after another on replica r1; the time reached."""
-    now = 0.0
-    for i in range(n):
-        assert isinstance(ctrl.submit(request(f"w{i}", 400, 100), now).verdict, Admit)
-        ctrl.release(f"w{i}", now + seconds, Completion(service_s=seconds, prompt_tokens=400,
-                                                       completion_tokens=100))  # fmt: skip
-        now += seconds
-    return now
-
-
 @pytest.mark.parametrize("history", [16, 4])
 def test_a_queued_request_whose_service_grew_while_it_waited_is_shed_not_started_late(
     history: int,
@@ -131,7 +127,7 @@ def test_a_queued_request_whose_service_grew_while_it_waited_is_shed_not_started
     they needed)."""
     ctrl = controller(min_drain_samples=1)
     ctrl.upsert_replica(replica("r1", 1000, max_running=1), 0.0)
-    now = _served(ctrl, history, 2.0)
+    now = served_one_by_one(ctrl, history, 2.0)
     assert isinstance(ctrl.submit(request("slow", 400, 100), now).verdict, Admit)
     queued = ctrl.submit(request("late", 400, 100, latency_budget=10.0), now).verdict
     assert isinstance(queued, Queued)

@@ -11,7 +11,7 @@ import pytest
 from admission.room import deadline_room
 from admission.service import ServiceModel
 from admission.types import Admit, Completion, Queued, Shed
-from tests.admission.helpers import controller, replica, request
+from tests.admission.helpers import controller, replica, request, served_one_by_one
 
 
 @dataclass
@@ -46,16 +46,6 @@ def test_the_room_is_the_load_at_which_the_tightest_running_request_still_ends_i
     assert deadline_room(ServiceModel(), 4, [tight], 1.0) == math.inf
 
 
-def _served(ctrl, n: int, seconds: float) -> float:
-    now = 0.0
-    for i in range(n):
-        assert isinstance(ctrl.submit(request(f"w{i}", 400, 100), now).verdict, Admit)
-        ctrl.release(f"w{i}", now + seconds, Completion(service_s=seconds, prompt_tokens=400,
-                                                       completion_tokens=100))  # fmt: skip
-        now += seconds
-    return now
-
-
 @pytest.mark.parametrize("budget", [1.5, None])
 def test_a_replica_takes_no_more_than_a_running_requests_deadline_allows(budget) -> None:
     """Service takes 2 s at the replica's load of 4. A request whose client leaves after
@@ -65,7 +55,7 @@ def test_a_replica_takes_no_more_than_a_running_requests_deadline_allows(budget)
     (and whose clients' patience is not learned) keeps nothing: the cap of 4 binds."""
     ctrl = controller(min_drain_samples=1)
     ctrl.upsert_replica(replica("r1", 100_000, max_running=4), 0.0)
-    now = _served(ctrl, 16, 2.0)
+    now = served_one_by_one(ctrl, 16, 2.0)
     assert isinstance(ctrl.submit(request("tight", 400, 100, latency_budget=budget), now).verdict,
                       Admit)  # fmt: skip
     verdicts = [type(ctrl.submit(request(f"n{i}", 400, 100), now).verdict) for i in range(4)]
