@@ -150,8 +150,13 @@ class Ledger:
         running = rep.running
         if allowed is not None and running >= allowed:
             return False
-        if running + 1 > (self.room(rep, now) if rep.room_stale else rep.room):
-            return False  # one more would slow a running request past its deadline
+        if running + 1 > (self.room(rep, now) if rep.room_stale else rep.room) and not (
+            req.over_limit
+        ):
+            # One more would slow a running request past its deadline, by an upper
+            # estimate: a last retry out of time to start, which fails for sure if shed,
+            # is taken all the same (as past the learned limit, `allowed_for`).
+            return False
         free = rep.free
         need, shared = Ledger.less_shared(rep, req, tokens, now)
         if need > free:
