@@ -150,8 +150,8 @@ class Ledger:
         running = rep.running
         if allowed is not None and running >= allowed:
             return False
-        if running + 1 > (self.room(rep, now) if rep.room_stale else rep.room) and not (
-            req.over_limit
+        if not req.over_limit and running + 1 > (
+            self.room(rep, now) if rep.room_stale else rep.room  # `room`, without a call
         ):
             # One more would slow a running request past its deadline, by an upper
             # estimate: a last retry out of time to start, which fails for sure if shed,
@@ -292,14 +292,15 @@ class Ledger:
         """The most requests `rep` may run without slowing a running one past its
         client's deadline (admission/room.py): admission holds it to that, slow start
         grows its limit no further. Recomputed only after a reservation there came or
-        went or its view was refreshed (a discovery round)."""
-        bounded = self.bounded.get(rep.name)
-        rep.room = (
-            deadline_room(rep.service, rep.serving_load, bounded.values(), now)
-            if bounded
-            else math.inf
-        )
-        rep.room_stale = False
+        went, its service was refit, or its view was refreshed (a discovery round)."""
+        if rep.room_stale:
+            bounded = self.bounded.get(rep.name)
+            rep.room = (
+                deadline_room(rep.service, rep.serving_load, bounded.values(), now)
+                if bounded
+                else math.inf
+            )
+            rep.room_stale = False
         return rep.room
 
     def _unbound(self, res: Reservation) -> None:
