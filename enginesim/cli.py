@@ -7,6 +7,7 @@
                                                                      (llamacpp only)
                     [--fault MODE [--fault-status N] [--fault-factor X] [--fault-after-tokens N]
                     [--fault-delay-s S]]
+                    [--lora-modules NAME=PATH|JSON ...]                (vllm only)
     enginesim profiles
 
 `--flavor llamacpp` (or a profile with `flavor: llamacpp`, such as `llamacpp-tiny`) serves
@@ -16,6 +17,10 @@ it one pool shared by all slots. `--cache-ram` sizes llama-server's host-RAM pro
 cache (MiB; 0 turns it off, -1 no limit; default 8,192, as llama-server's).
 `--kv-cache-metrics` adds the two KV gauges that llama-server builds before May 2025
 exported (`llamacpp:kv_cache_usage_ratio`, `llamacpp:kv_cache_tokens`).
+
+`--lora-modules` serves LoRA adapters as vLLM's flag of that name does: each
+`name=path` (or `{"name": ..., "path": ..., "base_model_name": ...}`) is a model of its
+own in `/v1/models` (`parent` its base) that requests may name (`enginesim.lora`).
 
 The server runs on uvloop. SIGINT and SIGTERM stop it cleanly; the `crash` fault ends the
 process with exit status 1, as a crashing engine would.
@@ -32,6 +37,7 @@ import sys
 from collections.abc import Sequence
 
 from enginesim.faults import FaultConfig, FaultConfigError, FaultMode, make_fault
+from enginesim.lora import LoraModule, parse_lora_module
 
 
 def _positive_float(text: str) -> float:
@@ -42,6 +48,13 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def _lora_module(text: str) -> LoraModule:
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--fault-delay-s", type=float, default=None, help="how late 'slow_metrics' answers"
     )
+    serve.add_argument(
+        "--lora-modules",
+        type=_lora_module,
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="vllm: serve LoRA adapters as models (name=path, or vLLM's JSON form)",
+    )
     serve.add_argument("--log-level", default="INFO")
 
     sub.add_parser("profiles", help="list the bundled profiles")
@@ -132,6 +153,7 @@ async def _serve(args: argparse.Namespace, fault: FaultConfig | None) -> int:
         kv_unified=args.kv_unified,
         kv_cache_metrics=args.kv_cache_metrics,
         cache_ram_mib=args.cache_ram,
+        lora_modules=args.lora_modules,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -213,6 +235,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--cache-ram: must be -1 (no limit), 0 (off) or a size in MiB")
     elif args.kv_unified is not None or args.kv_cache_metrics or args.cache_ram is not None:
         parser.error("--kv-unified, --cache-ram and --kv-cache-metrics need the llamacpp flavor")
+    if args.lora_modules:
+        from enginesim.lora import lora_table
+
+        if flavor is not Flavor.VLLM:
+            parser.error("--lora-modules: the simulator serves LoRA adapters as vLLM does")
+        try:
+            lora_table(args.lora_modules, args.profile.served_model_name)
+        except ValueError as exc:
+            parser.error(f"--lora-modules: {exc}")
 
     try:
         import uvloop

@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from enginesim import tokenizer
-from enginesim.kvpool import ROOT_HASH, BlockPool, chain_hashes
+from enginesim.kvpool import BlockPool, chain_hashes, root_hash
 from enginesim.profiles import Profile
 from enginesim.roofline import Roofline, StepShape
 from enginesim.spec import acceptance_rate, accepted_drafts
@@ -191,7 +191,7 @@ class EngineCore:
             gen_base=zlib.crc32(f"{self.seed}:{req.request_id}".encode()),
         )
         if self.enable_prefix_caching:
-            r.hashes = chain_hashes(r.tokens, self.block_size)
+            r.hashes = chain_hashes(r.tokens, self.block_size, root_hash(req.lora_name))
         self._reqs[req.request_id] = r
         self._waiting.append(r)
 
@@ -441,7 +441,7 @@ class EngineCore:
         have = len(r.hashes)
         full = upto_tokens // self.block_size
         if full > have:
-            parent = r.hashes[-1] if have else ROOT_HASH
+            parent = r.hashes[-1] if have else root_hash(r.req.lora_name)
             r.hashes.extend(
                 chain_hashes(r.tokens[: full * self.block_size], self.block_size, parent, have)
             )

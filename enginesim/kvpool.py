@@ -17,12 +17,21 @@ Everything here is O(blocks touched); nothing is per token.
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
 # Parent hash of the first block in a chain. Any constant works: block hashes only have
 # to agree between sequences in this process.
 ROOT_HASH = 0x9E3779B97F4A7C15
+
+
+def root_hash(lora_name: str | None) -> int:
+    """The parent hash of a chain's first block: a LoRA adapter's chain is its own
+    (vLLM keys a cached block by its adapter too), the base model's is ROOT_HASH."""
+    if lora_name is None:
+        return ROOT_HASH
+    return hash((ROOT_HASH, zlib.crc32(lora_name.encode("utf-8"))))
 
 
 def chain_hashes(

@@ -8,6 +8,9 @@ clients see of a real engine:
   chunk shapes, `stream_options.include_usage`, vLLM's extensions `ignore_eos`,
   `min_tokens`, `priority`; unknown sampling fields are accepted and ignored);
 * `GET /v1/models`, `GET /health`, `POST /tokenize`, `GET /version`;
+* LoRA adapters as models (vLLM flavor, `lora_modules`; `--lora-modules` on the CLI):
+  listed in `/v1/models` with `parent` naming the base, served by name, in the base's
+  KV pool (`enginesim.lora`);
 * `GET /metrics` under vLLM's (or, with the sglang flavor, SGLang's) metric names, plus
   `GET /server_info` for the sglang flavor;
 * `GET|POST /admin/faults` for fault injection (see `enginesim.faults`).
@@ -38,7 +41,7 @@ import string
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, NoReturn
 
 from aiohttp import web
@@ -62,6 +65,7 @@ from enginesim.core import EngineCore
 from enginesim.driver import EngineDriver, RequestHandle
 from enginesim.faults import NO_FAULT, FaultConfig, FaultConfigError, FaultMode
 from enginesim.llamacpp import UNLIMITED, LlamaCppCore
+from enginesim.lora import LoraModule, lora_card, lora_table
 from enginesim.metrics import CONTENT_TYPE, EngineMetrics
 from enginesim.profiles import Profile, load_profile
 from enginesim.types import EngineEvent, EventKind, Flavor, SimRequest, Workload
@@ -103,6 +107,7 @@ class EngineServer:
         kv_unified: bool | None = None,
         kv_cache_metrics: bool = False,
         cache_ram_mib: int | None = None,
+        lora_modules: Iterable[LoraModule | str] = (),
     ) -> None:
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         self.host = host
@@ -124,6 +129,11 @@ class EngineServer:
                 self.profile, flavor=self.flavor, seed=seed, speculative=speculative
             )
         self.model_name = self.profile.served_model_name
+        # LoRA adapters by name (vLLM's --lora-modules): models of their own that run on
+        # the base in its KV pool.
+        self.loras = lora_table(lora_modules, self.model_name)
+        if self.loras and self.flavor is not Flavor.VLLM:
+            raise ValueError("lora_modules: the simulator serves LoRA adapters as vLLM does")
         self.speculative = self._speculation_enabled()
         self.metrics = EngineMetrics(
             flavor=self.flavor,
@@ -290,6 +300,9 @@ class EngineServer:
         r.add_post("/tokenize", self._tokenize)
         r.add_get("/version", self._version)
         r.add_get("/metrics", self._metrics)
+        if self.flavor is Flavor.VLLM:  # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+            r.add_post("/v1/load_lora_adapter", self._load_lora)
+            r.add_post("/v1/unload_lora_adapter", self._unload_lora)
         if self.flavor is Flavor.SGLANG:
             r.add_get("/server_info", self._server_info)
             r.add_get("/get_server_info", self._server_info)
@@ -380,7 +393,8 @@ class EngineServer:
             "parent": None,
             "max_model_len": self.profile.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [card]})
+        cards = [card, *(lora_card(m, self._started_at) for m in self.loras.values())]
+        return web.json_response({"object": "list", "data": cards})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if self._fault.mode is FaultMode.SLOW_METRICS:
@@ -436,6 +450,27 @@ class EngineServer:
             }
         )
 
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's runtime LoRA loading: the adapter is a model from now on."""
+        body = await read_json(request)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        path = body.get("lora_path") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        if name in self.loras or name == self.model_name:
+            raise ApiError(400, f"The lora adapter '{name}' has already been loaded.")
+        self.loras[name] = LoraModule(name, path, self.model_name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        """vLLM's runtime LoRA unloading: requests running on it finish; new ones 404."""
+        body = await read_json(request)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or name not in self.loras:
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+        del self.loras[name]
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
     # -- admin -------------------------------------------------------------------------
 
     def _fault_json(self) -> dict[str, Any]:
@@ -468,9 +503,12 @@ class EngineServer:
     # -- completions -------------------------------------------------------------------
 
     def _check_model(self, model: str | None) -> str:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model")
-        return self.model_name
+        """The model a request is served as: the base, or a LoRA adapter it names."""
+        if model is None or model == self.model_name:
+            return self.model_name
+        if model in self.loras:
+            return model
+        raise ApiError(404, f"The model `{model}` does not exist.", "model")
 
     def _prepare(
         self, request: web.Request, body: Any, kind: Literal["chat", "completion"]
@@ -598,6 +636,7 @@ class EngineServer:
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,
             priority=req.priority,
+            lora_name=model if model in self.loras else None,
         )
         opts = req.stream_options
         fault = self._fault

@@ -44,6 +44,9 @@ class SimRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     priority: int = 0
+    # The LoRA adapter the request names (None: the base model): its KV blocks are its
+    # own, so its prefix cache hash chain is seeded with this name (enginesim.lora).
+    lora_name: str | None = None
 
 
 class EventKind(enum.StrEnum):
