@@ -22,6 +22,12 @@ last good view (its age makes routing treat it as stale). An unready replica ret
 after ``discovery.success_threshold`` good rounds in a row. A refused connection on the
 request path (`Discovery.mark_down`) takes the replica out at once, and it too returns
 only after that many good rounds.
+
+LoRA adapters are models: a replica that lists an adapter in ``/v1/models`` (vLLM: an
+entry whose ``parent`` names its base) serves requests for it by name, in its base's
+KV pool. `ModelCatalog` keeps which base each served adapter runs on, fleet-wide, for
+the tenant check (`TenantState.may_use`: a tenant allowed a base may use its adapters)
+and for ``GET /v1/models``.
 """
 
 from __future__ import annotations
@@ -88,6 +94,47 @@ def apply_round(
     return explain(rc.url, rc.engine, adapter, outcomes, state)
 
 
+class ModelCatalog:
+    """The models the replicas serve, and the base model each LoRA adapter runs on.
+
+    Each replica's last model list counts (a replica out of service keeps its own until
+    it is retired), so a request for an adapter whose replicas are all down is still
+    known as the adapter it is. `known` only grows: it bounds the model label of metrics.
+    """
+
+    def __init__(self) -> None:
+        self.known: set[str] = set()
+        self._lists: dict[str, tuple[tuple[str, ...], tuple[tuple[str, str], ...]]] = {}
+        self._bases: dict[str, frozenset[str]] = {}
+
+    def saw(self, replica: str, state: ReplicaState) -> None:
+        """What a round found `replica` serving (rebuilt only when its list changed)."""
+        self.known.update(state.models)
+        listed = (tuple(state.models), tuple(sorted(state.adapters.items())))
+        if self._lists.get(replica) != listed:
+            self._lists[replica] = listed
+            self._rebuild()
+
+    def forget(self, replica: str) -> None:
+        if self._lists.pop(replica, None) is not None:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        bases: dict[str, set[str]] = {}
+        for models, adapters in self._lists.values():
+            parent = dict(adapters)
+            for m in models:
+                bases.setdefault(m, set()).add(parent.get(m, m))
+        self._bases = {m: frozenset(b) for m, b in bases.items()}
+
+    def bases_of(self, model: str) -> frozenset[str]:
+        """The models `model` runs on where a replica serves it: its base where it is a
+        LoRA adapter, itself where it is a base; empty where no replica serves it. More
+        than one where replicas disagree (one name, two bases): the tenant check then
+        asks for every one."""
+        return self._bases.get(model, frozenset())
+
+
 class ReplicaWatcher:
     """Polls one replica and upserts what it learns."""
 
@@ -97,10 +144,10 @@ class ReplicaWatcher:
         session: aiohttp.ClientSession,
         door: AdmissionDoor,
         cfg: DiscoveryConfig,
-        known_models: set[str],
+        catalog: ModelCatalog,
     ) -> None:
         self.config = rc
-        self._known_models = known_models
+        self._catalog = catalog
         self._session = session
         self._door = door
         self._cfg = cfg
@@ -140,7 +187,8 @@ class ReplicaWatcher:
             state = self.state = before
         elif not ready:
             state.ready = False
-        self._known_models.update(state.models)
+        if not self.retired:  # a round under way when it was retired or replaced
+            self._catalog.saw(self.config.name, state)
         if self.config.block_size:
             state.block_size = self.config.block_size
         if state.ready:
@@ -174,6 +222,7 @@ class ReplicaWatcher:
                     "error": None if state.ready else self.error,
                     "capacity_tokens": self.config.pool_tokens or state.capacity_tokens,
                     "models": list(state.models),
+                    "adapters": dict(state.adapters),
                 }
             },
         )
@@ -254,8 +303,10 @@ class Discovery:
         self._session = session
         self._door = door
         self._cfg = cfg
-        # Every model any replica ever served: bounds the model label of metrics.
-        self.known_models: set[str] = set()
+        # What the replicas serve; `known_models`: every model any replica ever served,
+        # which bounds the model label of metrics.
+        self.catalog = ModelCatalog()
+        self.known_models: set[str] = self.catalog.known
         self.watchers: dict[str, ReplicaWatcher] = {}
         self.endpoints: dict[str, Endpoint] = {}
         self._retired: set[str] = set()  # endpoints kept while requests may still use them
@@ -264,7 +315,7 @@ class Discovery:
             self._watch(rc)
 
     def _watch(self, rc: ReplicaConfig, join_when_ready: bool = False) -> ReplicaWatcher:
-        w = ReplicaWatcher(rc, self._session, self._door, self._cfg, self.known_models)
+        w = ReplicaWatcher(rc, self._session, self._door, self._cfg, self.catalog)
         w.join_when_ready = join_when_ready
         self.watchers[rc.name] = w
         self.endpoints[rc.name] = Endpoint.of(rc)
@@ -311,6 +362,7 @@ class Discovery:
         if task is not None:
             task.cancel()
         self._door.remove_replica(name)
+        self.catalog.forget(name)
         self._retired.add(name)
         log.info(
             "replica %s retired", name, extra={"fields": {"replica": name, "url": w.config.url}}
@@ -344,6 +396,11 @@ class Discovery:
         if w is not None:
             w.hysteresis.force_down()
             w.state.ready = False
+
+    def bases_of(self, model: str) -> frozenset[str]:
+        """The models `model` runs on (`ModelCatalog.bases_of`): for the tenant check,
+        ``policy.may_use(model, discovery.bases_of(model))``."""
+        return self.catalog.bases_of(model)
 
     def max_model_len(self, model: str) -> int | None:
         """The longest context any ready replica serving `model` reported."""

@@ -21,6 +21,10 @@ class ReplicaState:
     labels: dict[str, str] = field(default_factory=dict)
     ready: bool = False
     models: list[str] = field(default_factory=list)
+    # The LoRA adapters among `models`, each with the base model it runs on (vLLM lists
+    # an adapter in /v1/models with ``parent`` naming its base). An adapter shares its
+    # base's KV pool and context (`max_model_len`): it is a model routed by name only.
+    adapters: dict[str, str] = field(default_factory=dict)
     # Capacity as discovered from the engine (None until known); a pinned config value wins.
     capacity_tokens: int | None = None
     block_size: int = 16

@@ -107,25 +107,36 @@ def as_int(value: Any) -> int | None:
 
 
 def apply_models(state: ReplicaState, body: str | None) -> bool:
-    """Update `state.models` (and `max_model_len` when listed) from ``/v1/models``.
+    """Update `state.models`, `state.adapters` (and `max_model_len` when listed) from
+    ``/v1/models``.
 
-    Returns False when the body is not an OpenAI model list.
+    An entry whose ``parent`` names another model is a LoRA adapter of that base (vLLM:
+    ``parent`` the base's served name, ``root`` the adapter's path; a base has ``parent:
+    null``). It is a model like any other for routing, and it runs in its base's KV pool
+    with its base's context: vLLM lists no ``max_model_len`` for it, and one listed is
+    taken as a base's is (the least of them). Returns False when the body is not an
+    OpenAI model list.
     """
     doc = parse_json(body)
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
         return False
     ids: list[str] = []
+    adapters: dict[str, str] = {}
     max_len: int | None = None
     for item in doc["data"]:
         if not isinstance(item, dict) or not isinstance(item.get("id"), str):
             continue
         ids.append(item["id"])
+        parent = item.get("parent")
+        if isinstance(parent, str) and parent and parent != item["id"]:
+            adapters[item["id"]] = parent
         length = as_int(item.get("max_model_len"))
         if length is not None:
             max_len = length if max_len is None else min(max_len, length)
     if not ids:
         return False
     state.models = ids
+    state.adapters = adapters
     if max_len is not None:
         state.max_model_len = max_len
     return True
