@@ -49,7 +49,7 @@ import hashlib
 import hmac
 import math
 import re
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -108,10 +108,7 @@ class TenantConfig(BaseModel):
     max_queued: int | None = Field(None, ge=0, description="Most waiting in the queue.")
     priority: PriorityRange = Field(default_factory=PriorityRange)
     weight: float = Field(1.0, gt=0.0, description="Share of contended capacity, in tokens.")
-    models: list[str] | None = Field(
-        None,
-        description="Models it may use (None: all); a LoRA adapter of one of them too.",
-    )
+    models: list[str] | None = Field(None, description="Models it may use (None: all).")
     default_workload: Literal["coding", "agentic", "chat"] | None = None
     queue_timeout_s: float | None = Field(
         None, gt=0.0, description="Queue timeout (replaces admission.queue_timeout_s)."
@@ -323,16 +320,9 @@ class TenantState:
             return self.prio_default
         return min(self.prio_max, max(self.prio_min, asked))
 
-    def may_use(self, model: str, bases: Collection[str] = ()) -> bool:
-        """Whether the tenant may use `model`: one its ``models`` names, or a LoRA
-        adapter whose base it may use. `bases` are the models `model` runs on where a
-        replica serves it (an adapter's base; a base model is its own), as discovery
-        learned them: every one must be allowed, so that an adapter name that one
-        replica serves on another base (or as a base) opens nothing the tenant was not
-        given. Empty: no replica serves it, only its own name counts."""
-        if self.models is None or model in self.models:
-            return True
-        return bool(bases) and all(b in self.models for b in bases)
+    def may_use(self, model: str, bases: frozenset[str] = frozenset()) -> bool:
+        """`model`, or a LoRA adapter whose `bases` (ModelCatalog.bases_of) all are."""
+        return self.models is None or model in self.models or bool(bases) and bases <= self.models
 
 
 @dataclass(slots=True, frozen=True)
