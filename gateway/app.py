@@ -32,7 +32,8 @@ from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
 from gateway.dns import DnsGroups
 from gateway.door import AdmissionDoor
-from gateway.errors import ApiError
+from gateway.errors import ApiError, Dialect
+from gateway.forward import Forwarder
 from gateway.http import hide_server_version, server_kwargs
 from gateway.http import install as install_error_handler
 from gateway.kvevents import KVEventSubscriber, start_kv_events
@@ -170,6 +171,9 @@ def build_app(
             tenants=st.tenants,
         )
         pipeline_ref.append(st.pipeline)
+        forwarder.append(
+            Forwarder(config, lambda: st.tenants, st.discovery, session, lambda: st.pipeline.stored)
+        )
         await st.discovery.start()
         if st.kv_index is not None:
             st.kv_subscribers = start_kv_events(config, st.kv_index, st.discovery)
@@ -239,11 +243,33 @@ def build_app(
     async def completions(request: web.Request) -> web.StreamResponse:
         return await st.pipeline.handle(request, "completion")
 
+    async def responses(request: web.Request) -> web.StreamResponse:
+        return await st.pipeline.handle(request, "responses")
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        return await st.pipeline.handle(request, "messages")
+
+    forwarder: list[Forwarder] = []  # built with the upstream session at start-up
+
+    def forwarded(
+        path: str, dialect: Dialect
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await forwarder[0].by_model(request, path, dialect)
+
+        return handle
+
+    async def stored_response(request: web.Request) -> web.StreamResponse:
+        return await forwarder[0].stored_response(request)
+
     models = ModelsApi(lambda: st.tenants, st.door.report.models)
 
     ops = OperationsApi(st)
 
     known_paths = set(UPSTREAM_PATHS.values()) | {
+        "/v1/messages/count_tokens",
+        "/tokenize",
+        "/detokenize",
         "/v1/models",
         "/health",
         "/ready",
@@ -253,17 +279,30 @@ def build_app(
     }
 
     async def fallback(request: web.Request) -> web.Response:
+        # Anthropic's clients get Anthropic's error objects under its paths.
+        dialect: Dialect = "anthropic" if request.path.startswith("/v1/messages") else "openai"
         if request.path in known_paths:
             return ApiError(
                 405,
                 f"Method {request.method} not allowed on {request.path}.",
                 code="method_not_allowed",
-            ).response()
-        return ApiError(404, f"Unknown path {request.path}.", code="not_found").response()
+            ).response(None, dialect)
+        return ApiError(404, f"Unknown path {request.path}.", code="not_found").response(
+            None, dialect
+        )
 
     handlers: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
         ("POST", "/v1/chat/completions", chat),
         ("POST", "/v1/completions", completions),
+        ("POST", "/v1/responses", responses),
+        ("GET", "/v1/responses/{response_id}", stored_response),
+        ("DELETE", "/v1/responses/{response_id}", stored_response),
+        ("GET", "/v1/responses/{response_id}/input_items", stored_response),
+        ("POST", "/v1/responses/{response_id}/cancel", stored_response),
+        ("POST", "/v1/messages", messages),
+        ("POST", "/v1/messages/count_tokens", forwarded("/v1/messages/count_tokens", "anthropic")),
+        ("POST", "/tokenize", forwarded("/tokenize", "openai")),
+        ("POST", "/detokenize", forwarded("/detokenize", "openai")),
         ("GET", "/v1/models", models.list),
         ("GET", "/v1/models/{model}", models.get),
         ("GET", "/health", ops.health),

@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from admission.types import AdmissionRequest, Admit
+from gateway.errors import Dialect
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
-Kind = Literal["chat", "completion"]
+# The endpoint a request came in on: its body's schema, the engine path it goes to, the
+# dialect of its errors and the shape of its event stream.
+Kind = Literal["chat", "completion", "responses", "messages"]
 
 
 @dataclass(slots=True)
@@ -24,6 +27,8 @@ class RequestContext:
     kind: Kind
     upstream_path: str
     arrival: float
+    # The API whose error objects and overload statuses the client expects.
+    dialect: Dialect = "openai"
     # The one request object admission and routing read (admission.types.AdmissionRequest,
     # a routing.types.RouteRequest): the stages fill it in place, nothing copies it.
     req: AdmissionRequest = field(default_factory=lambda: blank_request(""))
@@ -64,7 +69,12 @@ class RequestContext:
     usage_completion: int | None = None
     usage_cached: int | None = None  # prompt_tokens_details.cached_tokens: its prefix hit
     upstream_error: str | None = None  # failure kind once the stream had started
-    done_seen: bool = False  # the engine's ``data: [DONE]`` was among the events relayed
+    # The stream's end was among the events relayed: chat's ``data: [DONE]``, the
+    # Responses API's ``response.completed``, Anthropic's ``message_stop``.
+    done_seen: bool = False
+    # The engine's id of a stored response (the Responses API): later requests that
+    # name it must reach the same replica.
+    response_id: str | None = None
     # A non-stream request kvgate stopped waiting for (client gone, timeout) while the
     # engine had it: the engine may still be generating it (its reservation is held).
     upstream_abandoned: bool = False

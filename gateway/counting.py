@@ -398,6 +398,8 @@ class PromptCounter:
             text = "\n".join(p for p in m.shape.pieces if p)
             out = {"model": ctx.req.model, "prompt": text, "add_special_tokens": False}
             return "/tokenize", json.dumps(out).encode()
+        if isinstance(ctx.parsed, ChatCompletionRequest):
+            body = ctx.parsed.template_body  # the Responses and Messages APIs as chat
         out = {"messages": body.get("messages", [])}
         if body.get("tools"):
             out["tools"] = body["tools"]

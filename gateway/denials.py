@@ -153,14 +153,21 @@ def refusal_message(r: Refuse) -> str:
     )
 
 
+# The body field that holds a prompt, per endpoint.
+_PROMPT_PARAM = {
+    "chat": "messages",
+    "messages": "messages",
+    "responses": "input",
+    "completion": "prompt",
+}
+
+
 def refused_error(refuse: Refuse, ctx: RequestContext) -> ApiError:
     """The answer of a request admission refused (it can never fit, no such model)."""
     return ApiError(
         refuse.status,
         refusal_message(refuse),
         code=refuse.code,
-        param="model"
-        if refuse.code == "model_not_found"
-        else ("messages" if ctx.kind == "chat" else "prompt"),
+        param="model" if refuse.code == "model_not_found" else _PROMPT_PARAM[ctx.kind],
         outcome=refuse.code,
     )

@@ -1,16 +1,21 @@
-"""OpenAI-shaped errors.
+"""Errors in the dialect of the API a client speaks.
 
-Every error kvgate answers is an OpenAI error object
-``{"error": {"message", "type", "param", "code"}}`` so that clients written against the
-OpenAI SDKs (which raise typed exceptions from exactly these fields and statuses) behave
-the same in front of kvgate as in front of api.openai.com. Pipeline stages raise
-`ApiError`; the handler turns it into a response in one place.
+Every error kvgate answers on the OpenAI surface (chat, completions, the Responses API,
+embeddings...) is an OpenAI error object ``{"error": {"message", "type", "param",
+"code"}}``; on Anthropic's Messages API it is Anthropic's ``{"type": "error", "error":
+{"type", "message"}, "request_id"}``, with overload as 529 ``overloaded_error`` (a shed
+request: the anthropic SDKs and Claude Code retry it, reading ``retry-after``). Clients
+written against either SDK raise typed exceptions from exactly these fields and statuses,
+so they behave the same in front of kvgate as in front of the API they were written for.
+Pipeline stages raise `ApiError`; the handler renders it in the request's dialect in one
+place.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from typing import Literal
 
 from aiohttp import web
 
@@ -28,6 +33,44 @@ _TYPE_FOR_STATUS = {
     503: "overloaded_error",
     504: "timeout_error",
 }
+
+
+# Anthropic's error `type` for a status (its API's documented set); 503, kvgate's
+# "come back later", is Anthropic's 529 overloaded_error.
+_ANTHROPIC_TYPE_FOR_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+Dialect = Literal["openai", "anthropic"]
+
+
+def anthropic_status(status: int) -> int:
+    """The status an Anthropic client expects for one of kvgate's (503 is 529 there)."""
+    return 529 if status == 503 else status
+
+
+def anthropic_error_body(
+    message: str, status: int, request_id: str | None = None
+) -> dict[str, object]:
+    """Anthropic's error object for `status`."""
+    etype = _ANTHROPIC_TYPE_FOR_STATUS.get(
+        status, "api_error" if status >= 500 else "invalid_request_error"
+    )
+    body: dict[str, object] = {"type": "error", "error": {"type": etype, "message": message}}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
 
 
 def error_body(
@@ -80,18 +123,29 @@ class ApiError(Exception):
     def body(self) -> dict[str, dict[str, str | None]]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, dialect: Dialect = "openai", request_id: str | None = None) -> bytes:
+        if dialect == "anthropic":
+            return json.dumps(anthropic_error_body(self.message, self.status, request_id)).encode()
         return json.dumps(self.body()).encode()
 
-    def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
+    def response(
+        self, extra_headers: dict[str, str] | None = None, dialect: Dialect = "openai"
+    ) -> web.Response:
         headers = {}
         if self.retry_after is not None:
             headers.update(retry_after_headers(self.retry_after))
         if extra_headers:
             headers.update(extra_headers)
+        status = self.status
+        request_id = None
+        if dialect == "anthropic":
+            status = anthropic_status(status)
+            request_id = headers.get("x-request-id")
+            if request_id is not None:
+                headers["request-id"] = request_id  # where the anthropic SDKs read it
         resp = web.Response(
-            status=self.status,
-            body=self.to_bytes(),
+            status=status,
+            body=self.to_bytes(dialect, request_id),
             content_type="application/json",
             headers=headers,
         )
@@ -100,9 +154,19 @@ class ApiError(Exception):
             resp[CLOSE_AFTER] = True  # gateway.http closes the connection once it is sent
         return resp
 
-    def sse_event(self) -> bytes:
+    def sse_event(self, dialect: Dialect = "openai", named: bool = False) -> bytes:
         """The error as one SSE event, for failures after a stream has started (the status
-        line is already sent). The OpenAI SDKs raise an APIError on such an event."""
+        line is already sent). The OpenAI SDKs raise an APIError on such an event; an
+        Anthropic stream ends with ``event: error``, which the anthropic SDKs raise on.
+        `named`: the stream's events carry an ``event:`` line (the Responses API's)."""
+        if dialect == "anthropic":
+            return b"event: error\ndata: " + self.to_bytes(dialect) + b"\n\n"
+        if named:
+            # The Responses API's error event: its own fields, and the error object a
+            # client reading chat-style streams looks for.
+            doc = {"type": "error", "code": self.code, "message": self.message,
+                   "param": self.param, **self.body()}  # fmt: skip
+            return b"event: error\ndata: " + json.dumps(doc).encode() + b"\n\n"
         return b"data: " + self.to_bytes() + b"\n\n"
 
 

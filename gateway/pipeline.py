@@ -1,4 +1,7 @@
-"""The request pipeline for ``/v1/chat/completions`` and ``/v1/completions``.
+"""The request pipeline for the generating endpoints: ``/v1/chat/completions``,
+``/v1/completions``, the Responses API (``/v1/responses``) and Anthropic's Messages API
+(``/v1/messages``). All four pass the same stages; the endpoint (`Kind`) picks the body's
+schema, the engine's path, the dialect of errors and the reader of the event stream.
 
 Like an Envoy filter chain, a request passes through small stages, each with one job,
 in the order `Pipeline.handle` shows in one place:
@@ -54,9 +57,12 @@ from gateway.schemas import (
     BodyError,
     ChatCompletionRequest,
     CompletionRequest,
+    MessagesRequest,
+    ResponsesRequest,
 )
 from gateway.shutdown import InFlight, shutdown_retry_after, shutting_down
 from gateway.stated import H_RETRY_COUNT, read_stated
+from gateway.stored_responses import StoredResponses
 from gateway.upstream import UpstreamFailure
 from routing.classify import classify_workload
 from routing.prefix import block_hashes
@@ -66,11 +72,20 @@ log = logging.getLogger("kvgate.pipeline")
 # The authenticated tenant of a request (for the rate-limit headers of its answer).
 TENANT_KEY = web.RequestKey("kvgate_tenant", str)
 
-UPSTREAM_PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+UPSTREAM_PATHS: dict[Kind, str] = {
+    "chat": "/v1/chat/completions",
+    "completion": "/v1/completions",
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+}
 _SCHEMAS: dict[Kind, type[ChatCompletionRequest] | type[CompletionRequest]] = {
     "chat": ChatCompletionRequest,
     "completion": CompletionRequest,
+    "responses": ResponsesRequest,
+    "messages": MessagesRequest,
 }
+# Client headers the engine gets as sent: Anthropic's API version and betas.
+_PASSED_HEADERS = ("anthropic-version", "anthropic-beta")
 
 # Client headers kvgate reads (documented in docs/api.md; the deadline's: gateway/stated.py).
 H_PRIORITY = "x-kvgate-priority"  # integer, higher is admitted first
@@ -148,6 +163,8 @@ class Pipeline:
         self.failover = Failover(config, door, discovery, metrics, self.tenants, self.release)
         # The outlier detector (None: disabled), read by /admin/replicas.
         self.outliers = self.failover.outliers
+        # Which replica holds each stored response (the Responses API's state).
+        self.stored = StoredResponses()
 
     # ================================================================== lifecycle
     def begin_shutdown(self) -> int:
@@ -179,6 +196,7 @@ class Pipeline:
             kind=kind,
             upstream_path=UPSTREAM_PATHS[kind],
             arrival=now,
+            dialect="anthropic" if kind == "messages" else "openai",
         )
         task = self.in_flight.enter(ctx)
         bound = REQUEST_ID.set(ctx.request_id)  # on every log line of this request
@@ -188,6 +206,7 @@ class Pipeline:
             self.authenticate(request, ctx)
             await self.parse(request, ctx)
             text, tools = await self.estimate(ctx)
+            self.continue_stored(ctx)
             self.classify(request, ctx, text, tools)
             if self.prompt_token_ids is not None:
                 await self.prompt_token_ids.fill(ctx)
@@ -197,7 +216,7 @@ class Pipeline:
         except ApiError as e:
             ctx.status = e.status
             ctx.outcome = e.outcome
-            return e.response({"x-request-id": ctx.request_id})
+            return e.response({"x-request-id": ctx.request_id}, ctx.dialect)
         except asyncio.CancelledError:
             if ctx.cut and task is not None:
                 # Shutdown cut it (not the client): answer it cleanly.
@@ -219,7 +238,7 @@ class Pipeline:
             ctx.status = 500
             ctx.outcome = "internal_error"
             return ApiError(500, "internal error in kvgate", code="internal_error").response(
-                {"x-request-id": ctx.request_id}
+                {"x-request-id": ctx.request_id}, ctx.dialect
             )
         finally:
             try:
@@ -296,6 +315,31 @@ class Pipeline:
         ctx.req.max_tokens_given = ctx.parsed.bounds_output
         ctx.req.margin = self.estimator.margin(ctx.req.model)
 
+    def continue_stored(self, ctx: RequestContext) -> None:
+        """A Responses API follow-up (``previous_response_id``) goes to the replica that
+        stored that response, and its prompt counts the conversation the engine rebuilds
+        from it. An id kvgate never saw goes where routing puts it (the engine answers
+        for it); one whose replica is gone is a 404 that says so."""
+        parsed = ctx.parsed
+        if not isinstance(parsed, ResponsesRequest) or parsed.previous_response_id is None:
+            return
+        held = self.stored.holder(parsed.previous_response_id, self._loop.time())
+        if held is None:
+            return
+        watchers = self.discovery.watchers
+        holder = watchers.get(held.replica)
+        if holder is None or not holder.state.ready:
+            raise ApiError(
+                404,
+                f"Previous response with id '{parsed.previous_response_id}' not found: the "
+                f"replica that stored it ({held.replica}) is "
+                + ("gone." if holder is None else "not ready."),
+                code="previous_response_not_found",
+                param="previous_response_id",
+            )
+        ctx.req.avoid = frozenset(name for name in watchers if name != held.replica)
+        ctx.req.prompt_tokens += held.tokens
+
     def classify(
         self, request: web.Request, ctx: RequestContext, text: str, tools: str = ""
     ) -> None:
@@ -320,6 +364,9 @@ class Pipeline:
                         self._prefix[0] / (most * _SHARED_CHARS_MARGIN)
                     )
         session = request.headers.get(H_SESSION)
+        if not session and isinstance(ctx.parsed, ResponsesRequest | MessagesRequest):
+            # The Responses API's prompt_cache_key, Anthropic's metadata.user_id.
+            session = ctx.parsed.session_key
         if not session and ctx.body is not None:
             user = ctx.body.get("user")
             session = user if isinstance(user, str) and user else None
@@ -444,6 +491,9 @@ class Pipeline:
             assert replica is not None
             endpoint = self._endpoints[replica]
             headers = {**endpoint.upstream_headers, "X-Request-Id": ctx.request_id}
+            for name in _PASSED_HEADERS:
+                if (value := request.headers.get(name)) is not None:
+                    headers[name] = value
             try:
                 resp = await self.relay.forward(request, ctx, endpoint.url, headers, data)
             except UpstreamFailure as f:
@@ -451,7 +501,16 @@ class Pipeline:
                     continue  # admitted elsewhere: send it there
                 raise self.failover.answer(ctx, replica, f) from None
             self.failover.answered(ctx, replica)
+            if ctx.response_id is not None and ctx.outcome == "ok":
+                self._remember_response(ctx, replica)
             return resp
+
+    def _remember_response(self, ctx: RequestContext, replica: str) -> None:
+        body = ctx.body or {}
+        if body.get("store") is False or ctx.response_id is None:
+            return
+        tokens = (ctx.usage_prompt or ctx.req.prompt_tokens) + (ctx.usage_completion or 0)
+        self.stored.remember(ctx.response_id, replica, tokens, self._loop.time())
 
     def on_progress(self, ctx: RequestContext) -> None:
         """A stream outgrew its reservation: ask for more (never cuts the stream)."""

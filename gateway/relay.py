@@ -50,10 +50,13 @@ from aiohttp import web
 from gateway.config import UpstreamConfig
 from gateway.context import RequestContext
 from gateway.errors import ApiError, upstream_error
-from gateway.sse import record_usage, take_events
+from gateway.sse import record_usage, take_events, take_named_events
 from gateway.upstream import UpstreamFailure, classify_client_error
 from gateway.watchdog import StreamWatchdog
 
+# Endpoints whose streams are chat-style ``data:`` chunks ending in ``[DONE]``; the others
+# (the Responses API, Anthropic Messages) stream typed events (gateway/sse.py).
+_DATA_ONLY = frozenset({"chat", "completion"})
 _SSE_HEADERS_BASE = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
@@ -208,10 +211,13 @@ class Relay:
             if status != 200:
                 err = _error_answer(up, body, ctx)
                 ctx.outcome = err.outcome
-                return err.response({"x-request-id": ctx.request_id})
+                return err.response({"x-request-id": ctx.request_id}, ctx.dialect)
             if body.find(b'"usage"') >= 0:  # no parse for an answer without usage
                 try:
-                    record_usage(ctx, orjson.loads(body).get("usage"))
+                    doc = orjson.loads(body)
+                    record_usage(ctx, doc.get("usage"))
+                    if ctx.kind == "responses" and isinstance(doc.get("id"), str):
+                        ctx.response_id = doc["id"]
                 except (ValueError, AttributeError):
                     pass
             ctx.outcome = "ok"
@@ -266,9 +272,10 @@ class Relay:
                     if up.status != 200:
                         return await self._stream_refused(ctx, up)
                     buf = b""
+                    take = take_events if ctx.kind in _DATA_ONLY else take_named_events
                     async for chunk in up.content.iter_any():
                         buf = buf + chunk if buf else chunk
-                        out, buf = take_events(ctx, buf)
+                        out, buf = take(ctx, buf)
                         if out:
                             # The idle bound is for the engine, not for a slow client:
                             # while writing (backpressure) only the total bound applies.
@@ -351,7 +358,8 @@ class Relay:
                     code=f"upstream_{failure.kind}",
                 )
                 try:
-                    await self._end(request, resp, ctx, err.sse_event())
+                    named = ctx.kind == "responses"
+                    await self._end(request, resp, ctx, err.sse_event(ctx.dialect, named))
                 except ConnectionError:
                     pass
                 return resp
@@ -412,7 +420,7 @@ class Relay:
             )
         ctx.status = up.status
         ctx.outcome = err.outcome
-        return err.response({"x-request-id": ctx.request_id})
+        return err.response({"x-request-id": ctx.request_id}, ctx.dialect)
 
     async def _start_client_stream(
         self, request: web.Request, ctx: RequestContext, up: aiohttp.ClientResponse

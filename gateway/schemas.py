@@ -17,6 +17,7 @@ errors that name the field (`BodyError`, answered as a 400 OpenAI error object).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # Far above any context window served today, low enough that arithmetic on it is safe.
@@ -171,6 +172,11 @@ class ChatCompletionRequest(_Common):
         return self.max_tokens is not None or self.max_completion_tokens is not None
 
     @property
+    def template_body(self) -> dict[str, Any]:
+        """The chat request the engine's template renders (for its tokenize endpoint)."""
+        return self.body
+
+    @property
     def output_bound(self) -> int | None:
         """The client's output bound; OpenAI's newer name wins when both are given."""
         return (
@@ -235,3 +241,246 @@ class CompletionRequest(_Common):
         if isinstance(p, str) or not p or isinstance(p[0], int):
             return 1
         return len(p)
+
+
+# ---------------------------------------------------------------------- the agents' APIs
+# The Responses API (the Codex CLI's) and Anthropic's Messages API (Claude Code's) are
+# read as the chat request the engine turns them into (vLLM renders both through the
+# model's chat template): the same prompt to count, classify and route on. The client's
+# body is still what the engine gets, byte for byte.
+
+
+def _str_or_none(body: dict[str, Any], key: str) -> str | None:
+    v = body.get(key)
+    if v is not None and type(v) is not str:
+        raise BodyError(key, "Input should be a valid string")
+    return v
+
+
+def _json_text(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
+
+
+def _function_tool(name: Any, description: Any, parameters: Any) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": name if isinstance(name, str) else ""}
+    if isinstance(description, str):
+        fn["description"] = description
+    if isinstance(parameters, dict):
+        fn["parameters"] = parameters
+    return {"type": "function", "function": fn}
+
+
+def _tool_list(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if type(tools) is not list or not all(type(t) is dict for t in tools):
+        raise BodyError("tools", "Input should be a list of objects")
+    return tools
+
+
+def _responses_parts(content: Any, loc: str) -> str | list[dict[str, Any]]:
+    """A Responses message's content as chat content: text parts as ``text``, images as
+    ``input_image`` (counted by allowance), anything else kept by its type."""
+    if type(content) is str:
+        return content
+    if type(content) is not list or not all(type(p) is dict for p in content):
+        raise BodyError(loc, "Input should be a string or a list of content parts (objects)")
+    parts: list[dict[str, Any]] = []
+    for p in content:
+        kind = p.get("type")
+        text = p.get("text")
+        if kind in ("input_text", "output_text", "text") and isinstance(text, str):
+            parts.append({"type": "text", "text": text})
+        elif kind == "refusal" and isinstance(p.get("refusal"), str):
+            parts.append({"type": "text", "text": p["refusal"]})
+        else:
+            parts.append({"type": kind if isinstance(kind, str) else "unknown"})
+    return parts
+
+
+def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Responses API's ``instructions`` and ``input`` as chat messages."""
+    out: list[dict[str, Any]] = []
+    instructions = _str_or_none(body, "instructions")
+    if instructions:
+        out.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if type(items) is str:
+        out.append({"role": "user", "content": items})
+        return out
+    if type(items) is not list:
+        raise BodyError(
+            "input",
+            "Field required" if items is None else "Input should be a string or a list of items",
+        )
+    for i, item in enumerate(items):
+        loc = f"input.{i}"
+        if type(item) is not dict:
+            raise BodyError(loc, "Input should be a valid dictionary")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if type(role) is not str:
+                raise BodyError(
+                    f"{loc}.role",
+                    "Field required" if role is None else "Input should be a valid string",
+                )
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _responses_parts(item.get("content", ""), f"{loc}.content")})  # fmt: skip
+        elif kind == "function_call":
+            call = {"id": str(item.get("call_id", "")), "type": "function",
+                    "function": {"name": item.get("name", ""), "arguments": _json_text(item.get("arguments", "{}"))}}  # fmt: skip
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
+                        "content": output if isinstance(output, str) else _responses_parts(output, f"{loc}.output")})  # fmt: skip
+        elif kind == "reasoning":
+            texts = [p.get("text") for p in (item.get("summary") or []) + (item.get("content") or [])
+                     if isinstance(p, dict) and isinstance(p.get("text"), str)]  # fmt: skip
+            if texts:
+                out.append({"role": "assistant", "content": "\n".join(texts)})
+        else:  # built-in tools' items (web search, MCP...): their JSON is what the model reads
+            out.append({"role": "assistant", "content": json.dumps(item, separators=(",", ":"))})
+    if not out:
+        raise BodyError("input", "List should have at least 1 item after validation")
+    return out
+
+
+class ResponsesRequest(ChatCompletionRequest):
+    """``POST /v1/responses``: ``input`` (a string or items), ``instructions``,
+    ``max_output_tokens``, ``tools`` (flat function tools), ``previous_response_id`` (a
+    stored response the engine continues from), ``prompt_cache_key`` (routing's
+    session)."""
+
+    __slots__ = ("chat_body", "previous_response_id", "session_key")
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        max_out = _max_tokens(body, "max_output_tokens")
+        tools = _tool_list(body)
+        chat: dict[str, Any] = {"model": body.get("model"), "stream": body.get("stream", False),
+                                "messages": _responses_messages(body)}  # fmt: skip
+        if max_out is not None:
+            chat["max_completion_tokens"] = max_out
+        if tools:
+            chat["tools"] = [
+                _function_tool(t.get("name"), t.get("description"), t.get("parameters"))
+                for t in tools
+                if t.get("type", "function") == "function"
+            ] or None
+        super().__init__(chat)
+        self.body = body
+        self.chat_body = chat  # what the engine's chat template renders (for /tokenize)
+        self.previous_response_id = _str_or_none(body, "previous_response_id")
+        self.session_key = _str_or_none(body, "prompt_cache_key")
+
+    @property
+    def template_body(self) -> dict[str, Any]:
+        return self.chat_body
+
+    @property
+    def wants_usage(self) -> bool:
+        return True  # the Responses API reports usage on every answer
+
+
+def _anthropic_blocks(
+    content: Any, loc: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """One Anthropic message's content: (chat content parts, tool calls, tool results as
+    chat ``tool`` messages)."""
+    if type(content) is str:
+        return [{"type": "text", "text": content}], [], []
+    if type(content) is not list or not all(type(b) is dict for b in content):
+        raise BodyError(loc, "Input should be a string or a list of content blocks (objects)")
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for b in content:
+        kind = b.get("type")
+        if kind == "text" and isinstance(b.get("text"), str):
+            parts.append({"type": "text", "text": b["text"]})
+        elif kind == "thinking" and isinstance(b.get("thinking"), str):
+            parts.append({"type": "text", "text": b["thinking"]})
+        elif kind == "tool_use":
+            calls.append({"id": str(b.get("id", "")), "type": "function",
+                          "function": {"name": b.get("name", ""), "arguments": _json_text(b.get("input", {}))}})  # fmt: skip
+        elif kind == "tool_result":
+            inner = b.get("content", "")
+            body = inner if isinstance(inner, str) else _anthropic_blocks(inner, loc)[0]
+            results.append(
+                {"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")), "content": body}
+            )
+        elif kind == "redacted_thinking":
+            continue
+        else:  # image, document...: counted by allowance
+            parts.append({"type": kind if isinstance(kind, str) else "unknown"})
+    return parts, calls, results
+
+
+class MessagesRequest(ChatCompletionRequest):
+    """``POST /v1/messages`` (Anthropic): ``system``, ``messages`` of content blocks,
+    ``max_tokens`` (required, as Anthropic requires it), ``tools`` with
+    ``input_schema``, ``metadata.user_id`` (routing's session)."""
+
+    __slots__ = ("chat_body", "session_key")
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        if body.get("max_tokens") is None:
+            raise BodyError("max_tokens", "Field required")
+        msgs = body.get("messages")
+        if type(msgs) is not list:
+            raise BodyError(
+                "messages", "Field required" if msgs is None else "Input should be a valid list"
+            )
+        if not msgs:
+            raise BodyError("messages", "List should have at least 1 item after validation")
+        chat_msgs: list[dict[str, Any]] = []
+        system = body.get("system")
+        if system is not None:
+            if type(system) is str:
+                if system:
+                    chat_msgs.append({"role": "system", "content": system})
+            else:
+                parts = _anthropic_blocks(system, "system")[0]
+                if parts:
+                    chat_msgs.append({"role": "system", "content": parts})
+        for i, m in enumerate(msgs):
+            loc = f"messages.{i}"
+            if type(m) is not dict:
+                raise BodyError(loc, "Input should be a valid dictionary")
+            role = m.get("role")
+            if role not in ("user", "assistant"):
+                raise BodyError(f"{loc}.role", "Input should be 'user' or 'assistant'")
+            parts, calls, results = _anthropic_blocks(m.get("content"), f"{loc}.content")
+            chat_msgs.extend(results)  # a user turn's tool results come first, as vLLM renders
+            if parts or calls:
+                msg: dict[str, Any] = {"role": role, "content": parts or None}
+                if calls:
+                    msg["tool_calls"] = calls
+                chat_msgs.append(msg)
+        chat: dict[str, Any] = {"model": body.get("model"), "stream": body.get("stream", False),
+                                "messages": chat_msgs, "max_tokens": body.get("max_tokens")}  # fmt: skip
+        tools = _tool_list(body)
+        if tools:
+            chat["tools"] = [
+                _function_tool(t.get("name"), t.get("description"), t.get("input_schema"))
+                for t in tools
+            ]
+        super().__init__(chat)
+        self.body = body
+        self.chat_body = chat
+        meta = body.get("metadata")
+        user = meta.get("user_id") if isinstance(meta, dict) else None
+        self.session_key = user if isinstance(user, str) and user else None
+
+    @property
+    def template_body(self) -> dict[str, Any]:
+        return self.chat_body
+
+    @property
+    def wants_usage(self) -> bool:
+        return True  # message_start and message_delta carry usage

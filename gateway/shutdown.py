@@ -85,12 +85,12 @@ class InFlight:
         resp = ctx.client_stream
         if resp is not None and resp.prepared:
             try:
-                await resp.write(err.sse_event())
+                await resp.write(err.sse_event(ctx.dialect, ctx.kind == "responses"))
                 await resp.write_eof()
             except ConnectionError:
                 pass
             return resp
-        return err.response({"x-request-id": ctx.request_id})
+        return err.response({"x-request-id": ctx.request_id}, ctx.dialect)
 
 
 async def wait_until(when: float, fast: asyncio.Event | None) -> None:

@@ -77,17 +77,129 @@ def _content_events(buf: bytes) -> tuple[int, int, bool] | None:
 
 
 def record_usage(ctx: RequestContext, usage: object) -> None:
-    """The engine's token counts (and prefix hits) from a usage object, onto `ctx`."""
-    if isinstance(usage, dict):
-        p = usage.get("prompt_tokens")
-        c = usage.get("completion_tokens")
-        if isinstance(p, int):
-            ctx.usage_prompt = p
-        if isinstance(c, int):
-            ctx.usage_completion = c
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            ctx.usage_cached = details["cached_tokens"]
+    """The engine's token counts (and prefix hits) from a usage object, onto `ctx`: chat
+    and completions' ``prompt_tokens`` / ``completion_tokens``, the Responses API's
+    ``input_tokens`` / ``output_tokens``, or Anthropic's, whose ``input_tokens`` leave out
+    the prompt tokens read from or written to its cache."""
+    if not isinstance(usage, dict):
+        return
+    p = usage.get("prompt_tokens", usage.get("input_tokens"))
+    c = usage.get("completion_tokens", usage.get("output_tokens"))
+    cache_read = usage.get("cache_read_input_tokens")
+    if isinstance(p, int) and ctx.dialect == "anthropic":
+        for extra in (cache_read, usage.get("cache_creation_input_tokens")):
+            if isinstance(extra, int):
+                p += extra
+    if isinstance(p, int):
+        ctx.usage_prompt = p
+    if isinstance(c, int):
+        ctx.usage_completion = c
+    details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        ctx.usage_cached = details["cached_tokens"]
+    elif isinstance(cache_read, int):
+        ctx.usage_cached = cache_read
+
+
+# ------------------------------------------------------------------ named-event streams
+# The Responses API and Anthropic's Messages API stream typed events (an ``event:`` line
+# naming the type, the JSON on ``data:``). Per type: what counts as generated output,
+# what carries usage, what ends the stream. Events are parsed only where they carry
+# something kvgate keeps (an id, usage, an error); deltas are recognised by their name.
+_DELTAS = frozenset(
+    {
+        b"response.output_text.delta",
+        b"response.function_call_arguments.delta",
+        b"response.reasoning_text.delta",
+        b"response.reasoning_summary_text.delta",
+        b"response.refusal.delta",
+        b"content_block_delta",
+    }
+)
+_ENDS = frozenset({b"response.completed", b"response.incomplete", b"message_stop"})
+_PARSED = frozenset(
+    {
+        b"response.created",
+        b"response.completed",
+        b"response.incomplete",
+        b"response.failed",
+        b"message_start",
+        b"message_delta",
+        b"error",
+    }  # fmt: skip
+)
+
+
+def _event_type(event: bytes) -> tuple[bytes, bytes]:
+    """(type, JSON data) of one event: the ``event:`` line's name, else the data's
+    ``type`` member."""
+    name = b""
+    data: list[bytes] = []
+    for line in event.splitlines():
+        if line.startswith(b"event:"):
+            name = line[6:].strip()
+        elif line.startswith(b"data:"):
+            data.append(line[6:] if line.startswith(b" ", 5) else line[5:])
+    payload = b"\n".join(data)
+    if not name and payload:
+        i = payload.find(b'"type"')
+        if i >= 0:
+            q = payload.find(b'"', payload.find(b":", i) + 1)
+            e = payload.find(b'"', q + 1)
+            if q > 0 and e > q:
+                name = payload[q + 1 : e]
+    return name, payload
+
+
+def take_named_events(ctx: RequestContext, buf: bytes) -> tuple[bytes, bytes]:
+    """`take_events` for the Responses and Messages streams: every byte is forwarded as
+    the engine sent it; kvgate reads the response id, usage, the end and errors."""
+    start = 0
+    while True:
+        i, sep = _event_end(buf, start)
+        if i < 0:
+            break
+        end = i + sep
+        name, payload = _event_type(buf[start:i])
+        if name in _DELTAS:
+            ctx.events += 1
+            ctx.generated += 1
+        elif name in _PARSED:
+            _read_named(ctx, name, payload)
+        if name in _ENDS:
+            ctx.done_seen = True
+        start = end
+    return buf[:start], buf[start:]
+
+
+def _read_named(ctx: RequestContext, name: bytes, payload: bytes) -> None:
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return
+    if not isinstance(doc, dict):
+        return
+    if name == b"error":
+        ctx.upstream_error = "stream_error"
+        return
+    if name == b"message_start":
+        msg = doc.get("message")
+        if isinstance(msg, dict):
+            record_usage(ctx, msg.get("usage"))
+        return
+    if name == b"message_delta":
+        usage = doc.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
+            ctx.usage_completion = usage["output_tokens"]
+        return
+    response = doc.get("response")
+    if not isinstance(response, dict):
+        return
+    if isinstance(response.get("id"), str):
+        ctx.response_id = response["id"]
+    if name == b"response.failed":
+        ctx.upstream_error = "stream_error"
+    record_usage(ctx, response.get("usage"))
 
 
 def take_events(ctx: RequestContext, buf: bytes) -> tuple[bytes, bytes]:

@@ -1,0 +1,64 @@
+"""Where each stored response lives: the Responses API's state is the engine's.
+
+A response created with ``store`` (the API's default) is kept by the replica that made
+it; a follow-up that names it (``previous_response_id``), ``GET /v1/responses/{id}``
+and ``POST /v1/responses/{id}/cancel`` only work there. kvgate remembers, per response
+id, the replica and the tokens of the conversation so far (the follow-up's prompt is
+rebuilt from them by the engine, so its KV need counts them). Entries expire after the
+retention kvgate assumes of an engine (vLLM keeps stored responses in memory until it
+restarts; a restarted replica is a new one to discovery) and the oldest go first past
+`max_entries`: the map holds ids and names, never bodies.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+# An engine's stored response outlives no restart and kvgate's memory of it need not
+# outlive a day of idleness: a follow-up a day later is rare and then answered 404.
+RETENTION_S = 86_400.0
+MAX_ENTRIES = 100_000
+
+
+class Stored(NamedTuple):
+    replica: str
+    tokens: int  # prompt + output of the conversation up to this response
+    expires: float
+
+
+class StoredResponses:
+    """Response id -> the replica that stored it (sans-IO: `now` is an argument)."""
+
+    def __init__(self, retention_s: float = RETENTION_S, max_entries: int = MAX_ENTRIES) -> None:
+        self._retention = retention_s
+        self._max = max_entries
+        self._map: OrderedDict[str, Stored] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def remember(self, response_id: str, replica: str, tokens: int, now: float) -> None:
+        self._map[response_id] = Stored(replica, tokens, now + self._retention)
+        self._map.move_to_end(response_id)
+        while len(self._map) > self._max:
+            self._map.popitem(last=False)
+
+    def holder(self, response_id: str, now: float) -> Stored | None:
+        hit = self._map.get(response_id)
+        if hit is None:
+            return None
+        if hit.expires <= now:
+            del self._map[response_id]
+            return None
+        return hit
+
+    def forget(self, response_id: str) -> None:
+        self._map.pop(response_id, None)
+
+    def forget_replica(self, replica: str) -> int:
+        """Drop every response a replica held (it is gone); returns how many."""
+        gone = [k for k, v in self._map.items() if v.replica == replica]
+        for k in gone:
+            del self._map[k]
+        return len(gone)

@@ -1,0 +1,165 @@
+"""The coding agents' APIs through kvgate: the Responses API and Anthropic's Messages API
+are admitted like chat, and each answers in its own dialect (errors, overload, keys).
+
+Over real loopback HTTP with enginesim as the replica and the official SDKs as clients.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+
+from admission.tenants import hash_key
+from tests.gateway.conftest import MODEL
+from tests.gateway.test_queue import hold_pool
+
+KEY = "sk-agent-test-key"
+TENANTS = [{"name": "agents", "keys_sha256": [hash_key(KEY)]}]
+
+
+def assert_anthropic_error(body: dict, etype: str) -> str:
+    assert body["type"] == "error"
+    assert set(body["error"]) == {"type", "message"}
+    assert body["error"]["type"] == etype
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]["message"]
+
+
+BAD_MESSAGES = [
+    # (name, raw body, what the message names)
+    ("malformed json", b'{"model": "tiny-llm", "messages": [', None),
+    ("missing max_tokens", b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}]}', "max_tokens"),
+    ("empty messages", b'{"model": "tiny-llm", "max_tokens": 5, "messages": []}', "messages"),
+    ("bad role", b'{"model": "tiny-llm", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}', "messages.0.role"),
+    ("content wrong type", b'{"model": "tiny-llm", "max_tokens": 5, "messages": [{"role": "user", "content": 7}]}', "messages.0.content"),
+    ("max_tokens wrong type", b'{"model": "tiny-llm", "max_tokens": "5", "messages": [{"role": "user", "content": "x"}]}', "max_tokens"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,raw,names", BAD_MESSAGES, ids=[c[0] for c in BAD_MESSAGES])
+async def test_bad_messages_are_anthropic_400s(replica, gateway, name, raw, names):
+    gw = await gateway(await replica())
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            gw.url + "/v1/messages", data=raw, headers={"content-type": "application/json"}
+        ) as r,
+    ):
+        assert r.status == 400
+        message = assert_anthropic_error(await r.json(), "invalid_request_error")
+        assert r.headers["request-id"] == r.headers["x-request-id"]
+    if names:
+        assert names in message
+    assert gw.report.reserved_tokens() == 0
+
+
+BAD_RESPONSES = [
+    ("missing input", b'{"model": "tiny-llm"}', "input"),
+    ("input wrong type", b'{"model": "tiny-llm", "input": 3}', "input"),
+    ("item without role", b'{"model": "tiny-llm", "input": [{"type": "message", "content": "x"}]}', "input"),
+    ("max_output_tokens zero", b'{"model": "tiny-llm", "input": "x", "max_output_tokens": 0}', "max_output_tokens"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,raw,param", BAD_RESPONSES, ids=[c[0] for c in BAD_RESPONSES])
+async def test_bad_responses_requests_are_openai_400s(replica, gateway, name, raw, param):
+    gw = await gateway(await replica())
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            gw.url + "/v1/responses", data=raw, headers={"content-type": "application/json"}
+        ) as r,
+    ):
+        assert r.status == 400
+        err = (await r.json())["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+async def test_keys_arrive_as_x_api_key_or_bearer_and_401_is_anthropic_on_messages(
+    replica, gateway
+):
+    gw = await gateway(await replica(), tenants=TENANTS)
+    bad = anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as ei:
+        await bad.messages.create(
+            model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert ei.value.body["error"]["type"] == "authentication_error"
+    # An Anthropic client's x-api-key names the tenant on every endpoint.
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+            headers={"x-api-key": KEY},
+        ) as r,
+    ):
+        assert r.status == 200, await r.text()
+    # The Responses API's 401 stays OpenAI's.
+    oa = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as eo:
+        await oa.responses.create(model=MODEL, input="hi")
+    assert eo.value.code == "invalid_api_key"
+
+
+async def test_unknown_model_is_not_found_in_each_dialect(replica, gateway):
+    gw = await gateway(await replica())
+    a = anthropic.AsyncAnthropic(base_url=gw.url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as ea:
+        await a.messages.create(
+            model="no-such-model", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert ea.value.body["error"]["type"] == "not_found_error"
+    o = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as eo:
+        await o.responses.create(model="no-such-model", input="hi")
+    assert eo.value.code == "model_not_found"
+
+
+async def test_a_shed_message_is_529_overloaded_with_retry_after(replica, gateway):
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv, pool_tokens=512, admission={"max_retry_after_s": 1.0})
+    async with aiohttp.ClientSession() as s:
+        big = await hold_pool(s, gw, 440)
+        async with s.post(
+            gw.url + "/v1/messages",
+            json={
+                "model": MODEL,
+                "max_tokens": 50,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            headers={"x-kvgate-queue-timeout": "0", "anthropic-version": "2023-06-01"},
+        ) as r:
+            assert r.status == 529
+            assert r.headers["Retry-After"].isdigit()
+            assert int(r.headers["retry-after-ms"]) >= 1
+            assert_anthropic_error(await r.json(), "overloaded_error")
+        # The anthropic SDK raises its own overload type on it.
+        a = anthropic.AsyncAnthropic(
+            base_url=gw.url,
+            api_key="x",
+            max_retries=0,
+            default_headers={"x-kvgate-queue-timeout": "0"},
+        )
+        with pytest.raises(anthropic.OverloadedError):
+            await a.messages.create(
+                model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "hi"}]
+            )
+        big.close()
+
+
+async def test_paths_kvgate_does_not_serve_are_404_in_the_dialect_of_their_api(replica, gateway):
+    gw = await gateway(await replica())
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/messages/batches", json={}) as r:
+            assert r.status == 404
+            assert_anthropic_error(await r.json(), "not_found_error")
+        async with s.get(gw.url + "/v1/messages") as r:
+            assert r.status == 405
+            assert_anthropic_error(await r.json(), "invalid_request_error")
+        async with s.get(gw.url + "/v1/responses/resp_unknown") as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["code"] == "response_not_found"
