@@ -96,6 +96,9 @@ class _SamplingRequest(BaseModel):
     priority: int = 0
 
 
+SamplingRequest = _SamplingRequest  # what any generating request carries to the core
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -135,6 +138,38 @@ async def read_json(request: web.Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+
+
+def bound_max_tokens(
+    limit: int, n_prompt: int, max_tokens: int | None, max_param: str, prompt_param: str
+) -> int:
+    """vLLM's length checks of a generating request: its output bound, or a 400.
+
+    `limit` is max_model_len; no bound means the rest of the context.
+    """
+    if n_prompt == 0:
+        raise ApiError(400, "The prompt is empty; at least one token is required.", prompt_param)
+    if n_prompt >= limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your "
+            f"request has {n_prompt} input tokens. Please reduce the length of the "
+            "input messages.",
+            prompt_param,
+        )
+    if max_tokens is None:
+        return limit - n_prompt
+    if max_tokens < 1:
+        raise ApiError(400, f"{max_param} must be at least 1, got {max_tokens}.", max_param)
+    if n_prompt + max_tokens > limit:
+        raise ApiError(
+            400,
+            f"'{max_param}' is too large: {max_tokens}. This model's maximum context "
+            f"length is {limit} tokens and your request has {n_prompt} input tokens "
+            f"({max_tokens} > {limit} - {n_prompt}).",
+            max_param,
+        )
+    return max_tokens
 
 
 def render_chat(messages: list[ChatMessage], tools: Any = None) -> str:

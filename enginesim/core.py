@@ -159,7 +159,7 @@ class EngineCore:
         p = len(req.prompt_token_ids)
         if p == 0:
             raise ValueError("prompt must contain at least one token")
-        if req.max_tokens < 1:
+        if req.max_tokens < (0 if req.prefill_only else 1):
             raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens}")
         if p + req.max_tokens > self.max_model_len:
             raise ValueError(
@@ -169,7 +169,9 @@ class EngineCore:
                 f"messages or completion."
             )
         rng = random.Random(f"{self.seed}:{req.request_id}")
-        if req.ignore_eos:
+        if req.prefill_only:
+            target = 0  # finished by its prefill: no token is sampled
+        elif req.ignore_eos:
             target = req.max_tokens
         else:
             natural = (
@@ -179,7 +181,7 @@ class EngineCore:
             )
             target = min(req.max_tokens, max(1, natural))
         target = max(target, min(req.min_tokens, req.max_tokens))
-        reason = "length" if target >= req.max_tokens else "stop"
+        reason = "length" if target >= req.max_tokens and not req.prefill_only else "stop"
         r = _Req(
             req=req,
             tokens=list(req.prompt_token_ids),
@@ -521,7 +523,8 @@ class EngineCore:
             r.num_computed = len(r.tokens) - 1
             st.generation_tokens += emit
             self._register(r)
-            events.append(EngineEvent(EventKind.TOKENS, r.rid, end, token_ids=new_ids))
+            if new_ids:  # none for a prefill-only request
+                events.append(EngineEvent(EventKind.TOKENS, r.rid, end, token_ids=new_ids))
             if r.num_output >= r.target_len:
                 finished.append(r)
         for r in finished:

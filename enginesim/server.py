@@ -41,7 +41,7 @@ import string
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Literal, NoReturn
 
 from aiohttp import web
@@ -54,8 +54,10 @@ from enginesim.api import (
     ChatCompletionRequest,
     CompletionRequest,
     Prepared,
+    SamplingRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    bound_max_tokens,
     error_response,
     read_json,
     render_chat,
@@ -581,29 +583,15 @@ class EngineServer:
             return self._prepared(
                 request, req, kind, model, prompt_text, prompt_ids, n_predict
             )  # fmt: skip
-        limit = self.profile.max_model_len
-        if n_prompt == 0:
+        if n_prompt == 0:  # vLLM names `prompt` for an empty chat prompt too
             raise ApiError(400, "The prompt is empty; at least one token is required.", "prompt")
-        if n_prompt >= limit:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, your "
-                f"request has {n_prompt} input tokens. Please reduce the length of the "
-                "input messages.",
-                "messages" if kind == "chat" else "prompt",
-            )
-        if max_tokens is None:
-            max_tokens = limit - n_prompt
-        elif max_tokens < 1:
-            raise ApiError(400, f"{max_param} must be at least 1, got {max_tokens}.", max_param)
-        elif n_prompt + max_tokens > limit:
-            raise ApiError(
-                400,
-                f"'{max_param}' is too large: {max_tokens}. This model's maximum context "
-                f"length is {limit} tokens and your request has {n_prompt} input tokens "
-                f"({max_tokens} > {limit} - {n_prompt}).",
-                max_param,
-            )
+        max_tokens = bound_max_tokens(
+            self.profile.max_model_len,
+            n_prompt,
+            max_tokens,
+            max_param,
+            "messages" if kind == "chat" else "prompt",
+        )
         if req.min_tokens > max_tokens:
             raise ApiError(
                 400,
@@ -616,14 +604,17 @@ class EngineServer:
     def _prepared(
         self,
         request: web.Request,
-        req: ChatCompletionRequest | CompletionRequest,
+        req: SamplingRequest,
         kind: Literal["chat", "completion"],
         model: str,
         prompt_text: str,
         prompt_ids: list[int],
         max_tokens: int,
+        public_id: str | None = None,
     ) -> Prepared:
-        if self.flavor is Flavor.LLAMACPP:  # llama.cpp: "chatcmpl-" and 32 alphanumerics
+        if public_id is not None:  # the agent APIs name their own (resp_..., embd-...)
+            pass
+        elif self.flavor is Flavor.LLAMACPP:  # llama.cpp: "chatcmpl-" and 32 alphanumerics
             public_id = "chatcmpl-" + "".join(_RNG.choices(_ALNUM, k=32))
         else:
             public_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -667,11 +658,7 @@ class EngineServer:
         self, request: web.Request, body: Any, kind: Literal["chat", "completion"]
     ) -> web.StreamResponse:
         prep = self._prepare(request, body, kind)
-        try:
-            handle = self.driver.submit(prep.sim)
-        except ValueError as exc:  # the core refused it (e.g. its own length check)
-            raise ApiError(400, str(exc)) from None
-        try:
+        async with self._submitted(prep) as handle:
             if self.flavor is Flavor.LLAMACPP:
                 if prep.stream:
                     return await self.llamacpp.stream(request, prep, handle)
@@ -679,12 +666,46 @@ class EngineServer:
             if prep.stream:
                 return await self._stream(request, prep, handle)
             return await self._complete(request, prep, handle)
+
+    @contextlib.asynccontextmanager
+    async def _submitted(self, prep: Prepared) -> AsyncIterator[RequestHandle]:
+        """The request in the core for the block's duration (every API's way in).
+
+        Every way out (finished, client gone, cancelled, fault, bug) ends the core
+        request; after a normal finish this is a no-op. (llama-server is slower to notice
+        a non-stream client gone: see LlamaCppApi.complete.)
+        """
+        try:
+            handle = self.driver.submit(prep.sim)
+        except ValueError as exc:  # the core refused it (e.g. its own length check)
+            raise ApiError(400, str(exc)) from None
+        try:
+            yield handle
         finally:
-            # Every way out (finished, client gone, cancelled, fault, bug) ends the core
-            # request; after a normal finish this is a no-op. (llama-server is slower to
-            # notice a non-stream client gone: see LlamaCppApi.complete.)
             if not (self.flavor is Flavor.LLAMACPP and self.llamacpp.lingers(prep.public_id)):
                 self.driver.abort(prep.public_id)
+
+    async def _batches(
+        self, request: web.Request, prep: Prepared, handle: RequestHandle
+    ) -> AsyncIterator[tuple[list[int], EngineEvent | None]]:
+        """A request's output step by step: (new token ids, terminal event or None).
+
+        The last item carries the terminal event (FINISHED or ABORTED). The `drop` fault
+        strikes after the item that reaches its token count has been handled.
+        """
+        sent = 0
+        while True:
+            batch = await handle.next_batch()
+            ids = [t for ev in batch for t in ev.token_ids]
+            final = next(
+                (ev for ev in batch if ev.kind in (EventKind.FINISHED, EventKind.ABORTED)), None
+            )
+            sent += len(ids)
+            yield ids, final
+            if final is not None:
+                return
+            if prep.drop_after is not None and sent >= prep.drop_after:
+                self._drop(request, prep)
 
     # -- non-stream --------------------------------------------------------------------
 
@@ -693,13 +714,10 @@ class EngineServer:
     ) -> web.StreamResponse:
         token_ids: list[int] = []
         final: EngineEvent | None = None
-        while final is None:
-            for ev in await handle.next_batch():
-                token_ids.extend(ev.token_ids)
-                if ev.kind in (EventKind.FINISHED, EventKind.ABORTED):
-                    final = ev
-            if prep.drop_after is not None and len(token_ids) >= prep.drop_after and final is None:
-                self._drop(request, prep)
+        async for ids, end in self._batches(request, prep, handle):
+            token_ids.extend(ids)
+            final = end
+        assert final is not None  # noqa: S101
         if final.kind is EventKind.ABORTED:
             raise ApiError(500, "the engine aborted the request")
         text = tokenizer.decode(token_ids)
@@ -796,12 +814,7 @@ class EngineServer:
         if prep.drop_after == 0:
             self._drop(request, prep)
         final: EngineEvent | None = None
-        while final is None:
-            batch = await handle.next_batch()
-            ids = [t for ev in batch for t in ev.token_ids]
-            final = next(
-                (ev for ev in batch if ev.kind in (EventKind.FINISHED, EventKind.ABORTED)), None
-            )
+        async for ids, final in self._batches(request, prep, handle):
             if chat and first:
                 await send(chunk(None, None, role=True))
             first = False
@@ -809,8 +822,7 @@ class EngineServer:
                 sent += len(ids)
                 finish = final.finish_reason if final is not None else None
                 await send(chunk(tokenizer.decode(ids), finish))
-            if final is None and prep.drop_after is not None and sent >= prep.drop_after:
-                self._drop(request, prep)
+        assert final is not None  # noqa: S101
         if prep.include_usage:
             await send({**head, "choices": [], "usage": _usage(final, sent)})
         await resp.write(b"data: [DONE]\n\n")

@@ -47,6 +47,9 @@ class SimRequest:
     # The LoRA adapter the request names (None: the base model): its KV blocks are its
     # own, so its prefix cache hash chain is seeded with this name (enginesim.lora).
     lora_name: str | None = None
+    # A pooling request (/v1/embeddings): it takes its prompt's KV while prefilled and
+    # finishes when the prefill does, generating nothing (`max_tokens` is 0).
+    prefill_only: bool = False
 
 
 class EventKind(enum.StrEnum):
