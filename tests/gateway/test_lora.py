@@ -136,6 +136,12 @@ async def test_an_adapters_requests_go_only_to_replicas_that_serve_it(replica, g
     got = await asyncio.gather(*(post(gw.url, chat(MODEL)) for _ in range(16)))
     assert all(status == 200 for status, _ in got)
     assert plain.core.stats().num_finished > 0
+    # The replica that served it retired: its adapters are nobody's now.
+    gw.state.discovery.retire("r0")
+    assert gw.state.discovery.bases_of("sql") == frozenset()
+    assert gw.state.discovery.bases_of(MODEL) == {MODEL}
+    status, out = await post(gw.url, chat("sql"))
+    assert status == 404 and out["error"]["code"] == "model_not_found"
 
 
 async def test_an_adapter_shares_its_replicas_running_cap_with_the_base(replica, gateway):
