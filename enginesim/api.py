@@ -53,10 +53,13 @@ class ApiError(Exception):
         self.type = type
 
 
+def error_type(status: int) -> str:
+    """vLLM's error type for an HTTP status: the exception class name it raised."""
+    return _ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+
+
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    err_type = _ERROR_TYPES.get(
-        status, "InternalServerError" if status >= 500 else "BadRequestError"
-    )
+    err_type = error_type(status)
     body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     return web.json_response(body, status=status)
 

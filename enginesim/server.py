@@ -7,6 +7,9 @@ clients see of a real engine:
 * `POST /v1/chat/completions`, `POST /v1/completions` (stream and non-stream, vLLM's
   chunk shapes, `stream_options.include_usage`, vLLM's extensions `ignore_eos`,
   `min_tokens`, `priority`; unknown sampling fields are accepted and ignored);
+* `POST /v1/responses` (stored responses: `GET /v1/responses/{id}`,
+  `previous_response_id`), `POST /v1/messages` (Anthropic, and `/count_tokens`),
+  `POST /v1/embeddings` (prefill-only), on the same core: `enginesim.agent_api`;
 * `GET /v1/models`, `GET /health`, `POST /tokenize`, `GET /version`;
 * LoRA adapters as models (vLLM flavor, `lora_modules`; `--lora-modules` on the CLI):
   listed in `/v1/models` with `parent` naming the base, served by name, in the base's
@@ -48,6 +51,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from enginesim import tokenizer
+from enginesim.agent_api import AgentApi
 from enginesim.api import (
     MAX_BODY_BYTES,
     ApiError,
@@ -302,6 +306,8 @@ class EngineServer:
         r.add_post("/tokenize", self._tokenize)
         r.add_get("/version", self._version)
         r.add_get("/metrics", self._metrics)
+        self.agent_api = AgentApi(self)  # /v1/responses, /v1/messages, /v1/embeddings
+        self.agent_api.add_routes(r)
         if self.flavor is Flavor.VLLM:  # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
             r.add_post("/v1/load_lora_adapter", self._load_lora)
             r.add_post("/v1/unload_lora_adapter", self._unload_lora)
