@@ -133,7 +133,7 @@ class Accounting:
             self._learn(ctx)
         self._account_tenant(ctx, now)
         m = self.metrics
-        m.count_request(model_label, ctx.outcome)
+        m.count_request(model_label, ctx.outcome, ctx.kind)
         m.count_workload(ctx.req.workload, ctx.outcome)
         ttft = None
         if ctx.first_byte_at is not None:

@@ -272,6 +272,12 @@ class GatewayMetrics:
         self.requests = Counter(
             "kvgate_requests", "Requests by model and outcome", ["model", "outcome"], registry=r
         )
+        self.endpoint_requests = Counter(
+            "kvgate_endpoint_requests",
+            "Requests by endpoint (chat, completion, responses, messages) and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
         self.shed = Counter("kvgate_shed", "Requests shed by reason", ["reason"], registry=r)
         self.upstream_errors = Counter(
             "kvgate_upstream_errors",
@@ -441,10 +447,11 @@ class GatewayMetrics:
         """Export the learned retry budget (`_RetryBudgetCollector`) from `readings`."""
         self.registry.register(_RetryBudgetCollector(readings))
 
-    def count_request(self, model: str, outcome: str) -> None:
+    def count_request(self, model: str, outcome: str, endpoint: str = "chat") -> None:
         # The pipeline passes "_unknown" for models no replica serves, so clients cannot
         # create unbounded label cardinality.
         self._child(self.requests, model, outcome).inc()
+        self._child(self.endpoint_requests, endpoint, outcome).inc()
 
     # ------------------------------------------------------------------ tenants
     def set_tenant_names(self, names: Iterable[str]) -> None:

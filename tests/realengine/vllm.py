@@ -79,6 +79,9 @@ def serve_env(cpus: str = "0") -> dict[str, str]:
             # One core for the engine's threads: the other stays for the test and kvgate.
             "VLLM_CPU_OMP_THREADS_BIND": cpus,
             "OMP_NUM_THREADS": "1",
+            # Stored responses (the Responses API's previous_response_id, GET, cancel):
+            # off in vLLM unless asked for, as a deployment serving Codex turns it on.
+            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         }
     )
     return env
