@@ -28,10 +28,12 @@ from admission.tenants import TenantLimiter
 from gateway import connections as conns
 from gateway.checks import exposure_warning
 from gateway.config import GatewayConfig
+from gateway.context import Kind
 from gateway.counting import PromptCounter
 from gateway.discovery import Discovery
 from gateway.dns import DnsGroups
 from gateway.door import AdmissionDoor
+from gateway.endpoints import UPSTREAM_PATHS
 from gateway.errors import ApiError, Dialect
 from gateway.forward import Forwarder
 from gateway.http import hide_server_version, server_kwargs
@@ -41,7 +43,7 @@ from gateway.kvtokens import PromptTokenIds
 from gateway.metrics import GatewayMetrics
 from gateway.models_api import ModelsApi
 from gateway.operations_api import OperationsApi
-from gateway.pipeline import TENANT_KEY, UPSTREAM_PATHS, Pipeline
+from gateway.pipeline import TENANT_KEY, Pipeline
 from gateway.ratelimit import rate_limit_headers
 from gateway.relay import Relay
 from gateway.reload import Reloader
@@ -249,6 +251,12 @@ def build_app(
     async def messages(request: web.Request) -> web.StreamResponse:
         return await st.pipeline.handle(request, "messages")
 
+    def pooled(kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await st.pipeline.handle(request, kind)
+
+        return handle
+
     forwarder: list[Forwarder] = []  # built with the upstream session at start-up
 
     def forwarded(
@@ -262,11 +270,16 @@ def build_app(
     async def stored_response(request: web.Request) -> web.StreamResponse:
         return await forwarder[0].stored_response(request)
 
-    models = ModelsApi(lambda: st.tenants, st.door.report.models)
+    models = ModelsApi(
+        lambda: st.tenants, st.door.report.models, lambda m: st.discovery.bases_of(m)
+    )
 
     ops = OperationsApi(st)
 
     known_paths = set(UPSTREAM_PATHS.values()) | {
+        "/rerank",
+        "/v2/rerank",
+        "/score",
         "/v1/messages/count_tokens",
         "/tokenize",
         "/detokenize",
@@ -300,6 +313,11 @@ def build_app(
         ("GET", "/v1/responses/{response_id}/input_items", stored_response),
         ("POST", "/v1/responses/{response_id}/cancel", stored_response),
         ("POST", "/v1/messages", messages),
+        ("POST", "/v1/embeddings", pooled("embeddings")),
+        *(("POST", path, pooled("rerank")) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
+        *(("POST", path, pooled("score")) for path in ("/score", "/v1/score")),
+        ("POST", "/classify", pooled("classify")),
+        ("POST", "/pooling", pooled("pooling")),
         ("POST", "/v1/messages/count_tokens", forwarded("/v1/messages/count_tokens", "anthropic")),
         ("POST", "/tokenize", forwarded("/tokenize", "openai")),
         ("POST", "/detokenize", forwarded("/detokenize", "openai")),

@@ -18,7 +18,17 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 # The endpoint a request came in on: its body's schema, the engine path it goes to, the
 # dialect of its errors and the shape of its event stream.
-Kind = Literal["chat", "completion", "responses", "messages"]
+Kind = Literal[
+    "chat",
+    "completion",
+    "responses",
+    "messages",
+    "embeddings",
+    "rerank",
+    "score",
+    "classify",
+    "pooling",
+]
 
 
 @dataclass(slots=True)

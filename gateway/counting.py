@@ -71,7 +71,7 @@ from gateway.context import RequestContext
 from gateway.discovery import Discovery, ReplicaWatcher
 from gateway.metrics import GatewayMetrics
 from gateway.prompt import PromptShape, chat_shape
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, PoolingRequest
 
 log = logging.getLogger("kvgate.counting")
 
@@ -249,7 +249,7 @@ class PromptCounter:
                     est.prompt_tokens(model, shape.chars, shape.messages) + media
                 )
             return m
-        assert isinstance(parsed, CompletionRequest)
+        assert isinstance(parsed, CompletionRequest | PoolingRequest)
         text, ids = parsed.prompt_parts()
         ctx.num_messages = 0
         ctx.prompt_chars = len(text)

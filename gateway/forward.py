@@ -68,7 +68,7 @@ class Forwarder:
             model = body.get("model") if isinstance(body, dict) else None
             if not isinstance(model, str) or not model:
                 raise invalid_request("model: Field required", param="model")
-            if not self._tenants().get(tenant).may_use(model):
+            if not self._tenants().get(tenant).may_use(model, self._discovery.bases_of(model)):
                 raise _no_model(model)
             replica = self._pick(model)
             return await self._send(request, "POST", replica, path, raw)

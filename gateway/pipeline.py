@@ -1,7 +1,6 @@
-"""The request pipeline for the generating endpoints: ``/v1/chat/completions``,
-``/v1/completions``, the Responses API (``/v1/responses``) and Anthropic's Messages API
-(``/v1/messages``). All four pass the same stages; the endpoint (`Kind`) picks the body's
-schema, the engine's path, the dialect of errors and the reader of the event stream.
+"""The request pipeline for every endpoint that takes KV (gateway/endpoints.py: chat,
+completions, the Responses and Messages APIs, the pooling endpoints): one chain of
+stages; the endpoint picks the body's schema, the engine's path and the errors' dialect.
 
 Like an Envoy filter chain, a request passes through small stages, each with one job,
 in the order `Pipeline.handle` shows in one place:
@@ -46,6 +45,7 @@ from gateway.counting import PromptCounter
 from gateway.denials import rate_limited, refused_error, shed_error, tenant_limit
 from gateway.discovery import Discovery
 from gateway.door import AdmissionDoor
+from gateway.endpoints import PASSED_HEADERS, POOLING, SCHEMAS, UPSTREAM_PATHS, dialect_of
 from gateway.errors import ApiError, invalid_request
 from gateway.failover import Failover
 from gateway.kvtokens import PromptTokenIds
@@ -58,11 +58,12 @@ from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     MessagesRequest,
+    PoolingRequest,
     ResponsesRequest,
 )
 from gateway.shutdown import InFlight, shutdown_retry_after, shutting_down
 from gateway.stated import H_RETRY_COUNT, read_stated
-from gateway.stored_responses import StoredResponses
+from gateway.stored_responses import StoredResponses, follow_up, remember_answer
 from gateway.upstream import UpstreamFailure
 from routing.classify import classify_workload
 from routing.prefix import block_hashes
@@ -71,21 +72,6 @@ log = logging.getLogger("kvgate.pipeline")
 
 # The authenticated tenant of a request (for the rate-limit headers of its answer).
 TENANT_KEY = web.RequestKey("kvgate_tenant", str)
-
-UPSTREAM_PATHS: dict[Kind, str] = {
-    "chat": "/v1/chat/completions",
-    "completion": "/v1/completions",
-    "responses": "/v1/responses",
-    "messages": "/v1/messages",
-}
-_SCHEMAS: dict[Kind, type[ChatCompletionRequest] | type[CompletionRequest]] = {
-    "chat": ChatCompletionRequest,
-    "completion": CompletionRequest,
-    "responses": ResponsesRequest,
-    "messages": MessagesRequest,
-}
-# Client headers the engine gets as sent: Anthropic's API version and betas.
-_PASSED_HEADERS = ("anthropic-version", "anthropic-beta")
 
 # Client headers kvgate reads (documented in docs/api.md; the deadline's: gateway/stated.py).
 H_PRIORITY = "x-kvgate-priority"  # integer, higher is admitted first
@@ -194,9 +180,9 @@ class Pipeline:
         ctx = RequestContext(
             request_id=f"{self._id_prefix}-{next(self._ids)}",
             kind=kind,
-            upstream_path=UPSTREAM_PATHS[kind],
+            upstream_path=request.path if kind in POOLING else UPSTREAM_PATHS[kind],
             arrival=now,
-            dialect="anthropic" if kind == "messages" else "openai",
+            dialect=dialect_of(kind),
         )
         task = self.in_flight.enter(ctx)
         bound = REQUEST_ID.set(ctx.request_id)  # on every log line of this request
@@ -206,7 +192,8 @@ class Pipeline:
             self.authenticate(request, ctx)
             await self.parse(request, ctx)
             text, tools = await self.estimate(ctx)
-            self.continue_stored(ctx)
+            # A Responses API follow-up goes where its conversation is stored.
+            follow_up(self.stored, self.discovery.watchers, ctx, self._loop.time())
             self.classify(request, ctx, text, tools)
             if self.prompt_token_ids is not None:
                 await self.prompt_token_ids.fill(ctx)
@@ -265,7 +252,7 @@ class Pipeline:
         if not isinstance(body, dict):
             raise invalid_request("Request body must be a JSON object.")
         try:
-            parsed = _SCHEMAS[ctx.kind](body)
+            parsed = SCHEMAS[ctx.kind](body)
         except BodyError as e:
             raise invalid_request(e.message, param=e.param) from None
         if isinstance(parsed, CompletionRequest) and parsed.batch_size() != 1:
@@ -300,6 +287,9 @@ class Pipeline:
     def _bound_output(self, ctx: RequestContext) -> None:
         """Output tokens to reserve, from history, within the context the prompt leaves."""
         assert ctx.parsed is not None
+        if isinstance(ctx.parsed, PoolingRequest):  # prefill only: no output to reserve
+            ctx.req.expected_output = ctx.req.max_tokens = 0
+            return
         bound = ctx.parsed.output_bound
         max_len = self.discovery.max_model_len(ctx.req.model)
         limit = max(1, (max_len - ctx.req.prompt_tokens) if max_len else MAX_TOKENS_CEILING)
@@ -314,31 +304,6 @@ class Pipeline:
         ctx.req.max_tokens = bound if bound is not None else ctx.req.expected_output
         ctx.req.max_tokens_given = ctx.parsed.bounds_output
         ctx.req.margin = self.estimator.margin(ctx.req.model)
-
-    def continue_stored(self, ctx: RequestContext) -> None:
-        """A Responses API follow-up (``previous_response_id``) goes to the replica that
-        stored that response, and its prompt counts the conversation the engine rebuilds
-        from it. An id kvgate never saw goes where routing puts it (the engine answers
-        for it); one whose replica is gone is a 404 that says so."""
-        parsed = ctx.parsed
-        if not isinstance(parsed, ResponsesRequest) or parsed.previous_response_id is None:
-            return
-        held = self.stored.holder(parsed.previous_response_id, self._loop.time())
-        if held is None:
-            return
-        watchers = self.discovery.watchers
-        holder = watchers.get(held.replica)
-        if holder is None or not holder.state.ready:
-            raise ApiError(
-                404,
-                f"Previous response with id '{parsed.previous_response_id}' not found: the "
-                f"replica that stored it ({held.replica}) is "
-                + ("gone." if holder is None else "not ready."),
-                code="previous_response_not_found",
-                param="previous_response_id",
-            )
-        ctx.req.avoid = frozenset(name for name in watchers if name != held.replica)
-        ctx.req.prompt_tokens += held.tokens
 
     def classify(
         self, request: web.Request, ctx: RequestContext, text: str, tools: str = ""
@@ -365,8 +330,7 @@ class Pipeline:
                     )
         session = request.headers.get(H_SESSION)
         if not session and isinstance(ctx.parsed, ResponsesRequest | MessagesRequest):
-            # The Responses API's prompt_cache_key, Anthropic's metadata.user_id.
-            session = ctx.parsed.session_key
+            session = ctx.parsed.session_key  # prompt_cache_key; Anthropic's user_id
         if not session and ctx.body is not None:
             user = ctx.body.get("user")
             session = user if isinstance(user, str) and user else None
@@ -397,7 +361,7 @@ class Pipeline:
         admitted. Concurrency and queue caps are admission's (admission.fairqueue)."""
         limiter = self.tenants
         policy = limiter.get(ctx.req.tenant)
-        if not policy.may_use(ctx.req.model):
+        if not policy.may_use(ctx.req.model, self.discovery.bases_of(ctx.req.model)):
             raise ApiError(
                 404,
                 f"The model `{ctx.req.model}` does not exist or you do not have access to it.",
@@ -491,9 +455,7 @@ class Pipeline:
             assert replica is not None
             endpoint = self._endpoints[replica]
             headers = {**endpoint.upstream_headers, "X-Request-Id": ctx.request_id}
-            for name in _PASSED_HEADERS:
-                if (value := request.headers.get(name)) is not None:
-                    headers[name] = value
+            headers.update((n, v) for n in PASSED_HEADERS if (v := request.headers.get(n)))
             try:
                 resp = await self.relay.forward(request, ctx, endpoint.url, headers, data)
             except UpstreamFailure as f:
@@ -502,15 +464,8 @@ class Pipeline:
                 raise self.failover.answer(ctx, replica, f) from None
             self.failover.answered(ctx, replica)
             if ctx.response_id is not None and ctx.outcome == "ok":
-                self._remember_response(ctx, replica)
+                remember_answer(self.stored, ctx, replica, self._loop.time())
             return resp
-
-    def _remember_response(self, ctx: RequestContext, replica: str) -> None:
-        body = ctx.body or {}
-        if body.get("store") is False or ctx.response_id is None:
-            return
-        tokens = (ctx.usage_prompt or ctx.req.prompt_tokens) + (ctx.usage_completion or 0)
-        self.stored.remember(ctx.response_id, replica, tokens, self._loop.time())
 
     def on_progress(self, ctx: RequestContext) -> None:
         """A stream outgrew its reservation: ask for more (never cuts the stream)."""

@@ -484,3 +484,65 @@ class MessagesRequest(ChatCompletionRequest):
     @property
     def wants_usage(self) -> bool:
         return True  # message_start and message_delta carry usage
+
+
+# ---------------------------------------------------------------------- pooling
+# Fields of the pooling endpoints (embeddings, rerank, score, classify, pooling) that
+# hold what the model reads: texts, or token ids.
+_POOLING_FIELDS = ("input", "query", "documents", "text_1", "text_2", "queries", "items", "data")
+
+
+def _pooled(v: Any, texts: list[str]) -> int:
+    """Collect the texts in `v` into `texts`; returns the token ids found."""
+    if type(v) is str:
+        texts.append(v)
+        return 0
+    if type(v) is list:
+        if v and _is_ints(v):
+            return len(v)
+        return sum(_pooled(x, texts) for x in v)
+    if type(v) is dict:  # a document or content part: {"text": ...}, {"type": "text"...}
+        t = v.get("text", v.get("content"))
+        return _pooled(t, texts) if t is not None else 0
+    return 0
+
+
+class PoolingRequest(_Common):
+    """``/v1/embeddings``, ``/v1/rerank``, ``/v1/score``, ``/classify``, ``/pooling``:
+    every input of the body is prefilled and nothing is generated, so the request
+    reserves its prompt (all inputs together: the engine runs a batch's inputs at once)
+    and no output."""
+
+    __slots__ = ("texts", "ids")
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body)
+        if body.get("stream") is True:
+            raise BodyError("stream", "Pooling endpoints do not stream")
+        texts: list[str] = []
+        ids = 0
+        found = False
+        for key in _POOLING_FIELDS:
+            if key in body:
+                found = True
+                ids += _pooled(body[key], texts)
+        if not found:
+            raise BodyError("input", "Field required")
+        self.texts = texts
+        self.ids = ids
+
+    @property
+    def output_bound(self) -> int | None:
+        return 0
+
+    @property
+    def bounds_output(self) -> bool:
+        return True
+
+    @property
+    def wants_usage(self) -> bool:
+        return True
+
+    def prompt_parts(self) -> tuple[str, int | None]:
+        """(the texts, joined; the exact count when the inputs are all token ids)."""
+        return "\n".join(self.texts), (self.ids if not self.texts else None)

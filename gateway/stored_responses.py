@@ -13,7 +13,13 @@ restarts; a restarted replica is a new one to discovery) and the oldest go first
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import NamedTuple
+
+from gateway.context import RequestContext
+from gateway.discovery import ReplicaWatcher
+from gateway.errors import ApiError
+from gateway.schemas import ResponsesRequest
 
 # An engine's stored response outlives no restart and kvgate's memory of it need not
 # outlive a day of idleness: a follow-up a day later is rare and then answered 404.
@@ -62,3 +68,42 @@ class StoredResponses:
         for k in gone:
             del self._map[k]
         return len(gone)
+
+
+def follow_up(
+    stored: StoredResponses,
+    watchers: Mapping[str, ReplicaWatcher],
+    ctx: RequestContext,
+    now: float,
+) -> None:
+    """A follow-up (``previous_response_id``) goes to the replica that stored that
+    response (every other replica is avoided), and its prompt counts the conversation
+    the engine rebuilds from it. An id kvgate never saw goes where routing puts it (the
+    engine answers for it); one whose replica is gone is a 404 that says so."""
+    parsed = ctx.parsed
+    if not isinstance(parsed, ResponsesRequest) or parsed.previous_response_id is None:
+        return
+    held = stored.holder(parsed.previous_response_id, now)
+    if held is None:
+        return
+    holder = watchers.get(held.replica)
+    if holder is None or not holder.state.ready:
+        raise ApiError(
+            404,
+            f"Previous response with id '{parsed.previous_response_id}' not found: the "
+            f"replica that stored it ({held.replica}) is "
+            + ("gone." if holder is None else "not ready."),
+            code="previous_response_not_found",
+            param="previous_response_id",
+        )
+    ctx.req.avoid = frozenset(name for name in watchers if name != held.replica)
+    ctx.req.prompt_tokens += held.tokens
+
+
+def remember_answer(stored: StoredResponses, ctx: RequestContext, replica: str, now: float) -> None:
+    """Remember where a completed response is stored (unless the client said ``store``
+    false), with the tokens of its conversation so far."""
+    if ctx.response_id is None or (ctx.body or {}).get("store") is False:
+        return
+    tokens = (ctx.usage_prompt or ctx.req.prompt_tokens) + (ctx.usage_completion or 0)
+    stored.remember(ctx.response_id, replica, tokens, now)

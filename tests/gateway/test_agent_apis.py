@@ -163,3 +163,76 @@ async def test_paths_kvgate_does_not_serve_are_404_in_the_dialect_of_their_api(r
         async with s.get(gw.url + "/v1/responses/resp_unknown") as r:
             assert r.status == 404
             assert (await r.json())["error"]["code"] == "response_not_found"
+
+
+# ------------------------------------------------------------ relayed, on enginesim
+async def test_responses_through_kvgate_with_the_openai_sdk(replica, gateway):
+    gw = await gateway(await replica())
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x") as c:
+        r = await c.responses.create(model=MODEL, input="hello there", max_output_tokens=5)
+        assert r.usage is not None and r.usage.output_tokens >= 1
+        assert gw.state.pipeline.stored.holder(r.id, 0.0) is not None
+        got = await c.responses.retrieve(r.id)
+        assert got.id == r.id
+        follow = await c.responses.create(
+            model=MODEL, input="more", previous_response_id=r.id, max_output_tokens=3
+        )
+        assert follow.usage is not None
+        assert follow.usage.input_tokens > r.usage.input_tokens
+        async with c.responses.stream(model=MODEL, input="stream it", max_output_tokens=4) as s:
+            deltas = [e async for e in s if e.type == "response.output_text.delta"]
+            final = await s.get_final_response()
+        assert len(deltas) == final.usage.output_tokens
+    text = await scrape_text(gw)
+    assert 'kvgate_endpoint_requests_total{endpoint="responses",outcome="ok"} 3.0' in text
+
+
+async def test_a_response_whose_replica_is_gone_is_a_404_that_says_so(replica, gateway):
+    gw = await gateway(await replica())
+    gw.state.pipeline.stored.remember("resp_gone", "r9", 100, 0.0)
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as c:
+        with pytest.raises(openai.NotFoundError) as ei:
+            await c.responses.create(model=MODEL, input="x", previous_response_id="resp_gone")
+        assert "r9" in ei.value.message and ei.value.code == "previous_response_not_found"
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.retrieve("resp_gone")
+
+
+async def test_messages_through_kvgate_with_the_anthropic_sdk(replica, gateway):
+    gw = await gateway(await replica())
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="x") as c:
+        msg = await c.messages.create(
+            model=MODEL,
+            max_tokens=6,
+            system="brief",
+            messages=[{"role": "user", "content": "hello"}],
+            metadata={"user_id": "session-7"},
+        )
+        assert msg.usage.output_tokens >= 1
+        async with c.messages.stream(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "go"}]
+        ) as s:
+            text = [t async for t in s.text_stream]
+            final = await s.get_final_message()
+        assert len(text) == final.usage.output_tokens
+        counted = await c.messages.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": "count me"}]
+        )
+        assert counted.input_tokens > 0
+
+
+async def test_embeddings_reserve_their_inputs_and_no_output(replica, gateway):
+    srv = await replica()
+    gw = await gateway(srv)
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x") as c:
+        one = await c.embeddings.create(model=MODEL, input="a sentence to embed")
+        many = await c.embeddings.create(model=MODEL, input=["first text", "second text"])
+    assert len(one.data) == 1 and len(many.data) == 2
+    assert many.usage.prompt_tokens > 0 and one.usage.prompt_tokens > 0
+    text = await scrape_text(gw)
+    assert 'kvgate_endpoint_requests_total{endpoint="embeddings",outcome="ok"} 2.0' in text
+
+
+async def scrape_text(gw) -> str:
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+        return await r.text()

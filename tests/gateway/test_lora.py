@@ -267,11 +267,6 @@ async def test_a_tenant_allowed_an_adapter_by_name_uses_it_and_only_it(replica, 
         assert status == 404 and out["error"]["code"] == "model_not_found", (key, model)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the pipeline's tenant check to pass discovery's bases: "
-    "policy.may_use(ctx.req.model, self.discovery.bases_of(ctx.req.model))",
-)
 async def test_a_tenant_allowed_the_base_uses_its_adapters(replica, gateway):
     srv = await replica(lora_modules=LORAS)
     gw = await gateway(srv, tenants=tenants())
