@@ -453,8 +453,11 @@ class MessagesRequest(ChatCompletionRequest):
             if type(m) is not dict:
                 raise BodyError(loc, "Input should be a valid dictionary")
             role = m.get("role")
-            if role not in ("user", "assistant"):
-                raise BodyError(f"{loc}.role", "Input should be 'user' or 'assistant'")
+            if type(role) is not str:  # its value is the engine's to judge
+                raise BodyError(
+                    f"{loc}.role",
+                    "Field required" if role is None else "Input should be a valid string",
+                )
             parts, calls, results = _anthropic_blocks(m.get("content"), f"{loc}.content")
             chat_msgs.extend(results)  # a user turn's tool results come first, as vLLM renders
             if parts or calls:

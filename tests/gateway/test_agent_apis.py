@@ -32,7 +32,7 @@ BAD_MESSAGES = [
     ("malformed json", b'{"model": "tiny-llm", "messages": [', None),
     ("missing max_tokens", b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "x"}]}', "max_tokens"),
     ("empty messages", b'{"model": "tiny-llm", "max_tokens": 5, "messages": []}', "messages"),
-    ("bad role", b'{"model": "tiny-llm", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}', "messages.0.role"),
+    ("role wrong type", b'{"model": "tiny-llm", "max_tokens": 5, "messages": [{"role": 1, "content": "x"}]}', "messages.0.role"),
     ("content wrong type", b'{"model": "tiny-llm", "max_tokens": 5, "messages": [{"role": "user", "content": 7}]}', "messages.0.content"),
     ("max_tokens wrong type", b'{"model": "tiny-llm", "max_tokens": "5", "messages": [{"role": "user", "content": "x"}]}', "max_tokens"),
 ]  # fmt: skip
