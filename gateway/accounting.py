@@ -129,6 +129,10 @@ class Accounting:
     def account(self, ctx: RequestContext, now: float) -> None:
         """Learn from the engine's usage, count the outcome, write the access line."""
         model_label = ctx.req.model if ctx.req.model in self.known_models else "_unknown"
+        if ctx.usage_prompt is not None and ctx.prefix is not None:
+            # The engine's count of the whole prompt: the next turn's counted prefix
+            # (gateway/prefixcount.py).
+            ctx.prefix.learn(ctx.usage_prompt)
         if ctx.outcome == "ok":
             self._learn(ctx)
         self._account_tenant(ctx, now)
@@ -158,22 +162,28 @@ class Accounting:
             and bool(ctx.prompt_chars)
             and not self.estimator.has_tokenizer(r.model)
         )
+        # The estimated part: the whole prompt, or the messages after a prefix the engine
+        # had counted (gateway/prefixcount.py), whose count is known.
+        chars, messages, counted = ctx.prompt_chars, ctx.num_messages, 0
+        p = ctx.prefix
+        if p is not None and p.counted:
+            chars, messages, counted = p.tail_chars, p.tail_messages, p.tokens
         # What the estimator would reserve for this prompt now, before it learns from it:
         # a miss of an estimate it has since corrected says nothing of the next
         # reservation, and neither does one made before it learned the model's
         # characters per token (the cold guess, which the cold margin covers).
         learned = self.estimator.most_chars_per_token(r.model) is not None
         prompt = (
-            self.estimator.prompt_tokens(r.model, ctx.prompt_chars, ctx.num_messages)
+            counted + self.estimator.prompt_tokens(r.model, chars, messages)
             if estimated_prompt
             else r.prompt_tokens
         )
         if ctx.usage_prompt is not None:
             self.metrics.observe_prompt_estimate(r.prompt_tokens, ctx.usage_prompt, r.prompt_exact)
-            if estimated_prompt:
-                self.estimator.observe_prompt(
-                    r.model, ctx.prompt_chars, ctx.num_messages, ctx.usage_prompt
-                )
+            if estimated_prompt and ctx.usage_prompt > counted:
+                # It learns what it estimates: a tail's characters per token, when the
+                # rest was counted.
+                self.estimator.observe_prompt(r.model, chars, messages, ctx.usage_prompt - counted)
         if ctx.usage_completion is not None:
             self.estimator.observe_output(r.model, ctx.usage_completion)
         estimated = not sized_exactly(

@@ -57,6 +57,9 @@ class RequestContext:
     # False when the prompt has parts a character count cannot describe (images, audio):
     # its usage must not teach the estimator's chars-per-token.
     prompt_countable: bool = True
+    # A chat prompt's digest chain and its longest prefix the engine counted
+    # (gateway.prefixcount.PrefixCount): the account stage stores the usage under it.
+    prefix: Any = None
     # admit: the latency budget it was admitted under (the client's stated timeout, or
     # its clients' learned patience: admission/patience.py).
     latency_budget: float | None = None

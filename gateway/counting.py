@@ -4,17 +4,27 @@ Admission sizes a request's KV reservation, and refuses what can never fit, from
 prompt token count. The count comes from the cheapest source that is good enough:
 
 1. **Token ids** (a completions prompt of ids): exact, free.
-2. **A local tokenizer** (``tokenizers:`` in the config): the text is counted exactly,
+2. **The engine's count of a prefix** (chat, `gateway.prefixcount`): a conversation
+   resends its history, and the engine counted the last turn's whole prompt (its
+   ``usage.prompt_tokens``, stored by the account stage under the turn's digest chain)
+   or a replica's tokenize endpoint counted it. A prompt whose every message a count
+   covers is exact (a client's retry, a repeated prompt); one that extends a counted
+   prefix is that count plus the estimate of the messages after it (3), not exact but
+   wrong by at most the tail's error.
+3. **A local tokenizer** (``tokenizers:`` in the config): the text is counted exactly,
    in process. Long texts (a shared system prompt, the earlier turns of a growing
    conversation) are counted once and remembered per (model, digest of that text).
-3. **The estimate**: characters / the learned chars-per-token, plus the template's
+4. **The estimate**: characters / the learned chars-per-token, plus the template's
    per-message overhead, plus a fixed allowance per media part (`gateway.prompt`).
-   Far from every limit this is all a request costs: no network call, no hashing.
-4. **The replica's own count**, only when the estimate puts the request *near a limit*
-   (prompt + max_tokens within ``counting.near_limit_margin`` of the smallest
-   ``max_model_len`` serving the model, or its KV need within that margin of the largest
-   pool): one call, bounded by ``upstream.tokenize_timeout_s``, to the tokenize endpoint
-   of one ready replica serving the model, taken in turn:
+   A short prompt, or a short tail after a counted prefix, costs no more than this: no
+   network call.
+5. **The replica's own count** (`should_count`), when what no count covers is estimated
+   at ``INLINE_COUNT_TOKENS`` (512) or more (a first turn, a long new document: the
+   estimate's error would be hundreds of tokens of KV), or the request is *near a
+   limit* (prompt + max_tokens within ``counting.near_limit_margin`` of the smallest
+   ``max_model_len`` serving the model, or its KV need within that margin of the
+   largest pool): one call, bounded by ``upstream.tokenize_timeout_s``, to the tokenize
+   endpoint of one ready replica serving the model, taken in turn:
 
    - vLLM (and enginesim): ``POST /tokenize`` with the chat request's ``messages``,
      ``tools`` and template options (the engine applies its chat template), or with the
@@ -22,7 +32,7 @@ prompt token count. The count comes from the cheapest source that is good enough
    - llama.cpp: ``POST /apply-template`` (chat) then ``POST /tokenize`` with
      ``add_special`` (two loopback calls under the same bound).
    - SGLang serves ``/tokenize`` for a plain ``prompt`` only (no chat template): exact
-     for completions; for chat it counts the rendered text, a lower bound (see 5).
+     for completions; for chat it counts the rendered text, a lower bound (see 6).
    - ``openai`` engines have no tokenize endpoint: nothing is asked.
 
    For a model served by an engine that does not preempt (llama.cpp), every request
@@ -38,7 +48,7 @@ prompt token count. The count comes from the cheapest source that is good enough
    another 4xx refuses only that request. A failed count is never retried: the request
    goes on with its estimate.
 
-5. **A text count without the template** (a local tokenizer or SGLang, for chat): the
+6. **A text count without the template** (a local tokenizer or SGLang, for chat): the
    text's tokens are exact but the template's overhead is the configured guess. Such a
    count is treated as exact (refusable) when the guess cannot change the verdict: the
    request fits with the overhead counted, or is over every limit with no overhead at
@@ -56,8 +66,6 @@ import hashlib
 import itertools
 import json
 import logging
-from collections import OrderedDict
-from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -70,6 +78,7 @@ from gateway.config import GatewayConfig
 from gateway.context import RequestContext
 from gateway.discovery import Discovery, ReplicaWatcher
 from gateway.metrics import GatewayMetrics
+from gateway.prefixcount import Lru, PrefixCounts, prompt_chain
 from gateway.prompt import PromptShape, chat_shape
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, PoolingRequest
 
@@ -89,6 +98,16 @@ _UNSUPPORTED = frozenset({404, 405, 501})
 _UNSUPPORTED_PAUSE_S = 300.0
 _FAILURE_PAUSE_S = 10.0
 _LOCAL_CACHE_MIN_CHARS = 512  # shorter texts are cheaper to count than to hash
+# Chat prompts of fewer characters are not chained (gateway/prefixcount.py): their
+# estimate's error is a few tokens, less than the hashing is worth.
+_CHAIN_MIN_CHARS = 512
+# A prompt whose part no count covers is estimated at this many tokens or more is counted
+# on a replica before admission (inline): below, the estimate's error (the cold 3.0
+# characters a token overstated seed2's text 1.66x) is at most ~200 tokens, and the
+# engine's usage then counts the prompt for the turns that extend it.
+INLINE_COUNT_TOKENS = 512
+# What else changes the count of the same messages: the chain's first digest covers them.
+_CHAIN_FIELDS = (*TEMPLATE_FIELDS, "truncate_prompt_tokens")
 
 
 def _pause_after(e: Exception) -> float:
@@ -150,33 +169,6 @@ def limits_for(report: AdmissionReport, model: str) -> Limits:
 
 
 # ====================================================================== the counter
-class _Lru:
-    """A bounded least-recently-used map of counts."""
-
-    __slots__ = ("_data", "_size")
-
-    def __init__(self, size: int) -> None:
-        self._data: OrderedDict[Hashable, Any] = OrderedDict()
-        self._size = size
-
-    def get(self, key: Hashable) -> Any:
-        value = self._data.get(key)
-        if value is not None:
-            self._data.move_to_end(key)
-        return value
-
-    def put(self, key: Hashable, value: Any) -> None:
-        if self._size <= 0:
-            return
-        self._data[key] = value
-        self._data.move_to_end(key)
-        if len(self._data) > self._size:
-            self._data.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
 @dataclass(slots=True)
 class Measured:
     """What `PromptCounter.measure` learned of a request's prompt."""
@@ -188,6 +180,9 @@ class Measured:
     # Exact tokens of the rendered text without the chat template (a lower bound of what
     # the engine counts), when a tokenizer counted the text but not the template.
     floor: int | None = None
+    # Estimated tokens of the part of the prompt no count covers (all of it without a
+    # counted prefix; the tail after one; 0 when counted): what an inline count fixes.
+    uncounted: int = 0
 
 
 class _Failed(Exception):
@@ -217,7 +212,9 @@ class PromptCounter:
         self._session = session if cfg.replica_tokenize else None
         self._timeout = config.upstream.tokenize_timeout_s
         self._overhead = config.admission.per_message_overhead_tokens
-        self._cache = _Lru(cfg.cache_entries)
+        self._cache = Lru(cfg.cache_entries)
+        # Engine counts of conversation prefixes, from usage and tokenize answers.
+        self.prefixes = PrefixCounts(cfg.cache_entries)
         self._turn = itertools.count()
         self._paused: dict[str, float] = {}  # replica -> loop time until which it is not asked
         # model -> (the watchers' updated_at when computed, limits): limits change only
@@ -241,13 +238,30 @@ class PromptCounter:
             ctx.prompt_countable = shape.countable
             ctx.req.prompt_exact = False
             m = Measured(shape.text, limits, shape, media)
+            prefix = None
+            if shape.countable and shape.chars >= _CHAIN_MIN_CHARS:
+                chain = prompt_chain(parsed, ctx.kind, _CHAIN_FIELDS)
+                if chain is not None:
+                    prefix = ctx.prefix = self.prefixes.lookup(model, chain, shape.message_chars)
+                    if prefix.whole:  # the engine counted this very prompt before
+                        ctx.req.prompt_tokens = max(1, prefix.tokens)
+                        ctx.req.prompt_exact = True
+                        self._metrics.count_prompt_count("cache")
+                        return m
             if local:
                 m.floor = sum(self._count_local(model, p) for p in shape.pieces if p)
                 ctx.req.prompt_tokens = m.floor + shape.messages * self._overhead + media
+            elif prefix is not None and prefix.counted:
+                # The counted prefix, and an estimate of the messages after it.
+                tail = est.prompt_tokens(model, prefix.tail_chars, prefix.tail_messages)
+                ctx.req.prompt_tokens = prefix.tokens + tail
+                m.uncounted = tail
+                self._metrics.count_prompt_count("prefix")
             else:
                 ctx.req.prompt_tokens = (
                     est.prompt_tokens(model, shape.chars, shape.messages) + media
                 )
+                m.uncounted = ctx.req.prompt_tokens if shape.countable else 0
             return m
         assert isinstance(parsed, CompletionRequest | PoolingRequest)
         text, ids = parsed.prompt_parts()
@@ -263,6 +277,7 @@ class PromptCounter:
         else:
             ctx.req.prompt_exact = False
             ctx.req.prompt_tokens = est.prompt_tokens(model, len(text), 0)
+            return Measured(text, limits, uncounted=ctx.req.prompt_tokens)
         return Measured(text, limits)
 
     def _limits_of(self, model: str) -> Limits:
@@ -283,6 +298,14 @@ class PromptCounter:
             ctx.req.expected_output,
             self._cfg.near_limit_margin,
         )
+
+    def should_count(self, ctx: RequestContext, m: Measured) -> bool:
+        """Count the prompt on a replica before admission: it is not exact, and it is near
+        (or over) a limit, or the part of it no count covers is long enough that the
+        estimate's error matters (``INLINE_COUNT_TOKENS``)."""
+        if ctx.req.prompt_exact:
+            return False
+        return m.uncounted >= INLINE_COUNT_TOKENS or self.near_limit(ctx, m)
 
     def settle(self, ctx: RequestContext, m: Measured) -> None:
         """Decide whether a text count without the template may be refused on (module
@@ -380,6 +403,9 @@ class PromptCounter:
         if exact:
             ctx.req.prompt_tokens = max(1, tokens)
             ctx.req.prompt_exact = True
+            m.uncounted = 0
+            if chat and ctx.prefix is not None:
+                ctx.prefix.learn(tokens)  # the next turn's prefix
         else:  # the text without its template (SGLang chat)
             m.floor = tokens
             ctx.req.prompt_tokens = tokens + ctx.num_messages * self._overhead + m.media_tokens

@@ -339,9 +339,11 @@ class GatewayMetrics:
         )
         self.prompt_counts = Counter(
             "kvgate_prompt_counts",
-            "Prompts near a limit counted exactly before admission, by how: replica (its "
-            "tokenize endpoint answered), cache (counted before), failed (error or timeout: "
-            "went on with the estimate), unavailable (no replica can count it)",
+            "Prompts counted before admission (near a limit, or long where no count covers "
+            "them), by how: replica (its tokenize endpoint answered), cache (counted "
+            "before, by a replica or the engine's usage), prefix (a counted prefix and an "
+            "estimated tail), failed (error or timeout: went on with the estimate), "
+            "unavailable (no replica can count it)",
             ["how"],
             registry=r,
         )

@@ -273,13 +273,13 @@ class Pipeline:
         chain (both kept out of the context and logs).
 
         The prompt is estimated from its characters, or counted exactly where that is
-        free (token ids, a local tokenizer). Only a request the estimate puts near a limit
-        costs one call to a replica's tokenize endpoint (gateway/counting.py): admission
+        free (token ids, a local tokenizer, the engine's count of a prefix). A long uncounted
+        part or a limit near costs one call to a replica's tokenize endpoint: admission
         may refuse an exact count, never an estimate."""
         counter = self.counter
         measured = counter.measure(ctx)
         self._bound_output(ctx)
-        if counter.near_limit(ctx, measured) and await counter.count_on_replica(ctx, measured):
+        if counter.should_count(ctx, measured) and await counter.count_on_replica(ctx, measured):
             self._bound_output(ctx)
         counter.settle(ctx, measured)
         return measured.text, measured.shape.tools_text if measured.shape is not None else ""

@@ -26,7 +26,7 @@ text, which is what the workload classifier reads.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.schemas import ChatCompletionRequest
@@ -47,6 +47,10 @@ class PromptShape:
     # The tools' schemas as rendered for counting ("" without tools): the engine's
     # template puts them in the prompt, so routing's prefix chain starts with them.
     tools_text: str = ""
+    # The characters each message adds to `chars` (its text, refusals, tool calls): with
+    # ``len(tools_text)`` they sum to `chars`. What a counted prefix leaves to estimate
+    # (gateway/prefixcount.py) is the sum over the messages after it.
+    message_chars: list[int] = field(default_factory=list)
 
     @property
     def countable(self) -> bool:
@@ -74,7 +78,9 @@ def chat_shape(req: ChatCompletionRequest) -> PromptShape:
     texts: list[str] = []
     extra: list[str] = []
     images = audios = others = 0
+    per_message: list[int] = []
     for m in req.messages:
+        before = len(texts), len(extra)
         c = m.content
         if isinstance(c, str):
             texts.append(c)
@@ -103,6 +109,9 @@ def chat_shape(req: ChatCompletionRequest) -> PromptShape:
                         extra.append(s)
             if (s := _call_text(fields.get("function_call"))) is not None:
                 extra.append(s)
+        per_message.append(
+            sum(len(t) for t in texts[before[0] :]) + sum(len(t) for t in extra[before[1] :])
+        )
     tools = json.dumps(req.tools, separators=(",", ":")) if req.tools else ""
     if tools:
         extra.append(tools)
@@ -116,4 +125,5 @@ def chat_shape(req: ChatCompletionRequest) -> PromptShape:
         audios=audios,
         others=others,
         tools_text=tools,
+        message_chars=per_message,
     )

@@ -237,10 +237,18 @@ async def test_sglang_counts_the_text_and_the_template_overhead_decides_only_whe
     assert status == 200, data
     # 1,400 text tokens fit with 644 to generate (2,044), but not once the overhead guess
     # of 8 is added (2,052): not kvgate's call. The engine counts 1,407 and refuses.
-    status, data = await post(url, chat_body(FITS, max_tokens=644))
+    other = FITS.replace("abcdef", "abcdeg")  # as many tokens, never served
+    status, data = await post(url, chat_body(other, max_tokens=644))
     assert status == 400 and data["error"]["code"] == "context_length_exceeded"
     assert "input tokens" in data["error"]["message"]  # the engine's words, not kvgate's
-    assert srv.hits == Counter(tokenize=2, chat=2)  # the same text's count was cached
+    assert srv.hits == Counter(tokenize=3, chat=2)
+    status, _ = await post(url, chat_body(other))
+    assert status == 200 and srv.hits == Counter(tokenize=3, chat=3)  # its text count cached
+    # The engine's usage of a served prompt is its exact count (1,407): kvgate refuses on
+    # it, without a call.
+    status, data = await post(url, chat_body(FITS, max_tokens=644))
+    assert status == 400 and "1407 in the messages" in data["error"]["message"]
+    assert srv.hits == Counter(tokenize=3, chat=3)
 
 
 class LlamaCppStub:
