@@ -4,9 +4,10 @@
   in-memory store as `VLLM_ENABLE_RESPONSES_API_STORE=1` runs it: `store` (default true)
   keeps a finished response, `GET /v1/responses/{id}` returns it, `previous_response_id`
   continues its conversation (its input messages, instructions excepted, then its
-  output, then the new input), and `POST /v1/responses/{id}/cancel` answers as vLLM does
-  for a response that was not run in the background (400). There is no DELETE route, as
-  on vLLM (405).
+  output, then the new input). `background: true` (non-stream) answers `queued` at once
+  and runs the request in a task; `POST /v1/responses/{id}/cancel` cancels it (and aborts
+  it in the core), and is a 400 for a response that was not run in the background, as on
+  vLLM. There is no DELETE route, as on vLLM (405).
 * `POST /v1/messages` (Anthropic Messages API), stream and non-stream, and
   `POST /v1/messages/count_tokens`: vLLM turns them into a chat completion and back, so
   the message id is the chat completion's (`chatcmpl-...`), errors the handler raises are
@@ -342,6 +343,7 @@ class AgentApi:
     def __init__(self, server: EngineServer) -> None:
         self.server = server
         self.responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # background responses running
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_post("/v1/responses", self.create_response)
@@ -391,8 +393,8 @@ class AgentApi:
         server = self.server
         req: ResponsesRequest = _validated(ResponsesRequest, await read_json(request))
         model = server._check_model(req.model)
-        if req.background:
-            raise ApiError(400, "background responses are not simulated", "background")
+        if req.background and req.stream:
+            raise ApiError(400, "streaming background responses are not simulated", "stream")
         prev = None
         if req.previous_response_id is not None:
             prev = self.responses.get(req.previous_response_id)
@@ -411,6 +413,8 @@ class AgentApi:
             request, req, "chat", model, prompt_text, prompt_ids, max_tokens, f"resp_{_hex16()}"
         )
         base = self._response_head(req, prep, max_tokens)
+        if req.background:
+            return self._start_background(request, req, prep, base, messages)
         async with server._submitted(prep) as handle:
             if req.stream:
                 return await self._stream_response(request, req, prep, handle, base, messages)
@@ -420,6 +424,47 @@ class AgentApi:
             obj = self._finish_response(base, [item], final, len(ids))
             self._store(req, obj, messages)
             return web.json_response(obj)
+
+    def _start_background(
+        self,
+        request: web.Request,
+        req: ResponsesRequest,
+        prep: Prepared,
+        base: dict[str, Any],
+        messages: list[dict[str, Any]],
+    ) -> web.Response:
+        """vLLM's background mode: answer `queued` at once, run the request in a task."""
+        queued = {**base, "status": "queued"}
+        self.responses[prep.public_id] = StoredResponse(queued, messages)
+        task = asyncio.get_running_loop().create_task(
+            self._run_background(request, req, prep, base, messages),
+            name=f"enginesim-{prep.public_id}",
+        )
+        self._tasks[prep.public_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(prep.public_id, None))
+        return web.json_response(queued)
+
+    async def _run_background(
+        self,
+        request: web.Request,
+        req: ResponsesRequest,
+        prep: Prepared,
+        base: dict[str, Any],
+        messages: list[dict[str, Any]],
+    ) -> None:
+        try:
+            async with self.server._submitted(prep) as handle:
+                ids, final = await self._run(request, prep, handle)
+        except ApiError:  # the engine aborted it (shutdown)
+            stored = self.responses.get(prep.public_id)
+            if stored is not None and stored.response["status"] not in ("completed", "cancelled"):
+                stored.response["status"] = "failed"
+            return
+        item = _message_item(f"msg_{_hex16()}", tokenizer.decode(ids), "completed")
+        obj = self._finish_response(base, [item], final, len(ids))
+        stored = self.responses.get(prep.public_id)
+        if stored is None or stored.response["status"] != "cancelled":
+            self.responses[prep.public_id] = StoredResponse(obj, messages)
 
     def _response_head(
         self, req: ResponsesRequest, prep: Prepared, max_tokens: int
@@ -617,9 +662,18 @@ class AgentApi:
 
     async def cancel_response(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
-        if response_id not in self.responses:
+        stored = self.responses.get(response_id)
+        if stored is None:
             return self._not_found(response_id)
-        # Only background responses can be cancelled, and none is run in the background.
+        if stored.response["status"] in ("queued", "in_progress"):
+            # A background response still running: cancelled, and its request aborted.
+            stored.response["status"] = "cancelled"
+            task = self._tasks.get(response_id)
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            return web.json_response(stored.response)
         return web.json_response(
             {
                 "error": {

@@ -500,3 +500,33 @@ async def test_anthropic_sdk_messages(server):
         assert err.value.status_code == 404
     finally:
         await client.close()
+
+
+async def test_background_response_and_cancel(enginesim_server, session):
+    server = await enginesim_server("tiny", speed=1.0)
+    url = server.url + RESPONSES
+    body = {"input": "work", "background": True, "max_output_tokens": 5, "ignore_eos": True}
+    queued = await post_json(session, url, body)
+    assert queued["status"] == "queued" and queued["output"] == [] and queued["usage"] is None
+    done: dict = {}
+
+    async def poll() -> None:
+        while True:
+            got = await post_json_get(session, f"{url}/{queued['id']}")
+            if got["status"] != "queued":
+                done.update(got)
+                return
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), 10)
+    assert done["status"] == "incomplete" and done["usage"]["output_tokens"] == 5
+
+    long = {**body, "max_output_tokens": server.profile.max_model_len - 100}
+    running = await post_json(session, url, long)
+    await wait_until(lambda: server.core.stats().blocks_in_use > 0)
+    cancelled = await post_json(session, f"{url}/{running['id']}/cancel", {})
+    assert cancelled["id"] == running["id"] and cancelled["status"] == "cancelled"
+    assert server.core.stats().blocks_in_use == 0 and server.driver.num_in_flight == 0
+    assert (await post_json_get(session, f"{url}/{running['id']}"))["status"] == "cancelled"
+    await post_json(session, f"{url}/{running['id']}/cancel", {}, status=400)
+    await post_json(session, url, {**body, "stream": True}, status=400)
