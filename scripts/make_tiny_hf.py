@@ -13,6 +13,11 @@ Shape: 2 layers, hidden 128, 4 heads of 32 (4 KV heads), feed-forward 256, bfloa
 The output rows of the special tokens are zero and the others are scaled so ordinary
 logits spread with a standard deviation of about 4: sampling practically never ends a reply
 with end-of-sequence, so a reply runs to `max_tokens`.
+
+`--brief` writes the same model except that end-of-sequence's output row is a random
+direction of norm `BRIEF_EOS_SCALE`: its logit is then large on about a third of the
+steps, so a reply ends after a few tokens, as a coding agent needs its model's turns to
+end (Claude Code treats a reply cut at `max_tokens` as an error).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ HEADS = 4
 FFN = 256
 MAX_POSITIONS = 4096
 OUTPUT_LOGIT_STD = 4.0
+# Against ~4,000 ordinary logits of std 4 (their log-sum-exp about 16), an EOS logit of
+# 40 x (a unit direction . the unit-scale hidden state) wins when that product passes ~0.4.
+BRIEF_EOS_SCALE = 40.0
 
 EOS = "<|im_end|>"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", EOS]
@@ -122,7 +130,7 @@ def write_tokenizer(out: Path, tok: Tokenizer) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def write_model(out: Path, tok: Tokenizer, seed: int) -> None:
+def write_model(out: Path, tok: Tokenizer, seed: int, brief: bool = False) -> None:
     torch.manual_seed(seed)
     eos_id = tok.token_to_id(EOS)
     config = LlamaConfig(
@@ -145,6 +153,9 @@ def write_model(out: Path, tok: Tokenizer, seed: int) -> None:
         head.normal_(0.0, OUTPUT_LOGIT_STD / HIDDEN**0.5)
         for special in SPECIAL_TOKENS:
             head[tok.token_to_id(special)] = 0.0
+        if brief:
+            direction = torch.randn(HIDDEN)
+            head[eos_id] = direction / direction.norm() * BRIEF_EOS_SCALE
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
 
@@ -153,11 +164,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--brief", action="store_true", help="replies end after a few tokens")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(args.seed)
     write_tokenizer(args.out, tok)
-    write_model(args.out, tok, args.seed)
+    write_model(args.out, tok, args.seed, brief=args.brief)
     print(f"wrote {args.out} (vocabulary {tok.get_vocab_size()})")
 
 

@@ -17,6 +17,7 @@
 # Prints, on stdout and nothing else:
 #     KVGATE_VLLM_PYTHON=<the venv's python; run `-m vllm.entrypoints.cli.main serve ...`>
 #     KVGATE_VLLM_MODEL=<a Hugging Face model directory>
+#     KVGATE_VLLM_BRIEF_MODEL=<the same model whose replies end after a few tokens>
 # and writes the same lines to $KVGATE_CACHE/real-vllm.env. Progress goes to stderr.
 #
 # Environment: KVGATE_CACHE (default ~/.cache/kvgate), KVGATE_VLLM_BASE_PYTHON (the Python
@@ -117,6 +118,16 @@ if [ ! -f "$MODEL/config.json" ]; then
   mv "$MODEL.tmp" "$MODEL"
 fi
 
-printf 'KVGATE_VLLM_PYTHON=%s\nKVGATE_VLLM_MODEL=%s\n' "$PY" "$MODEL" >"$CACHE/real-vllm.env.tmp"
+# Its brief variant (replies end after a few tokens), for the coding agents' runs.
+BRIEF=$CACHE/models/tiny-hf-llama-brief-$model_key
+if [ ! -f "$BRIEF/config.json" ]; then
+  log "writing the tiny model's brief variant $BRIEF"
+  rm -rf "$BRIEF.tmp"
+  "$PY" scripts/make_tiny_hf.py --brief --out "$BRIEF.tmp" >&2
+  rm -rf "$BRIEF"
+  mv "$BRIEF.tmp" "$BRIEF"
+fi
+
+printf 'KVGATE_VLLM_PYTHON=%s\nKVGATE_VLLM_MODEL=%s\nKVGATE_VLLM_BRIEF_MODEL=%s\n' "$PY" "$MODEL" "$BRIEF" >"$CACHE/real-vllm.env.tmp"
 mv "$CACHE/real-vllm.env.tmp" "$CACHE/real-vllm.env"
 cat "$CACHE/real-vllm.env"
