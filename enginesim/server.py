@@ -618,11 +618,10 @@ class EngineServer:
         max_tokens: int,
         public_id: str | None = None,
     ) -> Prepared:
-        if public_id is not None:  # the agent APIs name their own (resp_..., embd-...)
-            pass
-        elif self.flavor is Flavor.LLAMACPP:  # llama.cpp: "chatcmpl-" and 32 alphanumerics
-            public_id = "chatcmpl-" + "".join(_RNG.choices(_ALNUM, k=32))
-        else:
+        # The agent APIs name their own requests (resp_..., embd-...).
+        if public_id is None and self.flavor is Flavor.LLAMACPP:
+            public_id = "chatcmpl-" + "".join(_RNG.choices(_ALNUM, k=32))  # 32 alphanumerics
+        elif public_id is None:
             public_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         workload: Workload = classify_workload(request.headers.get("x-workload"), prompt_text)
         sim = SimRequest(
