@@ -509,9 +509,16 @@ class AgentApi:
             "output_messages": None,
         }
 
-    @staticmethod
+    def _cache_write(self, final: EngineEvent) -> int:
+        """vLLM's created_cache_tokens: the prompt's full blocks this request wrote to the
+        prefix cache (those it found there excepted)."""
+        if not getattr(self.server.core, "enable_prefix_caching", False):
+            return 0
+        bs = self.server.profile.block_size
+        return max(0, final.prompt_tokens // bs * bs - final.cached_tokens)
+
     def _finish_response(
-        base: dict[str, Any], output: list[dict[str, Any]], final: EngineEvent, n_out: int
+        self, base: dict[str, Any], output: list[dict[str, Any]], final: EngineEvent, n_out: int
     ) -> dict[str, Any]:
         prompt = final.prompt_tokens
         completion = final.completion_tokens or n_out
@@ -532,7 +539,7 @@ class AgentApi:
                 "input_tokens": prompt,
                 "input_tokens_details": {
                     "cached_tokens": final.cached_tokens,
-                    "cache_write_tokens": 0,
+                    "cache_write_tokens": self._cache_write(final),
                     "input_tokens_per_turn": [],
                     "cached_tokens_per_turn": [],
                 },
@@ -724,7 +731,7 @@ class AgentApi:
                 "content": [{"type": "text", "text": tokenizer.decode(ids)}],
                 "model": prep.model,
                 "stop_reason": _stop_reason(final),
-                "usage": _anthropic_usage(final, len(ids)),
+                "usage": self._anthropic_usage(final, len(ids)),
             }
         )
 
@@ -783,7 +790,7 @@ class AgentApi:
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": _stop_reason(final), "stop_sequence": None},
-                "usage": _anthropic_usage(final, n_out),
+                "usage": self._anthropic_usage(final, n_out),
             }
         )
         await send({"type": "message_stop"})
@@ -801,6 +808,17 @@ class AgentApi:
         return web.json_response(
             {"input_tokens": n, "context_management": {"original_input_tokens": n}}
         )
+
+    def _anthropic_usage(self, final: EngineEvent, n_out: int) -> dict[str, int]:
+        """vLLM's usage in Anthropic's terms: input_tokens leaves out the prompt tokens read
+        from and written to the prefix cache."""
+        cached, created = final.cached_tokens, self._cache_write(final)
+        return {
+            "input_tokens": max(0, final.prompt_tokens - cached - created),
+            "output_tokens": final.completion_tokens or n_out,
+            "cache_creation_input_tokens": created,
+            "cache_read_input_tokens": cached,
+        }
 
     # -- embeddings --------------------------------------------------------------------
 
@@ -899,13 +917,3 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 def _stop_reason(final: EngineEvent) -> str:
     return "max_tokens" if final.finish_reason == "length" else "end_turn"
-
-
-def _anthropic_usage(final: EngineEvent, n_out: int) -> dict[str, int]:
-    """vLLM's usage in Anthropic's terms: input_tokens excludes the cache reads."""
-    cached = final.cached_tokens
-    return {
-        "input_tokens": max(0, final.prompt_tokens - cached),
-        "output_tokens": final.completion_tokens or n_out,
-        "cache_read_input_tokens": cached,
-    }

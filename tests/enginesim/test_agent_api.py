@@ -127,6 +127,9 @@ async def test_stored_responses_and_previous_response_id(server, session):
     # The stored conversation (input + output) is in the prompt, and its KV is reused.
     assert u2["input_tokens"] > u1["input_tokens"] + u1["output_tokens"]
     assert u2["input_tokens_details"]["cached_tokens"] >= u1["input_tokens"] // 2
+    bs = server.profile.block_size
+    details = u1["input_tokens_details"]
+    assert details["cache_write_tokens"] == u1["input_tokens"] // bs * bs
 
     # Streamed responses are stored too, and chain the same way.
     events = await post_sse(
@@ -286,8 +289,17 @@ async def test_message_tool_blocks_count_tokens_and_errors(server, session):
         "input_tokens": count["input_tokens"],
         "context_management": {"original_input_tokens": count["input_tokens"]},
     }
-    data = await post_json(session, url, body)
-    assert data["usage"]["input_tokens"] == count["input_tokens"] > 30
+    u1 = (await post_json(session, url, body))["usage"]
+    # Anthropic's input_tokens leave out the prompt tokens written to and read from the
+    # prefix cache (vLLM's created_cache_tokens: the prompt's full blocks it computed).
+    bs = server.profile.block_size
+    n = count["input_tokens"]
+    assert n > 30 and u1["cache_read_input_tokens"] == 0
+    assert u1["cache_creation_input_tokens"] == n // bs * bs
+    assert u1["input_tokens"] == n - n // bs * bs
+    u2 = (await post_json(session, url, body))["usage"]
+    assert u2["cache_read_input_tokens"] == n // bs * bs and u2["cache_creation_input_tokens"] == 0
+    assert u2["input_tokens"] == u1["input_tokens"]
 
     # Errors after validation are Anthropic-shaped, with vLLM's type names.
     nope = await post_json(session, url, {**body, "model": "nope"}, status=404)
