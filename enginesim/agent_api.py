@@ -486,7 +486,7 @@ class AgentApi:
             else True,
             "temperature": req.temperature if req.temperature is not None else 1.0,
             "tool_choice": "none" if no_tools else req.tool_choice,
-            "tools": req.tools,
+            "tools": [_echo_tool(t) for t in req.tools],
             "top_p": req.top_p if req.top_p is not None else 1.0,
             "background": bool(req.background),
             "max_output_tokens": max_tokens,
@@ -913,6 +913,26 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
         "type": "message",
         "phase": None,
     }
+
+
+_FUNCTION_TOOL_FIELDS = (
+    "name",
+    "parameters",
+    "strict",
+    "type",
+    "allowed_callers",
+    "async",
+    "defer_loading",
+    "description",
+    "output_schema",
+)
+
+
+def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool as vLLM echoes it (the openai type's fields, unset ones null)."""
+    if tool.get("type") != "function":
+        return tool
+    return {**{k: tool.get(k) for k in _FUNCTION_TOOL_FIELDS}, **tool}
 
 
 def _stop_reason(final: EngineEvent) -> str:
