@@ -19,9 +19,9 @@ prompt token count. The count comes from the cheapest source that is good enough
    A short prompt, or a short tail after a counted prefix, costs no more than this: no
    network call.
 5. **The replica's own count** (`should_count`), when what no count covers is estimated
-   at ``INLINE_COUNT_TOKENS`` (512) or more (a first turn, a long new document: the
-   estimate's error would be hundreds of tokens of KV), or the request is *near a
-   limit* (prompt + max_tokens within ``counting.near_limit_margin`` of the smallest
+   at ``INLINE_COUNT_TOKENS`` (512) or more and at 1/8 of the prompt or more (a first
+   turn, a long new document: the estimate's error would be hundreds of tokens of KV,
+   over 5% of the prompt), or the request is *near a limit* (prompt + max_tokens within ``counting.near_limit_margin`` of the smallest
    ``max_model_len`` serving the model, or its KV need within that margin of the
    largest pool): one call, bounded by ``upstream.tokenize_timeout_s``, to the tokenize
    endpoint of one ready replica serving the model, taken in turn:
@@ -101,11 +101,14 @@ _LOCAL_CACHE_MIN_CHARS = 512  # shorter texts are cheaper to count than to hash
 # Chat prompts of fewer characters are not chained (gateway/prefixcount.py): their
 # estimate's error is a few tokens, less than the hashing is worth.
 _CHAIN_MIN_CHARS = 512
-# A prompt whose part no count covers is estimated at this many tokens or more is counted
-# on a replica before admission (inline): below, the estimate's error (the cold 3.0
-# characters a token overstated seed2's text 1.66x) is at most ~200 tokens, and the
-# engine's usage then counts the prompt for the turns that extend it.
+# A prompt is counted on a replica before admission (inline) when the part of it no count
+# covers is estimated at INLINE_COUNT_TOKENS or more and at INLINE_COUNT_SHARE of the
+# prompt or more. The estimate overstates text by its characters-per-token error (the
+# cold 3.0 overstated seed2's text 1.66x, 1 - 1/1.66 = 40% of the estimate), so an
+# uncounted part under 1/8 of the prompt keeps the prompt's count within 5% of exact,
+# and one under 512 tokens wastes at most ~200 tokens of KV.
 INLINE_COUNT_TOKENS = 512
+INLINE_COUNT_SHARE = 1 / 8
 # What else changes the count of the same messages: the chain's first digest covers them.
 _CHAIN_FIELDS = (*TEMPLATE_FIELDS, "truncate_prompt_tokens")
 
@@ -302,10 +305,13 @@ class PromptCounter:
     def should_count(self, ctx: RequestContext, m: Measured) -> bool:
         """Count the prompt on a replica before admission: it is not exact, and it is near
         (or over) a limit, or the part of it no count covers is long enough that the
-        estimate's error matters (``INLINE_COUNT_TOKENS``)."""
+        estimate's error matters (``INLINE_COUNT_TOKENS``, ``INLINE_COUNT_SHARE``)."""
         if ctx.req.prompt_exact:
             return False
-        return m.uncounted >= INLINE_COUNT_TOKENS or self.near_limit(ctx, m)
+        share = m.uncounted / max(1, ctx.req.prompt_tokens)
+        if m.uncounted >= INLINE_COUNT_TOKENS and share >= INLINE_COUNT_SHARE:
+            return True
+        return self.near_limit(ctx, m)
 
     def settle(self, ctx: RequestContext, m: Measured) -> None:
         """Decide whether a text count without the template may be refused on (module

@@ -271,3 +271,41 @@ def test_the_counter_reads_the_pool_admission_holds() -> None:
     report = {lim.pool: lim for lim in ctrl.report.fit_limits("m")}
     assert report[4096].private_slots and not report[4096].preempts
     assert report[10_000].margin == 0.1
+
+
+def test_what_is_counted_inline_the_long_uncounted_parts() -> None:
+    """Counted on a replica before admission: a prompt whose uncounted part is estimated
+    at INLINE_COUNT_TOKENS or more and at INLINE_COUNT_SHARE of the prompt or more; a
+    short tail after a counted prefix, or a short prompt, goes on its estimate (far from
+    every limit)."""
+    from gateway.counting import INLINE_COUNT_SHARE, INLINE_COUNT_TOKENS
+    from gateway.prefixcount import prompt_chain
+
+    cfg = config_from_mapping({}, env={})
+    counter = _counter(cfg, TokenEstimator(cfg.admission), [_replica(32768, 1_000_000)])
+    system = {"role": "system", "content": "abcdef " * 3000}  # 21,000 chars
+    tail = {"role": "user", "content": "ghijkl " * 300}  # 2,100 chars: ~700 estimated
+    fields = ("chat_template_kwargs",)
+
+    def decide(messages: list[dict], counted: int | None = None) -> tuple[bool, int]:
+        req = chat(messages)
+        chain = prompt_chain(req, "chat", fields)
+        if counted is not None:
+            assert chain is not None
+            counter.prefixes.put("m", chain[1], counted)
+        ctx = _ctx(req)
+        m = counter.measure(ctx)
+        ctx.req.max_tokens = ctx.req.expected_output = 64
+        return counter.should_count(ctx, m), m.uncounted
+
+    # No count covers it: the whole estimate (7,000+) is uncounted.
+    assert decide([system, tail]) == (True, counter.measure(_ctx(chat([system, tail]))).uncounted)
+    # The system prompt counted (3,000 tokens): the tail (~700) is a fifth: counted.
+    go, uncounted = decide([system, tail], counted=3000)
+    assert uncounted >= INLINE_COUNT_TOKENS and go
+    # A 9,000-token prefix: the same tail is under an eighth of the prompt: estimated.
+    go, uncounted = decide([{"role": "system", "content": "abcdef " * 3001}, tail], counted=9000)
+    assert uncounted / (9000 + uncounted) < INLINE_COUNT_SHARE and not go
+    # A short prompt, nothing counted: estimated.
+    go, uncounted = decide([{"role": "user", "content": "abcdef " * 100}])
+    assert uncounted < INLINE_COUNT_TOKENS and not go
