@@ -8,6 +8,7 @@ import json
 import math
 from typing import Any
 
+import aiohttp
 import pytest
 
 from tests.enginesim.helpers import CHAT, chat_body, scrape, wait_until
@@ -544,3 +545,29 @@ async def test_background_response_and_cancel(enginesim_server, session):
     assert (await post_json_get(session, f"{url}/{running['id']}"))["status"] == "cancelled"
     await post_json(session, f"{url}/{running['id']}/cancel", {}, status=400)
     await post_json(session, url, {**body, "stream": True}, status=400)
+
+
+async def test_drop_fault_cuts_agent_streams(enginesim_server, session):
+    server = await enginesim_server("tiny", speed=20.0)
+    async with session.post(
+        server.url + "/admin/faults", json={"mode": "drop", "after_tokens": 3}
+    ) as r:
+        assert r.status == 200
+    bodies = [
+        (RESPONSES, {"input": "x", "max_output_tokens": 200, "ignore_eos": True, "stream": True}),
+        (MESSAGES, _msg_body(server, max_tokens=200, ignore_eos=True, stream=True)),
+    ]
+    for path, body in bodies:
+        received = b""
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with session.post(server.url + path, json=body) as resp:
+                async for line in resp.content:
+                    received += line
+        marker = b"event: response.output_text.delta" if path == RESPONSES else b"text_delta"
+        assert received.count(marker) == 3
+        await wait_until(lambda: server.core.stats().blocks_in_use == 0)
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await session.post(
+            server.url + MESSAGES, json=_msg_body(server, max_tokens=200, ignore_eos=True)
+        )
+    assert server.driver.num_in_flight == 0
