@@ -9,7 +9,7 @@ Each chat request gets a digest chain, computed once (incremental BLAKE2b):
 ``chain[0]`` covers what the template renders besides the messages (the endpoint, the
 tools, the template options), and ``chain[k]`` adds ``messages[:k]``, each message as
 canonical JSON (sorted keys, so a client that rebuilds its history in another key
-order still matches). `PrefixCounts` maps (model, ``chain[k]``) to the engine's count
+order still matches; a plain text message as its role and text, which is cheaper). `PrefixCounts` maps (model, ``chain[k]``) to the engine's count
 of the prompt made of ``messages[:k]``, generation prompt included. It learns from:
 
 - the engine's usage, once a completion comes back (`PrefixCount.learn`, called by the
@@ -39,11 +39,21 @@ from typing import Any
 
 from gateway.schemas import ChatCompletionRequest
 
+_CANON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
 
 def _canon(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
-        "utf-8", "surrogatepass"
-    )
+    return _CANON.encode(obj).encode("utf-8", "surrogatepass")
+
+
+def _message_bytes(m: dict[str, Any]) -> bytes:
+    """A message as bytes that differ whenever the message does: a plain text message
+    (role and string content only, most of a conversation's bytes) without a JSON
+    encoder; any other as canonical JSON (it starts with ``{``, never with a digit)."""
+    content = m.get("content")
+    if len(m) == 2 and type(content) is str and type(role := m.get("role")) is str:
+        return f"{len(role)}:{role}{content}".encode("utf-8", "surrogatepass")
+    return _canon(m)
 
 
 def prompt_chain(
@@ -62,7 +72,7 @@ def prompt_chain(
     chain = [h.digest()]
     for m in parsed.messages:
         h.update(b"\x1e")
-        h.update(_canon(m.model_extra))
+        h.update(_message_bytes(m.model_extra))
         chain.append(h.digest())  # digest() leaves the state as it was: the chain goes on
     return chain
 
