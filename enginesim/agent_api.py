@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import copy
 import hashlib
 import json
 import struct
@@ -196,7 +197,8 @@ def responses_messages(req: ResponsesRequest, prev: StoredResponse | None) -> li
         messages.append({"role": "system", "content": req.instructions})
     if prev is not None:
         # Instructions do not carry over across responses.
-        messages.extend(m for m in prev.messages if m.get("role") != "system")
+        # Copies: a function_call item may extend the last assistant message's tool_calls.
+        messages.extend(copy.deepcopy(m) for m in prev.messages if m.get("role") != "system")
         for item in prev.response["output"]:
             if item.get("type") == "message":
                 for part in item.get("content") or []:
