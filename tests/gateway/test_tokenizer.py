@@ -61,13 +61,14 @@ async def test_exact_count_refuses_what_the_estimate_would_let_through(
     prompt = "a " * 2100
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
     exact = await gateway(srv, tokenizers={MODEL: str(word_tokenizer)})
-    estimated = await gateway(srv)
+    # No tokenizer and no replica count (a long prompt is counted at the replica now).
+    estimated = await gateway(srv, counting={"replica_tokenize": False})
     async with aiohttp.ClientSession() as s:
         async with s.post(exact.url + "/v1/completions", json=body) as r:
             err = (await r.json())["error"]
             assert r.status == 400
             assert err["code"] == "context_length_exceeded"
-        # Without the tokenizer kvgate admits it and the engine itself rejects it.
+        # Without an exact count kvgate admits it and the engine itself rejects it.
         async with s.post(estimated.url + "/v1/completions", json=body) as r:
             err = (await r.json())["error"]
             assert r.status == 400
