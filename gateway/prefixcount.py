@@ -23,6 +23,14 @@ estimate of the messages after it: not exact, but its error is bounded by the ta
 The prefix's count includes its generation prompt, which the tail's next assistant
 message renders again, so the sum leans high by a few tokens, never low.
 
+Only prompts a client sent are counted, never a prefix on its own: a template may render
+a prefix alone differently from the same messages inside a longer prompt (Llama 3.1 puts
+the tools in the first user message, and a system prompt without one renders them
+nowhere or fails), so a count asked for a bare prefix could be low, and a low count
+under-reserves. The count of the whole prompt a client sent covers every later turn that
+extends it, at no cost. Hence no background counts: a session's first turn, counted
+inline when long, is the one tokenize call it costs (gateway/counting.py's rule).
+
 Not chained: prompts with media parts (their tokens depend on the media, not the JSON),
 and a Responses request that continues a stored response (``previous_response_id``:
 the engine prepends history the request does not carry).
