@@ -21,7 +21,8 @@ prompt token count. The count comes from the cheapest source that is good enough
 5. **The replica's own count** (`should_count`), when what no count covers is estimated
    at ``INLINE_COUNT_TOKENS`` (512) or more and at 1/8 of the prompt or more (a first
    turn, a long new document: the estimate's error would be hundreds of tokens of KV,
-   over 5% of the prompt), or the request is *near a limit* (prompt + max_tokens within ``counting.near_limit_margin`` of the smallest
+   over 5% of the prompt; chat and completions, not the pooling endpoints, whose
+   batches of inputs hold no KV past their prefill), or the request is *near a limit* (prompt + max_tokens within ``counting.near_limit_margin`` of the smallest
    ``max_model_len`` serving the model, or its KV need within that margin of the
    largest pool): one call, bounded by ``upstream.tokenize_timeout_s``, to the tokenize
    endpoint of one ready replica serving the model, taken in turn:
@@ -280,7 +281,8 @@ class PromptCounter:
         else:
             ctx.req.prompt_exact = False
             ctx.req.prompt_tokens = est.prompt_tokens(model, len(text), 0)
-            return Measured(text, limits, uncounted=ctx.req.prompt_tokens)
+            if isinstance(parsed, CompletionRequest):  # pooling: counted near a limit only
+                return Measured(text, limits, uncounted=ctx.req.prompt_tokens)
         return Measured(text, limits)
 
     def _limits_of(self, model: str) -> Limits:

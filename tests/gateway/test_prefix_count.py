@@ -191,3 +191,17 @@ async def test_the_agent_apis_count_their_prefix_too(counting, gateway, api):
     assert srv.hits["tokenize"] == 1
     counts = await samples(gw, "kvgate_prompt_counts")
     assert counts[("kvgate_prompt_counts_total", (("how", "prefix"),))] == 1
+
+
+async def test_long_completions_are_counted_inline_but_pooling_inputs_are_not(counting, gateway):
+    srv: CountingReplica = await counting()
+    gw = await gateway(srv)
+    text = " ".join(["abcdef"] * 700)  # 700 tokens, estimated ~1,630: far from every limit
+    body = {"model": MODEL, "prompt": text, "max_tokens": 4}
+    status, data = await post(gw.url + "/v1/completions", body)
+    assert status == 200, data
+    assert srv.hits["tokenize"] == 1
+    inputs = [text[:2100], text[2100:4200]]  # ~1,400 tokens estimated: far from the limits
+    status, data = await post(gw.url + "/v1/embeddings", {"model": MODEL, "input": inputs})
+    assert status == 200, data
+    assert srv.hits["tokenize"] == 1  # an embeddings batch goes on its estimate
