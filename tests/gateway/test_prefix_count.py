@@ -15,8 +15,15 @@ from typing import Any
 
 import pytest
 
+from admission.estimate import TokenEstimator
+from admission.tenants import TenantLimiter
+from gateway.accounting import Accounting
+from gateway.config import config_from_mapping
+from gateway.context import RequestContext
 from gateway.counting import INLINE_COUNT_TOKENS
+from gateway.metrics import GatewayMetrics
 from gateway.prefixcount import PrefixCounts, prompt_chain
+from gateway.prompt import chat_shape
 from gateway.schemas import ChatCompletionRequest, MessagesRequest, ResponsesRequest
 from tests.gateway.conftest import MODEL
 from tests.gateway.test_exact_count import CountingReplica, engine_count, post, samples
@@ -83,6 +90,33 @@ def test_responses_and_messages_chain_their_chat_view() -> None:
     # A continued stored response: the engine prepends history the request does not carry.
     cont = ResponsesRequest({"model": "m", "input": "and then?", "previous_response_id": "r1"})
     assert prompt_chain(cont, "responses", FIELDS) is None
+
+
+def test_the_account_stage_stores_the_usage_and_teaches_the_tail_only() -> None:
+    """The engine's usage is stored as the count of the whole prompt (whatever the
+    outcome), and the estimator learns the characters per token of the part it estimated:
+    the tail after the counted prefix, not the prompt it did not estimate."""
+    cfg = config_from_mapping({"admission": {"min_prompt_samples": 1}}, env={})
+    est = TokenEstimator(cfg.admission)
+    metrics = GatewayMetrics(lambda: [], lambda: {}, lambda: 0)
+    accounting = Accounting(est, TenantLimiter.from_config([], {}), metrics, {"m"})
+    msgs = [{"role": "system", "content": SYSTEM}, user(1), {"role": "assistant", "content": "ok"}]
+    req = chat(msgs)
+    chain = prompt_chain(req, "chat", FIELDS)
+    assert chain is not None
+    store = PrefixCounts(8)
+    store.put("m", chain[2], 450)
+    shape = chat_shape(req)
+    p = store.lookup("m", chain, shape.message_chars)
+    ctx = RequestContext("r1", "chat", "/", 0.0, parsed=req, prefix=p, outcome="ok")
+    ctx.req.model = "m"
+    ctx.prompt_chars, ctx.num_messages = shape.chars, shape.messages
+    ctx.req.prompt_tokens = 450 + est.prompt_tokens("m", p.tail_chars, p.tail_messages)
+    ctx.usage_prompt, ctx.usage_completion = 462, 3
+    accounting.account(ctx, 1.0)
+    assert store.get("m", chain[3]) == 462
+    overhead = cfg.admission.per_message_overhead_tokens
+    assert est.chars_per_token("m") == pytest.approx(p.tail_chars / (462 - 450 - overhead))
 
 
 # ---------------------------------------------------------------------- over HTTP
