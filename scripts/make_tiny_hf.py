@@ -14,10 +14,12 @@ The output rows of the special tokens are zero and the others are scaled so ordi
 logits spread with a standard deviation of about 4: sampling practically never ends a reply
 with end-of-sequence, so a reply runs to `max_tokens`.
 
-`--brief` writes the same model except that end-of-sequence's output row is a random
-direction of norm `BRIEF_EOS_SCALE`: its logit is then large on about a third of the
-steps, so a reply ends after a few tokens, as a coding agent needs its model's turns to
-end (Claude Code treats a reply cut at `max_tokens` as an error).
+`--brief` writes the same model with a 65,536-token context, except that every token's embedding carries a constant
+`BRIEF_OFFSET` in its first dimension and end-of-sequence's output row reads that
+dimension alone (`BRIEF_EOS_WEIGHT`): its logit is then about the same at every step,
+whatever the context, and wins on about a third of them, so a reply ends after a few
+tokens, as a coding agent needs its model's turns to end (Claude Code treats a reply cut
+at `max_tokens` as an error).
 """
 
 from __future__ import annotations
@@ -38,10 +40,15 @@ LAYERS = 2
 HEADS = 4
 FFN = 256
 MAX_POSITIONS = 4096
+# The brief variant's context: the coding agents' prompts (Claude Code's is ~49k of this
+# tokenizer's tokens). RoPE has no weights; vLLM sizes its rotary table by this.
+BRIEF_MAX_POSITIONS = 65536
 OUTPUT_LOGIT_STD = 4.0
-# Against ~4,000 ordinary logits of std 4 (their log-sum-exp about 16), an EOS logit of
-# 40 x (a unit direction . the unit-scale hidden state) wins when that product passes ~0.4.
-BRIEF_EOS_SCALE = 40.0
+# A constant first embedding dimension leaves the normed hidden state's first dimension
+# at ~2.4 at every position (measured at 10 to 8,000 tokens of context), where the
+# ordinary logits' log-sum-exp is ~15: 6 x 2.4 = 14.4 ends ~30% of the steps.
+BRIEF_OFFSET = 0.2
+BRIEF_EOS_WEIGHT = 6.0
 
 EOS = "<|im_end|>"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", EOS]
@@ -111,7 +118,7 @@ def train_tokenizer(seed: int) -> Tokenizer:
     return tok
 
 
-def write_tokenizer(out: Path, tok: Tokenizer) -> None:
+def write_tokenizer(out: Path, tok: Tokenizer, positions: int = MAX_POSITIONS) -> None:
     tok.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -121,7 +128,7 @@ def write_tokenizer(out: Path, tok: Tokenizer) -> None:
         "unk_token": None,
         "add_bos_token": False,
         "add_eos_token": False,
-        "model_max_length": MAX_POSITIONS,
+        "model_max_length": positions,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
@@ -140,7 +147,7 @@ def write_model(out: Path, tok: Tokenizer, seed: int, brief: bool = False) -> No
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=HEADS,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=BRIEF_MAX_POSITIONS if brief else MAX_POSITIONS,
         bos_token_id=None,
         eos_token_id=eos_id,
         pad_token_id=tok.token_to_id("<|endoftext|>"),
@@ -154,8 +161,9 @@ def write_model(out: Path, tok: Tokenizer, seed: int, brief: bool = False) -> No
         for special in SPECIAL_TOKENS:
             head[tok.token_to_id(special)] = 0.0
         if brief:
-            direction = torch.randn(HIDDEN)
-            head[eos_id] = direction / direction.norm() * BRIEF_EOS_SCALE
+            model.model.embed_tokens.weight[:, 0] = BRIEF_OFFSET
+            head[eos_id] = 0.0
+            head[eos_id, 0] = BRIEF_EOS_WEIGHT
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
 
@@ -168,7 +176,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(args.seed)
-    write_tokenizer(args.out, tok)
+    write_tokenizer(args.out, tok, BRIEF_MAX_POSITIONS if args.brief else MAX_POSITIONS)
     write_model(args.out, tok, args.seed, brief=args.brief)
     print(f"wrote {args.out} (vocabulary {tok.get_vocab_size()})")
 

@@ -18,6 +18,13 @@ while IFS='=' read -r key value; do
   export "$key=$value"
 done <<<"$vllm_env"
 
+# The coding agents (the Codex CLI, Claude Code) from npm, run through kvgate end to end
+# (tests/realengine/test_coding_agents.py).
+agents_env=$(bash scripts/coding-agents.sh)
+while IFS='=' read -r key value; do
+  export "$key=$value"
+done <<<"$agents_env"
+
 # Debian tools the tests run: prometheus and promtool (tests/deploy: the dashboard and
 # alert rules are checked by Prometheus itself), docker-compose (its `config` validates
 # the compose file offline, with no engine) and dnsmasq.
