@@ -198,6 +198,7 @@ def build_app(
                 set_tenant_share=st.set_tenant_share,
             )
             await st.sync.start()
+            st.pipeline.stored.share(backend)  # stored responses, for every process
             st.pipeline.state_gate = st.sync.gate
         st.metrics.registry.register(DesiredReplicas(report))
         st.metrics.registry.register(

@@ -80,7 +80,7 @@ class Forwarder:
         try:
             tenant_of(self._tenants(), request)
             rid = request.match_info["response_id"]
-            held = self._stored().holder(rid, asyncio.get_running_loop().time())
+            held = await self._stored().lookup(rid, asyncio.get_running_loop().time())
             if held is None:
                 raise ApiError(
                     404,

@@ -193,7 +193,7 @@ class Pipeline:
             await self.parse(request, ctx)
             text, tools = await self.estimate(ctx)
             # A Responses API follow-up goes where its conversation is stored.
-            follow_up(self.stored, self.discovery.watchers, ctx, self._loop.time())
+            await follow_up(self.stored, self.discovery.watchers, ctx, self._loop.time())
             self.classify(request, ctx, text, tools)
             if self.prompt_token_ids is not None:
                 await self.prompt_token_ids.fill(ctx)

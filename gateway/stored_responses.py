@@ -4,7 +4,11 @@ A response created with ``store`` (the API's default) is kept by the replica tha
 it; a follow-up that names it (``previous_response_id``), ``GET /v1/responses/{id}``
 and ``POST /v1/responses/{id}/cancel`` only work there. kvgate remembers, per response
 id, the replica and the tokens of the conversation so far (the follow-up's prompt is
-rebuilt from them by the engine, so its KV need counts them). Entries expire after the
+rebuilt from them by the engine, so its KV need counts them). With shared state
+(`state.backend: redis`) the map is shared: a process that did not relay a response
+asks the backend, so a follow-up reaches the right replica through any gateway process
+(a backend that cannot be reached leaves each process with what it saw). Entries expire
+after the
 retention kvgate assumes of an engine (vLLM keeps stored responses in memory until it
 restarts; a restarted replica is a new one to discovery) and the oldest go first past
 `max_entries`: the map holds ids and names, never bodies.
@@ -12,6 +16,8 @@ restarts; a restarted replica is a new one to discovery) and the oldest go first
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -20,6 +26,9 @@ from gateway.context import RequestContext
 from gateway.discovery import ReplicaWatcher
 from gateway.errors import ApiError
 from gateway.schemas import ResponsesRequest
+from gateway.state.backend import StateBackend, StateUnavailable
+
+log = logging.getLogger("kvgate.responses")
 
 # An engine's stored response outlives no restart and kvgate's memory of it need not
 # outlive a day of idleness: a follow-up a day later is rare and then answered 404.
@@ -40,6 +49,12 @@ class StoredResponses:
         self._retention = retention_s
         self._max = max_entries
         self._map: OrderedDict[str, Stored] = OrderedDict()
+        self._shared: StateBackend | None = None
+        self._writes: set[asyncio.Task[None]] = set()
+
+    def share(self, backend: StateBackend) -> None:
+        """Share the map with the other gateway processes through `backend`."""
+        self._shared = backend
 
     def __len__(self) -> int:
         return len(self._map)
@@ -49,6 +64,32 @@ class StoredResponses:
         self._map.move_to_end(response_id)
         while len(self._map) > self._max:
             self._map.popitem(last=False)
+        if self._shared is not None:  # written behind the answer, never in its way
+            task = asyncio.ensure_future(self._publish(response_id, replica, tokens))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+
+    async def _publish(self, response_id: str, replica: str, tokens: int) -> None:
+        assert self._shared is not None
+        try:
+            await self._shared.put_response(response_id, replica, tokens, self._retention)
+        except StateUnavailable as e:
+            log.debug("stored response %s not shared: %s", response_id, e)
+
+    async def lookup(self, response_id: str, now: float) -> Stored | None:
+        """`holder`, else what another process shared."""
+        hit = self.holder(response_id, now)
+        if hit is not None or self._shared is None:
+            return hit
+        try:
+            shared = await self._shared.response(response_id)
+        except StateUnavailable as e:
+            log.debug("stored response %s not looked up: %s", response_id, e)
+            return None
+        if shared is None:
+            return None
+        self._map[response_id] = hit = Stored(shared[0], shared[1], now + self._retention)
+        return hit
 
     def holder(self, response_id: str, now: float) -> Stored | None:
         hit = self._map.get(response_id)
@@ -70,7 +111,7 @@ class StoredResponses:
         return len(gone)
 
 
-def follow_up(
+async def follow_up(
     stored: StoredResponses,
     watchers: Mapping[str, ReplicaWatcher],
     ctx: RequestContext,
@@ -83,7 +124,7 @@ def follow_up(
     parsed = ctx.parsed
     if not isinstance(parsed, ResponsesRequest) or parsed.previous_response_id is None:
         return
-    held = stored.holder(parsed.previous_response_id, now)
+    held = await stored.lookup(parsed.previous_response_id, now)
     if held is None:
         return
     holder = watchers.get(held.replica)

@@ -60,3 +60,12 @@ class StateBackend(ABC):
     @abstractmethod
     async def patiences(self) -> dict[str, SharedPatience]:
         """The latest published patience of every population."""
+
+    @abstractmethod
+    async def put_response(self, response_id: str, replica: str, tokens: int, ttl_s: float) -> None:
+        """Remember for `ttl_s` which replica stored a response (the Responses API's
+        state), with the tokens of its conversation (gateway/stored_responses.py)."""
+
+    @abstractmethod
+    async def response(self, response_id: str) -> tuple[str, int] | None:
+        """(replica, tokens) of a stored response any process remembered, or None."""

@@ -32,6 +32,7 @@ class MemoryBackend(StateBackend):
         self._procs: dict[str, float] = {}
         self._limits: dict[str, SharedLimit] = {}
         self._patience: dict[str, SharedPatience] = {}
+        self._responses: dict[str, tuple[str, int, float]] = {}  # id -> replica, tokens, expiry
         self._version = 0
 
     def _live(self, resource: str, now: float) -> dict[str, list[float]]:
@@ -90,3 +91,13 @@ class MemoryBackend(StateBackend):
 
     async def patiences(self) -> dict[str, SharedPatience]:
         return dict(self._patience)
+
+    async def put_response(self, response_id: str, replica: str, tokens: int, ttl_s: float) -> None:
+        self._responses[response_id] = (replica, tokens, self._clock() + ttl_s)
+
+    async def response(self, response_id: str) -> tuple[str, int] | None:
+        hit = self._responses.get(response_id)
+        if hit is None or hit[2] <= self._clock():
+            self._responses.pop(response_id, None)
+            return None
+        return hit[0], hit[1]

@@ -183,3 +183,21 @@ class RedisBackend(StateBackend):
             value, version, tail = text.split(" ", 2)
             out[field] = (value, version, tail)
         return out
+
+    async def put_response(self, response_id: str, replica: str, tokens: int, ttl_s: float) -> None:
+        try:
+            await self._r.set(
+                self._key("response", response_id), f"{tokens} {replica}", px=int(ttl_s * 1000)
+            )
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+
+    async def response(self, response_id: str) -> tuple[str, int] | None:
+        try:
+            raw = await self._r.get(self._key("response", response_id))
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+        if raw is None:
+            return None
+        tokens, replica = (raw.decode() if isinstance(raw, bytes) else raw).split(" ", 1)
+        return replica, int(tokens)

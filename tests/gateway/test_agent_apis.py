@@ -6,6 +6,8 @@ Over real loopback HTTP with enginesim as the replica and the official SDKs as c
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import anthropic
 import openai
@@ -236,3 +238,38 @@ async def test_embeddings_reserve_their_inputs_and_no_output(replica, gateway):
 async def scrape_text(gw) -> str:
     async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
         return await r.text()
+
+
+async def test_a_follow_up_through_another_process_reaches_the_replica_that_stored_it(
+    replica, gateway
+):
+    """Two gateway processes share stored responses through the state backend: a
+    follow-up sent to the second reaches the replica the first put the response on."""
+    from gateway.state.memory import MemoryBackend
+
+    r0, r1 = await replica(), await replica()
+    shared = MemoryBackend()
+    gws = [await gateway(r0, r1) for _ in range(2)]
+    for gw in gws:
+        gw.state.pipeline.stored.share(shared)
+    async with (
+        openai.AsyncOpenAI(base_url=gws[0].url + "/v1", api_key="x") as a,
+        openai.AsyncOpenAI(base_url=gws[1].url + "/v1", api_key="x") as b,
+    ):
+        first = await a.responses.create(model=MODEL, input="remember me", max_output_tokens=3)
+        held = gws[0].state.pipeline.stored.holder(first.id, 0.0)
+        assert held is not None
+        for _ in range(50):  # the write is behind the answer
+            if await shared.response(first.id) is not None:
+                break
+            await asyncio.sleep(0.01)
+        for _ in range(3):  # routing alone would spread these over both replicas
+            follow = await b.responses.create(
+                model=MODEL, input="and?", previous_response_id=first.id, max_output_tokens=2
+            )
+            assert follow.usage is not None
+        got = await b.responses.retrieve(first.id)
+        assert got.id == first.id
+    engines = {"r0": r0, "r1": r1}
+    other = engines["r1" if held.replica == "r0" else "r0"]
+    assert other.core.stats().num_finished == 0, "a follow-up went to the wrong replica"

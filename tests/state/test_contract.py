@@ -268,3 +268,14 @@ async def test_a_limit_smaller_than_the_holders_turns_among_them(rig: Rig) -> No
         grants = await round_(running)
     assert grants[starved] == 1, grants
     assert sum(max(grants[h], running[h]) for h in grants) <= 2
+
+
+async def test_a_stored_response_is_shared_until_it_expires(rig: Rig) -> None:
+    b = rig.backend
+    assert await b.response("resp_1") is None
+    await b.put_response("resp_1", "r 2", 1234, TTL)
+    await b.put_response("resp_2", "r3", 5, 10)
+    assert await b.response("resp_1") == ("r 2", 1234)
+    await rig.advance(TTL + 0.05)
+    assert await b.response("resp_1") is None
+    assert await b.response("resp_2") == ("r3", 5)

@@ -496,6 +496,12 @@ class LateAnswers(StateBackend):
     async def patiences(self) -> dict[str, SharedPatience]:
         return await self.inner.patiences()
 
+    async def put_response(self, response_id: str, replica: str, tokens: int, ttl_s: float) -> None:
+        await self.inner.put_response(response_id, replica, tokens, ttl_s)
+
+    async def response(self, response_id: str) -> tuple[str, int] | None:
+        return await self.inner.response(response_id)
+
 
 async def test_a_late_renewal_lets_nothing_past_the_running_cap(
     redis_url: str, prefix: str
