@@ -252,7 +252,7 @@ def build_app(
     async def messages(request: web.Request) -> web.StreamResponse:
         return await st.pipeline.handle(request, "messages")
 
-    def pooled(kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    def admitted(kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
             return await st.pipeline.handle(request, kind)
 
@@ -314,11 +314,13 @@ def build_app(
         ("GET", "/v1/responses/{response_id}/input_items", stored_response),
         ("POST", "/v1/responses/{response_id}/cancel", stored_response),
         ("POST", "/v1/messages", messages),
-        ("POST", "/v1/embeddings", pooled("embeddings")),
-        *(("POST", path, pooled("rerank")) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
-        *(("POST", path, pooled("score")) for path in ("/score", "/v1/score")),
-        ("POST", "/classify", pooled("classify")),
-        ("POST", "/pooling", pooled("pooling")),
+        ("POST", "/v1/embeddings", admitted("embeddings")),
+        *(("POST", path, admitted("rerank")) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
+        *(("POST", path, admitted("score")) for path in ("/score", "/v1/score")),
+        ("POST", "/classify", admitted("classify")),
+        ("POST", "/pooling", admitted("pooling")),
+        ("POST", "/v1/audio/transcriptions", admitted("transcription")),
+        ("POST", "/v1/audio/translations", admitted("translation")),
         ("POST", "/v1/messages/count_tokens", forwarded("/v1/messages/count_tokens", "anthropic")),
         ("POST", "/tokenize", forwarded("/tokenize", "openai")),
         ("POST", "/detokenize", forwarded("/detokenize", "openai")),

@@ -81,7 +81,12 @@ from gateway.discovery import Discovery, ReplicaWatcher
 from gateway.metrics import GatewayMetrics
 from gateway.prefixcount import Lru, PrefixCounts, prompt_chain
 from gateway.prompt import PromptShape, chat_shape
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, PoolingRequest
+from gateway.schemas import (
+    AudioRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    PoolingRequest,
+)
 
 log = logging.getLogger("kvgate.counting")
 
@@ -267,6 +272,11 @@ class PromptCounter:
                 )
                 m.uncounted = ctx.req.prompt_tokens if shape.countable else 0
             return m
+        if isinstance(parsed, AudioRequest):  # audio: the allowance, never a text count
+            ctx.num_messages = ctx.prompt_chars = 0
+            ctx.prompt_countable = ctx.req.prompt_exact = False
+            ctx.req.prompt_tokens = self._cfg.audio_part_tokens
+            return Measured("", limits, media_tokens=ctx.req.prompt_tokens)
         assert isinstance(parsed, CompletionRequest | PoolingRequest)
         text, ids = parsed.prompt_parts()
         ctx.num_messages = 0

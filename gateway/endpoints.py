@@ -13,6 +13,7 @@ from __future__ import annotations
 from gateway.context import Kind
 from gateway.errors import Dialect
 from gateway.schemas import (
+    AudioRequest,
     ChatCompletionRequest,
     CompletionRequest,
     MessagesRequest,
@@ -30,11 +31,15 @@ UPSTREAM_PATHS: dict[Kind, str] = {
     "score": "/v1/score",
     "classify": "/classify",
     "pooling": "/pooling",
+    "transcription": "/v1/audio/transcriptions",
+    "translation": "/v1/audio/translations",
 }
 # A pooling path has aliases (vLLM: /rerank, /v1/rerank, /v2/rerank; /score, /v1/score):
 # the engine gets the one the client used.
 ALIASES: dict[str, Kind] = {"/rerank": "rerank", "/v2/rerank": "rerank", "/score": "score"}
 POOLING: frozenset[Kind] = frozenset({"embeddings", "rerank", "score", "classify", "pooling"})
+# Audio endpoints take a multipart form (the audio file and its fields), not JSON.
+AUDIO: frozenset[Kind] = frozenset({"transcription", "translation"})
 SCHEMAS: dict[
     Kind, type[ChatCompletionRequest] | type[CompletionRequest] | type[PoolingRequest]
 ] = {
@@ -43,9 +48,11 @@ SCHEMAS: dict[
     "responses": ResponsesRequest,
     "messages": MessagesRequest,
     **{kind: PoolingRequest for kind in POOLING},
+    **{kind: AudioRequest for kind in AUDIO},
 }
-# Client headers the engine gets as sent: Anthropic's API version and betas.
-PASSED_HEADERS = ("anthropic-version", "anthropic-beta")
+# Client headers the engine gets as sent: the body's type (a form's boundary), Anthropic's
+# API version and betas.
+PASSED_HEADERS = ("content-type", "anthropic-version", "anthropic-beta")
 
 
 def dialect_of(kind: Kind) -> Dialect:

@@ -45,7 +45,7 @@ from gateway.counting import PromptCounter
 from gateway.denials import rate_limited, refused_error, shed_error, tenant_limit
 from gateway.discovery import Discovery
 from gateway.door import AdmissionDoor
-from gateway.endpoints import PASSED_HEADERS, POOLING, SCHEMAS, UPSTREAM_PATHS, dialect_of
+from gateway.endpoints import AUDIO, PASSED_HEADERS, POOLING, SCHEMAS, UPSTREAM_PATHS, dialect_of
 from gateway.errors import ApiError, invalid_request
 from gateway.failover import Failover
 from gateway.kvtokens import PromptTokenIds
@@ -60,6 +60,7 @@ from gateway.schemas import (
     MessagesRequest,
     PoolingRequest,
     ResponsesRequest,
+    audio_form,
 )
 from gateway.shutdown import InFlight, shutdown_retry_after, shutting_down
 from gateway.stated import H_RETRY_COUNT, read_stated
@@ -248,10 +249,11 @@ class Pipeline:
     async def parse(self, request: web.Request, ctx: RequestContext) -> None:
         """Read the body within the size limit and validate it."""
         raw = await read_body(request, self._max_body, self._body_timeout)
-        body = loads(raw)
-        if not isinstance(body, dict):
-            raise invalid_request("Request body must be a JSON object.")
-        try:
+        try:  # an audio form's fields (its boundary in the header), else the JSON object
+            ctype = request.headers.get("Content-Type", "")
+            body = audio_form(raw, ctype) if ctx.kind in AUDIO else loads(raw)
+            if not isinstance(body, dict):
+                raise invalid_request("Request body must be a JSON object.")
             parsed = SCHEMAS[ctx.kind](body)
         except BodyError as e:
             raise invalid_request(e.message, param=e.param) from None
@@ -478,13 +480,11 @@ class Pipeline:
 
     def release(self, ctx: RequestContext) -> None:
         """Free the reservation or queue entry (idempotent; always runs), telling
-        admission what the request measured about its replica.
-
-        A non-stream request kvgate stopped waiting for while the engine had it (client
-        gone, upstream timeout) may still be generating: its reservation is held until
-        the engine's running gauge says it stopped, or ``abandoned_hold_s`` passes. A
-        stream needs no hold: closing its connection stops the engine at its next write.
-        """
+        admission what the request measured about its replica. A non-stream request
+        kvgate stopped waiting for while the engine had it (client gone, upstream timeout)
+        may still be generating: its reservation is held until the engine's running gauge
+        says it stopped, or ``abandoned_hold_s`` passes. A stream needs no hold: closing
+        its connection stops the engine at its next write."""
         if ctx.admission_id is None:
             return
         if ctx.usage_cached is not None and ctx.usage_prompt and ctx.prompt_chars:

@@ -18,6 +18,8 @@ errors that name the field (`BodyError`, answered as a 400 OpenAI error object).
 from __future__ import annotations
 
 import json
+from email import policy as email_policy
+from email.parser import BytesParser
 from typing import Any
 
 # Far above any context window served today, low enough that arithmetic on it is safe.
@@ -549,3 +551,65 @@ class PoolingRequest(_Common):
     def prompt_parts(self) -> tuple[str, int | None]:
         """(the texts, joined; the exact count when the inputs are all token ids)."""
         return "\n".join(self.texts), (self.ids if not self.texts else None)
+
+
+# ---------------------------------------------------------------------- audio
+AUDIO_FILE = "file"  # the multipart field that carries the audio
+
+
+def audio_form(raw: bytes, content_type: str) -> dict[str, Any]:
+    """The fields of a ``multipart/form-data`` body (``/v1/audio/transcriptions`` and
+    ``/translations``): text fields as strings, the file as its size in bytes (kvgate
+    never keeps audio). Raises `BodyError` on a body that is not such a form."""
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise BodyError("file", "The body must be multipart/form-data with the audio file")
+    msg = BytesParser(policy=email_policy.HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + raw
+    )
+    if not msg.is_multipart():
+        raise BodyError("file", "The body must be multipart/form-data with the audio file")
+    fields: dict[str, Any] = {}
+    for part in msg.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not isinstance(name, str):
+            continue
+        payload = part.get_payload(decode=True)
+        data = payload if isinstance(payload, bytes) else b""
+        if name == AUDIO_FILE:
+            fields[name] = len(data)
+        else:
+            fields[name] = data.decode("utf-8", "replace")
+    return fields
+
+
+class AudioRequest(_Common):
+    """``/v1/audio/transcriptions`` and ``/v1/audio/translations``: the form's ``model``,
+    ``stream`` ("true"/"false"), ``max_completion_tokens``; the audio is reserved at the
+    counting allowance for an audio part (its tokens depend on the model's encoder, which
+    no byte count describes)."""
+
+    __slots__ = ("audio_bytes",)
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        form = dict(fields)
+        if AUDIO_FILE not in form:
+            raise BodyError(AUDIO_FILE, "Field required")
+        stream = form.get("stream", "false")
+        if stream not in ("true", "false", "True", "False", True, False):
+            raise BodyError("stream", "Input should be a valid boolean")
+        form["stream"] = stream in ("true", "True", True)
+        bound = form.pop("max_completion_tokens", None)
+        if bound is not None:
+            if not str(bound).isdigit():
+                raise BodyError("max_completion_tokens", "Input should be a valid integer")
+            form["max_tokens"] = int(bound)
+        super().__init__(form)
+        self.audio_bytes: int = form[AUDIO_FILE]
+
+    @property
+    def output_bound(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def wants_usage(self) -> bool:
+        return True  # the form is forwarded as sent: nothing is added to it

@@ -273,3 +273,18 @@ async def test_a_follow_up_through_another_process_reaches_the_replica_that_stor
     engines = {"r0": r0, "r1": r1}
     other = engines["r1" if held.replica == "r0" else "r0"]
     assert other.core.stats().num_finished == 0, "a follow-up went to the wrong replica"
+
+
+async def test_an_audio_request_that_is_not_a_form_with_a_file_is_a_400(replica, gateway):
+    gw = await gateway(await replica())
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/audio/transcriptions", json={"model": MODEL}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "file"
+        form = aiohttp.FormData(default_to_multipart=True)
+        form.add_field("model", MODEL)
+        async with s.post(gw.url + "/v1/audio/translations", data=form) as r:
+            assert r.status == 400
+            err = (await r.json())["error"]
+            assert err["param"] == "file" and "Field required" in err["message"]
+    assert gw.report.reserved_tokens() == 0
