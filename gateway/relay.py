@@ -272,7 +272,12 @@ class Relay:
                     if up.status != 200:
                         return await self._stream_refused(ctx, up)
                     buf = b""
-                    take = take_events if ctx.kind in _DATA_ONLY else take_named_events
+                    # Typed-event streams open with events that precede any output (the
+                    # Responses API's response.created while the prompt is prefilled):
+                    # the first token, and the end of the first-byte phase, is the
+                    # first output event there.
+                    named = ctx.kind not in _DATA_ONLY
+                    take = take_named_events if named else take_events
                     async for chunk in up.content.iter_any():
                         buf = buf + chunk if buf else chunk
                         out, buf = take(ctx, buf)
@@ -287,14 +292,17 @@ class Relay:
                             done_out = ctx.done_seen
                             wd.writing = False
                             now = loop.time()
-                            if ctx.first_byte_at is None:
+                            if ctx.first_byte_at is None and (
+                                not named or ctx.events or ctx.done_seen
+                            ):
                                 ctx.first_byte_at = now
                                 if self._on_first_token is not None:
                                     self._on_first_token(ctx)
                             ctx.last_event_at = now
                             if ctx.generated + ctx.req.prompt_tokens > ctx.topup_at:
                                 self._on_progress(ctx)
-                        wd.last = loop.time()
+                        if not named or ctx.events or ctx.done_seen:
+                            wd.last = loop.time()
                     if buf:  # trailing bytes without a final blank line: pass them on
                         if resp is None:
                             resp = await self._start_client_stream(request, ctx, up)

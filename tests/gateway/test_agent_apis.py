@@ -288,3 +288,28 @@ async def test_an_audio_request_that_is_not_a_form_with_a_file_is_a_400(replica,
             err = (await r.json())["error"]
             assert err["param"] == "file" and "Field required" in err["message"]
     assert gw.report.reserved_tokens() == 0
+
+
+async def test_a_responses_streams_first_token_is_its_first_output_event(replica, gateway):
+    """response.created comes before the prompt is prefilled: kvgate's time to first token
+    (its TTFT metric, routing's end-of-prefill signal) is the first output event's."""
+    gw = await gateway(await replica(speed=0.03), upstream={"first_byte_s": 8.0})
+    loop = asyncio.get_running_loop()
+    created_at = first_delta_at = None
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as c:
+        async with c.responses.stream(
+            model=MODEL, input="a long prompt " * 300, max_output_tokens=3
+        ) as s:
+            async for e in s:
+                if e.type == "response.created":
+                    created_at = loop.time()
+                elif e.type == "response.output_text.delta" and first_delta_at is None:
+                    first_delta_at = loop.time()
+            final = await s.get_final_response()
+    assert created_at is not None and first_delta_at is not None
+    assert first_delta_at - created_at > 0.3  # a prefill long enough to tell them apart
+    assert final.usage is not None and final.usage.output_tokens >= 1
+    text = await scrape_text(gw)
+    (line,) = [x for x in text.splitlines() if x.startswith("kvgate_ttft_seconds_sum")]
+    # kvgate's TTFT spans the prefill (it ends at or after the first delta was sent)
+    assert float(line.rsplit(" ", 1)[1]) >= 0.9 * (first_delta_at - created_at)
