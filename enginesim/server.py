@@ -11,6 +11,8 @@ clients see of a real engine:
   `previous_response_id`), `POST /v1/messages` (Anthropic, and `/count_tokens`),
   `POST /v1/embeddings` (prefill-only), on the same core: `enginesim.agent_api`;
 * `GET /v1/models`, `GET /health`, `POST /tokenize`, `GET /version`;
+* `POST /rerank`, `/score`, `/classify`, `/pooling` (prefill-only), `POST
+  /v1/audio/transcriptions` and `/translations`, `POST /detokenize`: `enginesim.serving_api`;
 * LoRA adapters as models (vLLM flavor, `lora_modules`; `--lora-modules` on the CLI):
   listed in `/v1/models` with `parent` naming the base, served by name, in the base's
   KV pool (`enginesim.lora`);
@@ -74,6 +76,7 @@ from enginesim.llamacpp import UNLIMITED, LlamaCppCore
 from enginesim.lora import LoraModule, lora_card, lora_table
 from enginesim.metrics import CONTENT_TYPE, EngineMetrics
 from enginesim.profiles import Profile, load_profile
+from enginesim.serving_api import ServingApi
 from enginesim.types import EngineEvent, EventKind, Flavor, SimRequest, Workload
 from enginesim.workload import classify_workload
 
@@ -308,6 +311,8 @@ class EngineServer:
         r.add_get("/metrics", self._metrics)
         self.agent_api = AgentApi(self)  # /v1/responses, /v1/messages, /v1/embeddings
         self.agent_api.add_routes(r)
+        self.serving_api = ServingApi(self)  # pooling, audio, /detokenize
+        self.serving_api.add_routes(r)
         if self.flavor is Flavor.VLLM:  # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
             r.add_post("/v1/load_lora_adapter", self._load_lora)
             r.add_post("/v1/unload_lora_adapter", self._unload_lora)
