@@ -343,6 +343,7 @@ async def test_audio_disconnect_aborts_in_the_core(enginesim_server, session):
 # -- the official SDK ------------------------------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks translations so
 async def test_openai_sdk_transcriptions_and_translations(server):
     openai = pytest.importorskip("openai")
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
