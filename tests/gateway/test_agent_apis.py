@@ -313,3 +313,34 @@ async def test_a_responses_streams_first_token_is_its_first_output_event(replica
     (line,) = [x for x in text.splitlines() if x.startswith("kvgate_ttft_seconds_sum")]
     # kvgate's TTFT spans the prefill (it ends at or after the first delta was sent)
     assert float(line.rsplit(" ", 1)[1]) >= 0.9 * (first_delta_at - created_at)
+
+
+async def test_rerank_score_and_audio_through_kvgate(replica, gateway):
+    srv = await replica()
+    gw = await gateway(srv)
+    async with aiohttp.ClientSession() as s:
+        for path, body in (
+            ("/v1/rerank", {"model": MODEL, "query": "cache", "documents": ["kv cache", "dogs"]}),
+            ("/rerank", {"model": MODEL, "query": "cache", "documents": ["a", "b", "c"]}),
+            ("/v1/score", {"model": MODEL, "text_1": "cache", "text_2": ["kv cache", "dogs"]}),
+            ("/classify", {"model": MODEL, "input": ["one text", "another"]}),
+            ("/pooling", {"model": MODEL, "input": "pool me"}),
+        ):
+            async with s.post(gw.url + path, json=body) as r:
+                assert r.status == 200, (path, await r.text())
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x") as c:
+        t = await c.audio.transcriptions.create(model=MODEL, file=("a.wav", b"\x00" * 32000))
+        assert isinstance(t.text, str)
+        tr = await c.audio.translations.create(model=MODEL, file=("a.wav", b"\x00" * 6400))
+        assert isinstance(tr.text, str)
+    text = await scrape_text(gw)
+    for endpoint, n in (("rerank", 2), ("score", 1), ("classify", 1), ("pooling", 1)):
+        assert f'kvgate_endpoint_requests_total{{endpoint="{endpoint}",outcome="ok"}} {n}.0' in text
+    assert 'kvgate_endpoint_requests_total{endpoint="transcription",outcome="ok"} 1.0' in text
+    assert 'kvgate_endpoint_requests_total{endpoint="translation",outcome="ok"} 1.0' in text
+    # /detokenize is forwarded to a replica serving the model.
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/detokenize", json={"model": MODEL, "tokens": [1, 2]}) as r:
+            assert r.status == 200 and "prompt" in await r.json()
+        async with s.post(gw.url + "/tokenize", json={"model": "nope", "prompt": "x"}) as r:
+            assert r.status == 404
