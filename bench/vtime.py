@@ -7,7 +7,7 @@ header would, honours Retry-After on a shed (up to `max_retries` when given), an
 up an attempt after `timeout_s` (a disconnect: the engine aborts the request, admission
 releases it without a completion sample). The engine's gauges reach admission every
 `probe_s`, as discovery would deliver them. No wall clock, no IO: a whole seed-001 run
-takes about a CPU second, so tests can assert on the learned limit and benches can sweep.
+takes about a CPU second, so tests can assert on admission and benches can sweep.
 
 `stoppers`: that many of the clients (the first ones) stop reading each stream after 1-6
 token events (seeded), by design: a user pressing stop, an agent that read enough.
@@ -165,12 +165,12 @@ def run(
         heapq.heappush(heap, (t, next(seq), kind, data))
 
     def note_limit() -> None:
-        lim = ctrl.report.limit_of(REPLICA)
-        if lim is None:
+        usage = ctrl.report.replica_usage()
+        if not usage or usage[0].limit is None:
             return
-        value = lim.allowed(max_running)
+        value = usage[0].limit
         if not report.limits or report.limits[-1][1] != value:
-            report.limits.append((now, value, lim.reason))
+            report.limits.append((now, value, usage[0].limit_reason))
 
     def start_engine(admits: Sequence[Admit]) -> None:
         for a in admits:
