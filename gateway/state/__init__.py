@@ -35,7 +35,7 @@ process learned for a replica is published with a version; the others adopt it.
 
 from __future__ import annotations
 
-from admission.lease import HolderRecord, Lease, LeaseRequest, RenewResult, SharedLimit
+from admission.lease import HolderRecord, Lease, LeaseRequest, RenewResult
 from gateway.state.backend import StateBackend, StateUnavailable
 from gateway.state.memory import MemoryBackend
 
@@ -45,7 +45,6 @@ __all__ = [
     "LeaseRequest",
     "MemoryBackend",
     "RenewResult",
-    "SharedLimit",
     "StateBackend",
     "StateUnavailable",
 ]
