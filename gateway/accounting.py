@@ -25,7 +25,7 @@ from gateway.context import RequestContext
 from gateway.logging import access_log_enabled, log_access
 from gateway.metrics import GatewayMetrics
 
-# Upstream failures that say the replica could not serve its load: the learned limit
+# Upstream failures that say the replica could not serve its load: its health
 # hears of them (a refused connection or a dropped one says the replica is down, not full).
 _LOAD_FAILURES = frozenset({"timeout", "stream_error", "status_5xx"})
 # A client that leaves this close to the timeout it declared left because of it.

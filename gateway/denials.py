@@ -57,7 +57,7 @@ _BINDS = {
     "kv_share": "are at KV capacity for this gateway process (its leased slice of the pool)",
     "running_cap": "are at their running-request cap (max_running; their KV pool has room)",
     "running_share": (
-        "are at this gateway process's leased share of their running limit (their KV pool has room)"
+        "are at this gateway process's leased share of their running cap (their KV pool has room)"
     ),
     "running_deadlines": (
         "are running requests that one more would slow past their clients' deadlines"

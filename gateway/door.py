@@ -60,7 +60,7 @@ class AdmissionDoor:
 
     @property
     def report(self) -> AdmissionReport:
-        """Every read of admission (ledger, queue, learned limits)."""
+        """Every read of admission (ledger, queue, what binds each replica)."""
         return self._controller.report
 
     @property
