@@ -17,13 +17,11 @@ def served(prompt: int, output: int) -> float:
 
 
 def seed001_like(rng: random.Random, n: int, noise: float) -> list[tuple[int, int, float]]:
-    """Long prompts, short answers, as seed 001's batch job sends them, each up to a
-    share `noise` slower than its typical service (a batch's steps vary, so the longest
-    answers vary most)."""
+    """Long prompts, short answers, as seed 001's batch job sends them."""
     out = []
     for _ in range(n):
         p, o = rng.randint(1400, 4000), rng.randint(40, 200)
-        out.append((p, o, served(p, o) * (1.0 + rng.uniform(0.0, noise))))
+        out.append((p, o, served(p, o) + rng.uniform(0.0, noise)))
     return out
 
 
@@ -42,16 +40,16 @@ def test_an_output_token_is_priced_apart_from_a_prompt_token():
 def test_the_upper_estimate_covers_what_it_saw_and_is_no_looser_than_the_noise():
     rng = random.Random(2)
     model = ServiceModel()
-    seen = seed001_like(rng, 64, noise=0.15)
+    seen = seed001_like(rng, 64, noise=0.3)
     for p, o, s in seen:
         model.add(p, o, s)
     assert all(model.predict(p, o) >= s - 1e-9 for p, o, s in seen)
     # Held out, from the same replica: covered nearly always, and never by more than the
     # noise's width over the truth (the sum-line's margin was about twice as wide).
-    fresh = seed001_like(rng, 400, noise=0.15)
+    fresh = seed001_like(rng, 400, noise=0.3)
     covered = sum(model.predict(p, o) >= s for p, o, s in fresh)
     assert covered >= 0.95 * len(fresh)
-    assert max(model.predict(p, o) / served(p, o) for p, o, _ in fresh) < 1.0 + 0.15 + 0.05
+    assert max(model.predict(p, o) - served(p, o) for p, o, _ in fresh) < 0.3 + 0.15
 
 
 def test_a_slope_the_noise_makes_negative_is_dropped_not_kept():
