@@ -9,6 +9,12 @@ releases it without a completion sample). The engine's gauges reach admission ev
 `probe_s`, as discovery would deliver them. No wall clock, no IO: a whole seed-001 run
 takes about a CPU second, so tests can assert on admission and benches can sweep.
 
+What an ended attempt tells admission (its `Completion`, its client's patience) is the
+gateway's own account stage (`gateway.accounting.completion`, `patience_seen`) reading a
+`RequestContext` filled as the gateway's stages fill it; the retry memory is
+`admission.retries.RetryMemory`, used as gateway/pipeline.py uses it
+(tests/admission/test_vtime_drives_the_gateway.py fails when they drift apart).
+
 `stoppers`: that many of the clients (the first ones) stop reading each stream after 1-6
 token events (seeded), by design: a user pressing stop, an agent that read enough.
 
