@@ -4,12 +4,12 @@
 token estimator from the engine's usage, settles the tenant's rate charge (corrected
 to the usage, or refunded when the request was never admitted), counts the outcome,
 tokens, latencies and the tenant's SLO attainment, and writes the access line.
-`completion` is what the ended request says about its replica's load, for the learned
-limit (`AdmissionDoor.release`).
+`completion` is what the ended request says about its replica's service, for the
+replica's service model (`AdmissionDoor.release`).
 
 Latencies are measured on the event loop's clock: TTFT from arrival (what the client
-waited) for metrics and SLOs, from admission (what the replica took) for the learned
-limit; ITL is `inter_token_latency`, the one formula every reader uses.
+waited) for metrics and SLOs, from admission (what the replica took) for the service
+model; ITL is `inter_token_latency`, the one formula every reader uses.
 """
 
 from __future__ import annotations
