@@ -17,6 +17,17 @@ from gateway.errors import ApiError
 from gateway.ratelimit import go_duration
 
 
+def model_not_found(model: str) -> ApiError:
+    """The 404 of a model the key may not use or no replica serves, as OpenAI words it."""
+    return ApiError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        code="model_not_found",
+        param="model",
+        outcome="model_not_found",
+    )
+
+
 def rate_limited(policy: TenantState, limit: str, tokens: int, wait: float, now: float) -> ApiError:
     """The 429 of a requests- or tokens-per-minute limit, worded as OpenAI words it."""
     g = policy.rpm if limit == "requests" else policy.tpm

@@ -30,6 +30,7 @@ from admission.tenants import TenantLimiter
 from gateway.apikey import tenant_of
 from gateway.body import read_body
 from gateway.config import GatewayConfig
+from gateway.denials import model_not_found
 from gateway.discovery import Discovery
 from gateway.errors import ApiError, Dialect, invalid_request
 from gateway.stored_responses import StoredResponses
@@ -69,7 +70,7 @@ class Forwarder:
             if not isinstance(model, str) or not model:
                 raise invalid_request("model: Field required", param="model")
             if not self._tenants().get(tenant).may_use(model, self._discovery.bases_of(model)):
-                raise _no_model(model)
+                raise model_not_found(model)
             replica = self._pick(model)
             return await self._send(request, "POST", replica, path, raw)
         except ApiError as e:
@@ -119,7 +120,7 @@ class Forwarder:
                     code="no_replica_ready",
                     retry_after=1.0,
                 )
-            raise _no_model(model)
+            raise model_not_found(model)
         return ready[next(self._turn) % len(ready)]
 
     async def _send(
@@ -146,13 +147,3 @@ class Forwarder:
                 502, f"replica {replica} did not answer", code="upstream_unreachable"
             ) from None
         return web.Response(status=status, body=body, headers={"Content-Type": ctype})
-
-
-def _no_model(model: str) -> ApiError:
-    return ApiError(
-        404,
-        f"The model `{model}` does not exist or you do not have access to it.",
-        code="model_not_found",
-        param="model",
-        outcome="model_not_found",
-    )

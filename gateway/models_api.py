@@ -20,6 +20,7 @@ from aiohttp import web
 
 from admission.tenants import TenantLimiter
 from gateway.apikey import tenant_of
+from gateway.denials import model_not_found
 from gateway.errors import ApiError
 
 BasesOf = Callable[[str], frozenset[str]]
@@ -76,10 +77,5 @@ class ModelsApi:
         except ApiError as e:
             return e.response()
         if model not in models:
-            return ApiError(
-                404,
-                f"The model `{model}` does not exist or you do not have access to it.",
-                code="model_not_found",
-                param="model",
-            ).response()
+            return model_not_found(model).response()
         return _json(_model(model, models[model]))

@@ -42,7 +42,13 @@ from gateway.body import loads, read_body
 from gateway.config import GatewayConfig
 from gateway.context import Kind, RequestContext
 from gateway.counting import PromptCounter
-from gateway.denials import rate_limited, refused_error, shed_error, tenant_limit
+from gateway.denials import (
+    model_not_found,
+    rate_limited,
+    refused_error,
+    shed_error,
+    tenant_limit,
+)
 from gateway.discovery import Discovery
 from gateway.door import AdmissionDoor
 from gateway.endpoints import AUDIO, PASSED_HEADERS, POOLING, SCHEMAS, UPSTREAM_PATHS, dialect_of
@@ -364,13 +370,7 @@ class Pipeline:
         limiter = self.tenants
         policy = limiter.get(ctx.req.tenant)
         if not policy.may_use(ctx.req.model, self.discovery.bases_of(ctx.req.model)):
-            raise ApiError(
-                404,
-                f"The model `{ctx.req.model}` does not exist or you do not have access to it.",
-                code="model_not_found",
-                param="model",
-                outcome="model_not_found",
-            )
+            raise model_not_found(ctx.req.model)
         asked: int | None = None
         if (p := request.headers.get(H_PRIORITY)) is not None:
             try:

@@ -48,6 +48,18 @@ def _max_tokens(body: dict[str, Any], key: str) -> int | None:
     return v
 
 
+def _message_list(body: dict[str, Any]) -> list[Any]:
+    """The body's non-empty ``messages`` list (chat's and Anthropic's)."""
+    msgs = body.get("messages")
+    if type(msgs) is not list:
+        raise BodyError(
+            "messages", "Field required" if msgs is None else "Input should be a valid list"
+        )
+    if not msgs:
+        raise BodyError("messages", "List should have at least 1 item after validation")
+    return msgs
+
+
 class ChatMessage:
     """One message: its ``role`` and ``content`` checked; the rest in ``model_extra``
     (the message dict itself: ``tool_calls``, ``function_call``... are read from it)."""
@@ -153,14 +165,7 @@ class ChatCompletionRequest(_Common):
 
     def __init__(self, body: dict[str, Any]) -> None:
         super().__init__(body)
-        msgs = body.get("messages")
-        if type(msgs) is not list:
-            raise BodyError(
-                "messages", "Field required" if msgs is None else "Input should be a valid list"
-            )
-        if not msgs:
-            raise BodyError("messages", "List should have at least 1 item after validation")
-        self.messages = [ChatMessage(m, i) for i, m in enumerate(msgs)]
+        self.messages = [ChatMessage(m, i) for i, m in enumerate(_message_list(body))]
         self.max_completion_tokens = _max_tokens(body, "max_completion_tokens")
         tools = body.get("tools")
         if tools is not None and (
@@ -433,13 +438,7 @@ class MessagesRequest(ChatCompletionRequest):
     def __init__(self, body: dict[str, Any]) -> None:
         if body.get("max_tokens") is None:
             raise BodyError("max_tokens", "Field required")
-        msgs = body.get("messages")
-        if type(msgs) is not list:
-            raise BodyError(
-                "messages", "Field required" if msgs is None else "Input should be a valid list"
-            )
-        if not msgs:
-            raise BodyError("messages", "List should have at least 1 item after validation")
+        msgs = _message_list(body)
         chat_msgs: list[dict[str, Any]] = []
         system = body.get("system")
         if system is not None:
