@@ -344,3 +344,35 @@ async def test_rerank_score_and_audio_through_kvgate(replica, gateway):
             assert r.status == 200 and "prompt" in await r.json()
         async with s.post(gw.url + "/tokenize", json={"model": "nope", "prompt": "x"}) as r:
             assert r.status == 404
+
+
+async def test_the_anthropic_sdk_retries_a_529_after_retry_after_and_succeeds(replica, gateway):
+    """A shed message is 529 with retry-after; the anthropic SDK's own retries (as
+    Claude Code's) wait it out and succeed once the pool has room."""
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv, pool_tokens=512, admission={"max_retry_after_s": 1.0})
+    async with aiohttp.ClientSession() as s:
+        big = await hold_pool(s, gw, 440)
+        client = anthropic.AsyncAnthropic(
+            base_url=gw.url,
+            api_key="x",
+            max_retries=4,
+            default_headers={"x-kvgate-queue-timeout": "0"},
+        )
+        call = asyncio.create_task(
+            client.messages.create(
+                model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "hi"}]
+            )
+        )
+        await asyncio.sleep(0.5)  # shed at least once while the big stream holds the pool
+        big.close()
+        msg = await call
+    assert msg.usage.output_tokens >= 1
+    text = await scrape_text(gw)
+    assert 'kvgate_endpoint_requests_total{endpoint="messages",outcome="ok"} 1.0' in text
+    shed = [
+        x
+        for x in text.splitlines()
+        if x.startswith('kvgate_endpoint_requests_total{endpoint="messages",outcome="shed_')
+    ]
+    assert shed, "the first attempt was not shed"
