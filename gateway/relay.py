@@ -220,6 +220,10 @@ class Relay:
                         ctx.response_id = doc["id"]
                 except (ValueError, AttributeError):
                     pass
+            if ctx.kind == "responses" and (ctx.body or {}).get("background") is True:
+                # Answered at once, generated on in the engine: its reservation is held
+                # as a request kvgate stopped waiting for is (until the engine idles).
+                ctx.upstream_abandoned = True
             ctx.outcome = "ok"
             return web.Response(
                 status=status,

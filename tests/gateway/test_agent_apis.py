@@ -376,3 +376,25 @@ async def test_the_anthropic_sdk_retries_a_529_after_retry_after_and_succeeds(re
         if x.startswith('kvgate_endpoint_requests_total{endpoint="messages",outcome="shed_')
     ]
     assert shed, "the first attempt was not shed"
+
+
+async def test_a_background_response_keeps_its_reservation_while_the_engine_generates(
+    replica, gateway
+):
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv)
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x") as c:
+        r = await c.responses.create(
+            model=MODEL,
+            input="write at length",
+            max_output_tokens=200,
+            background=True,
+            extra_body={"ignore_eos": True},
+        )
+        assert r.status in ("queued", "in_progress")
+        # The answer came back at once; the engine generates on, and its KV stays reserved.
+        assert gw.report.reserved_tokens() > 0
+        assert srv.core.stats().num_running + srv.core.stats().num_waiting >= 1
+        got = await c.responses.retrieve(r.id)  # polled at the replica that holds it
+        assert got.id == r.id
+        await c.responses.cancel(r.id)
