@@ -34,16 +34,14 @@ import base64
 import contextlib
 import copy
 import hashlib
-import json
 import struct
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from enginesim import tokenizer
 from enginesim.api import (
@@ -52,10 +50,12 @@ from enginesim.api import (
     Prepared,
     SamplingRequest,
     bound_max_tokens,
+    dumps,
     error_type,
+    hex16,
     read_json,
     render_chat,
-    validation_error,
+    validated,
 )
 from enginesim.driver import RequestHandle
 from enginesim.types import EngineEvent, EventKind
@@ -66,15 +66,6 @@ if TYPE_CHECKING:
 EMBED_DIM = 8  # floats per embedding
 MAX_STORED_RESPONSES = 10_000  # vLLM never evicts; a long simulation should not grow forever
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-def _hex16() -> str:
-    """vLLM's random_uuid(): 16 hex digits."""
-    return f"{uuid.uuid4().int & (2**64 - 1):016x}"
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
 
 
 # --------------------------------------------------------------------------------------
@@ -163,15 +154,6 @@ class EmbeddingRequest(SamplingRequest):
     input: list[list[int]] | list[int] | list[str] | str
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-
-
-def _validated(model: type[BaseModel], body: Any) -> Any:
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
 
 
 # --------------------------------------------------------------------------------------
@@ -276,7 +258,7 @@ def anthropic_messages(
                     {
                         "id": b.id or f"call_{int(time.time())}",
                         "type": "function",
-                        "function": {"name": b.name or "", "arguments": _dumps(b.input or {})},
+                        "function": {"name": b.name or "", "arguments": dumps(b.input or {})},
                     }
                 )
             elif b.type == "tool_result":
@@ -329,6 +311,107 @@ def embedding_vector(token_ids: list[int]) -> list[float]:
 
 
 # --------------------------------------------------------------------------------------
+# Running requests on the core (this module's routes and enginesim.serving_api's)
+# --------------------------------------------------------------------------------------
+
+
+async def run_to_end(
+    server: EngineServer, request: web.Request, prep: Prepared, handle: RequestHandle
+) -> tuple[list[int], EngineEvent]:
+    """A non-stream request's output tokens and terminal event."""
+    ids: list[int] = []
+    final: EngineEvent | None = None
+    async for batch, end in server._batches(request, prep, handle):
+        ids.extend(batch)
+        final = end
+    assert final is not None  # noqa: S101
+    if final.kind is EventKind.ABORTED:
+        raise ApiError(500, "the engine aborted the request")
+    return ids, final
+
+
+async def prefill_together(
+    server: EngineServer,
+    request: web.Request,
+    req: SamplingRequest,
+    model: str,
+    rid: str,
+    prompts: list[tuple[str, list[int]]],
+) -> list[Prepared]:
+    """Each (text, ids) prompt as a prefill-only core request `<rid>-<i>`, run together."""
+    preps: list[Prepared] = []
+    for i, (text, ids) in enumerate(prompts):
+        prep = server._prepared(request, req, "completion", model, text, ids, 0, f"{rid}-{i}")
+        prep.sim.prefill_only = True
+        preps.append(prep)
+    async with contextlib.AsyncExitStack() as stack:
+        handles = [await stack.enter_async_context(server._submitted(p)) for p in preps]
+        await asyncio.gather(
+            *(run_to_end(server, request, p, h) for p, h in zip(preps, handles, strict=True))
+        )
+    return preps
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    return resp
+
+
+def list_answer(
+    rid: str, model: str, data: list[dict[str, Any]], usage: dict[str, Any]
+) -> web.Response:
+    """An answer that is a list of results (embeddings, scores, pooled outputs)."""
+    return web.json_response(
+        {
+            "id": rid,
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": usage,
+        }
+    )
+
+
+def input_items(value: Any) -> list[str | list[int]]:
+    """A pooling `input` as its prompts: a string, a list of token ids, or a list of
+    either."""
+    if isinstance(value, str):
+        return [value]
+    if value and isinstance(value[0], int):
+        return [value]
+    return list(value or [])
+
+
+def input_prompt(item: str | list[int], limit: int, purpose: str = "") -> tuple[str, list[int]]:
+    """One input's text and token ids, checked as vLLM checks them (ids in the
+    vocabulary, one to `limit` tokens)."""
+    if isinstance(item, str):
+        text, ids = item, tokenizer.encode(item)
+    else:
+        text, ids = "", list(item)
+        if any(t < 0 or t >= tokenizer.VOCAB_SIZE for t in ids):
+            raise ApiError(400, f"token ids must be in [0, {tokenizer.VOCAB_SIZE})", "input")
+    check_prompt_len(ids, limit, "input", purpose)
+    return text, ids
+
+
+def check_prompt_len(ids: list[int], limit: int, param: str, purpose: str = "") -> None:
+    if not ids:
+        raise ApiError(400, "The prompt is empty; at least one token is required.", param)
+    if len(ids) > limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you "
+            f"requested {len(ids)} tokens in the input{purpose}. Please reduce the length "
+            "of the input.",
+            param,
+        )
+
+
+# --------------------------------------------------------------------------------------
 # The routes
 # --------------------------------------------------------------------------------------
 
@@ -355,26 +438,6 @@ class AgentApi:
         r.add_post("/v1/messages/count_tokens", self.count_tokens)
         r.add_post("/v1/embeddings", self.embeddings)
 
-    async def _run(
-        self, request: web.Request, prep: Prepared, handle: RequestHandle
-    ) -> tuple[list[int], EngineEvent]:
-        """A non-stream request's output tokens and terminal event."""
-        ids: list[int] = []
-        final: EngineEvent | None = None
-        async for batch, end in self.server._batches(request, prep, handle):
-            ids.extend(batch)
-            final = end
-        assert final is not None  # noqa: S101
-        if final.kind is EventKind.ABORTED:
-            raise ApiError(500, "the engine aborted the request")
-        return ids, final
-
-    async def _sse(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
-        resp.enable_chunked_encoding()
-        await resp.prepare(request)
-        return resp
-
     # -- Responses API -----------------------------------------------------------------
 
     @staticmethod
@@ -393,7 +456,7 @@ class AgentApi:
 
     async def create_response(self, request: web.Request) -> web.StreamResponse:
         server = self.server
-        req: ResponsesRequest = _validated(ResponsesRequest, await read_json(request))
+        req: ResponsesRequest = validated(ResponsesRequest, await read_json(request))
         model = server._check_model(req.model)
         if req.background and req.stream:
             raise ApiError(400, "streaming background responses are not simulated", "stream")
@@ -412,25 +475,22 @@ class AgentApi:
             "input",
         )
         prep = server._prepared(
-            request, req, "chat", model, prompt_text, prompt_ids, max_tokens, f"resp_{_hex16()}"
+            request, req, "chat", model, prompt_text, prompt_ids, max_tokens, f"resp_{hex16()}"
         )
         base = self._response_head(req, prep, max_tokens)
         if req.background:
-            return self._start_background(request, req, prep, base, messages)
+            return self._start_background(request, prep, base, messages)
         async with server._submitted(prep) as handle:
             if req.stream:
                 return await self._stream_response(request, req, prep, handle, base, messages)
-            ids, final = await self._run(request, prep, handle)
-            text = tokenizer.decode(ids)
-            item = _message_item(f"msg_{_hex16()}", text, "completed")
-            obj = self._finish_response(base, [item], final, len(ids))
+            ids, final = await run_to_end(self.server, request, prep, handle)
+            obj = self._finish_message(base, ids, final)
             self._store(req, obj, messages)
             return web.json_response(obj)
 
     def _start_background(
         self,
         request: web.Request,
-        req: ResponsesRequest,
         prep: Prepared,
         base: dict[str, Any],
         messages: list[dict[str, Any]],
@@ -438,35 +498,28 @@ class AgentApi:
         """vLLM's background mode: answer `queued` at once, run the request in a task."""
         queued = {**base, "status": "queued"}
         self.responses[prep.public_id] = StoredResponse(queued, messages)
-        task = asyncio.get_running_loop().create_task(
-            self._run_background(request, req, prep, base, messages),
-            name=f"enginesim-{prep.public_id}",
-        )
+
+        async def run() -> None:
+            try:
+                async with self.server._submitted(prep) as handle:
+                    ids, final = await run_to_end(self.server, request, prep, handle)
+            except ApiError:  # the engine aborted it (shutdown)
+                stored = self.responses.get(prep.public_id)
+                if stored is not None and stored.response["status"] not in (
+                    "completed",
+                    "cancelled",
+                ):
+                    stored.response["status"] = "failed"
+                return
+            obj = self._finish_message(base, ids, final)
+            stored = self.responses.get(prep.public_id)
+            if stored is None or stored.response["status"] != "cancelled":
+                self.responses[prep.public_id] = StoredResponse(obj, messages)
+
+        task = asyncio.get_running_loop().create_task(run(), name=f"enginesim-{prep.public_id}")
         self._tasks[prep.public_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(prep.public_id, None))
         return web.json_response(queued)
-
-    async def _run_background(
-        self,
-        request: web.Request,
-        req: ResponsesRequest,
-        prep: Prepared,
-        base: dict[str, Any],
-        messages: list[dict[str, Any]],
-    ) -> None:
-        try:
-            async with self.server._submitted(prep) as handle:
-                ids, final = await self._run(request, prep, handle)
-        except ApiError:  # the engine aborted it (shutdown)
-            stored = self.responses.get(prep.public_id)
-            if stored is not None and stored.response["status"] not in ("completed", "cancelled"):
-                stored.response["status"] = "failed"
-            return
-        item = _message_item(f"msg_{_hex16()}", tokenizer.decode(ids), "completed")
-        obj = self._finish_response(base, [item], final, len(ids))
-        stored = self.responses.get(prep.public_id)
-        if stored is None or stored.response["status"] != "cancelled":
-            self.responses[prep.public_id] = StoredResponse(obj, messages)
 
     def _response_head(
         self, req: ResponsesRequest, prep: Prepared, max_tokens: int
@@ -556,6 +609,13 @@ class AgentApi:
             },
         }
 
+    def _finish_message(
+        self, base: dict[str, Any], ids: list[int], final: EngineEvent
+    ) -> dict[str, Any]:
+        """A non-stream response: one completed message of the output tokens."""
+        item = _message_item(f"msg_{hex16()}", tokenizer.decode(ids), "completed")
+        return self._finish_response(base, [item], final, len(ids))
+
     def _store(
         self, req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[str, Any]]
     ) -> None:
@@ -574,7 +634,7 @@ class AgentApi:
         base: dict[str, Any],
         messages: list[dict[str, Any]],
     ) -> web.StreamResponse:
-        resp = await self._sse(request)
+        resp = await open_sse(request)
         seq = 0
 
         async def send(event: dict[str, Any]) -> None:
@@ -585,7 +645,7 @@ class AgentApi:
             # Field order as vLLM's event models dump them: the type comes last.
             del event["type"]
             event["type"] = ev_type
-            await resp.write(f"event: {ev_type}\ndata: {_dumps(event)}\n\n".encode())
+            await resp.write(f"event: {ev_type}\ndata: {dumps(event)}\n\n".encode())
 
         await send({"response": base, "type": "response.created"})
         await send({"response": base, "type": "response.in_progress"})
@@ -603,7 +663,7 @@ class AgentApi:
             if not delta:
                 continue
             if item_id is None:  # the message opens with its first text
-                item_id = f"msg_{_hex16()}"
+                item_id = f"msg_{hex16()}"
                 await send(
                     {
                         "item": _message_item(item_id, "", "in_progress"),
@@ -704,7 +764,7 @@ class AgentApi:
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         server = self.server
-        req: MessagesRequest = _validated(MessagesRequest, await read_json(request))
+        req: MessagesRequest = validated(MessagesRequest, await read_json(request))
         try:
             model = server._check_model(req.model)
             chat, tools = anthropic_messages(req)
@@ -722,7 +782,7 @@ class AgentApi:
             async with server._submitted(prep) as handle:
                 if req.stream:
                     return await self._stream_message(request, prep, handle)
-                ids, final = await self._run(request, prep, handle)
+                ids, final = await run_to_end(self.server, request, prep, handle)
         except ApiError as exc:
             return self._anthropic_error(exc)
         return web.json_response(
@@ -740,10 +800,10 @@ class AgentApi:
     async def _stream_message(
         self, request: web.Request, prep: Prepared, handle: RequestHandle
     ) -> web.StreamResponse:
-        resp = await self._sse(request)
+        resp = await open_sse(request)
 
         async def send(event: dict[str, Any]) -> None:
-            await resp.write(f"event: {event['type']}\ndata: {_dumps(event)}\n\n".encode())
+            await resp.write(f"event: {event['type']}\ndata: {dumps(event)}\n\n".encode())
 
         if prep.drop_after == 0:
             self.server._drop(request, prep)
@@ -800,7 +860,7 @@ class AgentApi:
         return resp
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        req: CountTokensRequest = _validated(CountTokensRequest, await read_json(request))
+        req: CountTokensRequest = validated(CountTokensRequest, await read_json(request))
         try:
             self.server._check_model(req.model)
             chat, tools = anthropic_messages(req)
@@ -826,7 +886,7 @@ class AgentApi:
 
     async def embeddings(self, request: web.Request) -> web.Response:
         server = self.server
-        req: EmbeddingRequest = _validated(EmbeddingRequest, await read_json(request))
+        req: EmbeddingRequest = validated(EmbeddingRequest, await read_json(request))
         model = server._check_model(req.model)
         if req.dimensions is not None:
             raise ApiError(
@@ -835,47 +895,13 @@ class AgentApi:
                 "output dimensions will lead to poor results.",
                 "dimensions",
             )
-        inputs: list[str | list[int]]
-        if isinstance(req.input, str):
-            inputs = [req.input]
-        elif req.input and isinstance(req.input[0], int):
-            inputs = [req.input]  # type: ignore[list-item]
-        else:
-            inputs = list(req.input)  # type: ignore[arg-type]
+        inputs = input_items(req.input)
         if not inputs:
             raise ApiError(400, "input must not be empty", "input")
         limit = server.profile.max_model_len
-        embd_id = f"embd-{_hex16()}"
-        preps: list[Prepared] = []
-        for i, item in enumerate(inputs):
-            if isinstance(item, str):
-                text, ids = item, tokenizer.encode(item)
-            else:
-                text, ids = "", list(item)
-                if any(t < 0 or t >= tokenizer.VOCAB_SIZE for t in ids):
-                    raise ApiError(
-                        400, f"token ids must be in [0, {tokenizer.VOCAB_SIZE})", "input"
-                    )
-            if not ids:
-                raise ApiError(400, "The prompt is empty; at least one token is required.", "input")
-            if len(ids) > limit:
-                raise ApiError(
-                    400,
-                    f"This model's maximum context length is {limit} tokens. However, you "
-                    f"requested {len(ids)} tokens in the input for embedding generation. "
-                    "Please reduce the length of the input.",
-                    "input",
-                )
-            prep = server._prepared(
-                request, req, "completion", model, text, ids, 0, f"{embd_id}-{i}"
-            )
-            prep.sim.prefill_only = True
-            preps.append(prep)
-        async with contextlib.AsyncExitStack() as stack:
-            handles = [await stack.enter_async_context(server._submitted(p)) for p in preps]
-            await asyncio.gather(
-                *(self._run(request, p, h) for p, h in zip(preps, handles, strict=True))
-            )
+        prompts = [input_prompt(item, limit, " for embedding generation") for item in inputs]
+        embd_id = f"embd-{hex16()}"
+        preps = await prefill_together(server, request, req, model, embd_id, prompts)
         data = []
         for i, p in enumerate(preps):
             vec = embedding_vector(p.sim.prompt_token_ids)
@@ -884,20 +910,16 @@ class AgentApi:
                 emb = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
             data.append({"index": i, "object": "embedding", "embedding": emb})
         n_prompt = sum(len(p.sim.prompt_token_ids) for p in preps)
-        return web.json_response(
+        return list_answer(
+            embd_id,
+            model,
+            data,
             {
-                "id": embd_id,
-                "object": "list",
-                "created": int(time.time()),
-                "model": model,
-                "data": data,
-                "usage": {
-                    "prompt_tokens": n_prompt,
-                    "total_tokens": n_prompt,
-                    "completion_tokens": 0,
-                    "prompt_tokens_details": None,
-                },
-            }
+                "prompt_tokens": n_prompt,
+                "total_tokens": n_prompt,
+                "completion_tokens": 0,
+                "prompt_tokens_details": None,
+            },
         )
 
 

@@ -6,6 +6,7 @@ them (`enginesim.server` for vLLM and SGLang, `enginesim.llamacpp_api` for llama
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -130,6 +131,26 @@ def validation_error(exc: ValidationError) -> ApiError:
     loc = ".".join(str(p) for p in first.get("loc", ()))
     msg = first.get("msg", "invalid request")
     return ApiError(400, f"{loc}: {msg}" if loc else msg, loc.split(".")[0] if loc else None)
+
+
+def validated(model: type[BaseModel], body: Any) -> Any:
+    """A JSON body as `model`, or the 400 vLLM answers (the agent and serving APIs)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def hex16() -> str:
+    """vLLM's random_uuid(): 16 hex digits."""
+    return f"{uuid.uuid4().int & (2**64 - 1):016x}"
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON, as an SSE event's data."""
+    return json.dumps(obj, separators=(",", ":"))
 
 
 async def read_json(request: web.Request) -> Any:

@@ -25,34 +25,39 @@ Shapes follow vLLM 0.32's `entrypoints/pooling`, `entrypoints/speech_to_text` an
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import hashlib
-import json
 import math
 import struct
-import time
-import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from enginesim import tokenizer
-from enginesim.agent_api import embedding_vector
+from enginesim.agent_api import (
+    check_prompt_len,
+    embedding_vector,
+    input_items,
+    input_prompt,
+    list_answer,
+    open_sse,
+    prefill_together,
+    run_to_end,
+)
 from enginesim.api import (
     ApiError,
     ChatMessage,
     Prepared,
     SamplingRequest,
     bound_max_tokens,
+    dumps,
+    hex16,
     read_json,
     render_chat,
-    validation_error,
+    validated,
 )
 from enginesim.driver import RequestHandle
-from enginesim.types import EngineEvent, EventKind
 
 if TYPE_CHECKING:
     from enginesim.server import EngineServer
@@ -62,21 +67,11 @@ AUDIO_BYTES_PER_SECOND = 32_000
 MAX_AUDIO_FILE_MB = 25  # vLLM's VLLM_MAX_AUDIO_CLIP_FILESIZE_MB default
 NUM_CLASSES = 2  # labels LABEL_0 / LABEL_1, as a Hugging Face config without id2label
 SEP_ID = tokenizer.SPECIAL["<|end|>"]  # between a pair's query and document
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify", "plugin")
 _REMOVED_TASKS = {
     "score": "`score` task was removed; use `classify` instead.",
     "encode": "`encode` task was removed; use `token_embed` or `token_classify` instead.",
 }
-
-
-def _hex16() -> str:
-    """vLLM's random_uuid(): 16 hex digits."""
-    return f"{uuid.uuid4().int & (2**64 - 1):016x}"
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
 
 
 # --------------------------------------------------------------------------------------
@@ -207,15 +202,6 @@ def _truthy(v: Any) -> bool:
     return bool(v)
 
 
-def _validated(model: type[BaseModel], body: Any) -> Any:
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-
-
 # --------------------------------------------------------------------------------------
 # Deterministic model outputs
 # --------------------------------------------------------------------------------------
@@ -297,88 +283,27 @@ class ServingApi:
 
     @staticmethod
     def _request_id(request: web.Request, prefix: str, body_id: str | None = None) -> str:
-        base = request.headers.get("X-Request-Id") or body_id or _hex16()
+        base = request.headers.get("X-Request-Id") or body_id or hex16()
         return f"{prefix}-{base}"
 
-    def _check_len(self, ids: list[int], param: str) -> None:
-        limit = self.server.profile.max_model_len
-        if not ids:
-            raise ApiError(400, "The prompt is empty; at least one token is required.", param)
-        if len(ids) > limit:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {len(ids)} tokens in the input. Please reduce the length of "
-                "the input.",
-                param,
-            )
-
-    async def _prefill(
-        self, request: web.Request, req: SamplingRequest, model: str, rid: str, prompts: list
-    ) -> list[Prepared]:
-        """Each (text, ids) prompt as a prefill-only core request, run together."""
-        server = self.server
-        preps: list[Prepared] = []
-        for i, (text, ids) in enumerate(prompts):
-            prep = server._prepared(request, req, "completion", model, text, ids, 0, f"{rid}-{i}")
-            prep.sim.prefill_only = True
-            preps.append(prep)
-        async with contextlib.AsyncExitStack() as stack:
-            handles = [await stack.enter_async_context(server._submitted(p)) for p in preps]
-            await asyncio.gather(
-                *(self._run(request, p, h) for p, h in zip(preps, handles, strict=True))
-            )
-        return preps
-
-    async def _run(
-        self, request: web.Request, prep: Prepared, handle: RequestHandle
-    ) -> tuple[list[int], EngineEvent]:
-        ids: list[int] = []
-        final: EngineEvent | None = None
-        async for batch, end in self.server._batches(request, prep, handle):
-            ids.extend(batch)
-            final = end
-        assert final is not None  # noqa: S101
-        if final.kind is EventKind.ABORTED:
-            raise ApiError(500, "the engine aborted the request")
-        return ids, final
-
     def _inputs(self, req: _InputRequest) -> list[tuple[str, list[int]]]:
-        if req.messages is not None:
-            text = render_chat(req.messages)
-            items: list[str | list[int]] = [text]
-        elif isinstance(req.input, str):
-            items = [req.input]
-        elif req.input and isinstance(req.input[0], int):
-            items = [req.input]  # type: ignore[list-item]
-        else:
-            items = list(req.input or [])  # type: ignore[arg-type]
+        items = [render_chat(req.messages)] if req.messages is not None else input_items(req.input)
         if not items:
             raise ApiError(400, "You must pass at least one prompt", "input")
-        out: list[tuple[str, list[int]]] = []
-        for item in items:
-            if isinstance(item, str):
-                text, ids = item, tokenizer.encode(item)
-            else:
-                text, ids = "", list(item)
-                if any(t < 0 or t >= tokenizer.VOCAB_SIZE for t in ids):
-                    raise ApiError(
-                        400, f"token ids must be in [0, {tokenizer.VOCAB_SIZE})", "input"
-                    )
-            self._check_len(ids, "input")
-            out.append((text, ids))
-        return out
+        return [input_prompt(item, self.server.profile.max_model_len) for item in items]
 
     @staticmethod
-    def _usage(n: int) -> dict[str, Any]:
-        """vLLM's UsageInfo of a pooling answer, as model_dump writes it."""
-        return {
+    def _list_answer(rid: str, model: str, data: list[dict[str, Any]], n: int) -> web.Response:
+        """A pooling answer (score, classify, pooling): its data and vLLM's UsageInfo for
+        `n` prompt tokens, as model_dump writes it."""
+        usage = {
             "prompt_tokens": n,
             "total_tokens": n,
             "completion_tokens": 0,
             "prompt_tokens_details": None,
             "completion_tokens_details": None,
         }
+        return list_answer(rid, model, data, usage)
 
     # -- score and rerank --------------------------------------------------------------
 
@@ -425,15 +350,15 @@ class ServingApi:
             if req.max_tokens_per_doc:
                 d_ids = d_ids[: req.max_tokens_per_doc]
             ids = [*q_ids, SEP_ID, *d_ids, SEP_ID]
-            self._check_len(ids, "documents")
+            check_prompt_len(ids, self.server.profile.max_model_len, "documents")
             prompts.append((q + d, ids))
             sides.append((q_ids, d_ids))
-        preps = await self._prefill(request, req, model, rid, prompts)
+        preps = await prefill_together(self.server, request, req, model, rid, prompts)
         scores = [relevance_score(q, d) for q, d in sides]
         return model, scores, sum(len(p.sim.prompt_token_ids) for p in preps)
 
     async def rerank(self, request: web.Request) -> web.Response:
-        req: RerankRequest = _validated(RerankRequest, await read_json(request))
+        req: RerankRequest = validated(RerankRequest, await read_json(request))
         rid = self._request_id(request, "score", req.request_id)
         docs = req.documents if isinstance(req.documents, list) else [req.documents]
         d1, d2 = self._pairs(req.query, docs)
@@ -456,28 +381,20 @@ class ServingApi:
         )
 
     async def score(self, request: web.Request) -> web.Response:
-        req: ScoreRequest = _validated(ScoreRequest, await read_json(request))
+        req: ScoreRequest = validated(ScoreRequest, await read_json(request))
         rid = self._request_id(request, "score", req.request_id)
         d1, d2 = self._pairs(*req.sides())
         model, scores, n = await self._score_pairs(request, req, rid, d1, d2)
-        return web.json_response(
-            {
-                "id": rid,
-                "object": "list",
-                "created": int(time.time()),
-                "model": model,
-                "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-                "usage": self._usage(n),
-            }
-        )
+        data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+        return self._list_answer(rid, model, data, n)
 
     # -- classify and pooling ----------------------------------------------------------
 
     async def classify(self, request: web.Request) -> web.Response:
-        req: ClassificationRequest = _validated(ClassificationRequest, await read_json(request))
+        req: ClassificationRequest = validated(ClassificationRequest, await read_json(request))
         rid = self._request_id(request, "classify", req.request_id)
         model = self.server._check_model(req.model)
-        preps = await self._prefill(request, req, model, rid, self._inputs(req))
+        preps = await prefill_together(self.server, request, req, model, rid, self._inputs(req))
         data = []
         for i, p in enumerate(preps):
             probs = class_probs(p.sim.prompt_token_ids)
@@ -485,20 +402,10 @@ class ServingApi:
             data.append(
                 {"index": i, "label": f"LABEL_{best}", "probs": probs, "num_classes": len(probs)}
             )
-        n = sum(len(p.sim.prompt_token_ids) for p in preps)
-        return web.json_response(
-            {
-                "id": rid,
-                "object": "list",
-                "created": int(time.time()),
-                "model": model,
-                "data": data,
-                "usage": self._usage(n),
-            }
-        )
+        return self._list_answer(rid, model, data, sum(len(p.sim.prompt_token_ids) for p in preps))
 
     async def pooling(self, request: web.Request) -> web.Response:
-        req: PoolingRequest = _validated(PoolingRequest, await read_json(request))
+        req: PoolingRequest = validated(PoolingRequest, await read_json(request))
         rid = self._request_id(request, "pooling", req.request_id)
         model = self.server._check_model(req.model)
         if req.dimensions is not None:
@@ -516,7 +423,7 @@ class ServingApi:
             raise ApiError(
                 400, "the simulator answers encoding_format float or base64", "encoding_format"
             )
-        preps = await self._prefill(request, req, model, rid, self._inputs(req))
+        preps = await prefill_together(self.server, request, req, model, rid, self._inputs(req))
         data = []
         for i, p in enumerate(preps):
             ids = p.sim.prompt_token_ids
@@ -534,22 +441,12 @@ class ServingApi:
                 flat = [x for row in out for x in row] if out and isinstance(out[0], list) else out
                 value = base64.b64encode(struct.pack(f"<{len(flat)}f", *flat)).decode()
             data.append({"index": i, "object": "pooling", "data": value})
-        n = sum(len(p.sim.prompt_token_ids) for p in preps)
-        return web.json_response(
-            {
-                "id": rid,
-                "object": "list",
-                "created": int(time.time()),
-                "model": model,
-                "data": data,
-                "usage": self._usage(n),
-            }
-        )
+        return self._list_answer(rid, model, data, sum(len(p.sim.prompt_token_ids) for p in preps))
 
     # -- detokenize --------------------------------------------------------------------
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        req: DetokenizeRequest = _validated(DetokenizeRequest, await read_json(request))
+        req: DetokenizeRequest = validated(DetokenizeRequest, await read_json(request))
         self.server._check_model(req.model)
         if any(t < 0 or t >= tokenizer.VOCAB_SIZE for t in req.tokens):
             raise ApiError(400, f"token ids must be in [0, {tokenizer.VOCAB_SIZE})", "tokens")
@@ -586,7 +483,7 @@ class ServingApi:
             raise ApiError(400, "file: Field required", "file")
         if len(audio) > MAX_AUDIO_FILE_MB * 1024 * 1024:
             raise ApiError(400, "Maximum file size exceeded", "audio_filesize_mb")
-        return audio, _validated(AudioForm, fields)
+        return audio, validated(AudioForm, fields)
 
     async def _audio(
         self, request: web.Request, task: Literal["transcribe", "translate"]
@@ -621,7 +518,7 @@ class ServingApi:
         async with server._submitted(prep) as handle:
             if form.stream:
                 return await self._audio_stream(request, prep, handle, form, task)
-            ids, _final = await self._run(request, prep, handle)
+            ids, _final = await run_to_end(self.server, request, prep, handle)
         out: dict[str, Any] = {"text": tokenizer.decode(ids)}
         if task == "transcribe":  # no usage in a translation
             out["usage"] = {"type": "duration", "seconds": math.ceil(duration_s)}
@@ -637,9 +534,7 @@ class ServingApi:
     ) -> web.StreamResponse:
         """vLLM's chat-like chunks (`transcription.chunk` / `translation.chunk`, no
         `index` in a choice), an optional usage chunk, then `[DONE]`."""
-        resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
-        resp.enable_chunked_encoding()
-        await resp.prepare(request)
+        resp = await open_sse(request)
         head = {
             "id": prep.public_id,
             "object": "transcription.chunk" if task == "transcribe" else "translation.chunk",
@@ -659,7 +554,7 @@ class ServingApi:
             }
 
         async def send(payload: dict[str, Any]) -> None:
-            await resp.write(f"data: {_dumps(payload)}\n\n".encode())
+            await resp.write(f"data: {dumps(payload)}\n\n".encode())
 
         if prep.drop_after == 0:
             self.server._drop(request, prep)
