@@ -118,9 +118,13 @@ def _text(rng: random.Random, words: int) -> str:
     return " ".join(out)
 
 
-def tenant_prefix(t: int, seed: int) -> tuple[str, list[dict]]:
+def tenant_prefix(
+    t: int, seed: int, system_words: int = 2300, n_tools: int = 8
+) -> tuple[str, list[dict]]:
     rng = random.Random(f"tenant-{seed}-{t}")
-    system = f"You are the operations agent of tenant {t}. Follow these rules.\n" + _text(rng, 2300)
+    system = f"You are the operations agent of tenant {t}. Follow these rules.\n" + _text(
+        rng, system_words
+    )
     tools = [
         {
             "type": "function",
@@ -137,7 +141,7 @@ def tenant_prefix(t: int, seed: int) -> tuple[str, list[dict]]:
                 },
             },
         }
-        for k in range(8)
+        for k in range(n_tools)
     ]
     return system, tools
 
@@ -149,18 +153,35 @@ class Session:
     turns: list[str]
 
 
-def workload(args: argparse.Namespace) -> tuple[list[Session], dict[int, tuple[str, list]]]:
-    prefixes = {t: tenant_prefix(t, args.seed) for t in range(args.tenants)}
+def workload(
+    args: argparse.Namespace, system_words: int = 2300, n_tools: int = 8, result_words: int = 260
+) -> tuple[list[Session], dict[int, tuple[str, list]]]:
+    """``--tenants`` prefixes (a system prompt of `system_words` and `n_tools` tool
+    schemas), ``--sessions`` sessions each of ``--turns`` tool results of `result_words`."""
+    prefixes = {t: tenant_prefix(t, args.seed, system_words, n_tools) for t in range(args.tenants)}
     rng = random.Random(args.seed)
     sessions = []
     for t in range(args.tenants):
         for s in range(args.sessions):
             turns = [
-                f"Turn {k}: tool result follows.\n" + _text(rng, 260) for k in range(args.turns)
+                f"Turn {k}: tool result follows.\n" + _text(rng, result_words)
+                for k in range(args.turns)
             ]
             sessions.append(Session(t, f"t{t}-s{s}-{args.seed}", turns))
     rng.shuffle(sessions)
     return sessions, prefixes
+
+
+def turn_body(sess: Session, messages: list[dict], tools: list, max_tokens: int) -> dict:
+    """A session's next turn: its whole history so far, streamed."""
+    return {
+        "model": MODEL,
+        "messages": messages,
+        "tools": tools,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "user": sess.sid,
+    }
 
 
 @dataclass
@@ -313,14 +334,7 @@ async def drive(
             messages: list[dict] = [{"role": "system", "content": system}]
             for k, user in enumerate(sess.turns):
                 messages.append({"role": "user", "content": user})
-                body = {
-                    "model": MODEL,
-                    "messages": messages,
-                    "tools": tools,
-                    "max_tokens": args.max_tokens,
-                    "stream": True,
-                    "user": sess.sid,
-                }
+                body = turn_body(sess, messages, tools, args.max_tokens)
                 if args.trace:
                     body["stream_options"] = {"include_usage": True}
                 sent = (asyncio.get_running_loop().time() - t0) * args.speed

@@ -351,16 +351,21 @@ async def one_level_real(
 
 async def routing_decisions(url: str) -> dict[str, float]:
     """kvgate's own count of its placements by reason (speculation, spill, ...)."""
+    return await counter_by_label(url, "kvgate_routing_decisions_total", "reason")
+
+
+async def counter_by_label(url: str, sample: str, label: str) -> dict[str, float]:
+    """A counter's samples from kvgate's /metrics, summed by one label's value."""
     from prometheus_client.parser import text_string_to_metric_families
 
     async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
         text = await r.text()
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
-        for sample in fam.samples:
-            if sample.name == "kvgate_routing_decisions_total":
-                reason = sample.labels.get("reason", "")
-                out[reason] = out.get(reason, 0.0) + sample.value
+        for sm in fam.samples:
+            if sm.name == sample:
+                key = sm.labels.get(label, "")
+                out[key] = out.get(key, 0.0) + sm.value
     return out
 
 

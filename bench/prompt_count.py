@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import subprocess
 import sys
 import tempfile
@@ -39,12 +38,13 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.agentic_prefix import MODEL, PROFILE, Dispatch, Session, _text, run_turn  # noqa: E402
+from bench.agentic_prefix import PROFILE, Dispatch, Session, run_turn, turn_body  # noqa: E402
+from bench.agentic_prefix import workload as agentic_workload  # noqa: E402
+from bench.coding_speculation import counter_by_label  # noqa: E402
 from kvgate_demo.demo import (  # noqa: E402
     access_records,
     gateway_config,
@@ -63,42 +63,7 @@ def workload(args: argparse.Namespace) -> tuple[list[Session], dict[int, tuple[s
     """bench/agentic_prefix.py's workload, sized by ``--system-words``, ``--tools`` and
     ``--result-words`` (its own sizes fill the 8,192-token context of seed2's card in
     four turns, where every prompt is near the limit and counted by any kvgate)."""
-    prefixes = {}
-    for t in range(args.tenants):
-        rng = random.Random(f"tenant-{args.seed}-{t}")
-        system = f"You are the operations agent of tenant {t}. Follow these rules.\n" + _text(
-            rng, args.system_words
-        )
-        tools = [
-            {
-                "type": "function",
-                "function": {
-                    "name": f"t{t}_tool_{k}",
-                    "description": _text(rng, 45),
-                    "parameters": {
-                        "type": "object",
-                        "properties": {
-                            f"arg_{j}": {"type": "string", "description": _text(rng, 8)}
-                            for j in range(4)
-                        },
-                        "required": ["arg_0"],
-                    },
-                },
-            }
-            for k in range(args.tools)
-        ]
-        prefixes[t] = (system, tools)
-    rng = random.Random(args.seed)
-    sessions = []
-    for t in range(args.tenants):
-        for s in range(args.sessions):
-            turns = [
-                f"Turn {k}: tool result follows.\n" + _text(rng, args.result_words)
-                for k in range(args.turns)
-            ]
-            sessions.append(Session(t, f"t{t}-s{s}-{args.seed}", turns))
-    rng.shuffle(sessions)
-    return sessions, prefixes
+    return agentic_workload(args, args.system_words, args.tools, args.result_words)
 
 
 def quantile(xs: list[float], q: float) -> float | None:
@@ -109,14 +74,7 @@ def quantile(xs: list[float], q: float) -> float | None:
 
 
 async def prompt_counts(url: str) -> dict[str, float]:
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        text = await r.text()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for sm in fam.samples:
-            if sm.name == "kvgate_prompt_counts_total":
-                out[sm.labels["how"]] = sm.value
-    return out
+    return await counter_by_label(url, "kvgate_prompt_counts_total", "how")
 
 
 async def all_ready(url: str, replicas: int, limit_s: float = 60.0) -> None:
@@ -147,14 +105,7 @@ async def drive(url: str, args: argparse.Namespace) -> dict[str, int]:
             messages: list[dict] = [{"role": "system", "content": system}]
             for k, user in enumerate(sess.turns):
                 messages.append({"role": "user", "content": user})
-                body = {
-                    "model": MODEL,
-                    "messages": messages,
-                    "tools": tools,
-                    "max_tokens": args.max_tokens,
-                    "stream": True,
-                    "user": sess.sid,
-                }
+                body = turn_body(sess, messages, tools, args.max_tokens)
                 ok, _, _, _, reply, _, trace = await run_turn(http, dispatch, body, args)
                 if trace.get("request_id"):
                     turns[trace["request_id"]] = k
