@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+
+T = TypeVar("T")
 
 
 def chat_body(content: str = "Say something short.", **extra: Any) -> dict[str, Any]:
@@ -54,3 +57,24 @@ async def wait_until(predicate: Callable[[], bool], within: float = 5.0) -> None
         if loop.time() > deadline:
             raise AssertionError(f"condition not met within {within}s")
         await asyncio.sleep(0.005)
+
+
+async def holds_kv_while_running(server: Any, request: Awaitable[T]) -> T:
+    """Await `request` in a task: the core holds KV for it meanwhile, and nothing runs or is
+    held once it has answered."""
+    task = asyncio.create_task(request)
+    await wait_until(lambda: server.core.stats().blocks_in_use > 0)
+    answer = await task
+    stats = server.core.stats()
+    assert stats.blocks_in_use == 0 and stats.num_running == 0
+    return answer
+
+
+async def cancel_frees_the_core(server: Any, task: asyncio.Task[Any]) -> None:
+    """The client gives up on `task` (its connection closes): the core frees its KV and the
+    driver forgets it."""
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: server.core.stats().blocks_in_use == 0)
+    assert server.driver.num_in_flight == 0

@@ -11,7 +11,14 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.enginesim.helpers import CHAT, chat_body, scrape, wait_until
+from tests.enginesim.helpers import (
+    CHAT,
+    cancel_frees_the_core,
+    chat_body,
+    holds_kv_while_running,
+    scrape,
+    wait_until,
+)
 
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
@@ -349,13 +356,10 @@ async def test_embeddings_are_prefill_only_requests_on_the_core(enginesim_server
     server = await enginesim_server("tiny", speed=0.02)  # slow enough to watch the prefill
     before = await scrape(session, server.url)
     prompt = "words " * 600
-    task = asyncio.create_task(
-        post_json(session, server.url + EMBEDDINGS, {"input": prompt}), name="embed"
+    data = await holds_kv_while_running(
+        server, post_json(session, server.url + EMBEDDINGS, {"input": prompt})
     )
-    await wait_until(lambda: server.core.stats().blocks_in_use > 0)  # it holds the KV
-    data = await task
     stats = server.core.stats()
-    assert stats.blocks_in_use == 0 and stats.num_running == 0
     assert stats.generation_tokens == 0 and stats.num_finished == 1
     m = await scrape(session, server.url)
     n = data["usage"]["prompt_tokens"]
@@ -420,11 +424,7 @@ async def test_non_stream_disconnect_aborts_in_the_core(enginesim_server, sessio
     body = {"input": "y " * 40, "max_output_tokens": 2000, "ignore_eos": True}
     task = asyncio.create_task(session.post(server.url + RESPONSES, json=body))
     await wait_until(lambda: server.core.stats().blocks_in_use > 0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    await wait_until(lambda: server.core.stats().blocks_in_use == 0)
-    assert server.driver.num_in_flight == 0
+    await cancel_frees_the_core(server, task)
 
 
 # -- the official SDKs -----------------------------------------------------------------------

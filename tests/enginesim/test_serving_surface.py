@@ -14,7 +14,13 @@ import pytest
 
 from enginesim import tokenizer
 from enginesim.serving_api import AUDIO_BYTES_PER_TOKEN
-from tests.enginesim.helpers import parse_sse, scrape, wait_until
+from tests.enginesim.helpers import (
+    cancel_frees_the_core,
+    holds_kv_while_running,
+    parse_sse,
+    scrape,
+    wait_until,
+)
 
 TRANSCRIPTIONS = "/v1/audio/transcriptions"
 TRANSLATIONS = "/v1/audio/translations"
@@ -184,13 +190,11 @@ async def test_pooling_endpoints_are_prefill_only_requests(enginesim_server, ses
     server = await enginesim_server("tiny", speed=0.02)  # slow enough to watch the prefill
     before = await scrape(session, server.url)
     doc = "words " * 300
-    task = asyncio.create_task(
-        post_json(session, server.url + "/rerank", {"query": "words", "documents": [doc, doc]})
+    data = await holds_kv_while_running(
+        server,
+        post_json(session, server.url + "/rerank", {"query": "words", "documents": [doc, doc]}),
     )
-    await wait_until(lambda: server.core.stats().blocks_in_use > 0)  # it holds the KV
-    data = await task
     stats = server.core.stats()
-    assert stats.blocks_in_use == 0 and stats.num_running == 0
     assert stats.generation_tokens == 0 and stats.num_finished == 2  # one per pair
     for path, body in (("/classify", {"input": "a b"}), ("/pooling", {"input": "c d"})):
         await post_json(session, server.url + path, body)
@@ -207,11 +211,7 @@ async def test_pooling_disconnect_aborts_in_the_core(enginesim_server, session):
     body = {"input": ["words " * 600, "other " * 600]}
     task = asyncio.create_task(session.post(server.url + "/classify", json=body))
     await wait_until(lambda: server.core.stats().blocks_in_use > 0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    await wait_until(lambda: server.core.stats().blocks_in_use == 0)
-    assert server.driver.num_in_flight == 0
+    await cancel_frees_the_core(server, task)
     assert server.core.stats().num_aborted == 2
 
 
