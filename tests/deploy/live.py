@@ -111,10 +111,7 @@ def gateway_config(replicas: dict[str, str], port: int) -> dict:
             | {"slo": t["slo"]}
             for name, t in TENANTS.items()
         ],
-        # A running cap on every replica, as an operator may set one: the dashboard's
-        # "the rule's count where one binds" has a count to show (only the pool binds
-        # a replica without one, and then the series is absent by design).
-        "replicas": [{"name": n, "url": u, "max_running": 8} for n, u in replicas.items()],
+        "replicas": [{"name": n, "url": u} for n, u in replicas.items()],
         "discovery": {"refresh_interval_s": 0.5, "probe_timeout_s": 1.0},
         "outlier": {
             "consecutive_failures": 2,
