@@ -1,15 +1,15 @@
 """Which ceiling binds a request that cannot be admitted now (sans-IO).
 
 A shed request is told why it waits (`gateway.denials` words it): a replica at its KV
-pool and one at a running count call for different remedies (a shorter request fits
-the first; only time helps the second). Read from the model's ready replicas at the
-moment of the shed:
+pool and one at its running limit call for different remedies (a shorter request fits
+the first; only time helps the second), and a running limit kvgate learned is not the
+pool being full. Read from the model's ready replicas at the moment of the shed:
 
 - ``kv_pool`` / ``kv_share``: no replica has the request's KV need free, in its pool or
   in this process's leased slice of it (several gateway processes);
-- ``running_cap`` / ``running_share``: the KV need fits somewhere, but every such
-  replica runs as many requests as it may: the configured or engine's cap, or this
-  process's leased share of it;
+- ``running_learned`` / ``running_cap`` / ``running_share``: the KV need fits somewhere,
+  but every such replica runs as many requests as it may: the limit kvgate learned, the
+  configured or engine's cap, or this process's leased share of it;
 - ``running_deadlines``: the same, where what binds is the requests it runs, one of which
   one more would slow past its client's deadline (admission/room.py);
 - ``tenant_concurrency``: the tenant runs as many requests as it may;
@@ -30,8 +30,11 @@ def _running_bound(r: Replica) -> str | None:
     allowed = r.allowed
     if allowed is None or r.running < allowed:
         return "running_deadlines" if r.running + 1 > r.room else None
-    if r.share_running is not None and (r.cap is None or r.share_running < r.cap):
+    own = r.cap if r.limit is None else r.limit.allowed(r.cap)
+    if r.share_running is not None and (own is None or r.share_running < own):
         return "running_share"
+    if r.limit is not None and (r.cap is None or own < r.cap):
+        return "running_learned"
     return "running_cap"
 
 
@@ -49,7 +52,7 @@ def binding_ceiling(replicas: Iterable[Replica], raw: int, tenant_capped: bool) 
             if bound is None:
                 return "queue"
             running.append(bound)
-    if running:  # the KV need fits, a running bound does not: the most common reason
+    if running:  # the KV need fits, the running limit does not: the most common reason
         return max(set(running), key=running.count)
     sliced = any(
         r.share_tokens is not None and r.share_tokens < r.effective

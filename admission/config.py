@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class LatencyTargetsConfig(BaseModel):
-    """Latency targets (SLO) of one model, in seconds; any may be left out."""
+    """Latency targets of one model, in seconds; any may be left out."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -20,7 +20,7 @@ class LatencyTargetsConfig(BaseModel):
         gt=0.0,
         description="Inter-token latency: 1 / the per-user decode rate (0.2 = 5 tokens/s).",
     )
-    e2e_s: float | None = Field(None, gt=0.0, description="Whole request, arrival to end.")
+    e2e_s: float | None = Field(None, gt=0.0, description="Whole request, admission to end.")
 
 
 class AdmissionConfig(BaseModel):
@@ -117,12 +117,47 @@ class AdmissionConfig(BaseModel):
     retry_memory_entries: int = Field(
         100_000, ge=0, description="Most unserved requests remembered at once (oldest dropped)."
     )
+    learn_limit: bool = Field(
+        True,
+        description="Learn each replica's running limit from latency, goodput and the "
+        "engine's own signals (admission/limit.py). Caps from config or the engine stay "
+        "upper bounds.",
+    )
+    initial_limit: float = Field(
+        2.0, ge=1.0, description="Running limit of a replica before anything was measured."
+    )
+    limit_window: int = Field(
+        16, ge=2, description="Completions (at least the limit) per measurement window."
+    )
+    knee_efficiency: float = Field(
+        0.1,
+        gt=0.0,
+        lt=1.0,
+        description="Past the knee: one more running request buys less than this share of "
+        "an average request's throughput.",
+    )
+    latency_budget_fraction: float = Field(
+        0.6,
+        gt=0.0,
+        le=1.0,
+        description="Share of a client's timeout (stated, or its learned patience) the "
+        "learned limit lets a window's slowest request's service take (aimed at from 15% "
+        "inside); a queued request waits while its predicted service still fits the rest.",
+    )
+    latency_target_quantile: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Quantile of a window's requests held to the latency targets (0.5: the "
+        "median user, as seed 000's per-user decode rate; 0.9 for a p90 SLO).",
+    )
+    limit_probe_step: float = Field(
+        0.15, gt=0.0, le=1.0, description="Relative growth of the limit per busy window."
+    )
     latency_targets: dict[str, LatencyTargetsConfig] = Field(
         default_factory=dict,
         description="Per-model latency targets; the key '*' applies to models not listed. "
-        "A request's deadline where it is shorter than its client's own (e2e_s: the whole "
-        "response; ttft_s: a stream's first token); itl_s: the ITL target of a request "
-        "whose tenant set none. Default: none, so only clients' own deadlines bound it.",
+        "Default: none, so only clients' own timeouts and goodput bound the limit.",
     )
     retry_jitter: float = Field(
         0.1,

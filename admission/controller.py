@@ -14,15 +14,14 @@ Each concern lives in a module of its own, which states its rules:
 - admission/settling.py: the queue, its order and head-of-line policy, settling;
 - admission/shedding.py: shed verdicts, Retry-After, drain rate, expiry;
 - admission/refusals.py: requests that can never fit (400, 404);
-- admission/room.py: the deadline room the running requests leave;
-- admission/learning.py: what completions teach;
+- admission/learning.py: what completions and engine gauges teach;
 - admission/report.py: every read (`AdmissionController.report`).
 
 One output channel, as h11's `Connection`: every call that changes state returns its
 verdict and every event it caused. `submit` returns a `Decision` (its verdict, and the
 `Events` it settled for other requests: entries admitted in the same scan, an entry a
 full queue gave up for it); `release`, `abandon`, `upsert_replica`, `remove_replica`,
-`mark_unready`, `set_ejected`, `set_pool_share` and `advance` return the
+`mark_unready`, `set_ejected`, `set_pool_share`, `adopt_limit` and `advance` return the
 `Events` they caused. `advance(now)` is time acting: expiries (deadlines passed, waits
 that no longer meet them, holds overdue) and the settling they and time allow;
 `next_deadline()` says when it is next due. Nothing is kept to hand out later.
@@ -90,9 +89,9 @@ class AdmissionController:
         return self._placement.router
 
     def reconfigure(self, config: AdmissionConfig, router: Router | None, now: float) -> Events:
-        """Take reloaded settings for decisions from now on (replicas keep what they
-        learned); `router` replaces the routing policy. Returns the queued requests they
-        admit."""
+        """Take reloaded settings for decisions from now on (a replica's learned limit
+        keeps what it learned, and new replicas' limits start from the new settings);
+        `router` replaces the routing policy. Returns the queued requests they admit."""
         self._saw(now)
         self.config = self._ledger.config = self._queue.config = config
         self._shedding.config = config
@@ -126,16 +125,16 @@ class AdmissionController:
         ledger = self._ledger
         rep = ledger.replicas.get(state.name)
         if rep is None:
-            rep = ledger.add_replica(state.name)
+            rep = ledger.add_replica(state.name, self._learning.new_limit(now))
         if not rep.present or rep.models != frozenset(state.models):
             self._views.membership_changed()
-        rep.refresh(
+        fresh = rep.refresh(
             state, self.config, now, pinned_capacity=pinned_capacity, max_running=max_running
         )
         if rep.held:
             for res in ledger.stopped(rep, state):
                 self._free(res, now, res.completion)
-        rep.note_limit(now)
+        self._learning.engine_view(rep, state, fresh, now)
         self._views.replica_changed(rep)
         return self._settle(now)
 
@@ -187,12 +186,11 @@ class AdmissionController:
         others_tokens: int = 0,
     ) -> Events:
         """Cap `replica`'s effective pool at the `tokens` this process leased (None: no
-        cap) and its running count at `running` (None: no cap), when several gateway
-        processes share the replica (gateway/state). `others_tokens` is what the other
-        processes hold there, so the pool check and a preemption's correction count the
-        replica's whole KV (`others_running` is accepted for the lease loop's call).
-        Reservations above a shrunk share stay until released; nothing more is admitted
-        there meanwhile. Returns requests admitted because the share grew."""
+        cap) and its running limit at `running` (None: no cap), when several gateway
+        processes share the replica (gateway/state). `others_running` and `others_tokens`
+        are what the other processes hold there, so the learned limit judges the
+        replica's whole load and the pool check its whole KV. Reservations above a shrunk share stay until released; nothing more is
+        admitted there meanwhile. Returns requests admitted because the share grew."""
         self._saw(now)
         rep = self._ledger.replicas.get(replica)
         if rep is None:
@@ -200,8 +198,20 @@ class AdmissionController:
         rep.share_tokens = None if tokens is None else max(0, tokens)
         rep.share_running = None if running is None else max(0, running)
         rep.others_reserved = max(0, others_tokens)
-        rep.note_limit(now)
+        if rep.limit is not None:
+            rep.limit.others = max(0, others_running)
         self._views.replica_changed(rep)  # its free room and headroom moved: orders follow
+        return self._settle(now)
+
+    def adopt_limit(self, replica: str, value: float, reason: str, now: float) -> Events:
+        """Take the learned running limit another gateway process published for
+        `replica` (shared state); returns the queued requests a larger limit admits."""
+        self._saw(now)
+        rep = self._ledger.replicas.get(replica)
+        if rep is None or rep.limit is None:
+            return []
+        rep.limit.adopt(value, now, reason)
+        self._views.touch(rep)  # its running headroom moved: the orders follow
         return self._settle(now)
 
     # ------------------------------------------------------------------ requests
@@ -241,7 +251,6 @@ class AdmissionController:
                     budget_learned=True,
                     budget_whole=learned.whole,
                 )
-        req = self._slo(req)
         raw = 0
         shapes = view.usable_shapes
         if req.avoid:
@@ -282,8 +291,8 @@ class AdmissionController:
         """Free the request's reservation, or drop it from the queue; idempotent.
 
         `completion` is what the request measured about its replica (latency, usage); the
-        replica's service model learns from it. None (client disconnect, queue exit)
-        teaches nothing.
+        learned running limit of that replica feeds on it. None (client disconnect,
+        queue exit) teaches nothing.
 
         Returns the queued requests this admitted, and those it shed: with the first
         service seen, entries queued cold may no longer have time for it.
@@ -411,28 +420,6 @@ class AdmissionController:
         self._queue.overdue = False
         return [*self._shedding.expire(now), *admitted]
 
-    def _slo(self, req: AdmissionRequest) -> AdmissionRequest:
-        """A configured latency target of the request's model (``latency_targets``) is a
-        deadline as a client's timeout is: a non-stream request's ``e2e_s`` (or a
-        stream's, bounding its whole response), a stream's ``ttft_s``, whichever of it
-        and the client's own budget is shorter; an ``itl_s`` is its ITL target where its
-        tenant set none (routing places it where the gap is met)."""
-        targets = self.config.latency_targets
-        if not targets:
-            return req
-        t = targets.get(req.model) or targets.get("*")
-        if t is None:
-            return req
-        if t.itl_s is not None and not req.itl_target_s:
-            req = replace(req, itl_target_s=t.itl_s)
-        whole = t.e2e_s is not None
-        slo = t.e2e_s if whole else (t.ttft_s if req.stream else None)
-        if slo is None or (req.latency_budget is not None and req.latency_budget <= slo):
-            return req
-        return replace(
-            req, latency_budget=slo, budget_learned=False, budget_whole=whole and req.stream
-        )
-
     def _predict(self, req: AdmissionRequest) -> float:
         """The queue's service prediction for `req` on its model's replicas now."""
         return self._views.predict(req, self._views.view(req.model))
@@ -447,8 +434,16 @@ class AdmissionController:
         self._learning.stream_gap(rep, completion, at_admit, now)
         self._ledger.free(res, now)
         self._scaling.served(res.model, now - res.admitted_at, res.tokens + res.covered, now)
-        if completion is not None:
-            self._learning.completed(rep, completion, res.load)
-            rep.room_stale = True  # the completion refit its service: the room follows
+        # The room the running requests leave bounds slow start's growth (admission/room.py).
+        room = self._ledger.room(rep, now)
+        if res.unbudgeted is not None and completion is not None:
+            # Admitted before its clients' patience was learned: scored against it now,
+            # or the limit grows on completions it cannot judge while they time out.
+            tenant, stream = res.unbudgeted
+            learned = self._patience.budget(tenant, res.model, stream)
+            if learned is not None:
+                res.budget, res.budget_whole = learned.seconds, learned.whole
+        self._learning.released(rep, res, completion, now, at_admit, room=room)
+        rep.room_stale = True  # the completion refit its service: the room follows
         self._placement.released(res.request_id, res.replica, now)
         self._ledger.forget_if_gone(rep)

@@ -12,7 +12,7 @@ accumulator divided by ``tau``. Two choices keep it honest:
   so the rate is divided by the elapsed busy time ``tau * (1 - exp(-T / tau))`` instead of
   ``tau`` (the same correction Adam applies to its moment estimates).
 
-A past rate lags a load that grows: while what runs climbs to what the pool fits, the releases of
+A past rate lags a limit that grows: while slow start doubles what runs, the releases of
 the last ``tau`` seconds are those of a half-empty replica, and a queue told its wait by
 them is sent away for twice as long as it needs (seed 001's card, a burst of 64: the
 queue came back to a replica that had idled). So the meter also keeps the mean time a

@@ -64,6 +64,13 @@ class HolderRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedLimit:
+    value: float
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class SharedPatience:
     """A population's client patience as the process that learned it last published it
     (admission/patience.py)."""

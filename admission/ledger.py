@@ -4,8 +4,7 @@ Each admitted request holds one reservation on one replica, sized by admission/r
 The sum of reservations on a replica never exceeds its effective pool because of an
 admission or a top-up (invariant 3); it can exceed it only when the pool itself shrinks,
 and then nothing more is admitted there until enough is released. The number of
-reservations never exceeds a configured or engine running cap, nor the deadline room
-(admission/room.py).
+reservations never exceeds the replica's running limit.
 
 Shared prefixes
     On an engine that keeps one copy of a prompt prefix its running requests share
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from admission.config import AdmissionConfig
 from admission.drain import DrainMeter
 from admission.fit import can_ever_fit
+from admission.limit import RunningLimit
 from admission.replica import Replica
 from admission.room import deadline_room
 from admission.types import AdmissionRequest, Admit, Completion
@@ -61,12 +61,13 @@ class Reservation:
     prompt_tokens: int = 0  # its prompt and reserved output, for its predicted service
     output_tokens: int = 0
     # When its client gives up on it (its attempt's arrival + a budget that bounds the
-    # whole response): admitting more must not slow it past this (admission/room.py).
+    # whole response): growing the limit must not slow it past this.
     due: float = math.inf
-    # The replica's load integral at its admission (`Replica.tick`), and at its release
-    # the mean number it ran beside, itself included (what its service is learned at).
-    area: float = 0.0
-    load: float = 1.0
+    # Since its first attempt's arrival (a Retry-After slept is queueing too) until admitted.
+    waited: float = 0.0
+    # (tenant, stream) of a client that stated nothing, admitted before its population's
+    # patience was learned: scored against that patience once it is (AdmissionController).
+    unbudgeted: tuple[str, bool] | None = None
     # Set by `hold`: since when, until when at most, and what to learn on release.
     held_since: float | None = None
     held_until: float = math.inf
@@ -90,8 +91,10 @@ class Ledger:
         self.latest = 0.0  # the latest `now` a call passed (reads judge by it)
 
     # ------------------------------------------------------------------ replicas
-    def add_replica(self, name: str) -> Replica:
-        rep = self.replicas[name] = Replica(name=name, drain=DrainMeter(self.config.drain_window_s))
+    def add_replica(self, name: str, limit: RunningLimit | None) -> Replica:
+        rep = self.replicas[name] = Replica(
+            name=name, drain=DrainMeter(self.config.drain_window_s), limit=limit
+        )
         return rep
 
     def forget_if_gone(self, rep: Replica) -> None:
@@ -134,21 +137,16 @@ class Ledger:
         bs = rep.block_size
         return max(bs, tokens - credit // bs * bs), shared
 
-    def fits_now(
-        self, rep: Replica, req: AdmissionRequest, now: float, left: float = math.inf
-    ) -> bool:
+    def fits_now(self, rep: Replica, req: AdmissionRequest, now: float) -> bool:
         """`rep` can take `req` now; if so its candidate is refreshed in place (the
         ledger now, the engine view's age). On every candidate of every decision: the
-        reservation is computed once (`tokens_for`'s memo), for the fit and the need.
-        `left`: the time its client's budget leaves it (`Placement.place`): its own
-        predicted service there, at the load it joins, must fit it (a last retry out of
-        time to start is exempt, as from the room)."""
+        reservation is computed once (`tokens_for`'s memo), for the fit and the need."""
         if not rep.usable:
             return False
         tokens = rep.tokens_for(req)
         if not can_ever_fit(rep.fit, req.prompt_tokens, req.max_tokens, tokens):
             return False
-        allowed = rep.allowed
+        allowed = rep.allowed_for(req.over_limit)
         running = rep.running
         if allowed is not None and running >= allowed:
             return False
@@ -157,10 +155,8 @@ class Ledger:
         ):
             # One more would slow a running request past its deadline, by an upper
             # estimate: a last retry out of time to start, which fails for sure if shed,
-            # is taken all the same.
+            # is taken all the same (as past the learned limit, `allowed_for`).
             return False
-        if left < math.inf and not req.over_limit and _service(rep, req) > left:
-            return False  # it would not finish in time here at this load: it waits
         free = rep.free
         need, shared = Ledger.less_shared(rep, req, tokens, now)
         if need > free:
@@ -219,13 +215,14 @@ class Ledger:
                 tokens,
             )
             private = tokens - added
-        area = rep.tick(now)
         rep.reserved += tokens
         rep.running += 1
-        rep.peak_reserved = max(rep.peak_reserved, rep.reserved + rep.others_reserved)
         rep.drain.set_busy(True, now)
+        if rep.limit is not None:
+            rep.limit.running_changed(rep.running, now)
         full = rep.tokens_for(req)  # its whole need, the shared part included
         since = now if entered is None else entered
+        first = req.arrival if req.arrival < since else since  # not min(): a call per decision
         res = self.reservations[req.request_id] = Reservation(
             req.request_id,
             rep.name,
@@ -239,8 +236,10 @@ class Ledger:
             prompt_tokens=max(1, req.prompt_tokens),
             output_tokens=max(0, req.expected_output),
             due=_due(req, since),
-            area=area,
+            waited=now - first,
         )
+        if req.latency_budget is None and req.deadline == math.inf:
+            res.unbudgeted = (req.tenant, req.stream)
         if res.due != math.inf:
             self.bounded.setdefault(rep.name, {})[req.request_id] = res
         rep.room_stale = True  # the load it serves at moved
@@ -259,9 +258,6 @@ class Ledger:
         if res.pins and rep.prefixes is not None:
             freed += rep.prefixes.unpin(res.pins)
         rep.reserved -= freed
-        area = rep.tick(now)
-        span = now - res.admitted_at
-        res.load = (area - res.area) / span if span > 0 else float(rep.running)
         rep.running -= 1
         self._unbound(res)
         rep.room_stale = True
@@ -294,9 +290,9 @@ class Ledger:
 
     def room(self, rep: Replica, now: float) -> float:
         """The most requests `rep` may run without slowing a running one past its
-        client's deadline (admission/room.py): admission holds it to that. Recomputed
-        only after a reservation there came or went, its service was refit, or its view
-        was refreshed (a discovery round); a change of what binds is kept in its history."""
+        client's deadline (admission/room.py): admission holds it to that, slow start
+        grows its limit no further. Recomputed only after a reservation there came or
+        went, its service was refit, or its view was refreshed (a discovery round)."""
         if rep.room_stale:
             bounded = self.bounded.get(rep.name)
             rep.room = (
@@ -305,7 +301,6 @@ class Ledger:
                 else math.inf
             )
             rep.room_stale = False
-            rep.note_limit(now)
         return rep.room
 
     def _unbound(self, res: Reservation) -> None:
@@ -369,15 +364,6 @@ class Ledger:
             if r.replica == rep.name and r.held_since is not None and r.held_since < seen
         ]
         return judged[:stopped]
-
-
-def _service(rep: Replica, req: AdmissionRequest) -> float:
-    """The upper estimate of `req`'s service on `rep` at the load it would join (a
-    stream whose budget bounds its first token: that time); 0 before any sample."""
-    load = rep.serving_load
-    if req.stream and not req.budget_whole:
-        return rep.ttft.predict(max(1, req.prompt_tokens), load=load)
-    return rep.service.predict(max(1, req.prompt_tokens), max(0, req.expected_output), load)
 
 
 def _due(req: AdmissionRequest, entered: float) -> float:

@@ -86,13 +86,7 @@ class Placement:
         if req.avoid:
             blocked = blocked | req.avoid
         ledger = self._ledger
-        budget = req.latency_budget
-        # What its client's budget leaves it to be served in (inf: no deadline here).
-        left = math.inf if budget is None else entry.entered + budget - now
-
-        def fits_now(rep: Replica, req: AdmissionRequest, now: float) -> bool:
-            return ledger.fits_now(rep, req, now, left)
-
+        fits_now = ledger.fits_now
         view = ledger.views.view(req.model)
         reps = ledger.replicas
         fit: dict[str, bool] = {}

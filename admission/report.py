@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from admission.fit import FitLimits
 from admission.ledger import Ledger
-from admission.limitlog import LimitHistory
+from admission.limit import RunningLimit
 from admission.patience import Budget, ClientPatience, PatienceReading
 from admission.placement import Placement
 from admission.replica import Replica
@@ -35,7 +35,7 @@ class PoolDemand:
     running: int
     queued_tokens: int  # queued requests' needs for the models it serves
     queued: int
-    running_limit: int | None  # the running cap, if any (None: the pool bounds it)
+    running_limit: int | None  # the learned limit within the cap (None: unbounded)
     share_tokens: int | None
     share_running: int | None
 
@@ -136,11 +136,10 @@ class AdmissionReport:
         share once (its requests then carry their block hash chain)."""
         return self._ledger.views.view(model).shares_prefix
 
-    def limit_history(self, replica: str) -> LimitHistory | None:
-        """What the admission rule let `replica` run, each change and what bound it
-        (admission/limitlog.py); None for a replica not known."""
+    def limit_of(self, replica: str) -> RunningLimit | None:
+        """The learned running limit of `replica` (to read; `adopt_limit` changes it)."""
         rep = self._ledger.replicas.get(replica)
-        return rep.history if rep is not None else None
+        return rep.limit if rep is not None else None
 
     def predicted_itl(self, replica: str, running_after: int) -> float | None:
         """The replica's expected inter-token gap with `running_after` running (None:
@@ -157,6 +156,11 @@ class AdmissionReport:
         for model in rep.models:
             queued_tokens += self._queue.tokens.get(model, 0)
             queued += self._queue.per_model.get(model, 0)
+        limit = None
+        if rep.limit is not None:
+            limit = rep.limit.allowed(rep.cap)
+        elif rep.cap is not None:
+            limit = rep.cap
         return PoolDemand(
             replica=rep.name,
             usable=rep.usable,
@@ -165,7 +169,7 @@ class AdmissionReport:
             running=rep.running,
             queued_tokens=queued_tokens,
             queued=queued,
-            running_limit=rep.cap,
+            running_limit=limit,
             share_tokens=rep.share_tokens,
             share_running=rep.share_running,
         )
@@ -196,8 +200,8 @@ class AdmissionReport:
                     max_running=rep.cap,
                     binding_ceiling=blocked_by.get(rep.name, "none"),
                     models=sorted(rep.models),
-                    limit=rep.limit,
-                    limit_reason=rep.limit_reason,
+                    limit=rep.allowed if rep.limit is not None else None,
+                    limit_reason=rep.limit.reason if rep.limit is not None else "",
                     held=rep.held,
                     ejected=rep.ejected,
                     service_plane=_plane(rep),
@@ -220,8 +224,8 @@ class AdmissionReport:
             elif not rep.usable:
                 out[rep.name] = "not_ready"
             elif (allowed := rep.allowed) is not None and rep.running >= allowed:
-                share = rep.cap is None or allowed < rep.cap
-                out[rep.name] = "running_share" if share else "running_cap"
+                learned = rep.cap is None or allowed < rep.cap
+                out[rep.name] = "latency" if learned else "running_cap"
             elif rep.running + 1 > self._ledger.room(rep, self._ledger.latest):
                 out[rep.name] = "deadlines"  # admission/room.py
             elif (

@@ -2,8 +2,8 @@
 
 Little's law, per model: the requests that must run at once to serve the demand are
 the arrival rate times the time one takes to serve (L = lambda * W), and one replica
-runs as many as its cap allows (if it has one) and as many of the model's mean KV
-need as its pool holds. So
+runs as many as its learned running limit allows, within its hard cap and within as
+many of the model's mean KV need as its pool holds. So
 
     desired = ceil(arrival rate * mean service time / mean concurrency per replica)
 

@@ -145,8 +145,8 @@ class Settling:
         learned, queues only while the predicted service (`predicted`, an upper estimate
         at the load the replica runs; a stream: its first token) still fits after the
         wait: the queue takes what service leaves, not a fixed share, since in a closed
-        loop the clients' time is set by throughput and admission keeps service itself
-        inside the budget (admission/room.py). Before any service was seen it may queue for half its
+        loop the clients' time is set by throughput and the learned limit keeps service
+        itself inside the budget. Before any service was seen it may queue for half its
         budget. A request predicted to need (nearly) all of it still queues briefly
         (a tenth): the prediction is an upper estimate, and shedding it forever helps
         nobody. The configured queue timeout (the tenant's own first) is the default for

@@ -23,7 +23,7 @@ Expiry (`expire`, run by the controller's `advance`) sheds entries past their de
 (``queue_timeout``) or whose re-estimated wait no longer meets it (``deadline``); each is
 told its own wait behind every entry before it, kept or shed in the same pass. A client's
 last retry, which a shed fails for sure, is shed on no estimate, and at its deadline it
-is first given one chance to run past the deadline room (`Ledger.fits_now`).
+is first given one chance to run over the learned limit (`Replica.allowed_for`).
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ class Shedding:
             if entry.deadline <= now:
                 if entry.req.last_retry and not entry.req.over_limit:
                     # Out of time to start, a last retry fails for sure if shed: it may
-                    # run past the deadline room at the settle that follows; if the
+                    # run one over the learned limit at the settle that follows; if the
                     # pool does not hold it, the next pass sheds it.
                     entry.req.over_limit = True
                     continue

@@ -41,12 +41,12 @@ class AdmissionRequest(RouteRequest):
     # attempts of the same priority.
     last_retry: bool = False
     # Set on a queued last retry whose time to start ran out: rather than be shed (a
-    # certain failure) it may run past the deadline room there and then, if the pool
+    # certain failure) it may run one over the learned limit there and then, if the pool
     # holds it (admission.shedding, `expire`).
     over_limit: bool = False
     # Seconds the client allows for the whole service once admitted (its read timeout
     # less the time it will have queued, for a non-stream request), or None when unknown.
-    # Admission keeps the running requests' predicted service inside it (admission.room).
+    # The learned limit keeps service times inside the budgets of the requests it sees.
     latency_budget: float | None = None
     stream: bool = False  # a stream's budget bounds its time to first token only
     # True when `latency_budget` is the learned patience of its clients (admission.patience),
@@ -167,13 +167,13 @@ class ReplicaUsage:
     running: int
     max_running: int | None  # configured or engine-reported cap (an upper bound)
     binding_ceiling: (
-        # "none" | "kv_capacity" | "running_cap" | "running_share" | "deadlines" |
-        # "not_ready" | "ejected"
+        # "none" | "kv_capacity" | "running_cap" | "latency" | "deadlines" | "not_ready" |
+        # "ejected"
         str
     )
     models: list[str] = field(default_factory=list)
-    limit: int | None = None  # the count the admission rule allows now (None: the pool bounds)
-    limit_reason: str = ""  # what binds it: kv | cap | share | deadline (admission/limitlog.py)
+    limit: int | None = None  # the learned running limit in force (None: not learning)
+    limit_reason: str = ""  # what last moved the learned limit
     engine_kv_tokens: int | None = None  # the engine's own KV usage, in tokens
     held: int = 0  # abandoned requests whose reservation waits for the engine to stop
     ejected: bool = False  # out of service by outlier detection

@@ -143,7 +143,7 @@ def one_run(
 ) -> tuple[float, float, int]:
     kv = KVIndex() if profile == "precise" else None
     router = build_router(PROFILES[profile], seed=seed, env=PluginEnv(seed=seed, kv_index=kv))
-    ctl = AdmissionController(AdmissionConfig(), router, seed=seed)
+    ctl = AdmissionController(AdmissionConfig(learn_limit=False), router, seed=seed)
     for i in range(n):
         state = ReplicaState(
             name=f"r{i}",

@@ -106,7 +106,7 @@ def start_kvgate(
         "replicas": [
             {"name": f"r{i}", "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(replica_ports)
         ],
-        "admission": {"queue_timeout_s": 20.0},
+        "admission": {"queue_timeout_s": 20.0, "learn_limit": learn},
         "upstream": {"first_byte_s": 15.0, "idle_s": 5.0, "total_s": 180.0},
         "discovery": {"refresh_interval_s": 1.0, "probe_timeout_s": 1.0},
         "outlier": {"consecutive_failures": 3, "base_ejection_s": 5.0, "max_ejection_s": 30.0},

@@ -7,13 +7,7 @@ header would, honours Retry-After on a shed (up to `max_retries` when given), an
 up an attempt after `timeout_s` (a disconnect: the engine aborts the request, admission
 releases it without a completion sample). The engine's gauges reach admission every
 `probe_s`, as discovery would deliver them. No wall clock, no IO: a whole seed-001 run
-takes about a CPU second, so tests can assert on admission and benches can sweep.
-
-What an ended attempt tells admission (its `Completion`, its client's patience) is the
-gateway's own account stage (`gateway.accounting.completion`, `patience_seen`) reading a
-`RequestContext` filled as the gateway's stages fill it; the retry memory is
-`admission.retries.RetryMemory`, used as gateway/pipeline.py uses it
-(tests/admission/test_vtime_drives_the_gateway.py fails when they drift apart).
+takes about a CPU second, so tests can assert on the learned limit and benches can sweep.
 
 `stoppers`: that many of the clients (the first ones) stop reading each stream after 1-6
 token events (seeded), by design: a user pressing stop, an agent that read enough.
@@ -36,14 +30,13 @@ from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.fit import sized_exactly
+from admission.patience import ClientEnd, stream_end
 from admission.retries import RetryMemory
 from admission.types import AdmissionRequest, Admit, Completion, Events, Queued, Refuse, Shed
 from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
 from enginesim.types import EventKind, SimRequest
 from enginesim.workloads import WorkItem
-from gateway import accounting
-from gateway.context import RequestContext
 from gateway.stated import SDK_DEFAULT_MAX_RETRIES
 from routing.scheduler import default_profile
 from routing.types import ReplicaState
@@ -107,9 +100,6 @@ class _Attempt:
     stop_after: int | None = None  # a stopper's: it closes the stream after this many
     arrival: float = 0.0  # what the gateway takes as its arrival (a recognised retry's first)
     estimated: int | None = None  # prompt + output reserved, when the output was a guess
-    # The request as the gateway's stages fill it in (gateway/context.py): what its
-    # account stage reads (`gateway.accounting.completion`, `patience_seen`).
-    ctx: RequestContext | None = None
 
 
 def run(
@@ -175,12 +165,12 @@ def run(
         heapq.heappush(heap, (t, next(seq), kind, data))
 
     def note_limit() -> None:
-        usage = ctrl.report.replica_usage()
-        if not usage or usage[0].limit is None:
+        lim = ctrl.report.limit_of(REPLICA)
+        if lim is None:
             return
-        value = usage[0].limit
+        value = lim.allowed(max_running)
         if not report.limits or report.limits[-1][1] != value:
-            report.limits.append((now, value, usage[0].limit_reason))
+            report.limits.append((now, value, lim.reason))
 
     def start_engine(admits: Sequence[Admit]) -> None:
         for a in admits:
@@ -189,9 +179,6 @@ def run(
                 handle(ctrl.release(a.request_id, now))
                 continue
             att.admitted_at = now
-            if att.ctx is not None:  # as gateway/pipeline.py records an admission
-                att.ctx.admitted(a, now)
-                att.ctx.latency_budget = a.latency_budget  # stated, or learned
             memory.forget(att.item.request_id)
             p = len(att.item.prompt_token_ids)
             core.add_request(
@@ -238,7 +225,7 @@ def run(
     def shed(att: _Attempt, verdict: Shed) -> None:
         report.sheds[att.client] += 1
         memory.remember(att.item.request_id, att.arrival, now, retry_after=verdict.retry_after)
-        ended(att, f"shed_{verdict.reason}")
+        ended(att, False)
         live.pop(att.rid, None)
         att.done = True
         if max_retries is not None and att.retries >= max_retries:
@@ -293,24 +280,25 @@ def run(
         )
         if not sized_exactly(True, req.expected_output, bound, True):  # as the gateway
             att.estimated = p + req.expected_output
-        att.ctx = RequestContext(rid, "chat", "/v1/chat/completions", arrival=now, req=req)
-        att.ctx.patience_stated = send_timeout
-        att.ctx.admission_id = rid
         decision = ctrl.submit(req, now)
         handle_verdict(att, decision.verdict)
         handle(decision.events)
 
-    def ended(att: _Attempt, outcome: str) -> None:
-        """The request ended with `outcome` as the gateway words it: what its account
-        stage tells admission of a client that states no timeout (the gateway's own
-        `gateway.accounting.patience_seen`)."""
-        ctx = att.ctx
-        if ctx is None:
+    def ended(att: _Attempt, left: bool) -> None:
+        """What the gateway tells admission of a client that states no timeout
+        (gateway/accounting.py, `patience_seen`)."""
+        if send_timeout:
             return
-        ctx.outcome = outcome
-        end = accounting.patience_seen(ctx, now)
-        if end is not None:
-            handle(ctrl.client_ended("default", model, stream, end, now))
+        waited = now - att.start
+        end = ClientEnd(waited, left)
+        if stream:
+            first = None if att.first_token is None else att.first_token - att.start
+            gap = None
+            if att.first_token is not None and att.events > 1:
+                gap = (now - att.first_token) / (att.events - 1)
+            # A stopper leaves as its last event arrives: no quiet stretch.
+            end = stream_end(waited, left, first, 0.0 if first is not None else waited, gap)
+        handle(ctrl.client_ended("default", model, stream, end, now))
 
     def upsert() -> Events:
         return ctrl.upsert_replica(state, now, pinned_capacity=pool_tokens, max_running=max_running)
@@ -355,36 +343,42 @@ def run(
                     att.events += 1
                     if att.first_token is None:
                         att.first_token = now
-                    if stream and att.ctx is not None:  # as the relay counts events
-                        att.ctx.events += 1
-                        att.ctx.last_event_at = now
-                        if att.ctx.first_byte_at is None:
-                            att.ctx.first_byte_at = now
                     if att.stop_after is not None and att.events >= att.stop_after:
                         # It read what it wanted and closes the stream (not a completion).
                         core.abort(att.rid, now)
                         report.stopped += 1
-                        ended(att, "client_disconnect")
+                        ended(att, True)
                         handle(ctrl.release(att.rid, now))
                         finish(att)
                         continue
                 if ev.kind is EventKind.FINISHED:
                     assert att.admitted_at is not None
-                    done: Completion | None = None
-                    if att.ctx is not None:  # what the gateway's account stage reports
-                        att.ctx.usage_prompt = ev.prompt_tokens
-                        att.ctx.usage_completion = ev.completion_tokens
-                        ended(att, "ok")
-                        done = accounting.completion(att.ctx, now)
+                    service = now - att.admitted_at
+                    ttft = (att.first_token or now) - att.admitted_at
+                    ended(att, False)
                     est.observe_output(model, ev.completion_tokens)
                     if att.estimated is not None:
                         used = len(att.item.prompt_token_ids) + ev.completion_tokens
                         est.observe_estimated(model, att.estimated, used)
-                    admits = ctrl.release(att.rid, now, done)
+                    admits = ctrl.release(
+                        att.rid,
+                        now,
+                        Completion(
+                            ok=True,
+                            service_s=service,
+                            ttft_s=ttft if stream else None,
+                            itl_s=(now - att.first_token) / (ev.completion_tokens - 1)
+                            if stream and att.first_token and ev.completion_tokens > 1
+                            else None,
+                            prompt_tokens=ev.prompt_tokens,
+                            completion_tokens=ev.completion_tokens,
+                            latency_budget=timeout_s if send_timeout else None,
+                        ),
+                    )
                     report.completed += 1
                     report.tokens += ev.prompt_tokens + ev.completion_tokens
                     report.latencies.append(now - att.first)
-                    report.ttfts.append((att.first_token or now) - att.admitted_at)
+                    report.ttfts.append(ttft)
                     if (
                         att.first_token is not None
                         and ev.completion_tokens > 1
@@ -419,10 +413,15 @@ def run(
                 live.pop(att.rid, None)
                 # It left before an answer began: the gateway remembers it as unserved.
                 memory.remember(att.item.request_id, att.arrival, now)
-                # What the gateway's account stage makes of a client that left
-                # (gateway/accounting.py, `completion` and `patience_seen`).
-                ended(att, "client_disconnect")
-                gone = accounting.completion(att.ctx, now) if att.ctx is not None else None
+                # The gateway reads a client that leaves at its own declared timeout, or
+                # at the patience it was admitted under, as a failed request of the
+                # replica (gateway/accounting.py, `completion`).
+                res = ctrl.report.reservation(att.rid)
+                budget = res.latency_budget if res is not None else None
+                spent = budget is not None and now - att.start >= 0.9 * budget
+                served = now - att.admitted_at if att.admitted_at is not None else None
+                gone = Completion(ok=False, service_s=served) if res is not None and spent else None
+                ended(att, True)
                 handle(ctrl.release(att.rid, now, gone))
                 if timeout_backoff_s is not None and (
                     max_retries is None or att.retries < max_retries

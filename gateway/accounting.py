@@ -4,12 +4,12 @@
 token estimator from the engine's usage, settles the tenant's rate charge (corrected
 to the usage, or refunded when the request was never admitted), counts the outcome,
 tokens, latencies and the tenant's SLO attainment, and writes the access line.
-`completion` is what the ended request says about its replica's service, for the
-replica's service model (`AdmissionDoor.release`).
+`completion` is what the ended request says about its replica's load, for the learned
+limit (`AdmissionDoor.release`).
 
 Latencies are measured on the event loop's clock: TTFT from arrival (what the client
-waited) for metrics and SLOs, from admission (what the replica took) for the service
-model; ITL is `inter_token_latency`, the one formula every reader uses.
+waited) for metrics and SLOs, from admission (what the replica took) for the learned
+limit; ITL is `inter_token_latency`, the one formula every reader uses.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from gateway.context import RequestContext
 from gateway.logging import access_log_enabled, log_access
 from gateway.metrics import GatewayMetrics
 
-# Upstream failures that say the replica could not serve its load: its health
+# Upstream failures that say the replica could not serve its load: the learned limit
 # hears of them (a refused connection or a dropped one says the replica is down, not full).
 _LOAD_FAILURES = frozenset({"timeout", "stream_error", "status_5xx"})
 # A client that leaves this close to the timeout it declared left because of it.

@@ -2,10 +2,9 @@
 
 ``GET /admin/replicas`` shows, per replica, what admission decides with: the discovered
 and effective capacity, what is reserved and running, the queue for the models it
-serves, the count the admission rule lets it run and what binds it (its pool alone, a
-cap, this process's share, the running requests' deadlines) with each change of it, and
-which ceiling (KV capacity, a configured or engine running cap, a share, the deadlines,
-not ready, or an outlier ejection) currently binds, and each replica's ejections; and beside the
+serves, the learned running limit and what last moved it, and which ceiling (KV
+capacity, a configured or engine running cap, the learned latency limit, not ready, or
+an outlier ejection) currently binds, and each replica's ejections; and beside the
 replicas, the patience learned of clients that state no timeout, per tenant, model and
 stream (``client_patience``), and how many unserved attempts clients that do not say
 which retry they send give up after, per tenant (``client_retry_budget``). Without a configured admin
@@ -49,7 +48,7 @@ def replicas_snapshot(
         u = usage.get(name)
         models = list(u.models) if u else list(s.models)
         until = outliers.ejected_until(name) if outliers is not None else None
-        history = report.limit_history(name)
+        limit = report.limit_of(name)
         out.append(
             {
                 "name": name,
@@ -74,10 +73,10 @@ def replicas_snapshot(
                 "ejections": outliers.ejections(name) if outliers is not None else 0,
                 "limit": u.limit if u else None,
                 "limit_reason": u.limit_reason if u else "",
-                # What the admission rule let it run, and what bound it (admission/limitlog.py).
+                # What moved the limit, and on what evidence (admission/limitlog.py).
                 "limit_changes": [
                     {"at": iso8601(wall - (now - c.at)), **c.fields()}
-                    for c in (history.changes if history is not None else ())
+                    for c in (limit.history.changes if limit is not None else ())
                 ],
                 # What the queue predicts of a request's service here (an upper estimate
                 # at the load it runs): seconds = base + per token of prompt and output.

@@ -172,7 +172,7 @@ class LoggingConfig(_Strict):
 
 class StateConfig(_Strict):
     """Where several gateway processes keep what they share (gateway/state): the
-    per-replica pool and running-cap leases and the learned client patience.
+    per-replica pool and running-limit leases and the learned limits.
 
     ``memory`` (the default) shares nothing: one process owns every replica. ``redis``
     lets any number of processes and hosts on the same Redis and ``key_prefix`` act as

@@ -66,9 +66,12 @@ def rate_limited(policy: TenantState, limit: str, tokens: int, wait: float, now:
 _BINDS = {
     "kv_pool": "are at KV capacity",
     "kv_share": "are at KV capacity for this gateway process (its leased slice of the pool)",
+    "running_learned": (
+        "are at the running limit kvgate learned for them (their KV pool has room)"
+    ),
     "running_cap": "are at their running-request cap (max_running; their KV pool has room)",
     "running_share": (
-        "are at this gateway process's leased share of their running cap (their KV pool has room)"
+        "are at this gateway process's leased share of their running limit (their KV pool has room)"
     ),
     "running_deadlines": (
         "are running requests that one more would slow past their clients' deadlines"

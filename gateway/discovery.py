@@ -13,7 +13,7 @@ is truthful from the first request.
 A probe GET slower than ``discovery.probe_timeout_s`` fails its round but is not
 dropped (`gateway.probe.RoundFetcher`): the next round takes its answer, stamped with
 when it was asked for. An engine busy serving answers its /metrics late, and that is when
-its preemption counter should reach admission (a preemption corrects the pool).
+its preemption counter should reach the learned limit.
 
 Readiness has hysteresis (`admission.health.ProbeHysteresis`): a round whose probes fail
 or time out (the adapter finds the replica not ready) takes a ready replica out only

@@ -60,7 +60,7 @@ class AdmissionDoor:
 
     @property
     def report(self) -> AdmissionReport:
-        """Every read of admission (ledger, queue, what binds each replica)."""
+        """Every read of admission (ledger, queue, learned limits)."""
         return self._controller.report
 
     @property
@@ -215,22 +215,22 @@ class AdmissionDoor:
         self._limits_logged.pop(name, None)
 
     def _log_limit_changes(self, name: str, now: float) -> None:
-        """Log what the admission rule let `name` run since its last discovery round,
-        each change at INFO with what bound it (the deadline room's moves at DEBUG)."""
-        history = self._controller.report.limit_history(name)
-        if history is None:
+        """Log what moved `name`'s learned limit since its last discovery round, each
+        change at INFO with the evidence that made it (slow start's steps at DEBUG)."""
+        limit = self._controller.report.limit_of(name)
+        if limit is None:
             return
         logged, seen = self._limits_logged.get(name, (None, 0))
-        if logged is not history:
-            seen = 0  # a new replica record (it came back): its changes from 1
-        changes = history.since(seen)
+        if logged is not limit.history:
+            seen = 0  # a new limit (the replica came back, a reload): its changes from 1
+        changes = limit.history.since(seen)
         if not changes:
             return
-        self._limits_logged[name] = (history, changes[-1].seq)
+        self._limits_logged[name] = (limit.history, changes[-1].seq)
         wall = time.time() - now  # the loop's clock to the wall's
         for c in changes:
             limit_log.log(
-                logging.DEBUG if c.reason == "deadline" else logging.INFO,
+                logging.DEBUG if c.reason == "slow_start" else logging.INFO,
                 "replica %s: %s",
                 name,
                 c.describe(),
@@ -263,6 +263,12 @@ class AdmissionDoor:
                 others_tokens=others_tokens,
             )
         )
+
+    def adopt_limit(
+        self, replica: str, value: float, reason: str, now: float | None = None
+    ) -> None:
+        """Take another process's learned running limit for `replica` (shared state)."""
+        self._resolve(self._controller.adopt_limit(replica, value, reason, self._time(now)))
 
     def reconfigure(self, config: AdmissionConfig, router: Router | None = None) -> None:
         """Reloaded admission settings (and routing policy), from now on."""

@@ -27,15 +27,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
-CEILINGS = (
-    "kv_capacity",
-    "running_cap",
-    "running_share",
-    "deadlines",
-    "not_ready",
-    "ejected",
-    "none",
-)
+CEILINGS = ("kv_capacity", "running_cap", "latency", "deadlines", "not_ready", "ejected", "none")
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 # estimated / actual prompt tokens: 1 is a perfect count, 2 reserves twice what is used.
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0)
@@ -85,15 +77,14 @@ class _LedgerCollector(Collector):
         )
         limit = GaugeMetricFamily(
             "kvgate_replica_limit",
-            "Requests kvgate lets run on the replica at once where a count binds: a "
-            "configured or engine-reported cap, this process's share, or the running "
-            "requests' deadlines (absent where only the KV pool bounds it)",
+            "Requests kvgate lets run on the replica at once: the learned limit within any "
+            "configured or engine-reported cap",
             labels=["replica"],
         )
         binding = GaugeMetricFamily(
             "kvgate_replica_binding_ceiling",
             "1 for the ceiling that keeps the replica from taking more work now "
-            "(kv_capacity, running_cap, running_share, deadlines, not_ready, ejected, none)",
+            "(kv_capacity, running_cap, latency, not_ready, ejected, none)",
             labels=["replica", "ceiling"],
         )
         for u in self._usage():
@@ -102,8 +93,9 @@ class _LedgerCollector(Collector):
             running.add_metric([u.name], u.running)
             ready.add_metric([u.name], 1 if u.ready else 0)
             ejected.add_metric([u.name], 1 if u.ejected else 0)
-            if u.limit is not None:
-                limit.add_metric([u.name], u.limit)
+            allowed = u.limit if u.limit is not None else u.max_running
+            if allowed is not None:
+                limit.add_metric([u.name], allowed)
             for ceiling in CEILINGS:
                 binding.add_metric([u.name, ceiling], 1 if u.binding_ceiling == ceiling else 0)
         topup = CounterMetricFamily(

@@ -6,7 +6,8 @@ for the others. Each lease round (gateway/sharing.py) publishes what this proces
 learned itself and changed since it last published, and adopts for each population the
 latest budget another process published (`AdmissionDoor.adopt_patience`), which applies
 only while this process has learned none of its own, and only until this process's own
-clients are seen staying past it. The shared records outlive the processes: a process that starts, a worker added or the fleet restarted after
+clients are seen staying past it. The shared records outlive the processes (as the
+learned limits do): a process that starts, a worker added or the fleet restarted after
 a deploy starts from what the fleet learned, instead of holding a first wave under the
 default queue timeout until it leaves at its real patience (bench/real_vllm.py: 15-18
 attempt timeouts of a fresh kvgate's first wave).

@@ -97,7 +97,7 @@ class RoundFetcher:
     """One replica's probe GETs, round after round. A GET the round's timeout cut is
     not dropped: it runs on (up to ``LATE_ANSWER_S``) and a later round takes its answer
     instead of asking again. A slow engine's answers so arrive a round late, and feed
-    admission; a hung one still fails every round at the round's timeout.
+    the learned limit; a hung one still fails every round at the round's timeout.
 
     A path whose last answer came late is slow, not dead: a round still waiting on its
     next GET has no verdict (`Round.waiting`), so a steadily slow engine answers every

@@ -24,7 +24,7 @@ class DesiredReplicas(Collector):
         g = GaugeMetricFamily(
             "kvgate_model_desired_replicas",
             "Replicas the model needs for the demand kvgate sees (arrival rate x service "
-            "time / the concurrency one replica's cap and pool allow), 0 without demand",
+            "time / the concurrency one replica's learned limit allows), 0 without demand",
             labels=["model"],
         )
         now = asyncio.get_running_loop().time()

@@ -9,10 +9,13 @@ Renewal
     Every ``renew_interval_s``, and within 50 ms when requests queue here (demand this
     process's slice cannot meet), one round trip renews every lease: each asks for what
     the process holds and has queued, and reports what it holds (its *truth*); the
-    backend's arithmetic (admission/lease.py) decides the slice. A replica's running
-    cap, where it has one, is leased the same way (a process alone on a replica is not
-    capped by its share). What the process learned of its clients' patience is shared
-    once per interval (gateway/patience_sync.py).
+    backend's arithmetic (admission/lease.py) decides the slice. Learned running
+    limits are shared first: a limit this process changed is published, one another
+    process published later is adopted (`RunningLimit.adopt`), and a new process seeds
+    its limits from the shared ones; the running lease then splits the shared limit (a
+    process alone on a replica is not capped by it, so its limit grows between
+    renewals as a single process's does). What the process learned of its clients'
+    patience is shared the same way, once per interval (gateway/patience_sync.py).
 
 Tenant budgets
     A tenant's rpm, tpm and concurrency are leased the same way, as a fraction of the
@@ -35,7 +38,7 @@ Redis unreachable (``on_unreachable``)
     under load lets nothing past the pool or the running cap. Any failed renewal ends
     in the rebuild below once Redis answers (it may have restarted empty meanwhile).
     ``fail-open``: then the process keeps admitting from its slices, each cut to at most
-    1/N of the replica's pool and running cap (N: the processes alive at the last good
+    1/N of the replica's pool and running limit (N: the processes alive at the last good
     renewal, at least ``--workers``; a running slice keeps at least one request). While
     every process is cut off, their slices sum to at most the pool, so nothing is
     over-admitted; a process cut off alone while others still reach Redis can exceed the
@@ -139,7 +142,7 @@ def holder_id() -> str:
 
 
 class StateSync:
-    """Leases this process's slices of every replica and shares client
+    """Leases this process's slices of every replica and shares learned limits and client
     patience."""
 
     def __init__(
@@ -169,6 +172,7 @@ class StateSync:
         self.processes = 1
         self._outage_logged = False
         self._ever_up = False
+        self._limit_seen: dict[str, tuple[float, int]] = {}  # replica -> (value, version)
         self._patience = PatienceSync(backend, door)  # client patience
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
@@ -259,6 +263,7 @@ class StateSync:
         sent_at = self._last = self._loop.time()
         demands: list[PoolDemand] = []
         try:
+            await self._sync_limits()
             if patience:
                 await self._patience.sync(sent_at)
             demands = self._demands()
@@ -327,7 +332,8 @@ class StateSync:
             tokens = pool.granted if pool is not None else None
             running = run.granted if run is not None else None
             if run is not None and run.holders == 1 and not rebuilding:
-                # Alone on the replica: its record holds the whole cap.
+                # Alone on the replica: its record holds the whole, so the learned limit
+                # may grow between renewals without waiting for one.
                 running = None
             if rebuilding:
                 tokens = None if tokens is None else min(tokens, d.effective // n)
@@ -382,6 +388,26 @@ class StateSync:
             self._set_tenant_share(st.name, fraction, refill)
         elif self.tenants is not None:
             self.tenants.set_share(st.name, fraction, self._loop.time(), refill)
+
+    async def _sync_limits(self) -> None:
+        """Publish the learned limits this process changed; adopt newer ones."""
+        shared = await self.backend.limits()
+        now = self._loop.time()
+        for name in self.report.replica_names():
+            lim = self.report.limit_of(name)
+            if lim is None:
+                continue
+            seen = self._limit_seen.get(name)
+            remote = shared.get(name)
+            if seen is None and remote is not None:  # a new process starts from the shared
+                self.door.adopt_limit(name, remote.value, remote.reason, now)
+                self._limit_seen[name] = (lim.value, remote.version)
+            elif seen is None or lim.value != seen[0]:
+                version = await self.backend.publish_limit(name, lim.value, lim.reason)
+                self._limit_seen[name] = (lim.value, version)
+            elif remote is not None and remote.version > seen[1]:
+                self.door.adopt_limit(name, remote.value, remote.reason, now)
+                self._limit_seen[name] = (lim.value, remote.version)
 
     def _unreachable(self, err: Exception) -> None:
         self.errors += 1

@@ -154,10 +154,10 @@ def gateway_config(
 ) -> dict:
     """kvgate in front of the replicas, with its timers in wall seconds.
 
-    No running cap and no queue deadline are configured: a replica takes what its pool
-    fits, no request starts that is predicted to make a running one miss its client's
-    own timeout (sent in ``x-stainless-read-timeout``, as the openai SDKs do), and a
-    request queues only while that timeout still leaves room for its predicted service. `max_running` is an optional upper bound for experiments.
+    No running cap and no queue deadline are configured: kvgate learns each replica's
+    running limit, and queues a request only while its client's own timeout (sent in
+    ``x-stainless-read-timeout``, as the openai SDKs do) still leaves room for its
+    predicted service. `max_running` is an optional upper bound for experiments.
     `access_log`: one line per request in kvgate's log (the demo reads its losses there).
     """
     return {
@@ -189,9 +189,8 @@ ADMIN_TOKEN = "demo-admin"
 async def watch_limits(
     url: str, out: list[tuple[float, int, str]], *, every_s: float = 0.2
 ) -> None:
-    """Record the count the admission rule lets the replica run from ``/admin/replicas``
-    until cancelled (where one binds: a cap, the running requests' deadlines): (wall
-    seconds since start, count, what binds it), one entry per change."""
+    """Record the replica's learned limit from ``/admin/replicas`` until cancelled:
+    (wall seconds since start, limit, what last moved it), one entry per change."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -216,7 +215,7 @@ class Row:
     gateway_log: Path | None = None  # kvgate's log, for a phase through it
 
     def limit_summary(self) -> str:
-        """The count the rule let run, over the second half of the run (min-max)."""
+        """The learned limit: its value over the second half of the run (min-max)."""
         if not self.limits:
             return "-"
         half = self.result.wall_s / 2
@@ -241,7 +240,7 @@ def render_table(rows: Sequence[Row], speed: float) -> str:
             "retries per completed request",
             lambda r: f"{r.result.shed_retries / max(1, r.result.completed):.2f}",
         ),
-        ("running count where one bound (second half)", lambda r: r.limit_summary()),
+        ("learned running limit (second half)", lambda r: r.limit_summary()),
         ("wall time (simulated)", lambda r: sim(r.result.wall_s)),
         (
             "aggregate tokens/s (prompt+output, completed)",
@@ -453,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-running",
         type=int,
         default=0,
-        help="a running cap for the replica, an upper bound (0: none)",
+        help="an upper bound on the replica's learned running limit (0: none)",
     )
     ap.add_argument(
         "--time-limit",

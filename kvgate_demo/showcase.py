@@ -8,7 +8,7 @@ default, clock x25) and runs `kvgate sweep`'s staircase (seed 001's batch-json w
 replica behind a fresh `kvgate serve` (no running cap, no queue deadline: kvgate learns
 the limit) and runs the same staircase with the same clients through kvgate. Straight,
 the curve falls off the cliff; through kvgate it holds the plateau. Writes one report with
-both runs on the same plots, the count kvgate's rule let run marked (where one bound).
+both runs on the same plots, kvgate's learned limit marked.
 
 Replica and gateway run as separate processes, as in production, and are stopped by PID.
 Times and rates are in the replica's simulated seconds.

@@ -83,8 +83,8 @@ class Candidate:
     """A replica that can take the request now: admission's ledger view of it, and a
     reference to the engine's own (`engine`, the adapter's `ReplicaState`, never copied).
 
-    The ledger fields (free_tokens, running, max_running: the cap, or this process's
-    share of it) are admission's own and always current. The engine gauges (``engine.kv_usage``,
+    The ledger fields (free_tokens, running, max_running: the learned limit within the
+    cap) are admission's own and always current. The engine gauges (``engine.kv_usage``,
     ``engine.engine_waiting``, the prefix and speculation counters) come from the last
     discovery round, ``view_age_s`` seconds old at decision time; routing penalises a
     stale view but never reads it as free room (the ledger decides whether it fits).
@@ -96,7 +96,7 @@ class Candidate:
     free_tokens: int  # effective capacity minus reserved, in tokens
     effective_capacity: int
     running: int
-    max_running: int | None  # the running cap or share (None: only the pool bounds it)
+    max_running: int | None  # the learned limit within the cap (None: unbounded)
     labels: dict[str, str] = field(default_factory=dict)
     block_size: int = 16
     # The engine's own view of this replica, as of `view_age_s` ago.

@@ -1,12 +1,12 @@
 """Shared state for several gateway processes: one interface, two backends.
 
-A replica's KV pool, its running cap and a tenant's budget are properties of the
+A replica's KV pool, its running limit and a tenant's budget are properties of the
 replica or the tenant, not of one gateway process. When several processes (``kvgate
 serve --workers N``, or several hosts) front the same replicas, they must divide them.
 They do so by *leases*, as Google's Doorman divides a global rate limit:
 
 - Each process leases a slice of each shared resource (a replica's effective pool in
-  tokens, its running cap in requests, a tenant's budget in units) and admits from its
+  tokens, its running limit in requests, a tenant's budget in units) and admits from its
   slice locally: the request path never waits on the backend.
 - A background loop in the gateway shell (`gateway.sharing`) renews the slices every
   ``renew_interval_s`` (and at once when requests queue behind a slice). A slice asks
@@ -26,8 +26,8 @@ They do so by *leases*, as Google's Doorman divides a global rate limit:
   from the process's own truth (what it holds now), so a backend that restarts empty is
   rebuilt without double counting.
 
-Learned client patience is shared the same way a setting is: the latest value any
-process learned for a population is published with a version; the others adopt it.
+Learned running limits are shared the same way a setting is: the latest value any
+process learned for a replica is published with a version; the others adopt it.
 
 `MemoryBackend` keeps all of this in the process (the default: one process, no Redis);
 `RedisBackend` keeps it in Redis. Both pass the same contract tests.
@@ -35,7 +35,7 @@ process learned for a population is published with a version; the others adopt i
 
 from __future__ import annotations
 
-from admission.lease import HolderRecord, Lease, LeaseRequest, RenewResult
+from admission.lease import HolderRecord, Lease, LeaseRequest, RenewResult, SharedLimit
 from gateway.state.backend import StateBackend, StateUnavailable
 from gateway.state.memory import MemoryBackend
 
@@ -45,6 +45,7 @@ __all__ = [
     "LeaseRequest",
     "MemoryBackend",
     "RenewResult",
+    "SharedLimit",
     "StateBackend",
     "StateUnavailable",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedPatience
+from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedLimit, SharedPatience
 
 
 class StateUnavailable(Exception):
@@ -15,7 +15,8 @@ class StateUnavailable(Exception):
 
 
 class StateBackend(ABC):
-    """Leases of shared resources, process heartbeats and shared client patience.
+    """Leases of shared resources, process heartbeats, shared learned limits and client
+    patience.
 
     Every method raises `StateUnavailable` when the backend cannot be reached."""
 
@@ -42,6 +43,14 @@ class StateBackend(ABC):
     @abstractmethod
     async def holders(self, resource: str) -> dict[str, HolderRecord]:
         """The live holders of `resource` (for the admin endpoint and tests)."""
+
+    @abstractmethod
+    async def publish_limit(self, replica: str, value: float, reason: str) -> int:
+        """Publish a learned running limit; returns its version (increasing)."""
+
+    @abstractmethod
+    async def limits(self) -> dict[str, SharedLimit]:
+        """The latest published limit of every replica."""
 
     @abstractmethod
     async def publish_patience(self, population: str, seconds: float, whole: bool) -> int:

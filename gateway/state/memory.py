@@ -15,6 +15,7 @@ from admission.lease import (
     Lease,
     LeaseRequest,
     RenewResult,
+    SharedLimit,
     SharedPatience,
     grant,
 )
@@ -29,6 +30,7 @@ class MemoryBackend(StateBackend):
         # resource -> holder -> [granted, want, used, expires_at]
         self._leases: dict[str, dict[str, list[float]]] = {}
         self._procs: dict[str, float] = {}
+        self._limits: dict[str, SharedLimit] = {}
         self._patience: dict[str, SharedPatience] = {}
         self._responses: dict[str, tuple[str, int, float]] = {}  # id -> replica, tokens, expiry
         self._version = 0
@@ -73,6 +75,14 @@ class MemoryBackend(StateBackend):
             h: HolderRecord(int(r[0]), int(r[1]), int(r[2]), r[3] - now)
             for h, r in self._live(resource, now).items()
         }
+
+    async def publish_limit(self, replica: str, value: float, reason: str) -> int:
+        self._version += 1
+        self._limits[replica] = SharedLimit(value, self._version, reason)
+        return self._version
+
+    async def limits(self) -> dict[str, SharedLimit]:
+        return dict(self._limits)
 
     async def publish_patience(self, population: str, seconds: float, whole: bool) -> int:
         self._version += 1

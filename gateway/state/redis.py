@@ -1,4 +1,4 @@
-"""The Redis backend (redis-py asyncio): leases and patience shared by every gateway
+"""The Redis backend (redis-py asyncio): leases and limits shared by every gateway
 process that uses the same Redis and key prefix.
 
 One renewal is one round trip: a Lua script (``lease.lua``) heartbeats the process and
@@ -28,6 +28,7 @@ from admission.lease import (
     Lease,
     LeaseRequest,
     RenewResult,
+    SharedLimit,
     SharedPatience,
 )
 from gateway.state.backend import StateBackend, StateUnavailable
@@ -139,6 +140,15 @@ class RedisBackend(StateBackend):
             if e > now:
                 records[out[j]] = HolderRecord(g, w, u, (e - now) / 1000.0)
         return records
+
+    async def publish_limit(self, replica: str, value: float, reason: str) -> int:
+        return await self._publish_record("limits", replica, value, reason or "shared")
+
+    async def limits(self) -> dict[str, SharedLimit]:
+        out: dict[str, SharedLimit] = {}
+        for replica, (value, version, reason) in (await self._records("limits")).items():
+            out[replica] = SharedLimit(float(value), int(version), reason)
+        return out
 
     async def publish_patience(self, population: str, seconds: float, whole: bool) -> int:
         return await self._publish_record("patience", population, seconds, "1" if whole else "0")

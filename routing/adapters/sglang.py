@@ -9,7 +9,7 @@ in ``/metrics`` is a fallback for the pool size.
 Reservations: SGLang preempts (``preempts`` True): its scheduler reserves by
 ``new_token_ratio`` and retracts running requests when decode runs out of room, so, as
 with vLLM, admission may reserve a learned quantile of the output with top-ups, and the
-retractions correct the pool (``sglang:num_retracted_reqs_total``).
+learned running limit watches the retractions (``sglang:num_retracted_reqs_total``).
 
 Speculation: ``/server_info`` carries the server arguments ``speculative_algorithm``
 (null when off; EAGLE, EAGLE3, NEXTN, STANDALONE... when on) and

@@ -18,8 +18,8 @@ own balancer spreads requests over them.
 
 Reservations: vLLM preempts (``preempts`` True). A request it cannot grow is preempted
 and recomputed later, which costs time, not the request; so admission may reserve a
-learned quantile of the output and top it up as the stream grows, and its
-preemptions correct the pool (``vllm:num_preemptions_total``).
+learned quantile of the output and top it up as the stream grows, and the learned
+running limit watches the preemptions (``vllm:num_preemptions_total``).
 
 Prefix caching: the ``enable_prefix_caching`` label of ``vllm:cache_config_info`` says
 whether running requests share a common prefix's blocks (``shares_prefix``).

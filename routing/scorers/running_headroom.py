@@ -1,7 +1,6 @@
-"""The ``running_headroom`` scorer: the free share of the replica's running cap.
+"""The ``running_headroom`` scorer: the free share of the replica's running limit.
 
-The cap is the configured or engine one (or this process's share of it), always
-current; without one, fewer running scores higher. The load term to
+The limit is admission's learned one (within the cap), always current. The load term to
 pair with a preference scorer (``prefix_cache``, ``speculation``): it keeps a warm
 replica from being driven to its limit while a cold one idles."""
 
@@ -12,7 +11,7 @@ from routing.types import Candidate, RouteRequest
 
 
 class RunningHeadroomScorer(Scorer):
-    """Free share of the replica's running cap: 1 - running /
+    """Free share of the replica's running limit (learned, within the cap): 1 - running /
     limit; without a limit, 1 / (1 + running). Keeps a warm replica from being driven to
     its limit while a cold one idles."""
 

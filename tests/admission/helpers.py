@@ -65,9 +65,9 @@ def admits(events: Events) -> list[Admit]:
 
 
 def controller(**overrides: object) -> AdmissionController:
-    # The ledger and queue mechanics on exact sizes; Retry-After exactly as computed
-    # (jitter has its own test).
-    settings: dict[str, object] = {"headroom": 0.0, "retry_jitter": 0.0}
+    # The ledger and queue mechanics, without the learned limit (tests/admission/test_limit.py).
+    # Retry-After exactly as computed (jitter has its own test).
+    settings: dict[str, object] = {"headroom": 0.0, "learn_limit": False, "retry_jitter": 0.0}
     settings.update(overrides)
     return AdmissionController(AdmissionConfig(**settings), default_profile(seed=7), seed=7)
 

@@ -176,7 +176,7 @@ def test_held_reservation_counts_live_requests_against_the_gauge() -> None:
 
 
 def test_held_reservation_is_released_after_the_grace_and_learns_then() -> None:
-    ctrl = controller(abandoned_hold_s=5.0)
+    ctrl = controller(abandoned_hold_s=5.0, learn_limit=True)
     state = llama()
     ctrl.upsert_replica(state, 0.0)
     assert isinstance(ctrl.submit(request("a", 100, 8, max_tokens=100), 0.0).verdict, Admit)

@@ -102,6 +102,21 @@ def test_returning_from_ejection_returns_the_admission() -> None:
     assert ctrl.report.reserved_tokens() == 0
 
 
+def test_adopting_a_larger_shared_limit_returns_the_admissions_it_allows() -> None:
+    ctrl = controller(learn_limit=True, initial_limit=1)
+    ctrl.upsert_replica(replica("r1", 10_000, max_running=8), 0.0)
+    assert isinstance(ctrl.submit(request("a", 10, 10), 0.0).verdict, Admit)
+    assert isinstance(ctrl.submit(request("b", 10, 10), 0.0).verdict, Queued)
+    events = ctrl.adopt_limit("r1", 4.0, "shared", 1.0)
+    assert [e.request_id for e in events] == ["b"]
+    limit = ctrl.report.limit_of("r1")
+    assert limit is not None and (limit.value, limit.reason) == (4.0, "shared")
+    assert ctrl.adopt_limit("nowhere", 4.0, "shared", 1.0) == []
+    for rid in ("a", "b"):
+        ctrl.release(rid, 2.0)
+    assert ctrl.report.reserved_tokens() == 0
+
+
 def test_the_report_only_reads() -> None:
     ctrl = controller()
     ctrl.upsert_replica(replica(capacity=100), 0.0)

@@ -312,7 +312,7 @@ def test_position_counts_what_the_fair_order_serves_first() -> None:
 def _slo_controller() -> AdmissionController:
     cfg = RoutingConfig.model_validate({"default_profile": {"filters": [{"name": "slo_itl"}]}})
     ctrl = AdmissionController(
-        AdmissionConfig(headroom=0.0, retry_jitter=0.0),
+        AdmissionConfig(headroom=0.0, learn_limit=False, retry_jitter=0.0),
         build_router(cfg, seed=1),
         seed=1,
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from admission.limit import LimitSettings, RunningLimit
 from admission.types import Admit, Completion, Queued
 from bench.parity_sweep import TIMEOUT_FACTOR
 from bench.parity_vtime import calibrate, cell
@@ -28,6 +29,49 @@ from tests.admission.helpers import (
 )
 
 PROFILE = Path(__file__).resolve().parents[2] / "enginesim" / "profiles" / "vllm-cpu-tiny.yaml"
+
+
+def test_a_cold_replica_doubles_its_limit_in_one_round_of_completions() -> None:
+    """A burst on a healthy replica is not queued behind a limit that grows one window at
+    a time: each request served in time while the replica is busy adds one (TCP's slow
+    start), so 2 -> 4 -> 8 takes two rounds of completions."""
+    lim = RunningLimit(LimitSettings(initial=2, window=16))
+    now = 0.0
+    for expected in (4, 8):
+        for _ in range(lim.allowed(None)):
+            lim.running_changed(lim.allowed(None), now)
+            now += 0.5
+            lim.completed(now, now - 1.0, ok=True, work_tokens=500, ratio=(0.2, None), cap=None)
+        assert lim.allowed(None) == expected
+    assert lim.reason == "slow_start"
+
+
+def test_a_client_that_left_after_the_queue_took_its_budget_is_no_evidence_against_the_replica() -> (
+    None
+):
+    """A request queued for 8 s of its 10 s budget, served for 2 s, then left at its
+    timeout: the replica served it for 2 s (a lower bound, 1/3 of its share), so the limit
+    is not cut as it is for a request the replica itself failed."""
+
+    def window(completion: Completion) -> tuple[int | None, str]:
+        ctrl = controller(learn_limit=True, initial_limit=8.0, limit_window=4)
+        ctrl.upsert_replica(replica("r1", 100_000), 0.0)
+        now = 0.0
+        for i in range(40):
+            req = request(f"q{i}")
+            verdict = ctrl.submit(req, now).verdict
+            assert isinstance(verdict, Admit)
+            now += 0.5
+            ctrl.release(f"q{i}", now, completion)
+        usage = ctrl.report.replica_usage()[0]
+        return usage.limit, usage.limit_reason
+
+    queue_spent = Completion(ok=False, service_s=2.0, latency_budget=10.0)
+    limit, reason = window(queue_spent)
+    assert reason != "latency" and limit is not None and limit >= 8
+    # Served for its whole budget: the replica failed it, and the limit is cut.
+    limit, reason = window(Completion(ok=False, service_s=9.5, latency_budget=10.0))
+    assert reason == "latency" and limit is not None and limit < 8
 
 
 def test_a_queued_request_waits_as_long_as_its_predicted_service_leaves() -> None:
@@ -79,9 +123,8 @@ def test_a_queued_request_whose_service_grew_while_it_waited_is_shed_not_started
     14, after its client left: it is shed at once instead, with a Retry-After that gives
     its client a whole budget again. Its deadline was judged once, by the prediction when
     it entered. With only 4 completions seen, the prediction is a guess from a start still
-    climbing, and the request is not shed early on it (that cost the SDK's clients
-    attempts they needed); but it does not start predicted late either: it waits to its
-    deadline, in case the load falls, and is shed then."""
+    climbing, and the request starts (shedding on it cost the SDK's clients attempts
+    they needed)."""
     ctrl = controller(min_drain_samples=1)
     ctrl.upsert_replica(replica("r1", 1000, max_running=1), 0.0)
     now = served_one_by_one(ctrl, history, 2.0)
@@ -99,8 +142,7 @@ def test_a_queued_request_whose_service_grew_while_it_waited_is_shed_not_started
         again = ctrl.submit(request("late#1", 400, 100, latency_budget=10.0), now + 7.5)
         assert isinstance(again.verdict, Admit)
     else:
-        assert not admits(events) and not sheds(events)
-        assert [e.request_id for e in sheds(ctrl.advance(deadline))] == ["late"]
+        assert [e.request_id for e in admits(events)] == ["late"], events
 
 
 # ---------------------------------------------------------------- the openai SDK at 32
@@ -211,27 +253,58 @@ def test_plain_clients_at_32_lose_only_the_attempts_that_teach_their_patience(
     assert report.preemptions == 0
 
 
-def test_the_demos_job_with_a_stated_timeout_starts_nothing_late_once_service_is_seen() -> None:
+def test_a_preemption_cut_is_judged_against_what_ran_not_a_lull() -> None:
+    """Seen on the real vLLM: slow start reached 10, the engine preempted, and the next
+    discovery round fell in a lull with one request running: the limit was cut to 1 (75%
+    of that one), and took the rest of the run to climb back. The engine preempted while
+    up to ten ran: the cut is 75% of that."""
+    lim = RunningLimit(LimitSettings(initial=10))
+    sig = {"waiting": 0, "engine_running": 1, "kv_usage": 0.9, "cap": None}
+    lim.engine_signals(preemptions_total=0, running=0, now=0.0, **sig)
+    lim.running_changed(10, 0.5)
+    lim.running_changed(1, 1.5)
+    lim.engine_signals(preemptions_total=3, running=1, now=2.0, **sig)
+    assert lim.reason == "preemption" and lim.value == pytest.approx(7.5)
+
+
+def test_preemptions_seen_after_the_burst_ended_still_cut() -> None:
+    """Seen on the real vLLM: 16 streams ran, the engine preempted, and the burst ended
+    before the next discovery round read the counter: with nothing running then, the
+    preemptions were nobody's and the limit stayed at 16. They were the peak's."""
+    lim = RunningLimit(LimitSettings(initial=16))
+    sig = {"waiting": 0, "engine_running": 0, "kv_usage": 0.2, "cap": None}
+    lim.engine_signals(preemptions_total=0, running=0, now=0.0, **sig)
+    lim.running_changed(16, 0.1)
+    lim.running_changed(0, 1.0)
+    lim.engine_signals(preemptions_total=5, running=0, now=1.2, **sig)
+    assert lim.reason == "preemption" and lim.value == pytest.approx(12.0)
+
+
+def test_the_demos_job_with_a_stated_timeout_loses_nothing_to_a_late_start() -> None:
     """The README's demo in virtual time: seed 001's card and batch job (738 requests,
     long prompts, 40-200 token answers sent with ignore_eos), 32 clients that state their
-    45 s timeout and retry sheds. The first wave lands on a replica never measured:
-    nothing predicts a miss, so it takes what its pool fits (about 19 at once) and the
-    longest of those answers time out (5-7 of 32; slow start from 2 lost none of them,
-    and held the first wave in the queue). From the first completions on, a request
-    starts only while it and every running request are predicted in time
-    (admission/room.py, `Ledger.fits_now`): at most two of 738 per seed start and time
-    out, on a service model still young (workload seeds 1, 11, 19)."""
+    45 s timeout and retry sheds. A queued request starts only while its predicted
+    service still fits; with service a line in prompt + output tokens the prediction
+    missed by a whole answer's decode on a few requests, which started and timed out; as
+    a plane in prompt and output none did. A queued request whose service grew while it
+    waited is shed rather than started late
+    (`test_a_queued_request_whose_service_grew_while_it_waited_is_shed_not_started_late`).
+    And the limit grows no further than keeps the requests it runs in time
+    (`Ledger.room`, admission/room.py): on this card service grows with the load, and slow start, fed
+    by short answers served at a light load, took the limit from 6 to 9 while long ones
+    admitted late in their budget ran (workload seed 1: a cut judged flat given back;
+    11 and 19: slow start, a request started at 7.8 s ran 37 s): one of 738 lost in each
+    before; over workload seeds 0-39, 15 lost in 12 seeds before, 6 in 5 now."""
     from enginesim.workloads import seed2_workload
 
+    late = []
     for seed in (1, 11, 19):
         report = run("seed2-8b-16gb", seed2_workload(738, seed=seed), concurrency=32,
                      timeout_s=45.0)  # fmt: skip
         assert report.failed == 0
         assert report.completed + report.timed_out == 738, (seed, report.timeouts)
-        first_wave = [t for t in report.timeouts if t[2] is None]  # admitted at t = 0
-        late = [t for t in report.timeouts if t[2] is not None]
-        assert len(first_wave) <= 8 and all(t[0] <= 45.0 for t in first_wave), first_wave
-        assert len(late) <= 2, (seed, late)
+        late += [(seed, t) for t in report.timeouts]
+    assert not late, late
 
 
 def test_a_request_queued_cold_is_judged_by_the_first_service_seen() -> None:

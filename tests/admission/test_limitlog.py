@@ -1,34 +1,61 @@
-"""What the admission rule lets a replica run is kept with what binds it
-(admission/limitlog.py): each change of the count, at most `HISTORY` of them."""
+"""What moved a learned limit is kept with its evidence (admission/limitlog.py): each
+change of the allowed count, never a move within one count, at most `HISTORY` of them."""
 
 from __future__ import annotations
 
+from admission.limit import LimitSettings, RunningLimit
 from admission.limitlog import HISTORY, LimitHistory
-from tests.admission.helpers import controller, replica
+from tests.admission.test_limit import feed_window
+
+SIGNALS = {"waiting": 0, "engine_running": 0, "kv_usage": 0.0, "cap": None}
 
 
-def test_a_cap_and_a_share_are_kept_as_what_binds() -> None:
-    c = controller()
-    c.upsert_replica(replica("r1", 10_000), 0.0)
-    assert c.report.limit_history("r1").changes == type(c.report.limit_history("r1").changes)()
-    c.set_pool_share("r1", None, 1.0, running=3)
-    c.upsert_replica(replica("r1", 10_000, max_running=2), 2.0)
-    c.set_pool_share("r1", None, 3.0)
-    history = c.report.limit_history("r1")
-    assert history is not None
-    assert [(ch.before, ch.after, ch.reason) for ch in history.changes] == [
-        (None, 3, "share"),
-        (3, 2, "cap"),
+def test_a_latency_cut_is_kept_with_its_window() -> None:
+    lim = RunningLimit(LimitSettings(initial=10, window=4))
+    feed_window(lim, 0.0, running=10, ratio=1.7)  # slowest 1.7 / 0.85 = 2x its aim
+    (change,) = lim.history.changes
+    assert (change.before, change.after, change.reason) == (10, 5, "latency")
+    assert change.running is not None and change.running > 9.0
+    assert change.score is not None and abs(change.score - 2.0) < 1e-9
+    # The window closes on the completion past its size (at least the limit, 10).
+    assert change.completions == 11
+    assert "limit 10 -> 5 (latency" in change.describe()
+    assert "slowest at 2.00x its aim" in change.describe()
+
+
+def test_a_preemption_is_kept_with_the_peak_that_ran() -> None:
+    lim = RunningLimit(LimitSettings(initial=16))
+    lim.running_changed(16, 0.5)
+    lim.engine_signals(preemptions_total=0, running=16, now=1.0, **SIGNALS)
+    lim.engine_signals(preemptions_total=3, running=16, now=2.0, **SIGNALS)
+    (change,) = lim.history.changes
+    assert (change.before, change.after, change.reason) == (16, 12, "preemption")
+    assert (change.running, change.score, change.completions) == (16, None, 0)
+    assert change.at == 2.0
+
+
+def test_slow_start_steps_are_kept_and_a_move_within_one_count_is_not() -> None:
+    lim = RunningLimit(LimitSettings(initial=2, window=16))
+    lim.running_changed(2, 0.0)
+    for i in range(3):
+        lim.running_changed(int(lim.value), float(i))
+        lim.completed(float(i) + 1, float(i), ok=True, work_tokens=100, ratio=(0.1, None), cap=None)
+    assert [(c.before, c.after, c.reason) for c in lim.history.changes] == [
+        (2, 3, "slow_start"),
+        (3, 4, "slow_start"),
+        (4, 5, "slow_start"),
     ]
-    assert "limit pool -> 3 (share)" in history.changes[0].describe()
-    usage = c.report.replica_usage()[0]
-    assert (usage.limit, usage.limit_reason) == (2, "cap")
+    before = len(lim.history.changes)
+    lim.adopt(5.5, 10.0)  # from a peer, within the same count
+    assert len(lim.history.changes) == before
+    lim.adopt(3.0, 11.0)
+    assert (lim.history.changes[-1].after, lim.history.changes[-1].reason) == (3, "shared")
 
 
 def test_the_history_keeps_the_last_changes_numbered() -> None:
     h = LimitHistory()
     for i in range(HISTORY + 5):
-        h.record(float(i), i + 1, i + 2, "deadline")
+        h.record(float(i), i + 1, i + 2, "probe")
     assert len(h.changes) == HISTORY and h.count == HISTORY + 5
     assert [c.seq for c in h.since(HISTORY + 3)] == [HISTORY + 4, HISTORY + 5]
     assert h.since(0)[0].seq == 6  # the first five are gone

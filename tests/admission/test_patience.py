@@ -19,7 +19,7 @@ from admission.patience import (
     km_quantile,
     stream_end,
 )
-from admission.types import Admit, Queued, Shed
+from admission.types import Admit, Completion, Queued, Shed
 from tests.admission.helpers import controller, replica, request
 
 
@@ -172,6 +172,30 @@ def test_a_learned_patience_holds_while_few_leave_and_yields_to_clients_who_wait
     assert pop.estimate() is None
 
 
+def test_the_learned_limit_scores_completions_against_the_learned_patience() -> None:
+    ctrl = controller(learn_limit=True, initial_limit=8.0, limit_window=4)
+    ctrl.upsert_replica(replica("r1", 100_000), 0.0)
+    for _ in range(MIN_EVENTS):
+        ctrl.client_ended("default", "m", False, ClientEnd(2.0, True), 0.0)
+    assert ctrl.report.patience("default", "m") == pytest.approx(2.0)
+    now = 1.0
+    for i in range(20):
+        for j in range(8):
+            assert isinstance(ctrl.submit(request(f"r{i}-{j}"), now).verdict, Admit)
+        now += 1.9  # each served in 1.9 s: inside the client, over 60% of its patience
+        for j in range(8):
+            ctrl.release(
+                f"r{i}-{j}",
+                now,
+                Completion(service_s=1.9, prompt_tokens=100, completion_tokens=100),
+            )
+        if ctrl.report.replica_usage()[0].limit_reason == "latency":
+            break
+    usage = ctrl.report.replica_usage()[0]
+    assert usage.limit_reason == "latency" and usage.limit is not None and usage.limit < 8
+
+
+# A stream its client read to the end in 1 s (its first token after 0.2 s).
 SERVED = stream_end(1.0, False, 0.2, 0.0, 0.01)
 
 
@@ -250,16 +274,48 @@ def test_a_whole_stream_deadline_no_stream_was_read_within_is_not_learned() -> N
     assert got is not None and got.whole and got.seconds == pytest.approx(0.016)
 
 
+@pytest.mark.parametrize("stalled", [False, True], ids=["whole-stream", "per-chunk"])
+def test_a_stream_is_scored_on_what_its_clients_wait_for(stalled: bool) -> None:
+    ctrl = controller(learn_limit=True, initial_limit=8.0, limit_window=4)
+    ctrl.upsert_replica(replica("r1", 100_000), 0.0)
+    ctrl.client_ended("default", "m", True, SERVED, 0.0)
+    for i in range(MIN_EVENTS):
+        end = ClientEnd(5.0 + i, True, 2.0, True) if stalled else ClientEnd(4.0, True, 0.02, False)
+        ctrl.client_ended("default", "m", True, end, 10.0 * i + 1.0)
+    now = 1.0
+    for i in range(6):
+        for j in range(8):
+            req = request(f"s{i}-{j}")
+            req.stream = True
+            assert isinstance(ctrl.submit(req, now).verdict, Admit)
+        now += 3.5  # first token at once, the whole stream in 3.5 s
+        for j in range(8):
+            done = Completion(
+                service_s=3.5, ttft_s=0.05, itl_s=0.03, prompt_tokens=100, completion_tokens=100
+            )
+            ctrl.release(f"s{i}-{j}", now, done)
+        if ctrl.report.replica_usage()[0].limit_reason == "latency":
+            break
+    usage = ctrl.report.replica_usage()[0]
+    if stalled:
+        # A per-chunk client waits for each chunk: a fast first token keeps it.
+        assert usage.limit_reason != "latency" and usage.limit is not None and usage.limit >= 8
+    else:
+        # A whole-stream client waits for all of it: 3.5 s of its 4 s is over the aim.
+        assert usage.limit_reason == "latency" and usage.limit is not None and usage.limit < 8
+
+
 def test_clients_that_state_no_timeout_are_not_held_past_it_in_virtual_time() -> None:
-    # Seed 001's card and job (`kvgate demo`'s), 32 closed-loop clients that
+    # Seed 001's card and job (tests/admission/test_limit.py), 32 closed-loop clients that
     # give up after 45 s and never say so, retrying sheds twice after Retry-After. Held
     # for the configured 30 s queue timeout plus service, 235 of 320 timed out on main.
     from bench.vtime import run
     from enginesim.workloads import seed2_workload
+    from tests.admission.test_limit import PROFILE, TIMEOUT_S
 
     items = seed2_workload(320, seed=3)
     report = run(
-        "seed2-8b-16gb", items, concurrency=32, timeout_s=45.0, send_timeout=False, max_retries=2
+        PROFILE, items, concurrency=32, timeout_s=TIMEOUT_S, send_timeout=False, max_retries=2
     )
     # What the cold start costs: the queue that times out while the first ten leave.
     assert report.timed_out <= 40
@@ -333,3 +389,32 @@ def test_patient_streams_beside_readers_are_not_shed_in_virtual_time() -> None:
     assert report.stopped >= 300  # the readers did what they do
     assert report.completed + report.stopped == len(items)
     assert sum(n for client, n in report.sheds.items() if client >= 4) == 0
+
+
+def test_requests_admitted_before_their_clients_patience_was_learned_are_scored_by_it() -> None:
+    """64 plain clients on seed 001's card: slow start grew to 24 on completions it could
+    not judge (their clients stated nothing and no patience was learned when they were
+    admitted), and they timed out while running. Once the population's patience is
+    known, the completions of requests admitted before it are scored against it."""
+
+    def limit_after(learn: bool) -> tuple[int, str]:
+        ctrl = controller(learn_limit=True, initial_limit=8, limit_window=4)
+        ctrl.upsert_replica(replica(capacity=100_000), 0.0)
+        for i in range(8):  # their clients state nothing
+            assert isinstance(ctrl.submit(request(f"r{i}", 100, 100), 0.0).verdict, Admit)
+        if learn:
+            ctrl.adopt_patience("default", "m", False, Budget(10.0), 1.0)
+        served = Completion(service_s=9.0, prompt_tokens=100, completion_tokens=100)
+        for i in range(8):  # each served for 9 s of its clients' 10
+            ctrl.release(f"r{i}", 9.0 + i, served)
+        # The window's last: a client that states 100 s, served in 1.
+        assert isinstance(ctrl.submit(request("last", latency_budget=100.0), 17.0).verdict, Admit)
+        ctrl.release("last", 18.0, Completion(service_s=1.0, prompt_tokens=100,
+                                              completion_tokens=100, latency_budget=100.0))  # fmt: skip
+        (usage,) = ctrl.report.replica_usage()
+        assert usage.limit is not None
+        return usage.limit, usage.limit_reason
+
+    assert limit_after(learn=False)[0] >= 8  # nothing to judge the eight by
+    limit, reason = limit_after(learn=True)
+    assert limit < 8 and reason == "latency"

@@ -1,13 +1,15 @@
-"""`set_pool_share`: a replica's pool and running count capped at this process's lease
-(shared state), without changing what can ever fit there; and the pool corrected by the
-engine's own view of it (its KV usage, its preemptions)."""
+"""`set_pool_share`: a replica's pool and running limit capped at this process's lease
+(shared state), without changing what can ever fit there."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
+from admission.limit import LimitSettings, RunningLimit
 from admission.types import Admit, Queued
+from routing.scheduler import default_profile
 from tests.admission.helpers import controller, replica, request
 
 
@@ -66,12 +68,31 @@ def test_a_running_share_caps_the_running_count() -> None:
         c.release(rid, 2.0)
 
 
-def _round(c: AdmissionController, kv_usage: float, t: float, preemptions: float = 0.0) -> int:
-    """One discovery round reporting the engine's KV usage and preemption counter; the
-    effective pool after it."""
-    state = dataclasses.replace(
-        replica("r1", 10_000), kv_usage=kv_usage, updated_at=t, preemptions_total=preemptions
+def test_the_learned_limit_judges_every_process_load() -> None:
+    c = AdmissionController(
+        AdmissionConfig(learn_limit=True, initial_limit=4), default_profile(seed=1), seed=1
     )
+    c.upsert_replica(replica("r1", 100_000), 0.0)
+    c.set_pool_share("r1", None, 0.0, others_running=5)
+    lim = c.report.limit_of("r1")
+    assert lim is not None and lim.others == 5
+    assert isinstance(c.submit(request("a", 10, 10), 0.0).verdict, Admit)
+    assert lim._running == 1  # this process's own count; the area integrates both
+    c.release("a", 1.0)
+    assert lim._area == 6.0  # (1 here + 5 elsewhere) x 1 s
+
+
+def test_adopt_takes_a_shared_value_and_restarts_the_window() -> None:
+    lim = RunningLimit(LimitSettings(initial=2.0), 0.0)
+    lim.adopt(7.5, 10.0, "knee")
+    assert (lim.value, lim.reason, lim.allowed(None), lim.allowed(5)) == (7.5, "knee", 7, 5)
+    lim.adopt(0.5, 11.0)  # below one request: not a limit
+    assert lim.value == 7.5
+
+
+def _round(c: AdmissionController, kv_usage: float, t: float) -> int:
+    """One discovery round reporting the engine's KV usage; the effective pool after it."""
+    state = dataclasses.replace(replica("r1", 10_000), kv_usage=kv_usage, updated_at=t)
     c.upsert_replica(state, t)
     d = c.report.pool_demand("r1")
     assert d is not None
@@ -93,28 +114,4 @@ def test_the_pool_check_counts_what_the_other_processes_reserve() -> None:
     assert [_round(c, 1.0, t) for t in (4.0, 5.0)] == [10_000, 5_000]
     for i in range(5):
         c.release(f"a{i}", 6.0)
-    assert c.report.reserved_tokens() == 0
-
-
-def test_a_preemption_corrects_the_pool_not_a_count() -> None:
-    """The engine preempted while kvgate reserved at most 5,000 of a pool reported at
-    10,000 (outputs reserved short, a pool overstated): the pool is what it held then,
-    not a running count. Nothing more is admitted past 5,000, every request already
-    running stays, and the count the rule allows is still none (the pool binds)."""
-    c = controller()
-    c.upsert_replica(replica("r1", 10_000), 0.0)
-    for i in range(5):
-        assert isinstance(c.submit(request(f"a{i}", 500, 500), 0.0).verdict, Admit)
-    assert _round(c, 0.3, 1.0) == 10_000  # counter read: 0
-    c.release("a4", 1.5)  # the peak since the last round is still 5,000
-    assert _round(c, 0.3, 2.0, preemptions=3) == 5_000
-    assert isinstance(c.submit(request("b", 500, 500), 2.0).verdict, Admit)  # 5,000 again
-    assert isinstance(c.submit(request("c", 1, 1), 2.0).verdict, Queued)
-    usage = c.report.replica_usage()[0]
-    assert (usage.running, usage.limit, usage.limit_reason) == (5, None, "kv")
-    # No new preemption: the corrected pool holds (it is forgotten only after
-    # POOL_MEMORY_S without a confirmation, as a pool measured from KV usage is).
-    assert _round(c, 0.3, 3.0, preemptions=3) == 5_000
-    for rid in ("a0", "a1", "a2", "a3", "b", "c"):
-        c.release(rid, 4.0)
     assert c.report.reserved_tokens() == 0

@@ -89,19 +89,15 @@ def test_a_shed_before_anything_drained_is_told_half_its_budget() -> None:
     ctrl.release("hog", 2.0)
 
 
-def test_a_burst_of_64_sdk_clients_on_seed_001s_card_fails_few_fast() -> None:
+def test_a_burst_of_64_sdk_clients_on_seed_001s_card_fails_none_fast() -> None:
     """64 clients that state their timeout (1.5x the worst latency at 8) and retry twice
     after Retry-After, all at once on a cold replica, 60 held-out requests (seed 5).
-    Before the returning backlog and jitter: 47 completed, 13 failed after three sheds,
-    each burst told one wait. The replica, never measured, takes what its pool fits at
-    once (nothing predicts a miss yet): 3 of those time out at a deadline set for 8
-    running, and one fails after three sheds (slow start from 2 lost none, 60 of 60)."""
+    Before: 47 completed, 13 failed after three sheds, each burst told one wait."""
     items = seed2_workload(60, seed=5)
     timeout = 1.5 * run_closed_loop("seed2-8b-16gb", items, 8, 1e9).max_latency
     report = run("seed2-8b-16gb", items, concurrency=64, timeout_s=timeout, max_retries=2)
-    assert report.failed <= 1, report.fail_after
-    assert all(t >= 0.9 * timeout for t in report.fail_after), report.fail_after  # not fast
-    assert report.completed >= len(items) - 4
+    assert report.failed == 0, report.fail_after
+    assert report.completed >= len(items) - 2
     assert report.preemptions == 0
 
 

@@ -35,7 +35,7 @@ class RejectsOne:
 
 
 def make(router: object) -> AdmissionController:
-    cfg = AdmissionConfig(headroom=0.0, retry_jitter=0.0)
+    cfg = AdmissionConfig(headroom=0.0, learn_limit=False, retry_jitter=0.0)
     return AdmissionController(cfg, router)  # type: ignore[arg-type]
 
 

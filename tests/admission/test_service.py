@@ -74,14 +74,13 @@ def test_time_to_first_token_is_the_same_model_with_no_output():
     assert model.predict(1000) == pytest.approx(0.01 + 2e-5 * 1000, rel=1e-6)
 
 
-def test_a_load_scales_the_prediction_by_the_learned_elasticity():
-    """Every sample at one load: no evidence of the slope, so in proportion, both ways."""
+def test_a_higher_load_scales_the_prediction_up_never_down():
     model = ServiceModel()
     for p, o, s in seed001_like(random.Random(4), 32, noise=0.0):
         model.add(p, o, s, load=4)
     at4 = model.predict(2000, 100, load=4)
     assert model.predict(2000, 100, load=8) == pytest.approx(2 * at4)
-    assert model.predict(2000, 100, load=2) == pytest.approx(at4 / 2)
+    assert model.predict(2000, 100, load=1) == pytest.approx(at4)
 
 
 def test_no_samples_predict_nothing():
@@ -114,7 +113,7 @@ def _served_beside(model: ServiceModel, slope: float, rng: random.Random, n: int
         p, o = rng.randint(1400, 4000), rng.randint(40, 200)
         ran = rng.uniform(2, 10)
         seconds = served(p, o) * (1 + slope * (ran / 6 - 1)) * rng.uniform(0.975, 1.025)
-        model.add(p, o, seconds, load=ran)
+        model.add(p, o, seconds, load=6, ran=ran)
 
 
 @pytest.mark.parametrize("slope", [0.0, 0.5, 1.0])
@@ -131,27 +130,25 @@ def test_the_service_slope_in_the_load_is_learned_from_its_spread(slope: float) 
 def test_the_service_slope_is_proportional_until_the_loads_spread_and_kept_when_they_stop():
     model = ServiceModel()
     for p, o, s in seed001_like(random.Random(1), 64, noise=0.01):
-        model.add(p, o, s, load=6)
+        model.add(p, o, s, load=6, ran=6)
     assert model.elasticity() == 1.0  # no spread, no evidence: in proportion
     _served_beside(model, 0.0, random.Random(4))
     assert model.elasticity() < 0.15
-    # A load that holds still (every sample at one load) is no evidence against it.
+    # A limit that holds still (every sample at one load) is no evidence against it.
     for p, o, s in seed001_like(random.Random(2), 64, noise=0.01):
-        model.add(p, o, s, load=6)
+        model.add(p, o, s, load=6, ran=6)
     assert model.elasticity() < 0.15
 
 
 @pytest.mark.parametrize("slope", [0.0, 0.5, 1.0])
-def test_samples_served_at_loads_that_move_are_fitted_at_one_load(slope: float) -> None:
-    """Admission bounds the load by the pool and the deadlines, not by a count, so the
-    samples come from loads that move (here 2-10). Fitted with their loads ignored and
-    scaled up only, the spread became the margin: the upper estimate ran up to 1.9x the
-    truth on a flat engine (slope 0) and 10x at a light load past a knee (slope 1).
-    Brought to one load by the learned elasticity, it stays within 15% above the truth at
-    any load (12% measured), and never below it by more than the noise."""
+def test_a_requests_service_alone_is_its_service_less_what_the_load_adds(slope: float) -> None:
+    """What the learned limit cannot take away: the service with nothing beside it. The
+    real vLLM's case (0): as long as at the load; past a knee (1): a sixth of it at six.
+    Low rather than high (the elasticity is an upper estimate): an aim it widens
+    (admission/latency.py) is never wider than the request's own service allows."""
     model = ServiceModel()
     _served_beside(model, slope, random.Random(3))
-    for load in (2.0, 6.0, 10.0):
-        for p, o in ((1400, 40), (4000, 200), (2500, 120)):
-            truth = served(p, o) * (1 + slope * (load / 6 - 1))
-            assert 0.97 * truth <= model.predict(p, o, load) <= 1.15 * truth, (load, p, o)
+    for p, o in ((1400, 40), (4000, 200), (2500, 120)):
+        truth = served(p, o) * (1 - slope * 5 / 6)
+        assert truth * (1 - 0.15 * 5 / 6) - 0.05 <= model.alone(p, o) <= truth * 1.05 + 0.01
+    assert ServiceModel().alone(1000, 100) == 0.0

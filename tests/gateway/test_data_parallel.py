@@ -121,7 +121,7 @@ async def test_one_ledger_per_rank_and_requests_pinned(gateway):
     try:
         gw = await gateway(
             replicas=[{"name": "big", "url": fake.url, "data_parallel_size": 2}],
-            admission={"queue_timeout_s": 30.0},
+            admission={"queue_timeout_s": 30.0, "learn_limit": False},
         )
         usage = {u.name: u for u in gw.report.replica_usage()}
         assert set(usage) == {"big-dp0", "big-dp1"}

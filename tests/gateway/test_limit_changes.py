@@ -1,6 +1,5 @@
-"""An operator sees what the admission rule lets a replica run and what binds it: each
-change of the count is logged (`kvgate.limit`) and listed in `/admin/replicas`
-(`limit_changes`); and a preemption corrects the replica's pool, not a count."""
+"""An operator sees why a learned limit moved: each change of the allowed count is logged
+(`kvgate.limit`, with its evidence) and listed in `/admin/replicas` (`limit_changes`)."""
 
 from __future__ import annotations
 
@@ -24,18 +23,17 @@ def stream(i: int) -> dict:
     }
 
 
-async def replicas(s: aiohttp.ClientSession, url: str) -> dict:
-    async with s.get(url + "/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
-        (shown,) = (await r.json())["replicas"]
-    return shown
-
-
-async def test_a_preemption_corrects_the_pool_not_a_count(replica, gateway):
-    # The pool pinned four times what the engine has: 16 streams of ~850 tokens overrun
-    # its 4,096, the engine preempts, and the next round takes the pool as what kvgate
-    # had reserved there at most (less the headroom): the pool view was wrong.
+async def test_a_preemption_cut_is_logged_and_listed_with_its_evidence(replica, gateway, caplog):
+    # The pool pinned four times what the engine has and 16 allowed at once: 16 streams of
+    # ~850 tokens overrun its 4,096, the engine preempts, and the next round cuts the limit.
     srv = await replica(speed=5.0)
-    gw = await gateway(srv, pool_tokens=4 * 4096, auth={"admin_token": ADMIN})
+    gw = await gateway(
+        srv,
+        pool_tokens=4 * 4096,
+        admission={"initial_limit": 16},
+        auth={"admin_token": ADMIN},
+    )
+    caplog.set_level(logging.INFO, logger="kvgate.limit")
 
     async def one(s: aiohttp.ClientSession, i: int) -> None:
         async with s.post(gw.url + "/v1/chat/completions", json=stream(i)) as r:
@@ -44,32 +42,33 @@ async def test_a_preemption_corrects_the_pool_not_a_count(replica, gateway):
     async with aiohttp.ClientSession() as s:
         await asyncio.gather(*(one(s, i) for i in range(16)))
         assert srv.core.stats().num_preemptions > 0
-
-        async def corrected() -> bool:
-            return (await replicas(s, gw.url))["effective_capacity_tokens"] < 4 * 4096
-
-        for _ in range(50):
-            if await corrected():
-                break
-            await asyncio.sleep(0.1)
-        shown = await replicas(s, gw.url)
-    assert shown["effective_capacity_tokens"] < 4 * 4096, shown
-    # No count was cut: only the pool bounds the replica.
-    assert (shown["limit"], shown["limit_reason"]) == (None, "kv")
-    assert gw.report.reserved_tokens() == 0
-
-
-async def test_what_binds_is_logged_and_listed(replica, gateway, caplog):
-    caplog.set_level(logging.INFO, logger="kvgate.limit")
-    gw = await gateway(await replica(), max_running=3, auth={"admin_token": ADMIN})
-    logged = lambda: [r for r in caplog.records if r.name == "kvgate.limit"]  # noqa: E731
-    assert await wait_for(lambda: len(logged()) == 1, within=5.0)
-    async with aiohttp.ClientSession() as s:
-        shown = await replicas(s, gw.url)
-    assert (shown["limit"], shown["limit_reason"]) == (3, "cap")
-    (change,) = shown["limit_changes"]
-    assert (change["limit_before"], change["limit_after"], change["reason"]) == (None, 3, "cap")
-    assert change["at"].endswith("Z")
-    (line,) = logged()
-    assert line.levelno == logging.INFO and line.fields["replica"] == "r0"  # type: ignore[attr-defined]
-    assert line.getMessage().startswith("replica r0: limit pool -> 3 (cap)")
+        logged = lambda: [r for r in caplog.records if r.name == "kvgate.limit"]  # noqa: E731
+        history = gw.report.limit_of("r0").history  # type: ignore[union-attr]
+        # Logged at the discovery round after each change: wait until every cut is.
+        cuts = lambda: [c for c in history.changes if c.reason != "slow_start"]  # noqa: E731
+        assert await wait_for(lambda: 0 < len(cuts()) == len(logged()), within=5.0)
+        async with s.get(
+            gw.url + "/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"}
+        ) as r:
+            (shown,) = (await r.json())["replicas"]
+    changes = [c for c in shown["limit_changes"] if c["reason"] != "slow_start"]
+    cut = changes[0]
+    # The first cut: 75% of the most that ran since the round before, out of 16 allowed.
+    assert cut["reason"] in ("preemption", "engine_queue"), changes
+    assert cut["limit_before"] >= 16 and cut["limit_after"] <= 12
+    assert cut["running"] >= cut["limit_after"] and cut["at"].endswith("Z")
+    assert "preemption" in {c["reason"] for c in changes}
+    # One INFO line per change listed, in order, each with its evidence.
+    lines = logged()
+    assert [(r.fields["limit_before"], r.fields["limit_after"]) for r in lines] == [  # type: ignore[attr-defined]
+        (c["limit_before"], c["limit_after"]) for c in changes
+    ]
+    assert all(r.levelno == logging.INFO and r.fields["replica"] == "r0" for r in lines)  # type: ignore[attr-defined]
+    assert (
+        lines[0]
+        .getMessage()
+        .startswith(
+            f"replica r0: limit {cut['limit_before']} -> {cut['limit_after']} ({cut['reason']})"
+        )
+    )
+    assert shown["limit"] == changes[-1]["limit_after"]

@@ -169,7 +169,7 @@ async def test_error_event_is_an_upstream_error_everywhere(llama, gateway, monke
         srv,
         engine="llamacpp",
         pool_tokens=16384,
-        admission={},  # all four at once, as the slots allow
+        admission={"learn_limit": False},  # all four at once, as the slots allow
     )
     told: list[Completion | None] = []
     door = gw.state.door

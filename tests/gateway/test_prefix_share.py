@@ -88,7 +88,7 @@ async def warm(gw: Any) -> None:
 
 async def test_a_shared_prefix_is_counted_once_and_more_requests_run(replica, gateway):
     srv = await replica(speed=1.0)
-    gw = await gateway(srv, admission={})
+    gw = await gateway(srv, admission={"learn_limit": False})
     await warm(gw)
     preempted = srv.core.stats().num_preemptions
     most, short = await burst(gw, srv, 7)
@@ -104,7 +104,7 @@ async def test_a_shared_prefix_is_counted_once_and_more_requests_run(replica, ga
 
 async def test_without_sharing_whole_prompts_bound_the_burst(replica, gateway):
     srv = await replica(speed=1.0)
-    gw = await gateway(srv, admission={"share_prefix": False})
+    gw = await gateway(srv, admission={"learn_limit": False, "share_prefix": False})
     await warm(gw)
     most, short = await burst(gw, srv, 7)
     assert most <= 3, most

@@ -259,8 +259,8 @@ async def test_a_last_retry_is_admitted_before_earlier_first_attempts(replica, g
     assert order[0] == "last-retry"
 
 
-async def test_the_rules_count_and_binding_ceiling_are_exported(replica, gateway):
-    gw = await gateway(await replica(), max_running=3)
+async def test_the_learned_limit_and_binding_ceiling_are_exported(replica, gateway):
+    gw = await gateway(await replica(), admission={"initial_limit": 3})
     live = await scrape(gw)
     assert live[("kvgate_replica_limit", (("replica", "r0"),))] == 3
     binding = {
@@ -288,12 +288,14 @@ async def test_a_shed_request_that_comes_back_is_not_counted_twice(replica, gate
         big.close()
 
 
-async def test_a_shed_by_the_running_cap_says_so_not_kv_capacity(replica, gateway):
-    """A cap lets one request run while the pool is almost empty: the one that cannot
-    wait is told the running cap binds, not that the KV pool is full."""
+async def test_a_shed_by_the_learned_running_limit_says_so_not_kv_capacity(replica, gateway):
+    """The learned limit lets one request run while the pool is almost empty: the one
+    that cannot wait is told the running limit binds, not that the KV pool is full."""
     srv = await replica(speed=5.0)
     gw = await gateway(
-        srv, pool_tokens=100_000, max_running=1, admission={"queue_max_per_model": 0}
+        srv,
+        pool_tokens=100_000,
+        admission={"learn_limit": True, "initial_limit": 1, "queue_max_per_model": 0},
     )
     async with aiohttp.ClientSession() as s:
         held = await hold_pool(s, gw, 200)
@@ -301,7 +303,7 @@ async def test_a_shed_by_the_running_cap_says_so_not_kv_capacity(replica, gatewa
             assert r.status == 503
             message = (await r.json())["error"]["message"]
         held.close()
-    assert "running-request cap" in message, message
+    assert "running limit kvgate learned" in message, message
     assert "KV capacity" not in message, message
 
 

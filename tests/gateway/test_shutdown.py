@@ -290,7 +290,7 @@ async def test_a_retry_waiting_in_the_queue_at_shutdown_is_told_shutting_down(re
             {"name": "busy", "url": busy.url, "max_running": 1},
         ],
         discovery={"refresh_interval_s": 30.0},
-        admission={},
+        admission={"learn_limit": False},
     )
     async with aiohttp.ClientSession() as s:
         hold = await s.post(gw.url + "/v1/chat/completions", json={**LONG, "max_tokens": 400})

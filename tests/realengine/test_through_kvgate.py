@@ -310,7 +310,7 @@ async def test_metrics_after_an_overrun_kvgate_was_told_to_allow(
     """A pool pinned four times too large lets kvgate over-admit the unified server: the
     engine's error events are upstream errors in kvgate's outcomes and metrics, and reach
     the client in OpenAI's shape."""
-    gw = await kvgate(unified, pool_tokens=16384)
+    gw = await kvgate(unified, pool_tokens=16384, admission={"learn_limit": False})
     bodies = [chat(the(700, 200 + i), 900, stream=True) for i in range(N_SLOTS)]
     results = await asyncio.gather(*(call(gw.url, b) for b in bodies))
     for status, events, _ in results:

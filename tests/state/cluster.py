@@ -43,7 +43,7 @@ def config(
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
         "replicas": replicas,
-        "admission": {"queue_timeout_s": 20.0},
+        "admission": {"queue_timeout_s": 20.0, "learn_limit": False},
         "discovery": {"refresh_interval_s": 0.2, "probe_timeout_s": 0.5},
         "auth": {"admin_token": ADMIN},
         "logging": {"access_log": False},

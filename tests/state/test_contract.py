@@ -1,5 +1,5 @@
 """One contract, two backends: the lease arithmetic, TTL expiry, release, heartbeats and
-shared client patience behave the same on `MemoryBackend` and on a real Redis (`RedisBackend`).
+shared limits behave the same on `MemoryBackend` and on a real Redis (`RedisBackend`).
 
 Expiry is driven by each backend's clock: the memory backend's is advanced by hand, the
 Redis server's is real, so the Redis runs use a short TTL and wait for the condition."""
@@ -166,6 +166,17 @@ async def test_a_shrinking_total_grants_nothing_more(rig: Rig) -> None:
     assert r.leases[0].granted == 0
 
 
+async def test_shared_limits_carry_the_latest_version(rig: Rig) -> None:
+    b = rig.backend
+    v1 = await b.publish_limit("r0", 6.5, "probe")
+    v2 = await b.publish_limit("r0", 4.0, "latency")
+    v3 = await b.publish_limit("r1", 9.0, "knee")
+    assert v1 < v2 < v3
+    limits = await b.limits()
+    assert (limits["r0"].value, limits["r0"].version, limits["r0"].reason) == (4.0, v2, "latency")
+    assert limits["r1"].value == 9.0
+
+
 async def test_shared_patience_carries_the_latest_version_and_its_shape(rig: Rig) -> None:
     """A population's learned client patience: the latest of each, with whether it
     bounds the whole response. Tenant and model names may hold the characters a Redis
@@ -227,7 +238,7 @@ async def test_an_unreachable_redis_raises_state_unavailable(prefix: str) -> Non
         with pytest.raises(StateUnavailable):
             await b.renew("a", req(10, 1), 1)
         with pytest.raises(StateUnavailable):
-            await b.patiences()
+            await b.limits()
     finally:
         await b.close()
 

@@ -120,7 +120,7 @@ async def test_processes_sharing_one_engine_keep_its_whole_pool(
     tmp_path: Path, redis_url: str, prefix: str, engine: Process, processes: int
 ) -> None:
     cfg = config(redis_url, prefix, [{"name": "r0", "url": engine.url}])
-    cfg["admission"] = {"queue_timeout_s": 30.0}
+    cfg["admission"] = {"queue_timeout_s": 30.0, "learn_limit": False}
     nodes = [await start(tmp_path, cfg, f"gw{i}") for i in range(processes)]
     statuses: list[int] = []
     try:

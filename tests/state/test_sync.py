@@ -1,6 +1,6 @@
 """The lease loop (`gateway.sharing.StateSync`) over two admission controllers, as two
 gateway processes would run it, on both backends: slices follow demand and never sum
-past the pool; a running cap is split; an unreachable backend cuts each slice to 1/N
+past the pool; learned limits are shared; an unreachable backend cuts each slice to 1/N
 (fail-open) or closes the gate (fail-closed); a backend that comes back is rebuilt from
 each process's own holdings."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedPatience
+from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedLimit, SharedPatience
 from admission.patience import ClientEnd
 from admission.tenants import TenantConfig, TenantLimiter
 from admission.types import AdmissionRequest, Admit, Shed
@@ -31,7 +31,7 @@ POOL = 1000
 
 
 def ctrl(**overrides: object) -> AdmissionController:
-    settings: dict[str, object] = {"headroom": 0.0}
+    settings: dict[str, object] = {"headroom": 0.0, "learn_limit": False}
     settings.update(overrides)
     c = AdmissionController(AdmissionConfig(**settings), default_profile(seed=3), seed=3)
     c.upsert_replica(replica("r1", POOL, max_running=10), 0.0)
@@ -115,17 +115,29 @@ async def test_slices_follow_demand_and_never_sum_past_the_pool(backend: StateBa
     sb.door.release("z")
 
 
-async def test_a_running_cap_is_split_by_lease(backend: StateBackend) -> None:
-    """Three processes before one replica with a cap of 10: their running slices sum to
-    at most the cap."""
-    a, b, c = ctrl(), ctrl(), ctrl()
-    syncs = [sync(backend, x, n) for x, n in ((a, "a"), (b, "b"), (c, "c"))]
-    for _ in range(2):
-        for s in syncs:
-            await s.renew()
+async def test_learned_limits_are_shared(backend: StateBackend) -> None:
+    a = ctrl(learn_limit=True, initial_limit=2)
+    b = ctrl(learn_limit=True, initial_limit=2)
+    sa, sb = sync(backend, a, "a"), sync(backend, b, "b")
+    await sa.renew()
+    await sb.renew()
+    la, lb = a.report.limit_of("r1"), b.report.limit_of("r1")
+    assert la is not None and lb is not None
+    la.adopt(6.0, 1.0, "probe")  # as if a learned it
+    await sa.renew()  # publishes
+    await sb.renew()  # adopts
+    assert (lb.value, lb.reason) == (6.0, "probe")
+    c = ctrl(learn_limit=True, initial_limit=2)  # a new process seeds from the shared
+    sc = sync(backend, c, "c")
+    await sc.renew()
+    lc = c.report.limit_of("r1")
+    assert lc is not None and lc.value == 6.0
+    # The running limit is split by lease: the three slices sum to at most the limit.
+    await sa.renew()
+    await sb.renew()
     running = [x.report.pool_demand("r1").share_running for x in (a, b, c)]  # type: ignore[union-attr]
     assert all(r is not None for r in running)
-    assert sum(r or 0 for r in running) <= 10
+    assert sum(r or 0 for r in running) <= 6
 
 
 def leave_at(s: StateSync, waited: float, n: int = 3) -> None:
@@ -311,7 +323,7 @@ async def test_a_tenant_concurrency_in_use_draws_its_fraction(backend: StateBack
     cs = []
     for lim in limiters:
         c = AdmissionController(
-            AdmissionConfig(headroom=0.0),
+            AdmissionConfig(headroom=0.0, learn_limit=False),
             default_profile(seed=3),
             seed=3,
             tenants=lim.tenants.get,
@@ -472,6 +484,12 @@ class LateAnswers(StateBackend):
     async def holders(self, resource: str) -> dict[str, HolderRecord]:
         return await self.inner.holders(resource)
 
+    async def publish_limit(self, replica: str, value: float, reason: str) -> int:
+        return await self.inner.publish_limit(replica, value, reason)
+
+    async def limits(self) -> dict[str, SharedLimit]:
+        return await self.inner.limits()
+
     async def publish_patience(self, population: str, seconds: float, whole: bool) -> int:
         return await self.inner.publish_patience(population, seconds, whole)
 
@@ -527,6 +545,32 @@ async def test_a_late_renewal_lets_nothing_past_the_running_cap(
     finally:
         for s in syncs:
             await s.stop()
+
+
+def test_a_shared_limit_grows_on_the_fleets_evidence() -> None:
+    """Two processes share a replica half and half (the lease loop reports the other's
+    running as `others`). Each sees half the replica's completions, so each closes a
+    window on half the evidence one process alone would need: the shared limit grows as
+    fast as a lone process's (before, each needed a whole window of its own: a fleet of
+    two took twice the completions per doubling, and the shared_pool bench's warm-up ran
+    at half the concurrency)."""
+    from admission.limit import LimitSettings, RunningLimit
+
+    def completions_to_grow(others: int) -> int:
+        lim = RunningLimit(LimitSettings(initial=8, window=16))
+        lim.others = others
+        lim.running_changed(8 - others, 0.0)
+        for n in range(1, 100):
+            # Past half the latency aim: slow start adds nothing for them, and its first
+            # window (half a window of evidence) ends it and probes.
+            lim.completed(n, n - 0.5, ok=True, work_tokens=1000, ratio=(0.6, None), cap=None)
+            if lim.value > 8:
+                return n
+        raise AssertionError("the limit never grew")
+
+    alone = completions_to_grow(0)
+    assert alone == 9  # slow start's half window of 8 completions, and one more
+    assert completions_to_grow(4) <= (alone + 1) // 2 + 1  # half the load, half the evidence
 
 
 async def test_a_restarted_redis_costs_no_failed_renewal(prefix: str) -> None:
