@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import aiohttp
-import pytest
 from aiohttp import web
 
 from admission.tenants import TenantState, hash_key
