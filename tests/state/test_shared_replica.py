@@ -45,7 +45,7 @@ WORDS = "sea oar bow net sun fog map jib gun tar keg ale".split()
 
 def body(rng: random.Random) -> dict[str, Any]:
     """A prompt of its own (no prefix another request's blocks could share)."""
-    prompt = " ".join(rng.choice(WORDS) for _ in range(700))
+    prompt = " ".join(rng.choice(WORDS) for _ in range(850))
     return {
         "model": MODEL,
         "messages": [{"role": "user", "content": prompt}],
