@@ -246,12 +246,6 @@ def build_app(
     async def completions(request: web.Request) -> web.StreamResponse:
         return await st.pipeline.handle(request, "completion")
 
-    async def responses(request: web.Request) -> web.StreamResponse:
-        return await st.pipeline.handle(request, "responses")
-
-    async def messages(request: web.Request) -> web.StreamResponse:
-        return await st.pipeline.handle(request, "messages")
-
     def admitted(kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
             return await st.pipeline.handle(request, kind)
@@ -308,12 +302,12 @@ def build_app(
     handlers: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
         ("POST", "/v1/chat/completions", chat),
         ("POST", "/v1/completions", completions),
-        ("POST", "/v1/responses", responses),
+        ("POST", "/v1/responses", admitted("responses")),
         ("GET", "/v1/responses/{response_id}", stored_response),
         ("DELETE", "/v1/responses/{response_id}", stored_response),
         ("GET", "/v1/responses/{response_id}/input_items", stored_response),
         ("POST", "/v1/responses/{response_id}/cancel", stored_response),
-        ("POST", "/v1/messages", messages),
+        ("POST", "/v1/messages", admitted("messages")),
         ("POST", "/v1/embeddings", admitted("embeddings")),
         *(("POST", path, admitted("rerank")) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
         *(("POST", path, admitted("score")) for path in ("/score", "/v1/score")),

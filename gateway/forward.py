@@ -32,11 +32,9 @@ from gateway.body import read_body
 from gateway.config import GatewayConfig
 from gateway.denials import model_not_found
 from gateway.discovery import Discovery
+from gateway.endpoints import PASSED_HEADERS
 from gateway.errors import ApiError, Dialect, invalid_request
 from gateway.stored_responses import StoredResponses
-
-# Request headers the engine gets as sent (Anthropic's version and betas).
-_PASSED = ("anthropic-version", "anthropic-beta")
 
 
 class Forwarder:
@@ -128,11 +126,9 @@ class Forwarder:
     ) -> web.Response:
         endpoint = self._discovery.endpoints[replica]
         headers = dict(endpoint.upstream_headers)
-        if raw:
-            headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
-        for name in _PASSED:
-            if (value := request.headers.get(name)) is not None:
-                headers[name] = value
+        headers.update((n, v) for n in PASSED_HEADERS if (v := request.headers.get(n)))
+        if raw and "content-type" not in headers:
+            headers["content-type"] = "application/json"
         url = endpoint.url + path + (f"?{request.query_string}" if request.query_string else "")
         try:
             async with asyncio.timeout(self._timeout):

@@ -103,13 +103,6 @@ class StoredResponses:
     def forget(self, response_id: str) -> None:
         self._map.pop(response_id, None)
 
-    def forget_replica(self, replica: str) -> int:
-        """Drop every response a replica held (it is gone); returns how many."""
-        gone = [k for k, v in self._map.items() if v.replica == replica]
-        for k in gone:
-            del self._map[k]
-        return len(gone)
-
 
 async def follow_up(
     stored: StoredResponses,
