@@ -54,9 +54,9 @@ from gateway.sse import record_usage, take_events, take_named_events
 from gateway.upstream import UpstreamFailure, classify_client_error
 from gateway.watchdog import StreamWatchdog
 
-# Endpoints whose streams are chat-style ``data:`` chunks ending in ``[DONE]``; the others
-# (the Responses API, Anthropic Messages) stream typed events (gateway/sse.py).
-_DATA_ONLY = frozenset({"chat", "completion"})
+# Endpoints whose streams are typed events (gateway/sse.py); the others (chat,
+# completions, audio) stream ``data:`` chunks ending in ``[DONE]``.
+_NAMED = frozenset({"responses", "messages"})
 _SSE_HEADERS_BASE = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
@@ -280,7 +280,7 @@ class Relay:
                     # Responses API's response.created while the prompt is prefilled):
                     # the first token, and the end of the first-byte phase, is the
                     # first output event there.
-                    named = ctx.kind not in _DATA_ONLY
+                    named = ctx.kind in _NAMED
                     take = take_named_events if named else take_events
                     async for chunk in up.content.iter_any():
                         buf = buf + chunk if buf else chunk
