@@ -13,16 +13,26 @@ The memory also counts each request's unserved attempts (shed, or its client lef
 an answer began) and sees whether it came back, which teaches how many attempts clients
 that do not say make (admission/retry_budget.py).
 
-The gateway shell recognises a retry by a digest of (tenant, model, request body); the
-memory maps it to the first attempt's arrival time. The memory is kept per tenant: a
-retry is looked up only among its own tenant's entries, and the queue orders by first
-arrival only within a tenant (admission.fairqueue), so nobody inherits another tenant's
-place. An identical request from the same tenant that is not a retry inherits the
-earlier arrival too, which only moves it up among that tenant's own requests. Entries
-expire `ttl_s` after they were last left unserved and each tenant's memory holds at most
-`max_entries` (its oldest dropped first): one tenant's flood of sheds cannot push
-another tenant's retries out of memory, and the whole stays bounded by the number of
-tenants (which come from configured keys).
+A retry is known by what its client says (`identify`): an ``Idempotency-Key`` names
+the request whatever its body; the openai and anthropic SDKs say which attempt this is
+(``x-stainless-retry-count``), so a count of 0 is a first attempt, never another
+request's retry, and a count above 0 is the retry of the same (tenant, model, body).
+A client that says neither is taken to retry only where the evidence says so: an
+identical request that comes back within the time it was told after a shed
+(``2 x Retry-After`` and a grace: `remember`'s `said`), or within the grace after it left
+before an answer (a client retrying its own timeout). Identical bodies are otherwise
+different requests (a load tool, k samples of one prompt, a batch with repeated prompts),
+and a client that says nothing and leaves teaches the retry budget nothing, back or not:
+a load tool closing its connections at the end of a run is not a crowd of clients that
+gave up.
+
+The memory maps a retry's key to its first attempt's arrival time. It is kept per
+tenant: a retry is looked up only among its own tenant's entries, and the queue orders
+by first arrival only within a tenant (admission.fairqueue), so nobody inherits another
+tenant's place. Entries a client said expire `ttl_s` after they were last left unserved;
+each tenant's memory holds at most `max_entries` (its oldest dropped first): one
+tenant's flood of sheds cannot push another tenant's retries out of memory, and the
+whole stays bounded by the number of tenants (which come from configured keys).
 """
 
 from __future__ import annotations
@@ -35,6 +45,30 @@ from typing import NamedTuple
 from admission.retry_budget import RetryBudget
 
 _GRACE_S = 5.0  # past twice its Retry-After, an attempt not back is a client that gave up
+
+
+class RetryIdentity(NamedTuple):
+    """How a request's retries are recognised (module docstring)."""
+
+    key: int  # its retries' key in the memory
+    said: bool  # its client says which attempt it is (a retry count, an idempotency key)
+    first: bool  # its client says it is a first attempt: nobody's retry
+
+
+def identify(
+    tenant: str,
+    model: str,
+    body: bytes,
+    retry_count: int | None = None,
+    idempotency_key: str | None = None,
+) -> RetryIdentity:
+    """The retry identity of a request from what its client says (module docstring)."""
+    if idempotency_key:
+        return RetryIdentity(hash((tenant, "idempotency-key", idempotency_key)), True, False)
+    key = hash((tenant, model, body))
+    if retry_count is not None:
+        return RetryIdentity(key, True, retry_count == 0)
+    return RetryIdentity(key, False, False)
 
 
 class Recall(NamedTuple):
@@ -52,8 +86,11 @@ class RetryMemory:
     __slots__ = ("_tenants", "_ttl", "_max", "_due", "_seq", "budget")
 
     def __init__(self, ttl_s: float, max_entries: int) -> None:
-        # tenant -> key -> (first arrival, expiry, unserved, back by, came back since)
-        self._tenants: dict[str, OrderedDict[Hashable, tuple[float, float, int, float, bool]]] = {}
+        # tenant -> key -> (first arrival, expiry, unserved, back by, came back since: False
+        # while awaited, None where it teaches nothing)
+        self._tenants: dict[
+            str, OrderedDict[Hashable, tuple[float, float, int, float, bool | None]]
+        ] = {}
         self._ttl = ttl_s
         self._max = max_entries
         self._due: list[tuple[float, int, str, Hashable, int]] = []  # (back by, seq, ...)
@@ -81,7 +118,7 @@ class RetryMemory:
         if expires <= now:
             del entries[key]
             return None
-        if not back:
+        if back is False:  # awaited (None: it teaches nothing)
             entries[key] = (arrival, expires, unserved, back_by, True)
             self.budget.outcome(tenant, unserved, came_back=True)
         return Recall(arrival, unserved)
@@ -93,10 +130,12 @@ class RetryMemory:
         now: float,
         tenant: str = "default",
         retry_after: float = 0.0,
+        said: bool = True,
     ) -> None:
         """Record that `tenant`'s `key` (first seen at `arrival`) was left unserved at
         `now`: shed and told to come back in `retry_after` seconds, or its client left
-        before an answer began (0: its own backoff)."""
+        before an answer began (0: its own backoff). Unless its client `said` which
+        attempt it sends, an identical request is its retry only until it was due back."""
         if not self.enabled:
             return
         self._settle(now)
@@ -107,7 +146,11 @@ class RetryMemory:
         # A client that honours Retry-After is back by then; its own rounding (whole
         # seconds), backoff and jitter are what the grace allows for.
         back_by = now + 2.0 * retry_after + _GRACE_S
-        entries[key] = (first, now + self._ttl, unserved, back_by, False)  # newest expiry last
+        expires = now + self._ttl if said else min(now + self._ttl, back_by)
+        # Awaited, what comes of it teaches the retry budget: unless a client that says
+        # nothing left on its own (module docstring).
+        awaited: bool | None = False if said or retry_after > 0 else None
+        entries[key] = (first, expires, unserved, back_by, awaited)
         self._seq += 1
         heapq.heappush(self._due, (back_by, self._seq, tenant, key, unserved))
         while entries:
@@ -133,7 +176,7 @@ class RetryMemory:
         while due and due[0][0] <= now:
             _, _, tenant, key, unserved = heapq.heappop(due)
             got = self._tenants.get(tenant, {}).get(key)
-            if got is not None and got[2] == unserved and not got[4]:
+            if got is not None and got[2] == unserved and got[4] is False:
                 self.budget.outcome(tenant, unserved, came_back=False)
 
 

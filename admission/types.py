@@ -56,9 +56,10 @@ class AdmissionRequest(RouteRequest):
     # (and gaps): a learned whole-stream deadline (admission.patience). A non-stream
     # request's budget always bounds its whole response.
     budget_whole: bool = False
-    # Identifies a request across its retries (the gateway's digest of tenant, model and
-    # body): a shed request's key is expected back, and its tokens count as backlog.
+    # Identifies a request across its retries (admission/retries.py, `identify`): a shed
+    # request's key is expected back, and its tokens count as backlog.
     retry_key: int | None = None
+    retry_said: bool = False  # its client says which attempt it is (`RetryIdentity.said`)
     # False when the client set no output bound (`max_tokens` is then kvgate's own guess):
     # an engine that does not preempt may generate until the slot's context is full.
     max_tokens_given: bool = True

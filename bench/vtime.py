@@ -31,7 +31,7 @@ from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.fit import sized_exactly
 from admission.patience import ClientEnd, stream_end
-from admission.retries import RetryMemory
+from admission.retries import RetryMemory, identify
 from admission.types import AdmissionRequest, Admit, Completion, Events, Queued, Refuse, Shed
 from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
@@ -100,6 +100,7 @@ class _Attempt:
     stop_after: int | None = None  # a stopper's: it closes the stream after this many
     arrival: float = 0.0  # what the gateway takes as its arrival (a recognised retry's first)
     estimated: int | None = None  # prompt + output reserved, when the output was a guess
+    key: int = 0  # its retry identity's key (admission/retries.py)
 
 
 def run(
@@ -179,7 +180,7 @@ def run(
                 handle(ctrl.release(a.request_id, now))
                 continue
             att.admitted_at = now
-            memory.forget(att.item.request_id)
+            memory.forget(att.key)
             p = len(att.item.prompt_token_ids)
             core.add_request(
                 SimRequest(
@@ -224,7 +225,9 @@ def run(
 
     def shed(att: _Attempt, verdict: Shed) -> None:
         report.sheds[att.client] += 1
-        memory.remember(att.item.request_id, att.arrival, now, retry_after=verdict.retry_after)
+        memory.remember(
+            att.key, att.arrival, now, retry_after=verdict.retry_after, said=send_timeout
+        )
         ended(att, False)
         live.pop(att.rid, None)
         att.done = True
@@ -246,7 +249,13 @@ def run(
     def send(client: int, item: WorkItem, first: float, retries: int) -> None:
         rid = f"{item.request_id}#{retries}"
         att = _Attempt(client, item, first, now, retries, rid)
-        recalled = memory.recall(item.request_id, now)
+        # The gateway's identity rules (admission/retries.py, `identify`): an SDK client
+        # says which attempt it sends (a first attempt is nobody's retry); a plain one
+        # is known only when it comes back when told.
+        count = retries if send_timeout else None
+        ident = identify("default", model, item.request_id.encode(), count)
+        recalled = None if ident.first else memory.recall(ident.key, now)
+        att.key = ident.key
         att.arrival = now if recalled is None else recalled.arrival
         if stream and client < stoppers:
             att.stop_after = reading.randint(1, 6)
@@ -276,7 +285,8 @@ def run(
             else recalled is not None and memory.last_attempt("default", recalled.unserved),
             latency_budget=timeout_s if send_timeout else None,
             stream=stream,
-            retry_key=hash(item.request_id),
+            retry_key=ident.key,
+            retry_said=ident.said,
         )
         if not sized_exactly(True, req.expected_output, bound, True):  # as the gateway
             att.estimated = p + req.expected_output
@@ -412,7 +422,7 @@ def run(
                 att.done = True
                 live.pop(att.rid, None)
                 # It left before an answer began: the gateway remembers it as unserved.
-                memory.remember(att.item.request_id, att.arrival, now)
+                memory.remember(att.key, att.arrival, now, said=send_timeout)
                 # The gateway reads a client that leaves at its own declared timeout, or
                 # at the patience it was admitted under, as a failed request of the
                 # replica (gateway/accounting.py, `completion`).

@@ -15,10 +15,10 @@ cancellation when the client disconnects, so a reservation can never leak.
 The stages' neighbours, each in a module of its own: reading the body (gateway/body.py),
 retries, failover and outlier ejection (gateway/failover.py, gateway/outliers.py), the
 account stage (gateway/accounting.py), the answers of turned-away requests
-(gateway/denials.py), and
-the requests in flight with their graceful shutdown (gateway/shutdown.py): new and
-queued requests are answered 503 ``shutting_down`` once `Pipeline.begin_shutdown` ran,
-running ones are cut by `Pipeline.cut_running` when the shell's grace runs out.
+(gateway/denials.py), and the requests in flight with their graceful shutdown
+(gateway/shutdown.py): new and queued requests are answered 503 ``shutting_down`` once
+`Pipeline.begin_shutdown` ran, running ones are cut by `Pipeline.cut_running` when the
+shell's grace runs out.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from gateway.schemas import (
     audio_form,
 )
 from gateway.shutdown import InFlight, shutdown_retry_after, shutting_down
-from gateway.stated import H_RETRY_COUNT, read_stated
+from gateway.stated import H_RETRY_COUNT, read_stated, retry_identity
 from gateway.stored_responses import StoredResponses, follow_up, remember_answer
 from gateway.upstream import UpstreamFailure
 from routing.classify import classify_workload
@@ -221,11 +221,11 @@ class Pipeline:
             ctx.status = 499
             ctx.outcome = "client_disconnect"
             if ctx.req.retry_key is not None and ctx.first_byte_at is None:
-                # It left before a byte of an answer (its own timeout, mostly, queued or
-                # served): a retry that follows keeps its place, as a shed one's does.
+                # It left before an answer: its retry keeps its place (admission/retries.py).
                 self._retries.remember(
-                    ctx.req.retry_key, ctx.req.arrival, self._loop.time(), ctx.req.tenant
-                )
+                    ctx.req.retry_key, ctx.req.arrival, self._loop.time(), ctx.req.tenant,
+                    said=ctx.req.retry_said,
+                )  # fmt: skip
             raise
         except Exception:
             log.exception("unhandled error in request %s", ctx.request_id)
@@ -399,11 +399,10 @@ class Pipeline:
         """Admit now, wait in the queue, or answer shed/refuse.
 
         The queue deadline comes from, in this order: ``x-kvgate-queue-timeout`` (capped
-        by the configured queue timeout); the client's own read timeout
-        (``x-stainless-read-timeout``, which the openai SDKs send), less the predicted
-        service, or for a stream the predicted time to first token (the controller
-        predicts it); else the patience admission learned of clients that say nothing
-        (admission/patience.py), until it has learned it the configured queue timeout.
+        by the configured queue timeout); the client's read timeout (the openai SDKs'
+        ``x-stainless-read-timeout``) less the predicted service, or for a stream the
+        predicted time to first token; else the patience admission learned of clients
+        that say nothing (admission/patience.py), until then the configured timeout.
         """
         if self.state_gate is not None and (closed := self.state_gate()) is not None:
             raise closed
@@ -412,11 +411,11 @@ class Pipeline:
         cap = self.tenants.get(req.tenant).queue_timeout_s or self._queue_timeout
         req.deadline = read_stated(request, ctx, cap, now)
         ctx.admission_id = ctx.request_id
-        # A retry of a request kvgate left unserved (shed, or its client left before an
-        # answer) keeps its first arrival, i.e. its place in line
-        # (admission/retries.py). The key is a digest: the memory never holds bodies.
-        retry_key = req.retry_key = hash((req.tenant, req.model, ctx.raw))
-        first = self._retries.recall(retry_key, now, req.tenant)
+        # A retry of a request kvgate left unserved keeps its first arrival, i.e. its
+        # place in line (admission/retries.py: what makes a request a retry).
+        ident = retry_identity(request, ctx)
+        retry_key, req.retry_key, req.retry_said = ident.key, ident.key, ident.said
+        first = None if ident.first else self._retries.recall(retry_key, now, req.tenant)
         req.arrival = now if first is None else first.arrival
         if first is not None and H_RETRY_COUNT not in request.headers:
             # A client that does not say which retry this is: its last, if its tenant's
@@ -437,8 +436,9 @@ class Pipeline:
         if isinstance(verdict, Shed):
             if verdict.reason == "shutdown":
                 raise shutting_down(self.config)
+            now = self._loop.time()
             self._retries.remember(
-                retry_key, req.arrival, self._loop.time(), ctx.req.tenant, verdict.retry_after
+                retry_key, req.arrival, now, req.tenant, verdict.retry_after, req.retry_said
             )
             self.metrics.shed.labels(verdict.reason).inc()
             if verdict.status == 429:

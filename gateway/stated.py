@@ -11,6 +11,7 @@ import math
 
 from aiohttp import web
 
+from admission.retries import RetryIdentity, identify
 from gateway.context import RequestContext
 from gateway.errors import invalid_request
 
@@ -19,6 +20,7 @@ H_QUEUE_TIMEOUT = "x-kvgate-queue-timeout"  # seconds the client is willing to w
 # which retry this is (0 for the first attempt; the SDKs retry twice by default).
 H_READ_TIMEOUT = "x-stainless-read-timeout"
 H_RETRY_COUNT = "x-stainless-retry-count"
+H_IDEMPOTENCY_KEY = "idempotency-key"
 SDK_DEFAULT_MAX_RETRIES = 2
 
 
@@ -42,6 +44,21 @@ def read_stated(request: web.Request, ctx: RequestContext, cap_s: float, now: fl
                 f"{H_RETRY_COUNT} must be an integer.", param=H_RETRY_COUNT
             ) from None
     return deadline
+
+
+def retry_identity(request: web.Request, ctx: RequestContext) -> RetryIdentity:
+    """How this request's retries are recognised: by its ``Idempotency-Key``, else by its
+    tenant, model and body, a retry only where the SDK's retry count says so or, for a
+    client that says nothing, where it comes back when told (admission/retries.py). Call
+    after `read_stated`, which checked the retry count."""
+    count = request.headers.get(H_RETRY_COUNT)
+    return identify(
+        ctx.req.tenant,
+        ctx.req.model,
+        ctx.raw,
+        None if count is None else int(count),
+        request.headers.get(H_IDEMPOTENCY_KEY),
+    )
 
 
 def _seconds(value: str, header: str) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.retries import RetryMemory
+from admission.retries import RetryMemory, identify
 from admission.types import AdmissionRequest, Admit, Queued
 from routing.scheduler import default_profile
 from routing.types import ReplicaState
@@ -132,3 +132,37 @@ def test_a_population_that_keeps_coming_back_shows_no_budget() -> None:
     mem.recall("poke", now)
     assert mem.budget.attempts("default") is None
     assert not mem.last_attempt("default", 3) and not mem.last_attempt("default", 5)
+
+
+def test_a_retry_is_known_by_what_its_client_says() -> None:
+    body = b'{"model":"m","messages":[]}'
+    first = identify("t", "m", body, retry_count=0)
+    again = identify("t", "m", body, retry_count=1)
+    # The SDK's count: a first attempt is nobody's retry; its retry has the same key.
+    assert first.said and first.first and not again.first and again.key == first.key
+    # The same body from another tenant or for another model is another request.
+    assert identify("u", "m", body, 1).key != again.key
+    assert identify("t", "n", body, 1).key != again.key
+    # An idempotency key names the request whatever its body (and whatever the count).
+    a = identify("t", "m", body, 0, "req-7")
+    b = identify("t", "m", b"{}", None, "req-7")
+    assert a.key == b.key and a.said and not a.first
+    assert identify("t", "m", body, None, "req-8").key != a.key
+    plain = identify("t", "m", body)
+    assert not plain.said and not plain.first and plain.key == first.key
+
+
+def test_a_client_that_says_nothing_is_recalled_only_while_due_back() -> None:
+    mem = RetryMemory(ttl_s=120.0, max_entries=100)
+    # Shed with Retry-After 2 s at t=10: due back by 10 + 2 x 2 + the 5 s grace = 19.
+    mem.remember("plain", arrival=9.0, now=10.0, retry_after=2.0, said=False)
+    mem.remember("sdk", arrival=9.0, now=10.0, retry_after=2.0, tenant="s", said=True)
+    assert first_arrival(mem, "plain", now=18.0) == 9.0  # back in time: its retry
+    mem.remember("plain", arrival=9.0, now=18.5, retry_after=2.0, said=False)
+    # An identical body past that is another request, though the memory's ttl runs on;
+    # a client that said which attempt it sends is known for the whole ttl.
+    assert first_arrival(mem, "plain", now=40.0) is None
+    assert mem.recall("sdk", now=40.0, tenant="s") == (9.0, 1)
+    # The plain one came back once, then not: the retry budget learned both outcomes.
+    plain = next(r for r in mem.budget.readings() if r.tenant == "default")
+    assert (plain.came_back, plain.gave_up) == (1, 1)

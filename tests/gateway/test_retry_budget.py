@@ -89,3 +89,88 @@ async def test_a_stated_retry_count_is_believed_over_the_budget(replica, gateway
         big.close()
         await asyncio.wait_for(asyncio.gather(waiting, last), 30.0)
         assert order == ["first-attempt", "retried"]
+
+
+async def _order_behind_one_queued(
+    s, gw, queued: dict, then: dict, headers: dict, then_headers: dict
+) -> list[str]:
+    """`queued` (with `headers`) waits for the held pool, `then` (with `then_headers`)
+    queues after it; the order they are served in once the pool frees."""
+    order: list[str] = []
+
+    async def send(name: str, payload: dict, hdrs: dict) -> None:
+        async with s.post(gw.url + URL, json=payload, headers=hdrs) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+        order.append(name)
+
+    big = await hold_pool(s, gw, 440)
+    model = queued["model"]
+    depth = gw.report.queue_depth(model)
+    waiting = asyncio.create_task(send("queued", queued, headers))
+    assert await wait_for(lambda: gw.report.queue_depth(model) == depth + 1)
+    later = asyncio.create_task(send("then", then, then_headers))
+    assert await wait_for(lambda: gw.report.queue_depth(model) == depth + 2)
+    big.close()
+    await asyncio.wait_for(asyncio.gather(waiting, later), 30.0)
+    return order
+
+
+async def test_identical_bodies_are_one_request_only_where_the_client_says_so(replica, gateway):
+    """Two SDK clients sending one prompt (pass@k, a batch with repeated prompts): the
+    second's first attempt (retry count 0) is a request of its own, queued by its own
+    arrival, not the retry of the first one kvgate shed; a retry (count 1) or an
+    Idempotency-Key naming the shed request keeps the shed one's place."""
+    srv = await replica(speed=5.0)
+    gw = await gateway(srv, pool_tokens=512)
+    other = body(300, user="other")
+    async with aiohttp.ClientSession() as s:
+        for tag, headers, expected in (
+            ("pass-at-k", {"x-stainless-retry-count": "0"}, ["queued", "then"]),
+            ("sdk-retry", {"x-stainless-retry-count": "1"}, ["then", "queued"]),
+            ("idempotent", {"Idempotency-Key": "job-1/item-2"}, ["then", "queued"]),
+        ):
+            # `other` is a first attempt of another request, however its client says it.
+            first = {"Idempotency-Key": "job-1/item-1"} if "Idempotency-Key" in headers else {}
+            prompt = body(300, user=tag)
+            shed_headers = {"x-kvgate-queue-timeout": "0", **headers}
+            if "x-stainless-retry-count" in headers:
+                shed_headers["x-stainless-retry-count"] = "0"
+            big = await hold_pool(s, gw, 440)
+            async with s.post(gw.url + URL, json=prompt, headers=shed_headers) as r:
+                assert r.status == 503, await r.text()
+            big.close()
+            assert await wait_for(lambda: gw.report.reserved_tokens() == 0)
+            order = await _order_behind_one_queued(s, gw, other, prompt, first, headers)
+            assert order == expected, tag
+
+
+async def test_a_plain_client_that_leaves_is_not_taken_back_by_an_identical_request(
+    replica, gateway
+):
+    """Clients that say nothing and close their connections before an answer (a load
+    tool ending its run) teach the retry budget nothing, and past the grace a client
+    retrying its own timeout comes back within, an identical request is another
+    client's, queued by its own arrival."""
+    srv = await replica(speed=5.0)
+    gw = await gateway(srv, pool_tokens=512, auth={"admin_token": "adm"})
+    prompt = body(300, user="load-tool")
+    async with aiohttp.ClientSession() as s:
+        big = await hold_pool(s, gw, 440)
+        gone = [asyncio.create_task(s.post(gw.url + URL, json=prompt)) for _ in range(3)]
+        assert await wait_for(lambda: gw.report.queue_depth(prompt["model"]) == 3)
+        for task in gone:
+            task.cancel()
+        await asyncio.gather(*gone, return_exceptions=True)
+        assert await wait_for(lambda: gw.report.queue_depth(prompt["model"]) == 0)
+        big.close()
+        assert await wait_for(lambda: gw.report.reserved_tokens() == 0)
+        await asyncio.sleep(5.5)  # admission/retries.py's grace
+        # Both state how long they wait (the three that left taught a short patience).
+        wait = {"x-kvgate-queue-timeout": "20"}
+        other = body(300, user="other")
+        order = await _order_behind_one_queued(s, gw, other, prompt, wait, wait)
+        assert order == ["queued", "then"]
+        async with s.get(gw.url + "/admin/replicas", headers={"Authorization": "Bearer adm"}) as r:
+            rows = (await r.json())["client_retry_budget"]
+        assert all(row["gave_up"] == 0 and row["came_back"] == 0 for row in rows)
