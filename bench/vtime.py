@@ -22,7 +22,7 @@ import heapq
 import itertools
 import math
 import random
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -123,6 +123,9 @@ def run(
     stoppers: int = 0,
     timeout_backoff_s: Sequence[float] | None = None,
     straight: bool = False,
+    arrivals: Sequence[float] | None = None,
+    total_timeout: bool = False,
+    fixed: int | None = None,
 ) -> VtReport:
     """Replay `items` through admission into one simulated replica of `profile`.
     `retry_after_unit_s`: clients read only the whole-second ``Retry-After`` header (a
@@ -133,7 +136,13 @@ def run(
     do; None: a timed-out attempt is lost.
     `straight`: the engine alone, as clients straight at it see it: every attempt goes to
     the engine at once and admission is never asked (a pass-through config is not that:
-    it still measures the pool from the engine's KV usage and holds requests to it)."""
+    it still measures the pool from the engine's KV usage and holds requests to it).
+    `arrivals`: open loop: item i is first sent at ``arrivals[i]`` by a client of its own
+    (`concurrency` is then unused). `total_timeout`: the client's `timeout_s` counts from
+    its first attempt, the Retry-After waits included (it still states `timeout_s` per
+    attempt): a retry told to wait past what is left is given up. `fixed`: with
+    `straight`, at most this many attempts at the engine at once, the rest waiting in
+    the client side's FIFO (a fixed-concurrency proxy)."""
     prof = load_profile(profile)
     core = EngineCore(prof, seed=seed)
     cfg = config if config is not None else AdmissionConfig()
@@ -192,7 +201,7 @@ def run(
                 ),
                 now,
             )
-        running = core.stats().num_running if straight else ctrl.report.replica_usage()[0].running
+        running = in_engine[0] if straight else ctrl.report.replica_usage()[0].running
         report.max_running = max(report.max_running, running)
 
     def handle(events: Events) -> None:
@@ -206,10 +215,21 @@ def run(
     def finish(att: _Attempt) -> None:
         att.done = True
         live.pop(att.rid, None)
-        if pending:
+        if pending and arrivals is None:
             push(now, "send", (att.client, pending.pop(), now, 0))
-        elif not live:
+        elif not live and not any(k == "send" for _, _, k, _ in heap):
             report.wall_s = now
+
+    def engine_freed(att: _Attempt) -> None:
+        """The fixed-concurrency proxy starts the next attempt it holds."""
+        if not straight or att.admitted_at is None:
+            return
+        in_engine[0] -= 1
+        while held and in_engine[0] < fixed:
+            nxt = held.popleft()
+            if not nxt.done:
+                in_engine[0] += 1
+                start_engine([Admit(nxt.rid, REPLICA, 0)])
 
     def handle_verdict(att: _Attempt, verdict: object) -> None:
         if isinstance(verdict, Admit):
@@ -236,10 +256,15 @@ def run(
             report.fail_after.append(now - att.first)
             finish(att)
             return
-        report.retries += 1
         delay = verdict.retry_after
         if retry_after_unit_s is not None:
             delay = max(1, math.ceil(delay / retry_after_unit_s)) * retry_after_unit_s
+        if total_timeout and now + delay >= att.first + timeout_s:
+            report.timed_out += 1  # its time ran out while it waited as it was told
+            report.fail_after.append(now - att.first)
+            finish(att)
+            return
+        report.retries += 1
         push(
             now + delay,
             "send",
@@ -260,8 +285,12 @@ def run(
         if stream and client < stoppers:
             att.stop_after = reading.randint(1, 6)
         live[rid] = att
-        push(now + timeout_s, "timeout", rid)
+        push((first if total_timeout else now) + timeout_s, "timeout", rid)
         if straight:
+            if fixed is not None and in_engine[0] >= fixed:
+                held.append(att)
+                return
+            in_engine[0] += 1
             start_engine([Admit(rid, REPLICA, 0)])
             return
         p = len(item.prompt_token_ids)
@@ -315,6 +344,12 @@ def run(
 
     handle(upsert())
     note_limit()
+    held: deque[_Attempt] = deque()  # the fixed-concurrency proxy's FIFO
+    in_engine = [0]
+    if arrivals is not None:
+        for i, (at, item) in enumerate(zip(arrivals, items, strict=True)):
+            push(at, "send", (i, item, at, 0))
+        pending.clear()
     for c in range(min(concurrency, len(pending))):
         push(0.0, "send", (c, pending.pop(), 0.0, 0))
     push(probe_s, "probe", None)
@@ -356,6 +391,7 @@ def run(
                     if att.stop_after is not None and att.events >= att.stop_after:
                         # It read what it wanted and closes the stream (not a completion).
                         core.abort(att.rid, now)
+                        engine_freed(att)
                         report.stopped += 1
                         ended(att, True)
                         handle(ctrl.release(att.rid, now))
@@ -386,6 +422,7 @@ def run(
                         ),
                     )
                     report.completed += 1
+                    engine_freed(att)
                     report.tokens += ev.prompt_tokens + ev.completion_tokens
                     report.latencies.append(now - att.first)
                     report.ttfts.append(ttft)
@@ -415,6 +452,7 @@ def run(
             if att is not None and not att.done and not (stream and att.first_token):
                 if att.admitted_at is not None:
                     core.abort(att.rid, now)
+                    engine_freed(att)
                 report.timed_out += 1
                 report.timeouts.append(
                     (now, att.retries, att.admitted_at - att.start if att.admitted_at else None)
