@@ -30,13 +30,14 @@ from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.fit import sized_exactly
-from admission.patience import ClientEnd, stream_end
 from admission.retries import RetryMemory, identify
 from admission.types import AdmissionRequest, Admit, Completion, Events, Queued, Refuse, Shed
 from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
 from enginesim.types import EventKind, SimRequest
 from enginesim.workloads import WorkItem
+from gateway import accounting
+from gateway.context import RequestContext
 from gateway.stated import SDK_DEFAULT_MAX_RETRIES
 from routing.scheduler import default_profile
 from routing.types import ReplicaState
@@ -101,6 +102,9 @@ class _Attempt:
     arrival: float = 0.0  # what the gateway takes as its arrival (a recognised retry's first)
     estimated: int | None = None  # prompt + output reserved, when the output was a guess
     key: int = 0  # its retry identity's key (admission/retries.py)
+    # The request as the gateway's stages fill it in (gateway/context.py): what its
+    # account stage reads (`gateway.accounting.completion`, `patience_seen`).
+    ctx: RequestContext | None = None
 
 
 def run(
@@ -189,6 +193,9 @@ def run(
                 handle(ctrl.release(a.request_id, now))
                 continue
             att.admitted_at = now
+            if att.ctx is not None:  # as gateway/pipeline.py records an admission
+                att.ctx.admitted(a, now)
+                att.ctx.latency_budget = a.latency_budget  # stated, or learned
             memory.forget(att.key)
             p = len(att.item.prompt_token_ids)
             core.add_request(
@@ -248,7 +255,7 @@ def run(
         memory.remember(
             att.key, att.arrival, now, retry_after=verdict.retry_after, said=send_timeout
         )
-        ended(att, False)
+        ended(att, f"shed_{verdict.reason}")
         live.pop(att.rid, None)
         att.done = True
         if max_retries is not None and att.retries >= max_retries:
@@ -319,25 +326,24 @@ def run(
         )
         if not sized_exactly(True, req.expected_output, bound, True):  # as the gateway
             att.estimated = p + req.expected_output
+        att.ctx = RequestContext(rid, "chat", "/v1/chat/completions", arrival=now, req=req)
+        att.ctx.patience_stated = send_timeout
+        att.ctx.admission_id = rid
         decision = ctrl.submit(req, now)
         handle_verdict(att, decision.verdict)
         handle(decision.events)
 
-    def ended(att: _Attempt, left: bool) -> None:
-        """What the gateway tells admission of a client that states no timeout
-        (gateway/accounting.py, `patience_seen`)."""
-        if send_timeout:
+    def ended(att: _Attempt, outcome: str) -> None:
+        """The request ended with `outcome` as the gateway words it: what its account
+        stage tells admission of a client that states no timeout (the gateway's own
+        `gateway.accounting.patience_seen`)."""
+        ctx = att.ctx
+        if ctx is None:
             return
-        waited = now - att.start
-        end = ClientEnd(waited, left)
-        if stream:
-            first = None if att.first_token is None else att.first_token - att.start
-            gap = None
-            if att.first_token is not None and att.events > 1:
-                gap = (now - att.first_token) / (att.events - 1)
-            # A stopper leaves as its last event arrives: no quiet stretch.
-            end = stream_end(waited, left, first, 0.0 if first is not None else waited, gap)
-        handle(ctrl.client_ended("default", model, stream, end, now))
+        ctx.outcome = outcome
+        end = accounting.patience_seen(ctx, now)
+        if end is not None:
+            handle(ctrl.client_ended("default", model, stream, end, now))
 
     def upsert() -> Events:
         return ctrl.upsert_replica(state, now, pinned_capacity=pool_tokens, max_running=max_running)
@@ -388,44 +394,38 @@ def run(
                     att.events += 1
                     if att.first_token is None:
                         att.first_token = now
+                    if stream and att.ctx is not None:  # as the relay counts events
+                        att.ctx.events += 1
+                        att.ctx.last_event_at = now
+                        if att.ctx.first_byte_at is None:
+                            att.ctx.first_byte_at = now
                     if att.stop_after is not None and att.events >= att.stop_after:
                         # It read what it wanted and closes the stream (not a completion).
                         core.abort(att.rid, now)
                         engine_freed(att)
                         report.stopped += 1
-                        ended(att, True)
+                        ended(att, "client_disconnect")
                         handle(ctrl.release(att.rid, now))
                         finish(att)
                         continue
                 if ev.kind is EventKind.FINISHED:
                     assert att.admitted_at is not None
-                    service = now - att.admitted_at
-                    ttft = (att.first_token or now) - att.admitted_at
-                    ended(att, False)
+                    done: Completion | None = None
+                    if att.ctx is not None:  # what the gateway's account stage reports
+                        att.ctx.usage_prompt = ev.prompt_tokens
+                        att.ctx.usage_completion = ev.completion_tokens
+                        ended(att, "ok")
+                        done = accounting.completion(att.ctx, now)
                     est.observe_output(model, ev.completion_tokens)
                     if att.estimated is not None:
                         used = len(att.item.prompt_token_ids) + ev.completion_tokens
                         est.observe_estimated(model, att.estimated, used)
-                    admits = ctrl.release(
-                        att.rid,
-                        now,
-                        Completion(
-                            ok=True,
-                            service_s=service,
-                            ttft_s=ttft if stream else None,
-                            itl_s=(now - att.first_token) / (ev.completion_tokens - 1)
-                            if stream and att.first_token and ev.completion_tokens > 1
-                            else None,
-                            prompt_tokens=ev.prompt_tokens,
-                            completion_tokens=ev.completion_tokens,
-                            latency_budget=timeout_s if send_timeout else None,
-                        ),
-                    )
+                    admits = ctrl.release(att.rid, now, done)
                     report.completed += 1
                     engine_freed(att)
                     report.tokens += ev.prompt_tokens + ev.completion_tokens
                     report.latencies.append(now - att.first)
-                    report.ttfts.append(ttft)
+                    report.ttfts.append((att.first_token or now) - att.admitted_at)
                     if (
                         att.first_token is not None
                         and ev.completion_tokens > 1
@@ -461,15 +461,10 @@ def run(
                 live.pop(att.rid, None)
                 # It left before an answer began: the gateway remembers it as unserved.
                 memory.remember(att.key, att.arrival, now, said=send_timeout)
-                # The gateway reads a client that leaves at its own declared timeout, or
-                # at the patience it was admitted under, as a failed request of the
-                # replica (gateway/accounting.py, `completion`).
-                res = ctrl.report.reservation(att.rid)
-                budget = res.latency_budget if res is not None else None
-                spent = budget is not None and now - att.start >= 0.9 * budget
-                served = now - att.admitted_at if att.admitted_at is not None else None
-                gone = Completion(ok=False, service_s=served) if res is not None and spent else None
-                ended(att, True)
+                # What the gateway's account stage makes of a client that left
+                # (gateway/accounting.py, `completion` and `patience_seen`).
+                ended(att, "client_disconnect")
+                gone = accounting.completion(att.ctx, now) if att.ctx is not None else None
                 handle(ctrl.release(att.rid, now, gone))
                 if timeout_backoff_s is not None and (
                     max_retries is None or att.retries < max_retries

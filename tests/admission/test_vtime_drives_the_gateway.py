@@ -1,0 +1,66 @@
+"""bench/vtime.py runs the gateway's own account stage (issue 47, item 5): what an ended
+request tells admission (its `Completion`, its client's patience) comes from
+`gateway.accounting`, not from a copy in the harness that drifts from it (it once
+hard-coded 0.9 where the gateway has `_BUDGET_SPENT`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.vtime import run
+from enginesim.workloads import seed2_workload
+from gateway import accounting
+
+
+@pytest.mark.parametrize("stated", [True, False], ids=["sdk", "plain"])
+def test_virtual_time_reports_what_the_gateways_account_stage_reports(
+    monkeypatch: pytest.MonkeyPatch, stated: bool
+) -> None:
+    calls = {"completion": 0, "patience_seen": 0}
+    real_completion, real_patience = accounting.completion, accounting.patience_seen
+
+    def completion(ctx, now):  # type: ignore[no-untyped-def]
+        calls["completion"] += 1
+        return real_completion(ctx, now)
+
+    def patience_seen(ctx, now):  # type: ignore[no-untyped-def]
+        calls["patience_seen"] += 1
+        return real_patience(ctx, now)
+
+    monkeypatch.setattr(accounting, "completion", completion)
+    monkeypatch.setattr(accounting, "patience_seen", patience_seen)
+    items = seed2_workload(40, seed=3)
+    report = run("seed2-8b-16gb", items, concurrency=16, timeout_s=45.0, send_timeout=stated)
+    # Every completion and every ended attempt went through the gateway's own code.
+    assert calls["completion"] >= report.completed > 0
+    assert calls["patience_seen"] >= report.completed
+
+
+def test_a_client_gone_at_its_timeout_is_judged_by_the_gateways_threshold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The threshold at which a client that left is the replica's failure is the
+    gateway's: moved there, virtual time follows."""
+    real = accounting.completion
+
+    def failures(spent: float) -> list[object]:
+        seen: list[object] = []
+
+        def completion(ctx, now):  # type: ignore[no-untyped-def]
+            got = real(ctx, now)
+            if ctx.outcome == "client_disconnect":
+                seen.append(got)
+            return got
+
+        monkeypatch.setattr(accounting, "completion", completion)
+        monkeypatch.setattr(accounting, "_BUDGET_SPENT", spent)
+        items = seed2_workload(60, seed=5)
+        run("seed2-8b-16gb", items, concurrency=64, timeout_s=10.0, max_retries=2)
+        return seen
+
+    # At the gateway's threshold, clients gone at their 10 s are failures of the replica;
+    # past any time they could wait, none is.
+    at = failures(accounting._BUDGET_SPENT)
+    assert at and all(c is not None and not c.ok for c in at)  # type: ignore[attr-defined]
+    never = failures(2.0)
+    assert never and all(c is None for c in never)
