@@ -8,6 +8,10 @@ up an attempt after `timeout_s` (a disconnect: the engine aborts the request, ad
 releases it without a completion sample). The engine's gauges reach admission every
 `probe_s`, as discovery would deliver them. No wall clock, no IO: a whole seed-001 run
 takes about a CPU second, so tests can assert on the learned limit and benches can sweep.
+Of the gateway's own code it runs admission, the account stage (`gateway.accounting`:
+what an ended request tells admission) and the retry identity and memory
+(`admission.retries`); the pipeline's calls into them are mirrored here, and
+tests/admission/test_vtime_drives_the_gateway.py fails when the two drift.
 
 `stoppers`: that many of the clients (the first ones) stop reading each stream after 1-6
 token events (seeded), by design: a user pressing stop, an agent that read enough.
