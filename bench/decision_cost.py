@@ -140,6 +140,7 @@ def one_run(
     in_flight: int = 0,
     share: bool = False,
     toggle: Callable[[], None] | None = None,
+    with_release: bool = False,
 ) -> tuple[float, float, int]:
     kv = KVIndex() if profile == "precise" else None
     router = build_router(PROFILES[profile], seed=seed, env=PluginEnv(seed=seed, kv_index=kv))
@@ -208,11 +209,14 @@ def one_run(
                 verdict = ctl.submit(req, now).verdict
                 t1 = time.perf_counter_ns()
             assert isinstance(verdict, Admit), verdict
-            if d >= 0:
-                times.append(t1 - t0)
             running.append(req.request_id)
             if len(running) > in_flight:  # the oldest leaves (at once with 0 in flight)
+                t2 = time.perf_counter_ns()
                 ctl.release(running.pop(0), now)
+                if with_release:  # the decision's cost includes the release it leads to
+                    t1 += time.perf_counter_ns() - t2
+            if d >= 0:
+                times.append(t1 - t0)
     finally:
         gc.enable()
     times.sort()
@@ -389,6 +393,11 @@ def main() -> None:
         help="replicas count shared prefixes once (admission.prefixshare): pinned chains "
         "are walked on every fit check",
     )
+    ap.add_argument(
+        "--with-release",
+        action="store_true",
+        help="time each decision with the release that follows it (admit + release)",
+    )
     ap.add_argument("--out", default="decision_cost.json")
     ap.add_argument("--callgrind", action="store_true", help="instructions per decision (valgrind)")
     ap.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
@@ -412,7 +421,16 @@ def main() -> None:
     for profile in args.profiles:
         for n in args.replicas:
             runs = [
-                one_run(n, profile, args.decisions, seed, args.warmup, args.in_flight, args.share)
+                one_run(
+                    n,
+                    profile,
+                    args.decisions,
+                    seed,
+                    args.warmup,
+                    args.in_flight,
+                    args.share,
+                    with_release=args.with_release,
+                )  # fmt: skip
                 for seed in range(args.runs)
             ]
             rows.append(
