@@ -127,6 +127,10 @@ class ModelCatalog:
                 bases.setdefault(m, set()).add(parent.get(m, m))
         self._bases = {m: frozenset(b) for m, b in bases.items()}
 
+    def served(self) -> frozenset[str]:
+        """Every model a replica lists now (adapters included)."""
+        return frozenset(self._bases)
+
     def bases_of(self, model: str) -> frozenset[str]:
         """The models `model` runs on where a replica serves it: its base where it is a
         LoRA adapter, itself where it is a base; empty where no replica serves it. More
@@ -396,6 +400,10 @@ class Discovery:
         if w is not None:
             w.hysteresis.force_down()
             w.state.ready = False
+
+    def served(self) -> frozenset[str]:
+        """Every model a replica lists now (`ModelCatalog.served`)."""
+        return self.catalog.served()
 
     def bases_of(self, model: str) -> frozenset[str]:
         """The models `model` runs on (`ModelCatalog.bases_of`): for the tenant check,

@@ -30,6 +30,7 @@ from admission.tenants import TenantLimiter
 from gateway.apikey import tenant_of
 from gateway.body import read_body
 from gateway.config import GatewayConfig
+from gateway.default_model import fill_model
 from gateway.denials import model_not_found
 from gateway.discovery import Discovery
 from gateway.endpoints import PASSED_HEADERS
@@ -64,6 +65,9 @@ class Forwarder:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 raise invalid_request("Request body is not valid JSON.") from None
+            if isinstance(body, dict) and dialect == "openai":  # as vLLM: its one model
+                d = self._discovery
+                raw = fill_model(body, raw, True, d.served, d.bases_of)
             model = body.get("model") if isinstance(body, dict) else None
             if not isinstance(model, str) or not model:
                 raise invalid_request("model: Field required", param="model")

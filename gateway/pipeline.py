@@ -42,13 +42,8 @@ from gateway.body import loads, read_body
 from gateway.config import GatewayConfig
 from gateway.context import Kind, RequestContext
 from gateway.counting import PromptCounter
-from gateway.denials import (
-    model_not_found,
-    rate_limited,
-    refused_error,
-    shed_error,
-    tenant_limit,
-)
+from gateway.default_model import fill_model
+from gateway.denials import model_not_found, rate_limited, refused_error, shed_error, tenant_limit
 from gateway.discovery import Discovery
 from gateway.door import AdmissionDoor
 from gateway.endpoints import AUDIO, PASSED_HEADERS, POOLING, SCHEMAS, UPSTREAM_PATHS, dialect_of
@@ -260,6 +255,9 @@ class Pipeline:
             body = audio_form(raw, ctype) if ctx.kind in AUDIO else loads(raw)
             if not isinstance(body, dict):
                 raise invalid_request("Request body must be a JSON object.")
+            if ctx.kind != "messages":  # the model of a request that names none
+                d = self.discovery
+                raw = fill_model(body, raw, ctx.kind not in AUDIO, d.served, d.bases_of)
             parsed = SCHEMAS[ctx.kind](body)
         except BodyError as e:
             raise invalid_request(e.message, param=e.param) from None
