@@ -13,7 +13,9 @@ each answered in its API's dialect:
   stored the response (gateway/stored_responses.py); an id kvgate does not know, or
   whose replica is gone, is a 404 that says which.
 
-The engine's answer (status, body, content type) is relayed unchanged.
+Each counts as one request against the tenant's requests per minute (no tokens): over
+it, the 429 the admitted endpoints give. The engine's answer (status, body, content
+type) is relayed unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from gateway.apikey import tenant_of
 from gateway.body import read_body
 from gateway.config import GatewayConfig
 from gateway.default_model import fill_model
-from gateway.denials import model_not_found
+from gateway.denials import model_not_found, rate_limited
 from gateway.discovery import Discovery
 from gateway.endpoints import PASSED_HEADERS
 from gateway.errors import ApiError, Dialect, invalid_request
@@ -73,6 +75,7 @@ class Forwarder:
                 raise invalid_request("model: Field required", param="model")
             if not self._tenants().get(tenant).may_use(model, self._discovery.bases_of(model)):
                 raise model_not_found(model)
+            self._one_request(tenant)
             replica = self._pick(model)
             return await self._send(request, "POST", replica, path, raw)
         except ApiError as e:
@@ -81,7 +84,7 @@ class Forwarder:
     async def stored_response(self, request: web.Request) -> web.StreamResponse:
         """``/v1/responses/{id}[/cancel|/input_items]``, at the replica that stored it."""
         try:
-            tenant_of(self._tenants(), request)
+            self._one_request(tenant_of(self._tenants(), request))
             rid = request.match_info["response_id"]
             held = await self._stored().lookup(rid, asyncio.get_running_loop().time())
             if held is None:
@@ -107,6 +110,16 @@ class Forwarder:
             return resp
         except ApiError as e:
             return e.response()
+
+    def _one_request(self, tenant: str) -> None:
+        """Charge one request to `tenant`'s requests per minute; 429 over it."""
+        policy = self._tenants().get(tenant)
+        if policy.rpm is None:
+            return
+        now = asyncio.get_running_loop().time()
+        if (wait := policy.rpm.wait(1, now)) > 0:
+            raise rate_limited(policy, "requests", 0, wait, now)
+        policy.rpm.charge(1, now)
 
     def _pick(self, model: str) -> str:
         ready = [

@@ -356,3 +356,28 @@ async def test_a_larger_share_admits_waiting_requests_at_once(replica, gateway):
             assert r.status == 200
             assert r.headers["x-ratelimit-limit-requests"] == "100"
         held.close()
+
+
+async def test_forwarded_endpoints_count_against_the_requests_per_minute(replica, gateway):
+    """tokenize, detokenize, count_tokens and stored responses take no KV but are
+    requests: each counts one against the tenant's RPM (no tokens), and over it gets the
+    same 429 the completions do; another tenant is not touched."""
+    gw = await gateway(
+        await replica(), tenants=[tenant("a", KEY_A, rpm=2, tpm=10), tenant("b", KEY_B)]
+    )
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    payload = {"model": MODEL, "prompt": "hello there, a prompt of more tokens than ten"}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):  # its TPM of 10 does not apply: a tokenize generates nothing
+            async with s.post(gw.url + "/tokenize", json=payload, headers=auth) as r:
+                assert r.status == 200, await r.text()
+        async with s.post(gw.url + "/tokenize", json=payload, headers=auth) as r:
+            assert r.status == 429
+            err = (await r.json())["error"]
+            assert err["code"] == "rate_limit_exceeded" and "requests per min" in err["message"]
+            assert 25_000 <= int(r.headers["retry-after-ms"]) <= 30_001
+        async with await post(s, gw, KEY_A, body()) as r:
+            assert r.status == 429  # the same budget the completions draw on
+        other = {"Authorization": f"Bearer {KEY_B}"}
+        async with s.post(gw.url + "/tokenize", json=payload, headers=other) as r:
+            assert r.status == 200
