@@ -23,10 +23,10 @@ CASES = [
     ("malformed json", "/v1/chat/completions", b'{"model": "tiny-llm", "messages": [', 400, None),
     ("not an object", "/v1/chat/completions", b"[1, 2, 3]", 400, None),
     ("empty body", "/v1/chat/completions", b"", 400, None),
-    (
-        "missing model",
+    (  # a missing model is the one served, as on vLLM (tests/gateway/test_default_model.py)
+        "empty model",
         "/v1/chat/completions",
-        b'{"messages": [{"role": "user", "content": "x"}]}',
+        b'{"model": "", "messages": [{"role": "user", "content": "x"}]}',
         400,
         "model",
     ),
