@@ -43,6 +43,7 @@ from collections.abc import Hashable
 from typing import NamedTuple
 
 from admission.retry_budget import RetryBudget
+from admission.types import AdmissionRequest
 
 _GRACE_S = 5.0  # past twice its Retry-After, an attempt not back is a client that gave up
 
@@ -158,6 +159,31 @@ class RetryMemory:
             if oldest[1] > now and len(entries) <= self._max:
                 break
             del entries[oldest_key]
+
+    # The gateway's three calls (gateway/pipeline.py, and bench/vtime.py as it does).
+    def arrived(
+        self, req: AdmissionRequest, ident: RetryIdentity, now: float, count_stated: bool
+    ) -> None:
+        """Take `req` in: its retry identity and, where it is the retry of a request kvgate
+        left unserved, its first arrival (its place in line) and, for a client that does
+        not state which retry it sends, whether this is its last (admission/retry_budget.py)."""
+        req.retry_key, req.retry_said = ident.key, ident.said
+        first = None if ident.first else self.recall(ident.key, now, req.tenant)
+        req.recalled = first is not None
+        req.arrival = now if first is None else first.arrival
+        if first is not None and not count_stated:
+            req.last_retry = self.last_attempt(req.tenant, first.unserved)
+
+    def admitted(self, req: AdmissionRequest) -> None:
+        """`req` got in: a later identical request is a newcomer again."""
+        if req.recalled and req.retry_key is not None:
+            self.forget(req.retry_key, req.tenant)
+
+    def unserved(self, req: AdmissionRequest, now: float, retry_after: float = 0.0) -> None:
+        """`req` was shed and told to come back in `retry_after` seconds, or its client
+        left before an answer began (0)."""
+        if req.retry_key is not None:
+            self.remember(req.retry_key, req.arrival, now, req.tenant, retry_after, req.retry_said)
 
     def forget(self, key: Hashable, tenant: str = "default") -> None:
         """The request got in: later identical requests are newcomers again."""

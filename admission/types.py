@@ -60,6 +60,7 @@ class AdmissionRequest(RouteRequest):
     # request's key is expected back, and its tokens count as backlog.
     retry_key: int | None = None
     retry_said: bool = False  # its client says which attempt it is (`RetryIdentity.said`)
+    recalled: bool = False  # taken as the retry of a request kvgate left unserved
     # False when the client set no output bound (`max_tokens` is then kvgate's own guess):
     # an engine that does not preempt may generate until the slot's context is full.
     max_tokens_given: bool = True

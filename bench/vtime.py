@@ -103,9 +103,7 @@ class _Attempt:
     done: bool = False
     events: int = 0  # token events received
     stop_after: int | None = None  # a stopper's: it closes the stream after this many
-    arrival: float = 0.0  # what the gateway takes as its arrival (a recognised retry's first)
     estimated: int | None = None  # prompt + output reserved, when the output was a guess
-    key: int = 0  # its retry identity's key (admission/retries.py)
     # The request as the gateway's stages fill it in (gateway/context.py): what its
     # account stage reads (`gateway.accounting.completion`, `patience_seen`).
     ctx: RequestContext | None = None
@@ -200,7 +198,8 @@ def run(
             if att.ctx is not None:  # as gateway/pipeline.py records an admission
                 att.ctx.admitted(a, now)
                 att.ctx.latency_budget = a.latency_budget  # stated, or learned
-            memory.forget(att.key)
+            if att.ctx is not None:
+                memory.admitted(att.ctx.req)
             p = len(att.item.prompt_token_ids)
             core.add_request(
                 SimRequest(
@@ -256,9 +255,8 @@ def run(
 
     def shed(att: _Attempt, verdict: Shed) -> None:
         report.sheds[att.client] += 1
-        memory.remember(
-            att.key, att.arrival, now, retry_after=verdict.retry_after, said=send_timeout
-        )
+        if att.ctx is not None:
+            memory.unserved(att.ctx.req, now, verdict.retry_after)
         ended(att, f"shed_{verdict.reason}")
         live.pop(att.rid, None)
         att.done = True
@@ -285,14 +283,6 @@ def run(
     def send(client: int, item: WorkItem, first: float, retries: int) -> None:
         rid = f"{item.request_id}#{retries}"
         att = _Attempt(client, item, first, now, retries, rid)
-        # The gateway's identity rules (admission/retries.py, `identify`): an SDK client
-        # says which attempt it sends (a first attempt is nobody's retry); a plain one
-        # is known only when it comes back when told.
-        count = retries if send_timeout else None
-        ident = identify("default", model, item.request_id.encode(), count)
-        recalled = None if ident.first else memory.recall(ident.key, now)
-        att.key = ident.key
-        att.arrival = now if recalled is None else recalled.arrival
         if stream and client < stoppers:
             att.stop_after = reading.randint(1, 6)
         live[rid] = att
@@ -317,17 +307,17 @@ def run(
             ),
             max_tokens=bound,
             margin=est.margin(model),
-            arrival=att.arrival,
             # Only the openai SDKs say which retry this is (kvgate assumes their default
             # budget); a plain client's last is known once its clients' budget is learned.
-            last_retry=retries >= SDK_DEFAULT_MAX_RETRIES
-            if send_timeout
-            else recalled is not None and memory.last_attempt("default", recalled.unserved),
+            last_retry=send_timeout and retries >= SDK_DEFAULT_MAX_RETRIES,
             latency_budget=timeout_s if send_timeout else None,
             stream=stream,
-            retry_key=ident.key,
-            retry_said=ident.said,
         )
+        # The gateway's retry identity and memory (admission/retries.py): an SDK client
+        # says which attempt it sends; a plain one is known when it comes back when told.
+        count = retries if send_timeout else None
+        ident = identify("default", model, item.request_id.encode(), count)
+        memory.arrived(req, ident, now, count_stated=send_timeout)
         if not sized_exactly(True, req.expected_output, bound, True):  # as the gateway
             att.estimated = p + req.expected_output
         att.ctx = RequestContext(rid, "chat", "/v1/chat/completions", arrival=now, req=req)
@@ -464,7 +454,8 @@ def run(
                 att.done = True
                 live.pop(att.rid, None)
                 # It left before an answer began: the gateway remembers it as unserved.
-                memory.remember(att.key, att.arrival, now, said=send_timeout)
+                if att.ctx is not None:
+                    memory.unserved(att.ctx.req, now)
                 # What the gateway's account stage makes of a client that left
                 # (gateway/accounting.py, `completion` and `patience_seen`).
                 ended(att, "client_disconnect")

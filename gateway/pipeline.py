@@ -215,12 +215,9 @@ class Pipeline:
             # relay's own finally; the reservation by ours.
             ctx.status = 499
             ctx.outcome = "client_disconnect"
-            if ctx.req.retry_key is not None and ctx.first_byte_at is None:
+            if ctx.first_byte_at is None:
                 # It left before an answer: its retry keeps its place (admission/retries.py).
-                self._retries.remember(
-                    ctx.req.retry_key, ctx.req.arrival, self._loop.time(), ctx.req.tenant,
-                    said=ctx.req.retry_said,
-                )  # fmt: skip
+                self._retries.unserved(ctx.req, self._loop.time())
             raise
         except Exception:
             log.exception("unhandled error in request %s", ctx.request_id)
@@ -411,21 +408,14 @@ class Pipeline:
         ctx.admission_id = ctx.request_id
         # A retry of a request kvgate left unserved keeps its first arrival, i.e. its
         # place in line (admission/retries.py: what makes a request a retry).
-        ident = retry_identity(request, ctx)
-        retry_key, req.retry_key, req.retry_said = ident.key, ident.key, ident.said
-        first = None if ident.first else self._retries.recall(retry_key, now, req.tenant)
-        req.arrival = now if first is None else first.arrival
-        if first is not None and H_RETRY_COUNT not in request.headers:
-            # A client that does not say which retry this is: its last, if its tenant's
-            # clients give up after this many unserved attempts (admission/retry_budget.py).
-            req.last_retry = self._retries.last_attempt(req.tenant, first.unserved)
+        stated = H_RETRY_COUNT in request.headers
+        self._retries.arrived(req, retry_identity(request, ctx), now, stated)
         targets = self.tenants.tenants.get(req.tenant)
         req.ttft_target_s = targets.ttft_s if targets is not None else None
         req.itl_target_s = targets.itl_s if targets is not None else None
         verdict, _queued = await self.door.admit(req)
         if isinstance(verdict, Admit):
-            if first is not None:
-                self._retries.forget(retry_key, ctx.req.tenant)
+            self._retries.admitted(req)
             ctx.admitted(verdict, self._loop.time())
             ctx.latency_budget = verdict.latency_budget  # stated, or learned
             self.metrics.queue_wait.observe(ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
@@ -434,10 +424,7 @@ class Pipeline:
         if isinstance(verdict, Shed):
             if verdict.reason == "shutdown":
                 raise shutting_down(self.config)
-            now = self._loop.time()
-            self._retries.remember(
-                retry_key, req.arrival, now, req.tenant, verdict.retry_after, req.retry_said
-            )
+            self._retries.unserved(req, self._loop.time(), verdict.retry_after)
             self.metrics.shed.labels(verdict.reason).inc()
             if verdict.status == 429:
                 self.metrics.tenant_rate_limited(ctx.req.tenant, tenant_limit(verdict))

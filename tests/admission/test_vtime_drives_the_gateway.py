@@ -5,8 +5,11 @@ hard-coded 0.9 where the gateway has `_BUDGET_SPENT`)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
+from admission.retries import RetryMemory
 from bench.vtime import run
 from enginesim.workloads import seed2_workload
 from gateway import accounting
@@ -64,3 +67,24 @@ def test_a_client_gone_at_its_timeout_is_judged_by_the_gateways_threshold(
     assert at and all(c is not None and not c.ok for c in at)  # type: ignore[attr-defined]
     never = failures(2.0)
     assert never and all(c is None for c in never)
+
+
+def test_virtual_time_takes_retries_in_as_the_gateway_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retry memory's three calls the pipeline makes (a request arrives, gets in, is
+    left unserved) are the ones virtual time makes, once per attempt and per outcome."""
+    calls: Counter[str] = Counter()
+    for name in ("arrived", "admitted", "unserved"):
+        real = getattr(RetryMemory, name)
+
+        def counted(self, *args, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
+            calls[_name] += 1
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(RetryMemory, name, counted)
+    items = seed2_workload(60, seed=5)
+    report = run("seed2-8b-16gb", items, concurrency=64, timeout_s=10.0, max_retries=2)
+    sheds = sum(report.sheds.values())
+    assert sheds > 0 and report.timed_out > 0  # both ways of being left unserved
+    assert calls["arrived"] == len(items) + report.retries
+    assert calls["unserved"] == sheds + report.timed_out
+    assert calls["admitted"] >= report.completed
