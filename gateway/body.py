@@ -44,6 +44,25 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
     return raw
 
 
+_JSON_SPACE = b" \t\r\n"
+
+
+def with_member(raw: bytes, member: bytes) -> bytes | None:
+    """`raw` (a JSON object) with `member` (``"name":value``) first, every byte the client
+    sent kept as it was; None where something other than whitespace comes before the
+    opening brace (a BOM): the caller re-serialises."""
+    i, n = 0, len(raw)
+    while i < n and raw[i] in _JSON_SPACE:
+        i += 1
+    if i >= n or raw[i] != 0x7B:  # "{"
+        return None
+    j = i + 1
+    while j < n and raw[j] in _JSON_SPACE:
+        j += 1
+    comma = b"," if j < n and raw[j] != 0x7D else b""  # "}": an empty object
+    return raw[: i + 1] + member + comma + raw[i + 1 :]
+
+
 def loads(raw: bytes) -> object:
     """The body's JSON: orjson, and the standard library for what orjson refuses but
     JSON parsers commonly accept (a lone surrogate escape, a byte-order mark), so the

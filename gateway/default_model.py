@@ -9,7 +9,7 @@ gets a 400 that names them. Anthropic's Messages API requires the field, and kvg
 for it there as that API does.
 
 The engine gets the model named: a JSON body gets the member right after its opening
-brace, every byte the client sent kept as it was (as `relay.with_include_usage` does);
+brace, every byte the client sent kept as it was (`gateway.body.with_member`);
 an audio form goes as sent, its engine choosing the one model it serves.
 """
 
@@ -20,9 +20,8 @@ from typing import Any
 
 import orjson
 
+from gateway.body import with_member
 from gateway.errors import invalid_request
-
-_JSON_SPACE = b" \t\r\n"
 
 
 def default_model(served: Iterable[str], bases_of: Callable[[str], frozenset[str]]) -> str:
@@ -54,13 +53,5 @@ def fill_model(
     model = body["model"] = default_model(served(), bases_of)
     if not json_body:
         return raw
-    member = b'"model":' + orjson.dumps(model)
-    i, n = 0, len(raw)
-    while i < n and raw[i] in _JSON_SPACE:
-        i += 1
-    if i < n and raw[i] == 0x7B:  # "{"
-        j = i + 1
-        while j < n and raw[j] in _JSON_SPACE:
-            j += 1
-        return raw[: i + 1] + member + (b"," if j < n and raw[j] != 0x7D else b"") + raw[i + 1 :]
-    return orjson.dumps(body)  # anything else in front of the object (a BOM): re-serialised
+    patched = with_member(raw, b'"model":' + orjson.dumps(model))
+    return patched if patched is not None else orjson.dumps(body)

@@ -47,6 +47,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from gateway.body import with_member
 from gateway.config import UpstreamConfig
 from gateway.context import RequestContext
 from gateway.errors import ApiError, upstream_error
@@ -59,8 +60,7 @@ from gateway.watchdog import StreamWatchdog
 _NAMED = frozenset({"responses", "messages"})
 _SSE_HEADERS_BASE = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-_INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
-_JSON_SPACE = b" \t\r\n"
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 
 
 def with_include_usage(raw: bytes, body: dict[str, Any]) -> bytes:
@@ -74,16 +74,9 @@ def with_include_usage(raw: bytes, body: dict[str, Any]) -> bytes:
     with the standard library (which keeps big integers exact) and re-serialised with
     the member merged."""
     if "stream_options" not in body:
-        i = 0
-        n = len(raw)
-        while i < n and raw[i] in _JSON_SPACE:
-            i += 1
-        if i < n and raw[i] == 0x7B:  # "{"; anything else in front (a BOM): re-serialise
-            j = i + 1
-            while j < n and raw[j] in _JSON_SPACE:
-                j += 1
-            member = _INCLUDE_USAGE if j < n and raw[j] != 0x7D else _INCLUDE_USAGE[:-1]
-            return raw[: i + 1] + member + raw[i + 1 :]
+        patched = with_member(raw, _INCLUDE_USAGE)
+        if patched is not None:
+            return patched
     doc = json.loads(raw)
     opts = doc.get("stream_options")
     doc["stream_options"] = (
