@@ -461,8 +461,10 @@ def run(
                 ended(att, "client_disconnect")
                 gone = accounting.completion(att.ctx, now) if att.ctx is not None else None
                 handle(ctrl.release(att.rid, now, gone))
-                if timeout_backoff_s is not None and (
-                    max_retries is None or att.retries < max_retries
+                if (
+                    timeout_backoff_s is not None
+                    and not total_timeout  # its whole call's time is out
+                    and (max_retries is None or att.retries < max_retries)
                 ):
                     report.retries += 1
                     delay = timeout_backoff_s[min(att.retries, len(timeout_backoff_s) - 1)]

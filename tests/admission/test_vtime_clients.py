@@ -53,6 +53,16 @@ def test_a_client_whose_timeout_bounds_the_whole_call_loses_what_a_per_attempt_o
     assert whole_call.timed_out > per_attempt.timed_out
 
 
+def test_a_whole_call_timeout_once_out_is_final() -> None:
+    """Past its one timeout the client has given up: it sends no retry (it did, and each
+    one timed out again at once, counted as another timeout of the same request)."""
+    kw = {"concurrency": 16, "timeout_s": 2.0, "max_retries": 2, "straight": True, "fixed": 2,
+          "timeout_backoff_s": PLAIN_BACKOFF_S, "total_timeout": True}  # fmt: skip
+    r = run(PROFILE, items(48), **kw)
+    assert r.timed_out > 0 and r.retries == 0
+    assert r.completed + r.timed_out + r.failed == r.requests
+
+
 def test_the_matrix_judges_against_the_better_reference() -> None:
     def row(contender: str, completed: int, wall: float, pre: int = 0) -> dict:
         return {"engine": "e", "seed": 1, "client": "c", "load": "l", "contender": contender,
