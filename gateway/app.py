@@ -174,7 +174,14 @@ def build_app(
         )
         pipeline_ref.append(st.pipeline)
         forwarder.append(
-            Forwarder(config, lambda: st.tenants, st.discovery, session, lambda: st.pipeline.stored)
+            Forwarder(
+                config,
+                lambda: st.tenants,
+                st.discovery,
+                session,
+                lambda: st.pipeline.stored,
+                st.metrics,
+            )
         )
         await st.discovery.start()
         if st.kv_index is not None:

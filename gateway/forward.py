@@ -37,6 +37,7 @@ from gateway.denials import model_not_found, rate_limited
 from gateway.discovery import Discovery
 from gateway.endpoints import PASSED_HEADERS
 from gateway.errors import ApiError, Dialect, invalid_request
+from gateway.metrics import GatewayMetrics
 from gateway.stored_responses import StoredResponses
 
 
@@ -48,8 +49,10 @@ class Forwarder:
         discovery: Discovery,
         session: aiohttp.ClientSession,
         stored: Callable[[], StoredResponses],
+        metrics: GatewayMetrics,
     ) -> None:
         self._tenants = tenants
+        self._metrics = metrics
         self._discovery = discovery
         self._session = session
         self._stored = stored
@@ -118,6 +121,7 @@ class Forwarder:
             return
         now = asyncio.get_running_loop().time()
         if (wait := policy.rpm.wait(1, now)) > 0:
+            self._metrics.tenant_rate_limited(tenant, "requests")  # as the completions'
             raise rate_limited(policy, "requests", 0, wait, now)
         policy.rpm.charge(1, now)
 

@@ -381,3 +381,9 @@ async def test_forwarded_endpoints_count_against_the_requests_per_minute(replica
         other = {"Authorization": f"Bearer {KEY_B}"}
         async with s.post(gw.url + "/tokenize", json=payload, headers=other) as r:
             assert r.status == 200
+    # Both 429s are counted where an operator looks for them (the completion's hit the
+    # tokens per minute first).
+    live = await scrape(gw)
+    key = "kvgate_tenant_rate_limited_total"
+    assert live[(key, (("limit", "requests"), ("tenant", "a")))] == 1
+    assert live[(key, (("limit", "tokens"), ("tenant", "a")))] == 1
