@@ -1,14 +1,15 @@
 """kvgate's admission core in front of a simulated engine, on one virtual clock.
 
-The same `AdmissionController` the gateway runs, driving `enginesim`'s `EngineCore`
-directly, with closed-loop clients that behave like the replay client and the openai
+The same `AdmissionController` the gateway runs, through the gateway's own door
+(`gateway.door.AdmissionDoor`: its delivery of verdicts to queued requests' waiters, on a
+loop whose clock is the virtual one), driving `enginesim`'s `EngineCore` directly, with closed-loop clients that behave like the replay client and the openai
 SDK: each keeps one request outstanding, sends its own timeout as the read-timeout
 header would, honours Retry-After on a shed (up to `max_retries` when given), and gives
 up an attempt after `timeout_s` (a disconnect: the engine aborts the request, admission
 releases it without a completion sample). The engine's gauges reach admission every
 `probe_s`, as discovery would deliver them. No wall clock, no IO: a whole seed-001 run
 takes about a CPU second, so tests can assert on the learned limit and benches can sweep.
-Of the gateway's own code it runs admission, the account stage (`gateway.accounting`:
+Of the gateway's own code it runs admission and its door, the account stage (`gateway.accounting`:
 what an ended request tells admission) and the retry identity and memory
 (`admission.retries`); the pipeline's calls into them are mirrored here, and
 tests/admission/test_vtime_drives_the_gateway.py fails when the two drift.
@@ -22,6 +23,7 @@ fault), for the shift experiments.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import math
@@ -35,13 +37,14 @@ from admission.controller import AdmissionController
 from admission.estimate import TokenEstimator
 from admission.fit import sized_exactly
 from admission.retries import RetryMemory, identify
-from admission.types import AdmissionRequest, Admit, Completion, Events, Queued, Refuse, Shed
+from admission.types import AdmissionRequest, Admit, Completion, Queued, Refuse, Shed
 from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
 from enginesim.types import EventKind, SimRequest
 from enginesim.workloads import WorkItem
 from gateway import accounting
 from gateway.context import RequestContext
+from gateway.door import AdmissionDoor
 from gateway.stated import SDK_DEFAULT_MAX_RETRIES
 from routing.scheduler import default_profile
 from routing.types import ReplicaState
@@ -109,6 +112,43 @@ class _Attempt:
     ctx: RequestContext | None = None
 
 
+class VirtualLoop(asyncio.AbstractEventLoop):
+    """The door's loop in virtual time: its clock is the simulation's, and the callbacks
+    of the futures the door resolves run when the simulation drains them (`drain`), in
+    the order the door resolved them, as a loop runs the waiters it woke. Nothing else of
+    a loop is used."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._ready: deque[tuple[Callable[..., object], tuple[object, ...]]] = deque()
+        self._draining = False
+
+    def time(self) -> float:
+        return self._clock()
+
+    def get_debug(self) -> bool:
+        return False
+
+    def create_future(self) -> asyncio.Future:  # type: ignore[type-arg]
+        return asyncio.Future(loop=self)
+
+    def call_soon(self, callback, *args, context=None):  # type: ignore[no-untyped-def,override]
+        self._ready.append((callback, args))
+
+    def drain(self) -> None:
+        """Run the callbacks due, in order; a callback that drains adds to this pass (as
+        on a loop, where a waiter woken by another's doing runs after it, not inside it)."""
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            while self._ready:
+                callback, args = self._ready.popleft()
+                callback(*args)
+        finally:
+            self._draining = False
+
+
 def run(
     profile: str,
     items: Sequence[WorkItem],
@@ -153,6 +193,8 @@ def run(
     core = EngineCore(prof, seed=seed)
     cfg = config if config is not None else AdmissionConfig()
     ctrl = AdmissionController(cfg, default_profile(seed=seed), seed=seed)
+    loop = VirtualLoop(lambda: now)
+    door = AdmissionDoor(ctrl, loop)
     est = TokenEstimator(cfg)
     model = prof.served_model_name
     state = ReplicaState(
@@ -181,7 +223,7 @@ def run(
         heapq.heappush(heap, (t, next(seq), kind, data))
 
     def note_limit() -> None:
-        lim = ctrl.report.limit_of(REPLICA)
+        lim = door.report.limit_of(REPLICA)
         if lim is None:
             return
         value = lim.allowed(max_running)
@@ -192,7 +234,7 @@ def run(
         for a in admits:
             att = live.get(a.request_id)
             if att is None or att.done:
-                handle(ctrl.release(a.request_id, now))
+                door.release(a.request_id)
                 continue
             att.admitted_at = now
             if att.ctx is not None:  # as gateway/pipeline.py records an admission
@@ -211,16 +253,16 @@ def run(
                 ),
                 now,
             )
-        running = in_engine[0] if straight else ctrl.report.replica_usage()[0].running
+        running = in_engine[0] if straight else door.report.replica_usage()[0].running
         report.max_running = max(report.max_running, running)
 
-    def handle(events: Events) -> None:
-        """Act on what a controller call settled for queued requests."""
-        for e in events:
-            if isinstance(e, Admit):
-                start_engine([e])
-            elif (att := live.get(e.request_id)) is not None:
-                shed(att, e)
+    def settled(fut: asyncio.Future) -> None:  # type: ignore[type-arg]
+        """A queued request's waiter got its verdict from the door."""
+        e = fut.result()
+        if isinstance(e, Admit):
+            start_engine([e])
+        elif (att := live.get(e.request_id)) is not None:
+            shed(att, e)
 
     def finish(att: _Attempt) -> None:
         att.done = True
@@ -323,9 +365,11 @@ def run(
         att.ctx = RequestContext(rid, "chat", "/v1/chat/completions", arrival=now, req=req)
         att.ctx.patience_stated = send_timeout
         att.ctx.admission_id = rid
-        decision = ctrl.submit(req, now)
-        handle_verdict(att, decision.verdict)
-        handle(decision.events)
+        verdict = door.submit(req)
+        if isinstance(verdict, Queued):
+            door.expect(rid).add_done_callback(settled)
+        handle_verdict(att, verdict)
+        loop.drain()
 
     def ended(att: _Attempt, outcome: str) -> None:
         """The request ended with `outcome` as the gateway words it: what its account
@@ -337,12 +381,14 @@ def run(
         ctx.outcome = outcome
         end = accounting.patience_seen(ctx, now)
         if end is not None:
-            handle(ctrl.client_ended("default", model, stream, end, now))
+            door.client_ended("default", model, stream, end)
+            loop.drain()
 
-    def upsert() -> Events:
-        return ctrl.upsert_replica(state, now, pinned_capacity=pool_tokens, max_running=max_running)
+    def upsert() -> None:
+        door.upsert_replica(state, pinned_capacity=pool_tokens, max_running=max_running)
+        loop.drain()
 
-    handle(upsert())
+    upsert()
     note_limit()
     held: deque[_Attempt] = deque()  # the fixed-concurrency proxy's FIFO
     in_engine = [0]
@@ -366,15 +412,15 @@ def run(
         candidates = [heap[0][0]] if heap else []
         if step_end is not None:
             candidates.append(step_end)
-        nd = ctrl.next_deadline()
+        nd = door.next_deadline()
         if nd is not None:
             candidates.append(max(now, nd))
         if not candidates:
             break
         t = min(candidates)
         if t > now and (live or pending) and not straight:
-            usage = ctrl.report.replica_usage()[0]
-            idle = not ctrl.report.queue_depth()
+            usage = door.report.replica_usage()[0]
+            idle = not door.report.queue_depth()
             if usage.limit is not None and usage.running < usage.limit and idle:
                 report.underfed_s += t - now
         now = max(now, t)
@@ -399,7 +445,8 @@ def run(
                         engine_freed(att)
                         report.stopped += 1
                         ended(att, "client_disconnect")
-                        handle(ctrl.release(att.rid, now))
+                        door.release(att.rid)
+                        loop.drain()
                         finish(att)
                         continue
                 if ev.kind is EventKind.FINISHED:
@@ -414,7 +461,7 @@ def run(
                     if att.estimated is not None:
                         used = len(att.item.prompt_token_ids) + ev.completion_tokens
                         est.observe_estimated(model, att.estimated, used)
-                    admits = ctrl.release(att.rid, now, done)
+                    door.release(att.rid, done)
                     report.completed += 1
                     engine_freed(att)
                     report.tokens += ev.prompt_tokens + ev.completion_tokens
@@ -429,12 +476,13 @@ def run(
                             (ev.completion_tokens - 1) / (now - att.first_token)
                         )
                     finish(att)
-                    handle(admits)
+                    loop.drain()
                     note_limit()
             continue
-        nd = ctrl.next_deadline()
+        nd = door.next_deadline()
         if nd is not None and nd <= now:
-            handle(ctrl.advance(now))
+            door.advance()
+            loop.drain()
             continue
         _, _, kind, data = heapq.heappop(heap)
         if kind == "send":
@@ -460,7 +508,9 @@ def run(
                 # (gateway/accounting.py, `completion` and `patience_seen`).
                 ended(att, "client_disconnect")
                 gone = accounting.completion(att.ctx, now) if att.ctx is not None else None
-                handle(ctrl.release(att.rid, now, gone))
+                door.withdraw(att.rid)  # its handler's waiter is gone, as in the gateway
+                door.release(att.rid, gone)
+                loop.drain()
                 if (
                     timeout_backoff_s is not None
                     and not total_timeout  # its whole call's time is out
@@ -479,7 +529,7 @@ def run(
             state.kv_usage = st.kv_usage
             state.preemptions_total = float(st.num_preemptions)
             state.updated_at = now
-            handle(upsert())
+            upsert()
             note_limit()
             if live or pending:
                 push(now + probe_s, "probe", None)

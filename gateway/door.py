@@ -48,9 +48,13 @@ limit_log = logging.getLogger("kvgate.limit")
 
 
 class AdmissionDoor:
-    def __init__(self, controller: AdmissionController) -> None:
+    def __init__(
+        self, controller: AdmissionController, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         self._controller = controller
-        self._bound: asyncio.AbstractEventLoop | None = None  # the loop of its first use
+        # The loop whose clock and futures it uses: `loop` (virtual time passes one whose
+        # clock it drives: bench/vtime.py), else the running loop of its first use.
+        self._bound = loop
         self._waiters: dict[str, asyncio.Future[Admit | Shed]] = {}
         self._wake = asyncio.Event()
         self._armed = math.inf  # the deadline the expiry task currently sleeps towards
@@ -147,7 +151,12 @@ class AdmissionDoor:
         try:
             return await fut
         finally:
-            self._waiters.pop(request_id, None)
+            self.withdraw(request_id)
+
+    def withdraw(self, request_id: str) -> None:
+        """The waiter of a queued request left (its client did): a verdict for it is
+        then given back (`_resolve`)."""
+        self._waiters.pop(request_id, None)
 
     def first_token(self, request_id: str | None) -> None:
         """A request's first token left its replica (the relay saw it): routing stops
@@ -296,8 +305,12 @@ class AdmissionDoor:
                 log.debug("admission for departed request %s returned", v.request_id)
                 self.release(v.request_id)
 
+    def next_deadline(self) -> float | None:
+        """When time next acts on admission (`AdmissionController.next_deadline`)."""
+        return self._controller.next_deadline()
+
     def _rearm(self) -> None:
-        first = self._controller.next_deadline()
+        first = self.next_deadline()
         if first is not None and first < self._armed:
             self._wake.set()
 
@@ -305,7 +318,7 @@ class AdmissionDoor:
     async def _expiry_loop(self) -> None:
         ctrl = self._controller
         while True:
-            deadline = ctrl.next_deadline()
+            deadline = self.next_deadline()
             self._armed = deadline if deadline is not None else math.inf
             self._wake.clear()
             if deadline is None or deadline == math.inf:

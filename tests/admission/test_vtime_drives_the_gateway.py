@@ -1,7 +1,8 @@
-"""bench/vtime.py runs the gateway's own account stage (issue 47, item 5): what an ended
-request tells admission (its `Completion`, its client's patience) comes from
-`gateway.accounting`, not from a copy in the harness that drifts from it (it once
-hard-coded 0.9 where the gateway has `_BUDGET_SPENT`)."""
+"""bench/vtime.py runs the gateway's own code (issue 47, item 5): admission through the
+gateway's door (`gateway.door.AdmissionDoor`, its verdicts delivered to queued requests'
+waiters), and what an ended request tells admission (its `Completion`, its client's
+patience) from `gateway.accounting`, not from a copy in the harness that drifts from it
+(it once hard-coded 0.9 where the gateway has `_BUDGET_SPENT`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from admission.retries import RetryMemory
 from bench.vtime import run
 from enginesim.workloads import seed2_workload
 from gateway import accounting
+from gateway.door import AdmissionDoor
 
 
 @pytest.mark.parametrize("stated", [True, False], ids=["sdk", "plain"])
@@ -88,3 +90,27 @@ def test_virtual_time_takes_retries_in_as_the_gateway_does(monkeypatch: pytest.M
     assert calls["arrived"] == len(items) + report.retries
     assert calls["unserved"] == sheds + report.timed_out
     assert calls["admitted"] >= report.completed
+
+
+def test_virtual_time_admits_through_the_gateways_door(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every attempt is decided by the door's `submit`, every queued one waits on a waiter
+    the door registered and resolved (a shed or an admission), and every end is the
+    door's `release`: the controller is reached only through it, as in the gateway."""
+    calls: Counter[str] = Counter()
+    for name in ("submit", "expect", "release", "withdraw", "_resolve"):
+        real = getattr(AdmissionDoor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
+            calls[_name] += 1
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(AdmissionDoor, name, counted)
+    items = seed2_workload(60, seed=5)
+    report = run("seed2-8b-16gb", items, concurrency=64, timeout_s=10.0, max_retries=2)
+    sheds = sum(report.sheds.values())
+    assert sheds > 0 and report.timed_out > 0
+    assert calls["submit"] == len(items) + report.retries  # every attempt
+    assert 0 < calls["expect"] <= calls["submit"]  # the queued ones wait on the door
+    assert calls["withdraw"] == report.timed_out  # a client gone takes its waiter along
+    assert calls["release"] >= report.completed + report.timed_out
+    assert calls["_resolve"] >= calls["release"]  # what each call settled went out
