@@ -30,13 +30,16 @@ non-stream, per engine and seed):
 
 Loads: closed loops of 1, 8, 32 and 64 clients (one request outstanding each); open loop
 Poisson arrivals at 0.5x, 1x and 2x the replica's capacity (the best goodput straight at
-a fixed concurrency, clients that never give up); a burst (every request at once).
+a fixed concurrency, clients that never give up); a burst (every request at once);
+agentic sessions that all open at once (`agentic`: a shared system prompt, each turn the
+last one's prompt, answer and a new message, sent once the last is answered).
 
 Targets per cell (the issue's): goodput at least 0.95x the better of ``alone`` and the
 best fixed; of what the best fixed completes, at most 1% lost; no more preemptions than
 the best fixed. Workload seeds come from ``--master`` (not chosen per run). What it
-leaves out: agentic sessions (bench/agentic_prefix.py, real processes), per-chunk idle
-timeouts, the real engines (bench/real_vllm.py) and the gateway's own HTTP latency.
+leaves out: the agentic cell's TTFT against sglang-router (bench/agentic_prefix.py, real
+processes; here one replica and no prefix-aware reservations), per-chunk idle timeouts,
+the real engines (bench/real_vllm.py) and the gateway's own HTTP latency.
 
     PYTHONPATH=$PWD .venv/bin/python bench/matrix.py [--master 47] [--seeds 2]
         [--engines seed2 vllm-cpu-tiny] [--clients ...] [--loads ...] [--jobs 2]
@@ -61,9 +64,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.closed_loop import PLAIN_BACKOFF_S  # noqa: E402
+from bench.enginesim_vs_vllm import token_ids  # noqa: E402
 from bench.first_wave_vt import vllm_items  # noqa: E402
 from bench.parity_sweep import TIMEOUT_FACTOR  # noqa: E402
 from bench.vtime import VtReport, run  # noqa: E402
+from enginesim.types import Workload  # noqa: E402
 from enginesim.workloads import WorkItem, seed2_workload  # noqa: E402
 
 PARITY = 0.95  # goodput against the better reference
@@ -85,7 +90,11 @@ CLIENTS: dict[str, dict[str, Any]] = {
     "told-wait": {**_SDK, "total_timeout": True},
     "no-timeout": {**_PLAIN, "no_timeout": True},
 }
-LOADS = ("closed-1", "closed-8", "closed-32", "closed-64", "open-0.5", "open-1", "open-2", "burst")
+LOADS = (
+    "closed-1", "closed-8", "closed-32", "closed-64", "open-0.5", "open-1", "open-2", "burst",
+    "agentic",
+)  # fmt: skip
+TURNS = 6  # per agentic session
 
 
 def workload(engine: str, seed: int) -> list[WorkItem]:
@@ -93,6 +102,34 @@ def workload(engine: str, seed: int) -> list[WorkItem]:
     if engine == "seed2":
         return seed2_workload(spec["requests"], seed=seed)
     return vllm_items(seed, spec["requests"])
+
+
+def agentic(engine: str, seed: int) -> list[list[WorkItem]]:
+    """Agentic sessions that all open at once: ``TURNS`` turns each, as many sessions as
+    make the engine's request count. Every prompt starts with one system prompt (tools and
+    instructions) shared by all sessions, then the session's history: each turn's prompt
+    is the last one's, its answer and a new message, so an engine that caches prefixes
+    holds most of it (seed2: a 2,000-token system prompt, 200-600-token messages and
+    40-200-token answers; vllm-cpu-tiny: 200, 60-140 and 40-100, inside its 2,048-token
+    context)."""
+    rng = random.Random(seed * 31 + 7)
+    if engine == "seed2":
+        system, message, answers = 2000, (200, 600), (40, 200)
+    else:
+        system, message, answers = 200, (60, 140), (40, 100)
+    shared = token_ids(rng, system)
+    out: list[list[WorkItem]] = []
+    for s in range(ENGINES[engine]["requests"] // TURNS):
+        history = shared + token_ids(rng, rng.randint(*message))
+        session = []
+        for t in range(TURNS):
+            answer = rng.randint(*answers)
+            session.append(
+                WorkItem(f"a{seed}-{s}-{t}", [], "", list(history), answer, Workload.AGENTIC)
+            )
+            history = history + token_ids(rng, answer) + token_ids(rng, rng.randint(*message))
+        out.append(session)
+    return out
 
 
 def calibrate(engine: str, seed: int) -> tuple[float, float]:
@@ -133,12 +170,16 @@ def one(args: tuple[str, int, str, str, str, int | None, float, float]) -> dict[
     kw = dict(CLIENTS[client])
     if kw.pop("no_timeout", False):
         timeout_s = 1e9
-    times = arrivals(load, len(items), capacity, seed)
-    concurrency = int(load.split("-")[1]) if times is None else len(items)
+    sessions = agentic(engine, seed) if load == "agentic" else None
+    times = None if sessions is not None else arrivals(load, len(items), capacity, seed)
+    if sessions is not None:
+        concurrency = len(sessions)
+    else:
+        concurrency = int(load.split("-")[1]) if times is None else len(items)
     rep: VtReport = run(
         spec["profile"], items, concurrency=concurrency, timeout_s=timeout_s,
         max_retries=2, pool_tokens=spec["pool"], seed=seed, arrivals=times,
-        straight=contender != "kvgate", fixed=cap, **kw,
+        straight=contender != "kvgate", fixed=cap, sessions=sessions, **kw,
     )  # fmt: skip
     return {
         "engine": engine,

@@ -46,6 +46,7 @@ from gateway import accounting
 from gateway.context import RequestContext
 from gateway.door import AdmissionDoor
 from gateway.stated import SDK_DEFAULT_MAX_RETRIES
+from routing.kvindex import token_block_hashes
 from routing.scheduler import default_profile
 from routing.types import ReplicaState
 
@@ -172,6 +173,7 @@ def run(
     arrivals: Sequence[float] | None = None,
     total_timeout: bool = False,
     fixed: int | None = None,
+    sessions: Sequence[Sequence[WorkItem]] | None = None,
 ) -> VtReport:
     """Replay `items` through admission into one simulated replica of `profile`.
     `retry_after_unit_s`: clients read only the whole-second ``Retry-After`` header (a
@@ -188,7 +190,11 @@ def run(
     its first attempt, the Retry-After waits included (it still states `timeout_s` per
     attempt): a retry told to wait past what is left is given up. `fixed`: with
     `straight`, at most this many attempts at the engine at once, the rest waiting in
-    the client side's FIFO (a fixed-concurrency proxy)."""
+    the client side's FIFO (a fixed-concurrency proxy). `sessions`: agentic sessions that
+    all open at once, one client each sending its turns in order, each once the last is
+    answered (`items` and `concurrency` are then unused)."""
+    if sessions is not None:
+        items = [item for turn in sessions for item in turn]
     prof = load_profile(profile)
     core = EngineCore(prof, seed=seed)
     cfg = config if config is not None else AdmissionConfig()
@@ -205,9 +211,11 @@ def run(
         capacity_tokens=prof.num_gpu_blocks * prof.block_size,
         block_size=prof.block_size,
         max_model_len=core.max_model_len,
+        shares_prefix=core.enable_prefix_caching,  # as the vLLM adapter reads it
     )
     report = VtReport(requests=len(items))
-    pending = list(reversed(items))
+    turns: list[deque[WorkItem]] = [deque(t) for t in sessions] if sessions is not None else []
+    pending = [] if sessions is not None else list(reversed(items))
     live: dict[str, _Attempt] = {}
     heap: list[tuple[float, int, str, object]] = []
     seq = itertools.count()
@@ -267,7 +275,9 @@ def run(
     def finish(att: _Attempt) -> None:
         att.done = True
         live.pop(att.rid, None)
-        if pending and arrivals is None:
+        if turns and turns[att.client]:  # the session's next turn, once this one ended
+            push(now, "send", (att.client, turns[att.client].popleft(), now, 0))
+        elif pending and arrivals is None:
             push(now, "send", (att.client, pending.pop(), now, 0))
         elif not live and not any(k == "send" for _, _, k, _ in heap):
             report.wall_s = now
@@ -349,6 +359,12 @@ def run(
             ),
             max_tokens=bound,
             margin=est.margin(model),
+            # The prompt's prefix chain, as the gateway hashes it for a replica that shares
+            # prefixes (its blocks in tokens here: the ids are what the harness has).
+            prefix_hashes=token_block_hashes(item.prompt_token_ids, core.block_size)
+            if state.shares_prefix
+            else (),
+            prefix_block_tokens=core.block_size if state.shares_prefix else 0,
             # Only the openai SDKs say which retry this is (kvgate assumes their default
             # budget); a plain client's last is known once its clients' budget is learned.
             last_retry=send_timeout and retries >= SDK_DEFAULT_MAX_RETRIES,
@@ -398,6 +414,8 @@ def run(
         pending.clear()
     for c in range(min(concurrency, len(pending))):
         push(0.0, "send", (c, pending.pop(), 0.0, 0))
+    for c, turn in enumerate(turns):  # every session opens at once
+        push(0.0, "send", (c, turn.popleft(), 0.0, 0))
     push(probe_s, "probe", None)
     step_end: float | None = None
     step_events: list = []

@@ -5,7 +5,7 @@ and a client whose timeout bounds the whole call, Retry-After waits included."""
 from __future__ import annotations
 
 from bench.closed_loop import PLAIN_BACKOFF_S
-from bench.matrix import arrivals, verdict
+from bench.matrix import agentic, arrivals, verdict
 from bench.vtime import run
 from enginesim.types import Workload
 from enginesim.workloads import synthetic_items
@@ -61,6 +61,17 @@ def test_a_whole_call_timeout_once_out_is_final() -> None:
     r = run(PROFILE, items(48), **kw)
     assert r.timed_out > 0 and r.retries == 0
     assert r.completed + r.timed_out + r.failed == r.requests
+
+
+def test_agentic_sessions_open_at_once_and_send_each_turn_once_the_last_is_answered() -> None:
+    sessions = agentic("vllm-cpu-tiny", 1)[:4]
+    assert all(len(s) == 6 for s in sessions)
+    # Each turn's prompt holds the last one's: an engine that caches prefixes holds it.
+    first, second = sessions[0][0], sessions[0][1]
+    assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
+    r = run(PROFILE, [], concurrency=0, timeout_s=1e9, straight=True, sessions=sessions)
+    assert r.requests == r.completed == 24
+    assert r.max_running == 4  # all four open at once, one turn outstanding each
 
 
 def test_the_matrix_judges_against_the_better_reference() -> None:
