@@ -26,6 +26,7 @@ non-stream, per engine and seed):
 - ``plain-noretry``: the same, but a timed-out attempt is lost;
 - ``told-wait``: the SDK's headers, but T bounds the whole call: the Retry-After it waits
   counts in it, and a retry told to wait past what is left is given up;
+- ``plain-told-wait``: the same whole-call T, stating nothing (the issue's own client);
 - ``no-timeout``: states nothing and waits for ever (a shed is still retried).
 
 Loads: closed loops of 1, 8, 32 and 64 clients (one request outstanding each); open loop
@@ -88,6 +89,7 @@ CLIENTS: dict[str, dict[str, Any]] = {
     "plain": _PLAIN,
     "plain-noretry": {**_PLAIN, "timeout_backoff_s": None},
     "told-wait": {**_SDK, "total_timeout": True},
+    "plain-told-wait": {**_PLAIN, "total_timeout": True},
     "no-timeout": {**_PLAIN, "no_timeout": True},
 }
 LOADS = (
