@@ -39,7 +39,7 @@ Targets per cell (the issue's): goodput at least 0.95x the better of ``alone`` a
 best fixed; of what the best fixed completes, at most 1% lost; no more preemptions than
 the best fixed. Workload seeds come from ``--master`` (not chosen per run). What it
 leaves out: the agentic cell's TTFT against sglang-router (bench/agentic_prefix.py, real
-processes; here one replica and no prefix-aware reservations), per-chunk idle timeouts,
+processes, four replicas; here one), per-chunk idle timeouts,
 the real engines (bench/real_vllm.py) and the gateway's own HTTP latency.
 
     PYTHONPATH=$PWD .venv/bin/python bench/matrix.py [--master 47] [--seeds 2]

@@ -2,15 +2,17 @@
 
 The same `AdmissionController` the gateway runs, through the gateway's own door
 (`gateway.door.AdmissionDoor`: its delivery of verdicts to queued requests' waiters, on a
-loop whose clock is the virtual one), driving `enginesim`'s `EngineCore` directly, with closed-loop clients that behave like the replay client and the openai
-SDK: each keeps one request outstanding, sends its own timeout as the read-timeout
+loop whose clock is the virtual one), driving `enginesim`'s `EngineCore` directly, with
+closed-loop clients that behave like the replay client and the openai SDK: each keeps
+one request outstanding, sends its own timeout as the read-timeout
 header would, honours Retry-After on a shed (up to `max_retries` when given), and gives
 up an attempt after `timeout_s` (a disconnect: the engine aborts the request, admission
 releases it without a completion sample). The engine's gauges reach admission every
 `probe_s`, as discovery would deliver them. No wall clock, no IO: a whole seed-001 run
 takes about a CPU second, so tests can assert on the learned limit and benches can sweep.
-Of the gateway's own code it runs admission and its door, the account stage (`gateway.accounting`:
-what an ended request tells admission) and the retry identity and memory
+Of the gateway's own code it runs admission and its door, the account stage
+(`gateway.accounting`: what an ended request tells admission) and the retry identity and
+memory
 (`admission.retries`); the pipeline's calls into them are mirrored here, and
 tests/admission/test_vtime_drives_the_gateway.py fails when the two drift.
 
@@ -217,6 +219,8 @@ def run(
     turns: list[deque[WorkItem]] = [deque(t) for t in sessions] if sessions is not None else []
     pending = [] if sessions is not None else list(reversed(items))
     live: dict[str, _Attempt] = {}
+    held: deque[_Attempt] = deque()  # the fixed-concurrency proxy's FIFO
+    in_engine = [0]  # attempts at the engine, when `straight`
     heap: list[tuple[float, int, str, object]] = []
     seq = itertools.count()
     now = 0.0
@@ -248,7 +252,6 @@ def run(
             if att.ctx is not None:  # as gateway/pipeline.py records an admission
                 att.ctx.admitted(a, now)
                 att.ctx.latency_budget = a.latency_budget  # stated, or learned
-            if att.ctx is not None:
                 memory.admitted(att.ctx.req)
             p = len(att.item.prompt_token_ids)
             core.add_request(
@@ -406,8 +409,6 @@ def run(
 
     upsert()
     note_limit()
-    held: deque[_Attempt] = deque()  # the fixed-concurrency proxy's FIFO
-    in_engine = [0]
     if arrivals is not None:
         for i, (at, item) in enumerate(zip(arrivals, items, strict=True)):
             push(at, "send", (i, item, at, 0))

@@ -17,6 +17,22 @@ from gateway import accounting
 from gateway.door import AdmissionDoor
 
 
+def count_calls(
+    monkeypatch: pytest.MonkeyPatch, cls: type, names: tuple[str, ...]
+) -> Counter[str]:
+    """Count the calls of `cls`'s methods `names` (each still runs)."""
+    calls: Counter[str] = Counter()
+    for name in names:
+        real = getattr(cls, name)
+
+        def counted(self, *args, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
+            calls[_name] += 1
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("stated", [True, False], ids=["sdk", "plain"])
 def test_virtual_time_reports_what_the_gateways_account_stage_reports(
     monkeypatch: pytest.MonkeyPatch, stated: bool
@@ -74,15 +90,7 @@ def test_a_client_gone_at_its_timeout_is_judged_by_the_gateways_threshold(
 def test_virtual_time_takes_retries_in_as_the_gateway_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """The retry memory's three calls the pipeline makes (a request arrives, gets in, is
     left unserved) are the ones virtual time makes, once per attempt and per outcome."""
-    calls: Counter[str] = Counter()
-    for name in ("arrived", "admitted", "unserved"):
-        real = getattr(RetryMemory, name)
-
-        def counted(self, *args, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
-            calls[_name] += 1
-            return _real(self, *args, **kw)
-
-        monkeypatch.setattr(RetryMemory, name, counted)
+    calls = count_calls(monkeypatch, RetryMemory, ("arrived", "admitted", "unserved"))
     items = seed2_workload(60, seed=5)
     report = run("seed2-8b-16gb", items, concurrency=64, timeout_s=10.0, max_retries=2)
     sheds = sum(report.sheds.values())
@@ -96,15 +104,9 @@ def test_virtual_time_admits_through_the_gateways_door(monkeypatch: pytest.Monke
     """Every attempt is decided by the door's `submit`, every queued one waits on a waiter
     the door registered and resolved (a shed or an admission), and every end is the
     door's `release`: the controller is reached only through it, as in the gateway."""
-    calls: Counter[str] = Counter()
-    for name in ("submit", "expect", "release", "withdraw", "_resolve"):
-        real = getattr(AdmissionDoor, name)
-
-        def counted(self, *args, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
-            calls[_name] += 1
-            return _real(self, *args, **kw)
-
-        monkeypatch.setattr(AdmissionDoor, name, counted)
+    calls = count_calls(
+        monkeypatch, AdmissionDoor, ("submit", "expect", "release", "withdraw", "_resolve")
+    )
     items = seed2_workload(60, seed=5)
     report = run("seed2-8b-16gb", items, concurrency=64, timeout_s=10.0, max_retries=2)
     sheds = sum(report.sheds.values())
