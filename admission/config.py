@@ -6,7 +6,15 @@ name the offending field (``extra="forbid"`` catches typos such as ``headrom``).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Settings that were removed with the rule they tuned: a config that still sets one is
+# told so by name, rather than with "unknown field".
+REMOVED = {
+    "knee_efficiency": "the goodput knee is no longer fitted (docs/admission.md)",
+}
 
 
 class LatencyTargetsConfig(BaseModel):
@@ -27,6 +35,14 @@ class AdmissionConfig(BaseModel):
     """Admission policy: pool headroom, the bounded queue, estimators and Retry-After."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_removed_settings(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in sorted(set(data) & set(REMOVED)):
+                raise ValueError(f"{name} was removed: {REMOVED[name]}; delete the setting")
+        return data
 
     headroom: float = Field(
         0.05,
@@ -128,13 +144,6 @@ class AdmissionConfig(BaseModel):
     )
     limit_window: int = Field(
         16, ge=2, description="Completions (at least the limit) per measurement window."
-    )
-    knee_efficiency: float = Field(
-        0.1,
-        gt=0.0,
-        lt=1.0,
-        description="Past the knee: one more running request buys less than this share of "
-        "an average request's throughput.",
     )
     latency_budget_fraction: float = Field(
         0.6,

@@ -27,7 +27,6 @@ class Learning:
         self._limit_settings = LimitSettings(
             initial=config.initial_limit,
             window=config.limit_window,
-            knee_efficiency=config.knee_efficiency,
             budget_fraction=config.latency_budget_fraction,
             probe_step=config.limit_probe_step,
             target_quantile=config.latency_target_quantile,
@@ -42,14 +41,11 @@ class Learning:
         return RunningLimit(self._limit_settings, now) if self.config.learn_limit else None
 
     def engine_view(self, rep: Replica, state: ReplicaState, fresh: bool, now: float) -> None:
-        """Feed a fresh engine view (preemptions, waiting, KV usage) to the limit."""
+        """Feed a fresh engine view (its preemption counter) to the limit."""
         if rep.limit is not None and fresh:
             rep.signals_at = state.updated_at
             rep.limit.engine_signals(
                 preemptions_total=state.preemptions_total,
-                waiting=state.engine_waiting,
-                engine_running=state.engine_running,
-                kv_usage=state.kv_usage,
                 running=rep.running,
                 now=now,
                 cap=rep.cap,
@@ -136,7 +132,6 @@ class Learning:
             now,
             res.admitted_at,
             ok=c.ok,
-            work_tokens=prompt + output or res.tokens + res.covered,
             ratio=ratio,
             cap=rep.cap,
             # The load it was served at: the mean of the running counts at its start and

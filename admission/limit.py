@@ -28,40 +28,30 @@ Per window:
   goes to ``mean_running / r``, within [0.5, 0.9] of the current limit: past the knee,
   latency grows in proportion to concurrency, so this lands at the aim. This is the
   latency ceiling, and it is what follows a replica that slows down and comes back.
-  A later window judges the cut once the load fell to ``_JUDGED_FALL`` of what ran
-  before it: a mean score that fell by less than half of what the proportion promised
-  (the real vLLM: a 200-token answer takes as long at 5 running as at 8) sends the limit
-  back (``latency_flat``) to hold while the slowest is at most ``_FLAT_SLACK`` worse. A
-  window scored by a failure is no evidence; no cut is tried where the service's learned
-  slope in the load (`ServiceModel.elasticity`) is under ``_FLAT_SLOPE``.
-* **Goodput.** Every window that kept the replica busy (mean running >= 80% of the
-  allowed limit) is a point of its throughput curve; the curve's knee (admission/knee.py:
-  where one more running request buys less than ``knee_efficiency`` of an average one's
-  throughput, never past a peak) is seed 001's sweep done live. It stops growth, never
-  pulls the limit down (noisy points would): latency does that.
 * **Growth.** While the replica is kept busy and latency allows it, the limit grows:
   from a cold start as TCP's slow start, one more per request served under half its
   aim, so it doubles in about one service time and a burst on a healthy replica is not
   queued; never past what that completion predicts (its load over its score) nor the
   ``room`` the running requests leave (admission/room.py).
-  Slow start ends at a window whose slowest came past half its aim (TCP's ssthresh),
-  at any cut, or at the knee (what it grew past the knee is given back). From then on
-  the limit grows by ``limit_probe_step`` per window, never past what the latency score
-  predicts (``mean_running / r``; ``1 / e`` as far where service grows by a share ``e``
-  of the load's, an upper estimate) nor the knee. A replica not kept busy holds.
+  Slow start ends at a window whose slowest came past half its aim (TCP's ssthresh) or
+  at any cut. From then on the limit grows by ``limit_probe_step`` per window, never
+  past what the latency score predicts (``mean_running / r``; ``1 / e`` as far where
+  service grows by a share ``e`` of the load's, an upper estimate). A replica not kept
+  busy (mean running under 80% of the limit) holds.
 * **Failures.** A request the replica failed (an upstream error or timeout, a client
   that left at its timeout while being served) scores ``FAILURE_RATIO``; one whose client
   left after the queue took most of its budget brings the service it got, a lower bound
-  (admission/learning.py): the queue's misjudgement is not the replica's slowness. Rates
-  are measured between a window's first and last completions (no warm-up in them).
+  (admission/learning.py): the queue's misjudgement is not the replica's slowness. The mean
+  running is measured between a window's first and last completions (no warm-up in it).
 
-Between windows, the engine's own signals act at once (each discovery round):
+Between windows, the engine's preemptions act at once (each discovery round): when its
+counter rose, the limit drops to 75% of the most that ran since the last round (the count
+at this instant may be a lull).
 
-* **Preemptions** (the engine's counter rose): the limit drops to 75% of the most that
-  ran since the last round (the count at this instant may be a lull).
-* **The engine's waiting queue** (two rounds in a row with requests waiting in the
-  engine while kvgate holds more than it runs, its pool at least 90% used): the limit
-  drops to what it runs (a wait with free pool is left to the latency rule).
+Rules measured and deleted, as the scenario matrix (bench/matrix.py) lost nothing
+without them: a goodput knee that stopped growth, judging each cut and giving back one
+that bought no latency, holding where the service's slope in the load was flat, and a
+cut to what the engine runs while requests waited in it (docs/admission.md).
 
 The limit is a float kept within [1, cap]; the controller uses its floor.
 """
@@ -72,7 +62,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from admission.knee import GoodputCurve
 from admission.limitlog import LimitHistory, Seen
 
 FAILURE_RATIO = 2.0
@@ -80,10 +69,6 @@ _INSIDE_HARD = 0.85  # aim this far inside a client's timeout budget (its slowes
 _INSIDE_SOFT = 0.95  # and this far inside a configured target (its quantile)
 _SLOW_START_END = 0.5  # slow start ends at a window whose slowest is this far to its aim
 _BAND = 1.05  # cut only when a score is this far past its aim; between, the limit holds
-_POOL_FULL = 0.9  # engine KV usage at which its waiting queue is a pool shortage
-_FLAT_SLACK = 1.1  # a window this much worse than a flat level is news: cut again
-_FLAT_SLOPE = 0.25  # service growing less than this share of the load's growth is flat
-_JUDGED_FALL = 0.7  # a cut is judged once the load fell to this share of what ran before it
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,7 +77,6 @@ class LimitSettings:
 
     initial: float = 2.0
     window: int = 16
-    knee_efficiency: float = 0.1
     budget_fraction: float = 0.6
     probe_step: float = 0.15
     target_quantile: float = 0.5
@@ -110,21 +94,15 @@ class RunningLimit:
         "_count",
         "_hard",
         "_soft",
-        "_work",
         "_started",
         "_area",
         "_running",
         "_last",
-        "_curve",
-        "knee",
         "_preemptions",
-        "_waiting_rounds",
         "windows",
         "others",
         "_opened",
         "_peak",
-        "_cut",
-        "_flat",
         "_room",
         "_slope",
         "history",
@@ -140,24 +118,14 @@ class RunningLimit:
         self._count = 0  # completions in the window
         self._hard: list[float] = []  # ratios against clients' own timeouts
         self._soft: list[float] = []  # ratios against configured latency targets
-        self._work = 0
         self._started = now
         self._area = 0.0  # integral of running requests over the window
         self._running = 0
         self._peak = 0  # most running since the last engine round
-        # A latency cut waiting for the next window to show it bought latency:
-        # (the limit before it, the mean running, the window's typical and slowest scores).
-        self._cut: tuple[float, float, float | None, float] | None = None
-        # The ratio at which a cut was shown to buy nothing (latency flat in load): a
-        # window no worse than this holds the limit instead of cutting it again.
-        self._flat: float | None = None
         self._room = math.inf  # the most running that keeps running requests in time
         self._slope: Callable[[], float] | None = None  # service's growth in load, or None
         self._last = now
-        self._curve = GoodputCurve()  # the busy windows' goodput, per setting
-        self.knee: float | None = None  # fitted knee of the goodput curve
         self._preemptions: float | None = None
-        self._waiting_rounds = 0
         self.windows = 0
         # Requests other gateway processes run on the replica (shared state): the limit
         # is the replica's, so it judges the whole load, not this process's part.
@@ -189,7 +157,6 @@ class RunningLimit:
         admitted_at: float,
         *,
         ok: bool,
-        work_tokens: int,
         ratio: tuple[float | None, float | None],
         cap: int | None,
         load: float | None = None,
@@ -212,19 +179,17 @@ class RunningLimit:
         if admitted_at < self._changed_at:
             return  # admitted under an earlier limit: no evidence about this one
         if self._count == 0:
-            # Rates are measured between completions: from the first counted one on, so
-            # the service time of the first requests after a change does not dilute them.
+            # The mean running is measured between completions: from the first counted one
+            # on, so the requests started before it do not dilute it.
             self._started = now
             self._area = 0.0
             self._last = now
-        else:
-            self._work += max(0, work_tokens)
         self._count += 1
         if hard is not None:
             self._hard.append(hard)
         if soft is not None:
             self._soft.append(soft)
-        # Slow start needs less evidence to double than a decision near the knee; and
+        # Slow start needs less evidence to double than a cut or a probe; and
         # the limit as the window opened (slow start grows it under a window's feet).
         window = self._s.window // 2 if self._slow_start else self._s.window
         window = max(window, math.ceil(self._opened))
@@ -270,50 +235,28 @@ class RunningLimit:
             self.reason = "slow_start"
 
     def engine_signals(
-        self,
-        *,
-        preemptions_total: float | None,
-        waiting: int,
-        engine_running: int,
-        kv_usage: float,
-        running: int,
-        now: float,
-        cap: int | None,
+        self, *, preemptions_total: float | None, running: int, now: float, cap: int | None
     ) -> None:
-        """One discovery round's view of the engine, against what kvgate holds there."""
+        """One discovery round's preemption counter, against what kvgate holds there."""
         running += self.others  # what every gateway process holds there
         # The engine preempted at some moment since the last round, when up to the peak
         # ran: a cut is judged against that, not against a lull at this instant.
         peak = max(running, self._peak + self.others)
         self._peak = self._running
-        if preemptions_total is not None:
-            before = self._preemptions
-            self._preemptions = preemptions_total
-            # While more run than the limit allows, the excess was admitted under an
-            # earlier, larger limit: preemptions then are that limit's doing, already
-            # judged. Judged on the peak: a burst can end before the round that sees its
-            # preemptions.
-            if (
-                before is not None
-                and preemptions_total > before
-                and 0 < peak <= max(1, int(self.value))
-            ):
-                self._slow_start = False
-                self._cut = None
-                self._set(min(self.value, peak) * 0.75, "preemption", now, cap, (peak, None, 0))
-                return
-        # A request waits in the engine for a moment as a matter of course (a prefill
-        # for the step's token budget); it is kvgate's doing only when the pool is full.
-        if waiting > 0 and 0 < engine_running < running and kv_usage >= _POOL_FULL:
-            self._waiting_rounds += 1
-            if self._waiting_rounds >= 2:
-                self._waiting_rounds = 0
-                self._slow_start = False
-                self._cut = None
-                running = float(engine_running)
-                self._set(min(self.value, running), "engine_queue", now, cap, (running, None, 0))
-        else:
-            self._waiting_rounds = 0
+        if preemptions_total is None:
+            return
+        before = self._preemptions
+        self._preemptions = preemptions_total
+        # While more run than the limit allows, the excess was admitted under an earlier,
+        # larger limit: preemptions then are that limit's doing, already judged. Judged
+        # on the peak: a burst can end before the round that sees its preemptions.
+        if (
+            before is not None
+            and preemptions_total > before
+            and 0 < peak <= max(1, int(self.value))
+        ):
+            self._slow_start = False
+            self._set(min(self.value, peak) * 0.75, "preemption", now, cap, (peak, None, 0))
 
     def adopt(self, value: float, now: float, reason: str = "shared") -> None:
         """Take `value` learned by another gateway process for the same replica (shared
@@ -326,7 +269,6 @@ class RunningLimit:
             self.history.record(now, int(self.value), int(value), reason)
             self.value = value
             self.reason = reason
-            self._cut = None
             self._reset_window(now)
 
     # ------------------------------------------------------------------ the window
@@ -337,7 +279,6 @@ class RunningLimit:
             return
         self.windows += 1
         mean_running = self._area / span
-        goodput = self._work / span
         # Clients' timeouts are hard: the window's slowest request counts. Targets are
         # service levels: their quantile (the median user by default, as seed 000's
         # "per-user decode rate" is) counts. Each is aimed at from a little inside.
@@ -347,67 +288,31 @@ class RunningLimit:
         if self._soft:
             aims.append(_quantile(self._soft, self._s.target_quantile) / _INSIDE_SOFT)
         ratio = max(aims) if aims else None  # 1.0 = exactly at the aimed-at point
+        base = max(1.0, mean_running)
+        seen = (mean_running, ratio, self._count)  # the evidence a change records
+        if ratio is not None and ratio > _BAND:
+            self._slow_start = False
+            lo, hi = 0.5 * self.value, 0.9 * self.value
+            self._set(min(hi, max(lo, base / ratio)), "latency", now, cap, seen)
+            return
         # The setting the window measured: the limit as it opened (slow start grows it
         # during the window, and what runs follows with a lag).
         allowed = min(self.allowed(cap), max(1, int(self._opened)))
-        busy = mean_running >= 0.8 * allowed
-        if busy and goodput > 0:
-            self._curve.add(
-                allowed, span=span, area=self._area, work=self._work, window=self.windows
-            )
-            self.knee = self._curve.knee(
-                window=self.windows, limit=int(self.value), efficiency=self._s.knee_efficiency
-            )
-        base = max(1.0, mean_running)
-        seen = (mean_running, ratio, self._count)  # the evidence a change records
-        level = self._level()
-        if self._refuted(ratio, level, mean_running, now, cap):
-            return
-        pending, self._cut = self._cut, None  # a series of cuts too small to judge yet
-        if ratio is not None and ratio > _BAND:
-            self._slow_start = False
-            if self._flat is not None and _measured(ratio) and ratio <= self._flat * _FLAT_SLACK:
-                # Cutting was shown to buy no latency at this level: hold.
-                self.reason = "latency_flat"
-                self._reset_window(now)
-                return
-            if self._slope is not None and _measured(ratio) and self._slope() < _FLAT_SLOPE:
-                # Service hardly grows with the load here: a cut would buy no latency.
-                self.reason = "latency_flat"
-                self._reset_window(now)
-                return
-            self._cut = pending or (self.value, base, level, ratio)
-            target = base / ratio
-            lo, hi = 0.5 * self.value, 0.9 * self.value
-            self._set(min(hi, max(lo, target)), "latency", now, cap, seen)
-            return
-        if not busy:
-            self._reset_window(now)  # no evidence for more: hold
+        if mean_running < 0.8 * allowed:
+            self._reset_window(now)  # not kept busy: no evidence for more, hold
             return
         if self._slow_start:
-            # Growth was per completion (`_slow_grow`); the knee, once fitted, ends it,
-            # and what slow start grew past it (buying nothing) is given back.
-            if self.knee is not None and self.value >= self.knee:
-                self._slow_start = False
-                self._set(max(1.0, self.knee), "knee", now, cap, seen)
-                return
             if ratio is None or ratio <= _SLOW_START_END:
-                self._reset_window(now)
+                self._reset_window(now)  # growth is per completion (`_slow_grow`)
                 return
             # A window whose slowest came past half its aim (TCP's ssthresh) ends it:
             # from here each window probes, judged at one setting.
             self._slow_start = False
-        grow = self.value * (1.0 + self._s.probe_step)
-        grow = max(grow, self.value + 1.0)
-        bounds: list[tuple[float, str]] = [(grow, "probe")]
+        value, reason = max(self.value * (1.0 + self._s.probe_step), self.value + 1.0), "probe"
         if ratio is not None and ratio > 0:
-            bounds.append((max(self.value, self._in_time(base, ratio)), "latency"))
-        if self.knee is not None:
-            # The knee stops growth; it never pulls the limit down (latency does that).
-            bounds.append((max(self.value, self.knee), "knee"))
-        value, reason = min(bounds)
-        if reason != "probe":
-            self._slow_start = False
+            in_time = max(self.value, self._in_time(base, ratio))
+            if in_time <= value:
+                value, reason = in_time, "latency"
         if cap is not None and value >= cap:
             reason = "running_cap"
         self._set(value, reason, now, cap, seen)
@@ -417,56 +322,6 @@ class RunningLimit:
         proportion, or ``1 / e`` as far where service grows by a share ``e`` of that."""
         e = self._slope() if self._slope is not None and ratio < 1.0 else 1.0
         return base / ratio if e >= 1.0 else base * (1.0 + (1.0 / ratio - 1.0) / max(e, 1e-9))
-
-    def _level(self) -> float | None:
-        """The window's typical latency score, for judging a cut: the mean of its
-        clients' scores (a slowest is whichever long answer the window happened to hold;
-        on seed 002's card that refuted cuts that were right), else the targets' quantile;
-        None when a failure scored the window (a client gone at its timeout measures no
-        latency) or nothing was scored."""
-        if self._hard:
-            if not _measured(max(self._hard) / _INSIDE_HARD):
-                return None
-            return sum(self._hard) / len(self._hard) / _INSIDE_HARD
-        if self._soft:
-            level = _quantile(self._soft, self._s.target_quantile) / _INSIDE_SOFT
-            return level if _measured(level) else None
-        return None
-
-    def _refuted(
-        self,
-        ratio: float | None,
-        level: float | None,
-        mean_running: float,
-        now: float,
-        cap: int | None,
-    ) -> bool:
-        """Judge the latency cut made at the previous window: past the knee latency falls
-        in proportion to the load, so a cut from `m` to `m'` running should take the
-        window's typical score (`_level`) from `l` to about ``l * m' / m``. A window that
-        got less than half of that fall says latency does not follow the load here (the
-        real vLLM at this size: one long answer takes about as long alone as beside seven
-        others), and a cut there only loses throughput and lengthens the queue: the limit
-        goes back and holds until the slowest is worse than it was (True: restored)."""
-        cut = self._cut
-        if cut is None:
-            return False
-        before, ran, judged, slowest = cut
-        if judged is None or level is None or ratio is None or not _measured(ratio):
-            self._cut = None  # a failure scored a window: no evidence either way
-            return False
-        if mean_running > _JUDGED_FALL * ran:
-            # Too little fall to tell from one window's noise (a cut from 8 to 7 promises
-            # 12%): the cut stays pending, and a series of cuts is judged as one.
-            return False
-        self._cut = None
-        promised = judged - judged * mean_running / ran
-        if judged - level >= 0.5 * promised:
-            self._flat = None  # latency followed the load: cuts work here
-            return False
-        self._flat = max(slowest, ratio)
-        self._set(before, "latency_flat", now, cap, (mean_running, ratio, self._count))
-        return True
 
     def _set(self, value: float, reason: str, now: float, cap: int | None, seen: Seen) -> None:
         hi = float(cap) if cap is not None else math.inf
@@ -483,15 +338,9 @@ class RunningLimit:
         self._count = 0
         self._hard = []
         self._soft = []
-        self._work = 0
         self._started = now
         self._area = 0.0
         self._last = now
-
-
-def _measured(ratio: float) -> bool:
-    """Whether a window's ratio is a latency measured, not a failure's score."""
-    return ratio < FAILURE_RATIO / _INSIDE_HARD
 
 
 def _quantile(values: list[float], q: float) -> float:

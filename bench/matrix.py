@@ -64,6 +64,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from admission.config import AdmissionConfig  # noqa: E402
 from bench.closed_loop import PLAIN_BACKOFF_S  # noqa: E402
 from bench.enginesim_vs_vllm import token_ids  # noqa: E402
 from bench.first_wave_vt import vllm_items  # noqa: E402
@@ -164,9 +165,11 @@ def arrivals(load: str, n: int, capacity: float, seed: int) -> list[float] | Non
     return out
 
 
-def one(args: tuple[str, int, str, str, str, int | None, float, float]) -> dict[str, Any]:
+def one(
+    args: tuple[str, int, str, str, str, int | None, float, float, dict[str, Any]],
+) -> dict[str, Any]:
     """One contender in one cell."""
-    engine, seed, client, load, contender, cap, timeout_s, capacity = args
+    engine, seed, client, load, contender, cap, timeout_s, capacity, overrides = args
     spec = ENGINES[engine]
     items = workload(engine, seed)
     kw = dict(CLIENTS[client])
@@ -181,7 +184,8 @@ def one(args: tuple[str, int, str, str, str, int | None, float, float]) -> dict[
     rep: VtReport = run(
         spec["profile"], items, concurrency=concurrency, timeout_s=timeout_s,
         max_retries=2, pool_tokens=spec["pool"], seed=seed, arrivals=times,
-        straight=contender != "kvgate", fixed=cap, sessions=sessions, **kw,
+        straight=contender != "kvgate", fixed=cap, sessions=sessions,
+        config=AdmissionConfig(**overrides) if overrides else None, **kw,
     )  # fmt: skip
     return {
         "engine": engine,
@@ -258,9 +262,18 @@ def main() -> int:
     ap.add_argument("--clients", nargs="+", choices=list(CLIENTS), default=list(CLIENTS))
     ap.add_argument("--loads", nargs="+", choices=LOADS, default=list(LOADS))
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="FIELD=JSON",
+        help="judge a candidate rule: admission settings over the defaults (the default "
+        "run is a new user's configuration)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "matrix.jsonl")
     args = ap.parse_args()
     started = time.time()
+    overrides = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     seeds = random.Random(args.master).sample(range(1_000_000), args.seeds)
     calib = {(e, s): calibrate(e, s) for e in args.engines for s in seeds}
     tasks = []
@@ -270,7 +283,9 @@ def main() -> int:
                 contenders = [("kvgate", None), ("alone", None)]
                 contenders += [(f"fixed {c}", c) for c in FIXED]
                 for name, cap in contenders:
-                    tasks.append((engine, seed, client, load, name, cap, timeout_s, capacity))
+                    tasks.append(
+                        (engine, seed, client, load, name, cap, timeout_s, capacity, overrides)
+                    )
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(one, tasks, chunksize=4))
     cells: dict[tuple[str, int, str, str], list[dict[str, Any]]] = {}
@@ -288,7 +303,8 @@ def main() -> int:
                   f"{', '.join(v['misses'])} (ratio {v['ratio']}, kvgate {v['kvgate']}, "
                   f"best {v['best_fixed']}, preemptions {v['preemptions']})")  # fmt: skip
     # One line per cell's verdict (the runs repeat exactly from the master seed).
-    lines = [json.dumps({"seeds": seeds, "master": args.master, "met": met})]
+    head = {"seeds": seeds, "master": args.master, "met": met, "set": overrides}
+    lines = [json.dumps(head)]
     lines += [json.dumps(v, separators=(",", ":")) for v in verdicts]
     args.out.write_text("\n".join(lines) + "\n")
     return 0

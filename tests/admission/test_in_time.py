@@ -41,7 +41,7 @@ def test_a_cold_replica_doubles_its_limit_in_one_round_of_completions() -> None:
         for _ in range(lim.allowed(None)):
             lim.running_changed(lim.allowed(None), now)
             now += 0.5
-            lim.completed(now, now - 1.0, ok=True, work_tokens=500, ratio=(0.2, None), cap=None)
+            lim.completed(now, now - 1.0, ok=True, ratio=(0.2, None), cap=None)
         assert lim.allowed(None) == expected
     assert lim.reason == "slow_start"
 
@@ -259,7 +259,7 @@ def test_a_preemption_cut_is_judged_against_what_ran_not_a_lull() -> None:
     of that one), and took the rest of the run to climb back. The engine preempted while
     up to ten ran: the cut is 75% of that."""
     lim = RunningLimit(LimitSettings(initial=10))
-    sig = {"waiting": 0, "engine_running": 1, "kv_usage": 0.9, "cap": None}
+    sig = {"cap": None}
     lim.engine_signals(preemptions_total=0, running=0, now=0.0, **sig)
     lim.running_changed(10, 0.5)
     lim.running_changed(1, 1.5)
@@ -272,7 +272,7 @@ def test_preemptions_seen_after_the_burst_ended_still_cut() -> None:
     before the next discovery round read the counter: with nothing running then, the
     preemptions were nobody's and the limit stayed at 16. They were the peak's."""
     lim = RunningLimit(LimitSettings(initial=16))
-    sig = {"waiting": 0, "engine_running": 0, "kv_usage": 0.2, "cap": None}
+    sig = {"cap": None}
     lim.engine_signals(preemptions_total=0, running=0, now=0.0, **sig)
     lim.running_changed(16, 0.1)
     lim.running_changed(0, 1.0)

@@ -7,7 +7,7 @@ from admission.limit import LimitSettings, RunningLimit
 from admission.limitlog import HISTORY, LimitHistory
 from tests.admission.test_limit import feed_window
 
-SIGNALS = {"waiting": 0, "engine_running": 0, "kv_usage": 0.0, "cap": None}
+SIGNALS = {"cap": None}
 
 
 def test_a_latency_cut_is_kept_with_its_window() -> None:
@@ -39,7 +39,7 @@ def test_slow_start_steps_are_kept_and_a_move_within_one_count_is_not() -> None:
     lim.running_changed(2, 0.0)
     for i in range(3):
         lim.running_changed(int(lim.value), float(i))
-        lim.completed(float(i) + 1, float(i), ok=True, work_tokens=100, ratio=(0.1, None), cap=None)
+        lim.completed(float(i) + 1, float(i), ok=True, ratio=(0.1, None), cap=None)
     assert [(c.before, c.after, c.reason) for c in lim.history.changes] == [
         (2, 3, "slow_start"),
         (3, 4, "slow_start"),

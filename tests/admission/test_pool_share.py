@@ -84,8 +84,8 @@ def test_the_learned_limit_judges_every_process_load() -> None:
 
 def test_adopt_takes_a_shared_value_and_restarts_the_window() -> None:
     lim = RunningLimit(LimitSettings(initial=2.0), 0.0)
-    lim.adopt(7.5, 10.0, "knee")
-    assert (lim.value, lim.reason, lim.allowed(None), lim.allowed(5)) == (7.5, "knee", 7, 5)
+    lim.adopt(7.5, 10.0, "latency")
+    assert (lim.value, lim.reason, lim.allowed(None), lim.allowed(5)) == (7.5, "latency", 7, 5)
     lim.adopt(0.5, 11.0)  # below one request: not a limit
     assert lim.value == 7.5
 

@@ -47,6 +47,11 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
             "replicas.0.pool_tokns: unknown field (did you mean 'pool_tokens'?)",
         ),
         ("discovery: {refresh_intreval_s: 1}\n", "did you mean 'refresh_interval_s'?"),
+        (  # a setting removed with its rule is named as removed, not as unknown
+            "replicas:\n  - {name: a, url: 'http://127.0.0.1:1'}\n"
+            "admission: {knee_efficiency: 0.1}\n",
+            "admission: knee_efficiency was removed: the goodput knee is no longer fitted",
+        ),
     ],
 )
 def test_check_refuses_word_for_word_what_serve_refuses(tmp_path: Path, capsys, text, words):

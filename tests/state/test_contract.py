@@ -170,7 +170,7 @@ async def test_shared_limits_carry_the_latest_version(rig: Rig) -> None:
     b = rig.backend
     v1 = await b.publish_limit("r0", 6.5, "probe")
     v2 = await b.publish_limit("r0", 4.0, "latency")
-    v3 = await b.publish_limit("r1", 9.0, "knee")
+    v3 = await b.publish_limit("r1", 9.0, "latency")
     assert v1 < v2 < v3
     limits = await b.limits()
     assert (limits["r0"].value, limits["r0"].version, limits["r0"].reason) == (4.0, v2, "latency")

@@ -563,7 +563,7 @@ def test_a_shared_limit_grows_on_the_fleets_evidence() -> None:
         for n in range(1, 100):
             # Past half the latency aim: slow start adds nothing for them, and its first
             # window (half a window of evidence) ends it and probes.
-            lim.completed(n, n - 0.5, ok=True, work_tokens=1000, ratio=(0.6, None), cap=None)
+            lim.completed(n, n - 0.5, ok=True, ratio=(0.6, None), cap=None)
             if lim.value > 8:
                 return n
         raise AssertionError("the limit never grew")
