@@ -434,8 +434,6 @@ class AdmissionController:
         self._learning.stream_gap(rep, completion, at_admit, now)
         self._ledger.free(res, now)
         self._scaling.served(res.model, now - res.admitted_at, res.tokens + res.covered, now)
-        # The room the running requests leave bounds slow start's growth (admission/room.py).
-        room = self._ledger.room(rep, now)
         if res.unbudgeted is not None and completion is not None:
             # Admitted before its clients' patience was learned: scored against it now,
             # or the limit grows on completions it cannot judge while they time out.
@@ -443,7 +441,7 @@ class AdmissionController:
             learned = self._patience.budget(tenant, res.model, stream)
             if learned is not None:
                 res.budget, res.budget_whole = learned.seconds, learned.whole
-        self._learning.released(rep, res, completion, now, at_admit, room=room)
+        self._learning.released(rep, res, completion, now, at_admit)
         rep.room_stale = True  # the completion refit its service: the room follows
         self._placement.released(res.request_id, res.replica, now)
         self._ledger.forget_if_gone(rep)

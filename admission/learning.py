@@ -71,13 +71,12 @@ class Learning:
         completion: Completion | None,
         now: float,
         at_admit: int | None = None,
-        room: float = float("inf"),
     ) -> None:
         """After a reservation is freed: learn its completion (None teaches nothing) and
         tell the limit the running count moved. `at_admit`: the replica's running count
         when it was admitted."""
         if completion is not None:
-            self._completed(rep, res, completion, now, at_admit, room)
+            self._completed(rep, res, completion, now, at_admit)
         if rep.limit is not None:
             rep.limit.running_changed(rep.running, now)
 
@@ -88,7 +87,6 @@ class Learning:
         c: Completion,
         now: float,
         at_admit: int | None,
-        room: float,
     ) -> None:
         """Feed one completion to the replica's latency history and learned limit."""
         prompt = c.prompt_tokens or 0
@@ -137,7 +135,6 @@ class Learning:
             # The load it was served at: the mean of the running counts at its start and
             # its end (before its slot is freed).
             load=(rep.running + 1 + at_admit) / 2 if at_admit is not None else None,
-            room=room,
             slope=rep.service.elasticity,  # a fit: read only when a window needs it
         )
 

@@ -31,8 +31,9 @@ Per window:
 * **Growth.** While the replica is kept busy and latency allows it, the limit grows:
   from a cold start as TCP's slow start, one more per request served under half its
   aim, so it doubles in about one service time and a burst on a healthy replica is not
-  queued; never past what that completion predicts (its load over its score) nor the
-  ``room`` the running requests leave (admission/room.py).
+  queued; never past what that completion predicts (its load over its score). (What
+  admission takes is bounded besides by the room the running requests leave,
+  admission/room.py.)
   Slow start ends at a window whose slowest came past half its aim (TCP's ssthresh) or
   at any cut. From then on the limit grows by ``limit_probe_step`` per window, never
   past what the latency score predicts (``mean_running / r``; ``1 / e`` as far where
@@ -50,8 +51,9 @@ at this instant may be a lull).
 
 Rules measured and deleted, as the scenario matrix (bench/matrix.py) lost nothing
 without them: a goodput knee that stopped growth, judging each cut and giving back one
-that bought no latency, holding where the service's slope in the load was flat, and a
-cut to what the engine runs while requests waited in it (docs/admission.md).
+that bought no latency, holding where the service's slope in the load was flat, a cut
+to what the engine runs while requests waited in it, and slow start bounded by the
+running requests' deadline room (docs/admission.md).
 
 The limit is a float kept within [1, cap]; the controller uses its floor.
 """
@@ -103,7 +105,6 @@ class RunningLimit:
         "others",
         "_opened",
         "_peak",
-        "_room",
         "_slope",
         "history",
     )
@@ -122,7 +123,6 @@ class RunningLimit:
         self._area = 0.0  # integral of running requests over the window
         self._running = 0
         self._peak = 0  # most running since the last engine round
-        self._room = math.inf  # the most running that keeps running requests in time
         self._slope: Callable[[], float] | None = None  # service's growth in load, or None
         self._last = now
         self._preemptions: float | None = None
@@ -160,7 +160,6 @@ class RunningLimit:
         ratio: tuple[float | None, float | None],
         cap: int | None,
         load: float | None = None,
-        room: float = math.inf,
         slope: Callable[[], float] | None = None,
     ) -> None:
         """A request admitted at `admitted_at` ended at `now`; `ratio` is its measured /
@@ -172,7 +171,6 @@ class RunningLimit:
             # Failed by the replica (an upstream error or timeout, a client that left at
             # its timeout while being served).
             hard = FAILURE_RATIO
-        self._room = room
         self._slope = slope
         if self._slow_start and ok:
             self._slow_grow(hard, soft, cap, load, now)
@@ -228,7 +226,7 @@ class RunningLimit:
             return  # no evidence for more; the window judges whether slow start ends
         served_at = running if load is None else min(running, load + self.others)
         room = served_at / ratio if ratio > 0 else math.inf
-        value = min(self.value + 1.0, room, self._room, float(cap) if cap is not None else math.inf)
+        value = min(self.value + 1.0, room, float(cap) if cap is not None else math.inf)
         if value > self.value:
             self.history.record(now, int(self.value), int(value), "slow_start", served_at, ratio, 1)
             self.value = value

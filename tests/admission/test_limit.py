@@ -117,30 +117,6 @@ def test_slow_start_grows_no_further_than_the_load_a_completion_was_served_at() 
     assert lim.reason == "slow_start"
 
 
-def test_slow_start_stops_where_a_running_request_would_be_slowed_past_its_deadline() -> None:
-    """`room` (the ledger's deadline room, admission/room.py: the most running that keeps
-    every running request's predicted rest of service inside its client's deadline) bounds
-    slow start,
-    whose doubling outruns the evidence of the long requests it slows; it never cuts."""
-    lim = RunningLimit(LimitSettings(initial=4, window=64))
-    now = 0.0
-    for _ in range(8):
-        lim.running_changed(lim.allowed(None), now)
-        now += 0.1
-        lim.completed(
-            now, now - 0.5, ok=True, ratio=(0.1, None), cap=None, load=4.0,
-            room=5.5,
-        )  # fmt: skip
-    assert lim.value == pytest.approx(5.5) and lim.reason == "slow_start"
-    # A room below the limit holds it: the requests it would protect already run.
-    lim.running_changed(5, now)
-    lim.completed(now + 1, now, ok=True, ratio=(0.1, None), cap=None, room=2.0)
-    assert lim.value == pytest.approx(5.5)
-    # With room again it grows on.
-    lim.completed(now + 2, now, ok=True, ratio=(0.1, None), cap=None, load=5.0)
-    assert lim.value == pytest.approx(6.5)
-
-
 def test_a_window_of_clients_that_timed_out_is_cut() -> None:
     """A failure scores past any aim: 64 plain clients on seed 001's card, every request
     of a window timed out while running at 27, on a service that grows little with the
