@@ -39,9 +39,10 @@ class AdmissionConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_removed_settings(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in sorted(set(data) & set(REMOVED)):
-                raise ValueError(f"{name} was removed: {REMOVED[name]}; delete the setting")
+        removed = sorted(set(data) & set(REMOVED)) if isinstance(data, dict) else []
+        if removed:
+            name = removed[0]
+            raise ValueError(f"{name} was removed: {REMOVED[name]}; delete the setting")
         return data
 
     headroom: float = Field(

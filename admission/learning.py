@@ -134,7 +134,7 @@ class Learning:
             cap=rep.cap,
             # The load it was served at: the mean of the running counts at its start and
             # its end (before its slot is freed).
-            load=(rep.running + 1 + at_admit) / 2 if at_admit is not None else None,
+            load=ran,
             slope=rep.service.elasticity,  # a fit: read only when a window needs it
         )
 

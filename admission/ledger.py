@@ -290,8 +290,9 @@ class Ledger:
 
     def room(self, rep: Replica, now: float) -> float:
         """The most requests `rep` may run without slowing a running one past its
-        client's deadline (admission/room.py): admission holds it to that. Recomputed only after a reservation there came or
-        went, its service was refit, or its view was refreshed (a discovery round)."""
+        client's deadline (admission/room.py): admission holds it to that. Recomputed
+        only after a reservation there came or went, its service was refit, or its view
+        was refreshed (a discovery round)."""
         if rep.room_stale:
             bounded = self.bounded.get(rep.name)
             rep.room = (

@@ -225,8 +225,8 @@ class RunningLimit:
         if ratio > _SLOW_START_END:
             return  # no evidence for more; the window judges whether slow start ends
         served_at = running if load is None else min(running, load + self.others)
-        room = served_at / ratio if ratio > 0 else math.inf
-        value = min(self.value + 1.0, room, float(cap) if cap is not None else math.inf)
+        predicted = served_at / ratio if ratio > 0 else math.inf
+        value = min(self.value + 1.0, predicted, float(cap) if cap is not None else math.inf)
         if value > self.value:
             self.history.record(now, int(self.value), int(value), "slow_start", served_at, ratio, 1)
             self.value = value

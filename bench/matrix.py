@@ -171,11 +171,11 @@ def one(
     """One contender in one cell."""
     engine, seed, client, load, contender, cap, timeout_s, capacity, overrides = args
     spec = ENGINES[engine]
-    items = workload(engine, seed)
     kw = dict(CLIENTS[client])
     if kw.pop("no_timeout", False):
         timeout_s = 1e9
     sessions = agentic(engine, seed) if load == "agentic" else None
+    items = workload(engine, seed) if sessions is None else []  # sessions bring their own
     times = None if sessions is not None else arrivals(load, len(items), capacity, seed)
     if sessions is not None:
         concurrency = len(sessions)

@@ -12,8 +12,7 @@ releases it without a completion sample). The engine's gauges reach admission ev
 takes about a CPU second, so tests can assert on the learned limit and benches can sweep.
 Of the gateway's own code it runs admission and its door, the account stage
 (`gateway.accounting`: what an ended request tells admission) and the retry identity and
-memory
-(`admission.retries`); the pipeline's calls into them are mirrored here, and
+memory (`admission.retries`); the pipeline's calls into them are mirrored here, and
 tests/admission/test_vtime_drives_the_gateway.py fails when the two drift.
 
 `stoppers`: that many of the clients (the first ones) stop reading each stream after 1-6
@@ -364,9 +363,7 @@ def run(
             margin=est.margin(model),
             # The prompt's prefix chain, as the gateway hashes it for a replica that shares
             # prefixes (its blocks in tokens here: the ids are what the harness has).
-            prefix_hashes=token_block_hashes(item.prompt_token_ids, core.block_size)
-            if state.shares_prefix
-            else (),
+            prefix_hashes=chain(item) if state.shares_prefix else (),
             prefix_block_tokens=core.block_size if state.shares_prefix else 0,
             # Only the openai SDKs say which retry this is (kvgate assumes their default
             # budget); a plain client's last is known once its clients' budget is learned.
@@ -389,6 +386,13 @@ def run(
             door.expect(rid).add_done_callback(settled)
         handle_verdict(att, verdict)
         loop.drain()
+
+    chains: dict[str, tuple[int, ...]] = {}  # per item: a retry sends the same prompt
+
+    def chain(item: WorkItem) -> tuple[int, ...]:
+        if item.request_id not in chains:
+            chains[item.request_id] = token_block_hashes(item.prompt_token_ids, core.block_size)
+        return chains[item.request_id]
 
     def ended(att: _Attempt, outcome: str) -> None:
         """The request ended with `outcome` as the gateway words it: what its account
