@@ -11,7 +11,8 @@ its first arrival: the queue is ordered by that arrival, so the oldest waiting w
 first and shed-and-retry approximates one FIFO queue that lives partly in the clients.
 The memory also counts each request's unserved attempts (shed, or its client left before
 an answer began) and sees whether it came back, which teaches how many attempts clients
-that do not say make (admission/retry_budget.py).
+that do not say make (admission/retry_budget.py), how long a told wait they come back
+after and whose clock their timeout is (admission/toldwait.py).
 
 A retry is known by what its client says (`identify`): an ``Idempotency-Key`` names
 the request whatever its body; the openai and anthropic SDKs say which attempt this is
@@ -38,11 +39,13 @@ whole stays bounded by the number of tenants (which come from configured keys).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import NamedTuple
 
 from admission.retry_budget import RetryBudget
+from admission.toldwait import ToldWaits
 from admission.types import AdmissionRequest
 
 _GRACE_S = 5.0  # past twice its Retry-After, an attempt not back is a client that gave up
@@ -84,19 +87,24 @@ class RetryMemory:
     and size; and what became of each (back, or given up), from which `RetryBudget`
     learns how many attempts clients that say nothing make."""
 
-    __slots__ = ("_tenants", "_ttl", "_max", "_due", "_seq", "budget")
+    __slots__ = ("_tenants", "_ttl", "_max", "_due", "_seq", "budget", "told")
 
     def __init__(self, ttl_s: float, max_entries: int) -> None:
         # tenant -> key -> (first arrival, expiry, unserved, back by, came back since: False
-        # while awaited, None where it teaches nothing)
+        # while awaited, None where it teaches nothing, the Retry-After it was told, the
+        # budget it was judged by)
         self._tenants: dict[
-            str, OrderedDict[Hashable, tuple[float, float, int, float, bool | None]]
+            str,
+            OrderedDict[
+                Hashable, tuple[float, float, int, float, bool | None, float, float | None]
+            ],
         ] = {}
         self._ttl = ttl_s
         self._max = max_entries
         self._due: list[tuple[float, int, str, Hashable, int]] = []  # (back by, seq, ...)
         self._seq = 0
         self.budget = RetryBudget()
+        self.told = ToldWaits(max_entries)
 
     def __len__(self) -> int:
         return sum(len(e) for e in self._tenants.values())
@@ -108,21 +116,35 @@ class RetryMemory:
     def enabled(self) -> bool:
         return self._ttl > 0 and self._max > 0
 
-    def recall(self, key: Hashable, now: float, tenant: str = "default") -> Recall | None:
-        """`tenant`'s `key` if it was left unserved within `ttl_s`: it came back."""
+    def recall(
+        self, key: Hashable, now: float, tenant: str = "default", said: bool = True
+    ) -> Recall | None:
+        """`tenant`'s `key` if it was left unserved within `ttl_s`: it came back (its
+        client says which attempt it sends, or not: `said`)."""
         self._settle(now)
         entries = self._tenants.get(tenant)
         got = entries.get(key) if entries is not None else None
         if got is None or entries is None:
             return None
-        arrival, expires, unserved, back_by, back = got
+        arrival, expires, unserved, back_by, back, told, budget = got
         if expires <= now:
             del entries[key]
             return None
+        if back is not True:
+            # Back after its budget from its first attempt ran out: its clock is an
+            # attempt's (admission/toldwait.py).
+            past = budget is not None and now - arrival > budget
+            self.told.came_back(tenant, said, told, past)
         if back is False:  # awaited (None: it teaches nothing)
-            entries[key] = (arrival, expires, unserved, back_by, True)
             self.budget.outcome(tenant, unserved, came_back=True)
+        entries[key] = (arrival, expires, unserved, back_by, True, told, budget)
         return Recall(arrival, unserved)
+
+    def returns_after(self, tenant: str, said: bool) -> float:
+        """How long `tenant`'s shed clients (that say which attempt they send, or not:
+        `said`) were seen to come back after (admission/toldwait.py). With the memory
+        off nothing is seen, and every wait may be told: inf."""
+        return self.told.returns_after(tenant, said) if self.enabled else math.inf
 
     def remember(
         self,
@@ -132,11 +154,13 @@ class RetryMemory:
         tenant: str = "default",
         retry_after: float = 0.0,
         said: bool = True,
+        budget: float | None = None,
     ) -> None:
         """Record that `tenant`'s `key` (first seen at `arrival`) was left unserved at
         `now`: shed and told to come back in `retry_after` seconds, or its client left
         before an answer began (0: its own backoff). Unless its client `said` which
-        attempt it sends, an identical request is its retry only until it was due back."""
+        attempt it sends, an identical request is its retry only until it was due back.
+        `budget`: its client's time as kvgate judged it (stated or learned; None: none)."""
         if not self.enabled:
             return
         self._settle(now)
@@ -151,7 +175,7 @@ class RetryMemory:
         # Awaited, what comes of it teaches the retry budget: unless a client that says
         # nothing left on its own (module docstring).
         awaited: bool | None = False if said or retry_after > 0 else None
-        entries[key] = (first, expires, unserved, back_by, awaited)
+        entries[key] = (first, expires, unserved, back_by, awaited, retry_after, budget)
         self._seq += 1
         heapq.heappush(self._due, (back_by, self._seq, tenant, key, unserved))
         while entries:
@@ -168,22 +192,44 @@ class RetryMemory:
         left unserved, its first arrival (its place in line) and, for a client that does
         not state which retry it sends, whether this is its last (admission/retry_budget.py)."""
         req.retry_key, req.retry_said = ident.key, ident.said
-        first = None if ident.first else self.recall(ident.key, now, req.tenant)
+        first = None if ident.first else self.recall(ident.key, now, req.tenant, ident.said)
         req.recalled = first is not None
+        req.returns_after_s = self.returns_after(req.tenant, ident.said)
+        req.budget_from_first = req.recalled and self.told.clock(req.tenant, ident.said) == "call"
         req.arrival = now if first is None else first.arrival
         if first is not None and not count_stated:
             req.last_retry = self.last_attempt(req.tenant, first.unserved)
+
+    def ended(self, req: AdmissionRequest, attempt: float, left: bool, now: float) -> None:
+        """`req`, whose attempt arrived at `attempt`, ended at `now`: its client `left`
+        before an answer, or stayed to the end. A retry of a client that stated its
+        timeout votes on its population's clock (admission/toldwait.py)."""
+        if req.recalled and req.latency_budget is not None and not req.budget_learned:
+            self.told.retry_ended(
+                req.tenant, req.retry_said, req.latency_budget, req.arrival, attempt, left, now
+            )
 
     def admitted(self, req: AdmissionRequest) -> None:
         """`req` got in: a later identical request is a newcomer again."""
         if req.recalled and req.retry_key is not None:
             self.forget(req.retry_key, req.tenant)
 
-    def unserved(self, req: AdmissionRequest, now: float, retry_after: float = 0.0) -> None:
+    def unserved(
+        self,
+        req: AdmissionRequest,
+        now: float,
+        retry_after: float = 0.0,
+        budget: float | None = None,
+    ) -> None:
         """`req` was shed and told to come back in `retry_after` seconds, or its client
-        left before an answer began (0)."""
+        left before an answer began (0). `budget`: the one the shed judged it by (its
+        stated timeout when not given)."""
         if req.retry_key is not None:
-            self.remember(req.retry_key, req.arrival, now, req.tenant, retry_after, req.retry_said)
+            if budget is None:
+                budget = req.latency_budget
+            self.remember(
+                req.retry_key, req.arrival, now, req.tenant, retry_after, req.retry_said, budget
+            )
 
     def forget(self, key: Hashable, tenant: str = "default") -> None:
         """The request got in: later identical requests are newcomers again."""

@@ -151,8 +151,9 @@ class Settling:
         (a tenth): the prediction is an upper estimate, and shedding it forever helps
         nobody. The configured queue timeout (the tenant's own first) is the default for
         clients that say nothing."""
+        start = req.arrival if req.budget_from_first else now
         if req.latency_budget is not None:
-            deadline = min(req.deadline, now + queue_slack(req.latency_budget, predicted))
+            deadline = min(req.deadline, start + queue_slack(req.latency_budget, predicted))
         else:
             policy = self.tenant_of(req.tenant)
             timeout = self.config.queue_timeout_s
@@ -161,7 +162,7 @@ class Settling:
             deadline = min(req.deadline, now + timeout)
         # Within its tenant: earliest deadline first, as of its first arrival (a retry
         # keeps its place); admission.fairqueue orders the tenants.
-        edf = deadline - max(0.0, now - req.arrival) if math.isfinite(deadline) else math.inf
+        edf = deadline - max(0.0, start - req.arrival) if math.isfinite(deadline) else math.inf
         entry = Entry(
             (-req.priority, 0 if req.last_retry else 1, edf, req.arrival, self._seq),
             req,
@@ -187,7 +188,8 @@ class Settling:
             entry.cold = False
             budget = entry.req.latency_budget
             assert budget is not None
-            self.queue.tighten(entry, entry.entered + queue_slack(budget, predicted))
+            start = entry.req.arrival if entry.req.budget_from_first else entry.entered
+            self.queue.tighten(entry, start + queue_slack(budget, predicted))
 
     def rejudge_unstated(
         self,

@@ -192,19 +192,7 @@ class Shedding:
         then clamped. Its own tokens join the returning backlog until it is back or
         overdue.
         """
-        if wait is None:
-            # Nothing drained yet to estimate from: a client that stated its budget (or
-            # whose patience was learned) is told half of it, the share it could queue
-            # for, not a constant: 5 s is six of its attempts for a client whose whole
-            # timeout is 0.87 s (the real vLLM), and a tenth of one for a 45 s timeout.
-            delay = self.config.cold_retry_after_s
-            if req.latency_budget is not None and req.latency_budget > 0:
-                delay = min(delay, 0.5 * req.latency_budget)
-        else:
-            # Back with half its tolerance still ahead: estimates are noisy, and a request
-            # that returns to find the wait just over its tolerance is shed once more.
-            tolerance = deadline - now if math.isfinite(deadline) and deadline > now else 0.0
-            delay = max(0.0, wait - 0.5 * tolerance)
+        delay = self._told(req, wait, deadline, now)
         j = self.config.retry_jitter
         if j > 0:
             delay *= self._rng.uniform(1.0 - j, 1.0 + j)
@@ -213,7 +201,36 @@ class Shedding:
         expires = now + delay * (1.0 + j) + max(self.config.min_retry_after_s, 0.25 * delay)
         self.returning.add(req.model, key, req.arrival, expires, raw, req.tenant)
         binds = binding_ceiling(self._views.serving(req.model), raw, self._queue.capped(req.tenant))
-        return Shed(req.request_id, reason, delay, binds=binds)
+        return Shed(req.request_id, reason, delay, binds=binds, budget=req.latency_budget)
+
+    def _told(
+        self, req: AdmissionRequest, wait: float | None, deadline: float, now: float
+    ) -> float:
+        """The Retry-After `shed` tells `req` before its jitter and clamp."""
+        if wait is None:
+            # Nothing drained yet to estimate from: a client that stated its budget (or
+            # whose patience was learned) is told half of it, the share it could queue
+            # for, not a constant: 5 s is six of its attempts for a client whose whole
+            # timeout is 0.87 s (the real vLLM), and a tenth of one for a 45 s timeout.
+            delay = self.config.cold_retry_after_s
+            if req.latency_budget is not None and req.latency_budget > 0:
+                delay = min(delay, 0.5 * req.latency_budget)
+            return delay
+        # Back with half its tolerance still ahead: estimates are noisy, and a request
+        # that returns to find the wait just over its tolerance is shed once more.
+        tolerance = deadline - now if math.isfinite(deadline) and deadline > now else 0.0
+        return max(0.0, wait - 0.5 * tolerance)
+
+    def comes_back(self, req: AdmissionRequest, wait: float, deadline: float, now: float) -> bool:
+        """Whether `req`, shed now on its estimated `wait`, would be told a Retry-After its
+        clients were seen to come back after (admission/toldwait.py). One that would not
+        is kept queued until its deadline, as a fixed proxy's queue would hold it: a
+        client whose timeout counts the wait it is told (or that gives up on a long one)
+        is lost by the shed."""
+        if req.latency_budget is None:
+            return True  # no budget known (none stated or learned): nothing to keep it in
+        told = self.clamp(self._told(req, wait, deadline, now), req.model, now, req.latency_budget)
+        return told <= req.returns_after_s
 
     def judge(self, entry: Entry, now: float) -> tuple[Queued | Shed, list[Shed]]:
         """Whether a just-queued `entry` that could not be admitted may wait: Queued, or
@@ -269,6 +286,8 @@ class Shedding:
         # A client's last retry is never shed on an estimate: shed, it fails for sure;
         # queued at the head, it may still be served (it leaves at its deadline).
         late = wait is not None and now + wait > deadline and not req.last_retry
+        if late and wait is not None and not self.comes_back(req, wait, deadline, now):
+            late = False
         if deadline <= now or late:
             q.dequeue(entry)
             return self.shed(req, raw, "deadline", wait, deadline, now), displaced
@@ -301,6 +320,8 @@ class Shedding:
                     continue
                 reason = "queue_timeout"
             elif wait is None or now + wait <= entry.deadline or entry.req.last_retry:
+                continue
+            elif not self.comes_back(entry.req, wait, entry.deadline, now):
                 continue
             else:
                 reason = "deadline"

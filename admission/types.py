@@ -9,6 +9,7 @@ origin); the controller never reads a clock, sleeps or does IO.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from admission.service import Plane
@@ -61,6 +62,12 @@ class AdmissionRequest(RouteRequest):
     retry_key: int | None = None
     retry_said: bool = False  # its client says which attempt it is (`RetryIdentity.said`)
     recalled: bool = False  # taken as the retry of a request kvgate left unserved
+    # The longest Retry-After its clients were seen to come back after (RetryMemory's
+    # `returns_after`): a wait estimate past it queues the request instead of shedding it.
+    returns_after_s: float = math.inf
+    # Its clients' stated timeout bounds the whole call (admission/toldwait.py): a retry's
+    # queue deadline counts from its first attempt.
+    budget_from_first: bool = False
     # False when the client set no output bound (`max_tokens` is then kvgate's own guess):
     # an engine that does not preempt may generate until the slot's context is full.
     max_tokens_given: bool = True
@@ -122,6 +129,7 @@ class Shed:
     retry_after: float  # seconds, honest estimate of when capacity frees
     status: int = 503
     binds: str = ""  # the ceiling that keeps it out (admission.binding), when known
+    budget: float | None = None  # the client's time it was judged by (stated or learned)
 
 
 @dataclass(slots=True, frozen=True)

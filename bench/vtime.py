@@ -310,7 +310,7 @@ def run(
     def shed(att: _Attempt, verdict: Shed) -> None:
         report.sheds[att.client] += 1
         if att.ctx is not None:
-            memory.unserved(att.ctx.req, now, verdict.retry_after)
+            memory.unserved(att.ctx.req, now, verdict.retry_after, verdict.budget)
         ended(att, f"shed_{verdict.reason}")
         live.pop(att.rid, None)
         att.done = True
@@ -402,6 +402,8 @@ def run(
         if ctx is None:
             return
         ctx.outcome = outcome
+        if (left := accounting.client_left(ctx)) is not None:
+            memory.ended(ctx.req, ctx.arrival, left, now)
         end = accounting.patience_seen(ctx, now)
         if end is not None:
             door.client_ended("default", model, stream, end)

@@ -79,17 +79,27 @@ def completion(ctx: RequestContext, now: float) -> Completion | None:
 _STAYED = ("ok", "shed_", "upstream_")
 
 
+def client_left(ctx: RequestContext) -> bool | None:
+    """Whether an ended request's client left before its answer ended (True) or stayed to
+    the end (False); None: it ended in a way that says neither (refused, cut by shutdown,
+    a client that stopped reading)."""
+    if ctx.cut or ctx.admission_id is None:
+        return None
+    if ctx.outcome == "client_disconnect":
+        return True
+    if ctx.outcome.startswith(_STAYED):
+        return False
+    return None
+
+
 def patience_seen(ctx: RequestContext, now: float) -> ClientEnd | None:
     """What an ended request says of its client's patience (admission/patience.py), or
     None: it stated its timeout, or ended in a way that says nothing of it (refused, cut
     by shutdown, a client that stopped reading)."""
-    if ctx.patience_stated or ctx.cut or ctx.admission_id is None:
+    if ctx.patience_stated:
         return None
-    if ctx.outcome == "client_disconnect":
-        left = True
-    elif ctx.outcome.startswith(_STAYED):
-        left = False
-    else:
+    left = client_left(ctx)
+    if left is None:
         return None
     waited = now - ctx.arrival
     if not ctx.req.stream:

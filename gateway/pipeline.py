@@ -36,7 +36,7 @@ from admission.retries import RetryMemory
 from admission.retry_budget import BudgetReading
 from admission.tenants import TenantLimiter
 from admission.types import Admit, Refuse, Shed
-from gateway.accounting import Accounting, completion, patience_seen
+from gateway.accounting import Accounting, client_left, completion, patience_seen
 from gateway.apikey import tenant_of
 from gateway.body import loads, read_body
 from gateway.config import GatewayConfig
@@ -424,7 +424,7 @@ class Pipeline:
         if isinstance(verdict, Shed):
             if verdict.reason == "shutdown":
                 raise shutting_down(self.config)
-            self._retries.unserved(req, self._loop.time(), verdict.retry_after)
+            self._retries.unserved(req, self._loop.time(), verdict.retry_after, verdict.budget)
             self.metrics.shed.labels(verdict.reason).inc()
             if verdict.status == 429:
                 self.metrics.tenant_rate_limited(ctx.req.tenant, tenant_limit(verdict))
@@ -476,6 +476,8 @@ class Pipeline:
             self.door.prompt_cached(
                 ctx.admission_id, ctx.usage_cached, ctx.prompt_chars / ctx.usage_prompt
             )
+        if (left := client_left(ctx)) is not None:
+            self._retries.ended(ctx.req, ctx.arrival, left, self._loop.time())
         if (seen := patience_seen(ctx, self._loop.time())) is not None:
             self.door.client_ended(ctx.req.tenant, ctx.req.model, ctx.req.stream, seen)
         if ctx.upstream_abandoned and ctx.replica is not None:
