@@ -8,23 +8,28 @@ and the wait it sits out comes off the time its retry has. Neither says which it
 Two things are learned per population (tenant, and whether its clients say which attempt
 they send), from what `admission.retries.RetryMemory` sees of its sheds and retries:
 
+* **whose clock their timeout is**: a request back after its budget counted from its
+  first attempt ran out, or a retry still there then (served, or left later), is one
+  vote for a clock per *attempt*: a whole call's cannot be. A retry whose client left at
+  the timeout it stated, counted from its first attempt (within ``CLOSE``), while its own
+  attempt had most of it left, is one vote for a *whole call's*. The recent ``VOTES``
+  decide: per attempt where such votes are not outnumbered, a whole call with at least
+  ``MIN_VOTES`` in the majority. A whole call's retry then has its queue deadline counted
+  from its first attempt: otherwise kvgate starts retries whose clients are gone before
+  their answers, and the service they waste is what the other requests needed.
 * **how long they come back after**: the longest Retry-After after which a recent shed
-  request (of the last ``RETURNS``) came back. A wait estimate that would tell a longer
-  one does not shed: the request stays queued until its deadline, as it would in front of
-  a fixed-concurrency proxy, where a client that counts its told wait would be lost by
-  the shed (in virtual time, 32 such clients on the real vLLM's regime were shed with
-  Retry-Afters past their 4 s timeout and gave up at once: 16 of 300 served, where a
-  fixed proxy's queue served 100). Nothing seen: 0, no wait is told on an estimate; a
-  deadline passed still sheds, and its client's return teaches the window.
-* **whose clock their timeout is**: a retry whose client left at the timeout it stated,
-  counted from its first attempt (within a tenth), while its own attempt had most of it
-  left, is one vote for a *whole-call* clock; a retry whose client was still there past
-  that (served, or left later) is one vote for a clock per attempt. Once at least
-  ``MIN_VOTES`` of the recent ``VOTES`` say whole call and they are the majority, a
-  retry's queue deadline counts from its first attempt: otherwise kvgate starts
-  retries whose clients are gone before their answers (the wasted service is what the
-  other requests needed). Per attempt is the default: the SDKs' own behaviour, and the
-  reading that never sheds a retry early.
+  request (of the last ``RETURNS``) came back. Unless the clock is known per attempt, a
+  wait estimate that would tell a longer one does not shed: the request stays queued
+  until its deadline, as it would in front of a fixed-concurrency proxy, where a client
+  that counts its told wait would be lost by the shed, and in a closed loop its next
+  request sent at once. Nothing seen: 0, no wait is told on an estimate; a deadline
+  passed still sheds, and its client's return teaches the rest.
+
+Clients that say which attempt they send (the openai and anthropic SDKs) are believed
+per attempt until their retries vote otherwise: held in the queue instead of told their
+wait, the SDK's first wave lost more than the whole-call clients with its headers won,
+and those, given up on their first shed, never come back to show their clock
+(measured: docs/benchmarks-matrix.md).
 """
 
 from __future__ import annotations
@@ -38,35 +43,75 @@ MIN_VOTES = 3  # whole-call votes before retries are timed from their first atte
 CLOSE = 0.1  # of the stated timeout: "at" it, "past" it, and a wait that took a share of it
 
 
+class _Population:
+    """One population's recent returns and clock votes, and what they decide (kept
+    current on each change: the request path reads them on every arrival)."""
+
+    __slots__ = ("returns", "votes", "clock", "longest")
+
+    def __init__(self) -> None:
+        self.returns: deque[float] = deque(maxlen=RETURNS)
+        self.votes: deque[bool] = deque(maxlen=VOTES)  # True: an attempt's clock
+        self.clock: str | None = None
+        self.longest = 0.0
+
+    def decide(self) -> None:
+        self.longest = max(self.returns) if self.returns else 0.0
+        per_attempt = sum(self.votes)
+        whole = len(self.votes) - per_attempt
+        if per_attempt and per_attempt >= whole:
+            self.clock = "attempt"
+        elif whole >= MIN_VOTES and whole > per_attempt:
+            self.clock = "call"
+        else:
+            self.clock = None
+
+
 class ToldWaits:
     """Per population (tenant, said): the told waits its clients came back after, and
-    the votes on its clock (module docstring). At most `populations` of each kept."""
+    the votes on its clock (module docstring). At most `populations` kept (the least
+    recently changed dropped first)."""
 
-    __slots__ = ("_returns", "_votes", "_max")
+    __slots__ = ("_pops", "_max")
 
     def __init__(self, populations: int) -> None:
-        self._returns: OrderedDict[tuple[str, bool], deque[float]] = OrderedDict()
-        self._votes: OrderedDict[tuple[str, bool], deque[bool]] = OrderedDict()
+        self._pops: OrderedDict[tuple[str, bool], _Population] = OrderedDict()
         self._max = max(1, populations)
+
+    def _changing(self, tenant: str, said: bool) -> _Population:
+        key = (tenant, said)
+        pop = self._pops.get(key)
+        if pop is None:
+            pop = self._pops[key] = _Population()
+            if len(self._pops) > self._max:
+                self._pops.popitem(last=False)
+        self._pops.move_to_end(key)
+        return pop
 
     def came_back(self, tenant: str, said: bool, told: float, past_budget: bool) -> None:
         """A request of the population left unserved came back after being told `told`
         seconds (0: it left on its own and retried); `past_budget`: its budget counted
         from its first attempt had run out by then, so its clock is an attempt's."""
+        if told <= 0 and not past_budget:
+            return
+        pop = self._changing(tenant, said)
         if told > 0:
-            _recent(self._returns, (tenant, said), RETURNS, self._max).append(told)
+            pop.returns.append(told)
         if past_budget:
-            _recent(self._votes, (tenant, said), VOTES, self._max).append(True)
+            pop.votes.append(True)
+        pop.decide()
 
     def returns_after(self, tenant: str, said: bool) -> float:
         """The longest wait that may be told the population on an estimate: any (inf)
-        where its clock is an attempt's, else the longest told wait a recent shed request
-        came back after (0: none seen)."""
-        clock = self.clock(tenant, said)
-        if clock == "attempt" or (said and clock is None):
-            return math.inf  # clients that say their attempt are the SDKs: believed per attempt
-        seen = self._returns.get((tenant, said))
-        return max(seen) if seen else 0.0
+        where its clock is an attempt's, or is not known for clients that say their
+        attempt (the SDKs, believed per attempt); else the longest told wait a recent
+        shed request came back after (0: none seen)."""
+        pop = self._pops.get((tenant, said))
+        if pop is None:
+            return math.inf if said else 0.0
+        if pop.clock == "attempt" or (said and pop.clock is None):
+            return math.inf
+        return pop.longest
 
     def retry_ended(
         self,
@@ -90,34 +135,14 @@ class ToldWaits:
             vote = False  # left as its budget since the first attempt ran out
         else:
             return
-        _recent(self._votes, (tenant, said), VOTES, self._max).append(vote)
+        pop = self._changing(tenant, said)
+        pop.votes.append(vote)
+        pop.decide()
 
     def clock(self, tenant: str, said: bool) -> str | None:
         """Whose clock the population's timeouts are (module docstring): "attempt" once a
         recent client outlived its budget counted from its first attempt (a whole call's
         cannot) and such votes are not outnumbered; "call" with at least ``MIN_VOTES``
         whole-call votes in the majority; None: not known."""
-        votes = self._votes.get((tenant, said))
-        if not votes:
-            return None
-        per_attempt = sum(votes)
-        whole = len(votes) - per_attempt
-        if per_attempt and per_attempt >= whole:
-            return "attempt"
-        if whole >= MIN_VOTES and whole > per_attempt:
-            return "call"
-        return None
-
-
-def _recent(
-    table: OrderedDict[tuple[str, bool], deque], key: tuple[str, bool], size: int, most: int
-) -> deque:
-    """`table`'s recent values of `key` (created, and the least recently used dropped past
-    `most`)."""
-    got = table.get(key)
-    if got is None:
-        got = table[key] = deque(maxlen=size)
-        if len(table) > most:
-            table.popitem(last=False)
-    table.move_to_end(key)
-    return got
+        pop = self._pops.get((tenant, said))
+        return None if pop is None else pop.clock
