@@ -36,11 +36,24 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from typing import NamedTuple
 
 RETURNS = 64  # recent returns after a told wait that set how long clients come back after
 VOTES = 16  # recent votes on a population's clock
 MIN_VOTES = 3  # whole-call votes before retries are timed from their first attempt
 CLOSE = 0.1  # of the stated timeout: "at" it, "past" it, and a wait that took a share of it
+
+
+class ToldWaitReading(NamedTuple):
+    """What an operator sees of one population (`ToldWaits.readings`)."""
+
+    tenant: str
+    says_attempt: bool  # its clients say which attempt they send (the SDKs)
+    clock: str | None  # "attempt", "call", or None: not known
+    comes_back_after_s: float | None  # the longest wait told on an estimate; None: any
+    returns: int  # recent returns after a told wait
+    votes_attempt: int  # recent votes for a clock per attempt
+    votes_call: int  # and for a whole call's
 
 
 class _Population:
@@ -128,6 +141,8 @@ class ToldWaits:
         (served, shed, failed). A vote on the population's clock, where it says one."""
         if timeout <= 0 or attempt - first < CLOSE * timeout:
             return  # its earlier attempts and waits took too little of it to tell
+        if attempt - first > timeout:
+            return  # back after its budget ran out: its return voted (`came_back`)
         since_first = now - first
         if since_first > (1.0 + CLOSE) * timeout:
             vote = True  # still there past its whole budget: a clock per attempt
@@ -146,3 +161,21 @@ class ToldWaits:
         whole-call votes in the majority; None: not known."""
         pop = self._pops.get((tenant, said))
         return None if pop is None else pop.clock
+
+    def readings(self) -> list[ToldWaitReading]:
+        out = []
+        for (tenant, said), pop in sorted(self._pops.items()):
+            limit = self.returns_after(tenant, said)
+            per_attempt = sum(pop.votes)
+            out.append(
+                ToldWaitReading(
+                    tenant,
+                    said,
+                    pop.clock,
+                    None if math.isinf(limit) else limit,
+                    len(pop.returns),
+                    per_attempt,
+                    len(pop.votes) - per_attempt,
+                )
+            )
+        return out

@@ -6,9 +6,10 @@ serves, the learned running limit and what last moved it, and which ceiling (KV
 capacity, a configured or engine running cap, the learned latency limit, not ready, or
 an outlier ejection) currently binds, and each replica's ejections; and beside the
 replicas, the patience learned of clients that state no timeout, per tenant, model and
-stream (``client_patience``), and how many unserved attempts clients that do not say
-which retry they send give up after, per tenant (``client_retry_budget``). Without a configured admin
-token the admin API is closed (401), never open.
+stream (``client_patience``), how many unserved attempts clients that do not say
+which retry they send give up after, per tenant (``client_retry_budget``), and whose
+clock clients' timeouts are and the longest wait told them (``client_told_waits``).
+Without a configured admin token the admin API is closed (401), never open.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from aiohttp import web
 from admission.health import OutlierDetector
 from admission.report import AdmissionReport
 from admission.retry_budget import BudgetReading
+from admission.toldwait import ToldWaitReading
 from admission.types import ReplicaUsage
 from gateway.discovery import Discovery
 from gateway.errors import ApiError
@@ -36,6 +38,7 @@ def replicas_snapshot(
     now: float = 0.0,
     wall: float | None = None,
     retry_budget: Iterable[BudgetReading] = (),
+    told_waits: Iterable[ToldWaitReading] = (),
 ) -> dict[str, Any]:
     """`now` is the loop's clock (what admission stamps with), `wall` the same instant
     on the wall clock: times are shown as ISO 8601 UTC."""
@@ -119,10 +122,14 @@ def replicas_snapshot(
          "gave_up": r.gave_up}
         for r in retry_budget
     ]  # fmt: skip
+    # Whose clock clients' timeouts are and the longest wait told them on an estimate
+    # (admission/toldwait.py; null: any).
+    told = [r._asdict() for r in told_waits]
     return {
         "replicas": out,
         "queue": queue,
         "client_patience": patience,
+        "client_told_waits": told,
         "client_retry_budget": retries,
     }
 

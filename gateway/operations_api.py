@@ -81,6 +81,7 @@ class OperationsApi:
                 st.pipeline.outliers,
                 asyncio.get_running_loop().time(),
                 retry_budget=st.pipeline.retry_budget(),
+                told_waits=st.pipeline.told_waits(),
             )
         )
 

@@ -35,6 +35,7 @@ from admission.estimate import TokenEstimator
 from admission.retries import RetryMemory
 from admission.retry_budget import BudgetReading
 from admission.tenants import TenantLimiter
+from admission.toldwait import ToldWaitReading
 from admission.types import Admit, Refuse, Shed
 from gateway.accounting import Accounting, client_left, completion, patience_seen
 from gateway.apikey import tenant_of
@@ -389,6 +390,11 @@ class Pipeline:
         """What the retry memory learned of clients that do not say which retry they
         send (admission/retry_budget.py), per tenant."""
         return self._retries.budget.readings()
+
+    def told_waits(self) -> list[ToldWaitReading]:
+        """What the retry memory learned of how clients take the waits they are told
+        (admission/toldwait.py), per tenant and whether they say their attempt."""
+        return self._retries.told.readings()
 
     async def admit(self, request: web.Request, ctx: RequestContext) -> None:
         """Admit now, wait in the queue, or answer shed/refuse.

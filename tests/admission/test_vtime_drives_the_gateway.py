@@ -17,9 +17,7 @@ from gateway import accounting
 from gateway.door import AdmissionDoor
 
 
-def count_calls(
-    monkeypatch: pytest.MonkeyPatch, cls: type, names: tuple[str, ...]
-) -> Counter[str]:
+def count_calls(monkeypatch: pytest.MonkeyPatch, cls: type, names: tuple[str, ...]) -> Counter[str]:
     """Count the calls of `cls`'s methods `names` (each still runs)."""
     calls: Counter[str] = Counter()
     for name in names:
@@ -88,9 +86,10 @@ def test_a_client_gone_at_its_timeout_is_judged_by_the_gateways_threshold(
 
 
 def test_virtual_time_takes_retries_in_as_the_gateway_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The retry memory's three calls the pipeline makes (a request arrives, gets in, is
-    left unserved) are the ones virtual time makes, once per attempt and per outcome."""
-    calls = count_calls(monkeypatch, RetryMemory, ("arrived", "admitted", "unserved"))
+    """The retry memory's calls the pipeline makes (a request arrives, gets in, is left
+    unserved, ends: its client left or stayed) are the ones virtual time makes, once per
+    attempt and per outcome."""
+    calls = count_calls(monkeypatch, RetryMemory, ("arrived", "admitted", "unserved", "ended"))
     items = seed2_workload(60, seed=5)
     report = run("seed2-8b-16gb", items, concurrency=64, timeout_s=10.0, max_retries=2)
     sheds = sum(report.sheds.values())
@@ -98,6 +97,7 @@ def test_virtual_time_takes_retries_in_as_the_gateway_does(monkeypatch: pytest.M
     assert calls["arrived"] == len(items) + report.retries
     assert calls["unserved"] == sheds + report.timed_out
     assert calls["admitted"] >= report.completed
+    assert calls["ended"] == report.completed + sheds + report.timed_out
 
 
 def test_virtual_time_admits_through_the_gateways_door(monkeypatch: pytest.MonkeyPatch) -> None:

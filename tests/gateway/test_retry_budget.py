@@ -174,3 +174,31 @@ async def test_a_plain_client_that_leaves_is_not_taken_back_by_an_identical_requ
         async with s.get(gw.url + "/admin/replicas", headers={"Authorization": "Bearer adm"}) as r:
             rows = (await r.json())["client_retry_budget"]
         assert all(row["gave_up"] == 0 and row["came_back"] == 0 for row in rows)
+
+
+async def test_an_sdk_client_back_after_its_whole_budget_shows_a_clock_per_attempt(
+    replica, gateway
+):
+    """A client with the SDK's headers and a 0.5 s timeout, shed at once and back after
+    0.6 s (past its whole budget since its first attempt: a whole call's clock could not
+    be back), shows a clock per attempt: an operator sees it, and any wait may be told
+    to its tenant's SDK clients (admission/toldwait.py)."""
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv, pool_tokens=512, auth={"admin_token": "adm"})
+    payload = body(300, user="sdk")
+    sdk = {"x-stainless-read-timeout": "0.5"}
+    async with aiohttp.ClientSession() as s:
+        big = await hold_pool(s, gw, 440)
+        stated = {**sdk, "x-stainless-retry-count": "0", "x-kvgate-queue-timeout": "0"}
+        async with s.post(gw.url + URL, json=payload, headers=stated) as r:
+            assert r.status == 503, await r.text()
+        await asyncio.sleep(0.6)
+        retry = {**sdk, "x-stainless-retry-count": "1", "x-kvgate-queue-timeout": "0"}
+        async with s.post(gw.url + URL, json=payload, headers=retry) as r:
+            assert r.status == 503, await r.text()
+        big.close()
+        async with s.get(gw.url + "/admin/replicas", headers={"Authorization": "Bearer adm"}) as r:
+            (row,) = (await r.json())["client_told_waits"]
+    assert row["tenant"] == "default" and row["says_attempt"] is True
+    assert row["clock"] == "attempt" and row["votes_attempt"] == 1
+    assert row["comes_back_after_s"] is None  # any wait may be told
