@@ -130,14 +130,14 @@ class RetryMemory:
         if expires <= now:
             del entries[key]
             return None
-        if back is not True:
+        if back is not True:  # its first return since it was left unserved
             # Back after its budget from its first attempt ran out: its clock is an
             # attempt's (admission/toldwait.py).
             past = budget is not None and now - arrival > budget
             self.told.came_back(tenant, said, told, past)
-        if back is False:  # awaited (None: it teaches nothing)
-            self.budget.outcome(tenant, unserved, came_back=True)
-        entries[key] = (arrival, expires, unserved, back_by, True, told, budget)
+            if back is False:  # awaited (None: it teaches the retry budget nothing)
+                self.budget.outcome(tenant, unserved, came_back=True)
+            entries[key] = (arrival, expires, unserved, back_by, True, told, budget)
         return Recall(arrival, unserved)
 
     def returns_after(self, tenant: str, said: bool) -> float:

@@ -285,9 +285,12 @@ class Shedding:
         deadline = entry.deadline
         # A client's last retry is never shed on an estimate: shed, it fails for sure;
         # queued at the head, it may still be served (it leaves at its deadline).
-        late = wait is not None and now + wait > deadline and not req.last_retry
-        if late and wait is not None and not self.comes_back(req, wait, deadline, now):
-            late = False
+        late = (
+            wait is not None
+            and now + wait > deadline
+            and not req.last_retry
+            and self.comes_back(req, wait, deadline, now)
+        )
         if deadline <= now or late:
             q.dequeue(entry)
             return self.shed(req, raw, "deadline", wait, deadline, now), displaced
@@ -319,9 +322,12 @@ class Shedding:
                     entry.req.over_limit = True
                     continue
                 reason = "queue_timeout"
-            elif wait is None or now + wait <= entry.deadline or entry.req.last_retry:
-                continue
-            elif not self.comes_back(entry.req, wait, entry.deadline, now):
+            elif (
+                wait is None
+                or now + wait <= entry.deadline
+                or entry.req.last_retry
+                or not self.comes_back(entry.req, wait, entry.deadline, now)
+            ):
                 continue
             else:
                 reason = "deadline"
