@@ -56,8 +56,15 @@ class AdmissionConfig(BaseModel):
         ),
     )
     queue_max_per_model: int = Field(256, ge=0, description="Bounded queue length per model.")
-    queue_timeout_s: float = Field(
-        30.0, gt=0.0, description="Default deadline for queued requests (client may ask for less)."
+    queue_timeout_s: float | None = Field(
+        None,
+        gt=0.0,
+        description=(
+            "Queue deadline of a request whose client states none and whose clients' "
+            "patience is not learned yet; also caps x-kvgate-queue-timeout. Unset (the "
+            "default): such a request waits until it starts or its client leaves; a "
+            "deadline nobody states is not assumed."
+        ),
     )
     default_max_running: int | None = Field(
         None,

@@ -21,14 +21,14 @@ which uses both kinds; its ``QUANTILE`` (p10: the patience 90% of clients have) 
 deadline of a request that states none. Rules:
 
 * cold start: fewer than ``MIN_EVENTS`` departures in the window, and nothing learned
-  before: no estimate, and the configured ``queue_timeout_s`` applies (with shared
-  state, the budget another gateway process learned of the population, if any:
-  `ClientPatience.adopt`). A population that never leaves teaches nothing and keeps the
-  default. Except a configured timeout: when the window's departures, at least
+  before: no estimate, and no deadline unless ``queue_timeout_s`` is configured (with
+  shared state, the budget another gateway process learned of the population, if any:
+  `ClientPatience.adopt`). A population that never leaves teaches nothing and keeps
+  none. Except a configured timeout: when the window's departures, at least
   ``MIN_COHORT`` of them, all came after one wait (within a tenth, and ``COHORT_S``), the
   clients share one timeout and it is that wait (a plain HTTP client with ``total=T``:
   eight of 32 leave at T together, and waiting for ten held the rest of a 60-request run
-  to the 30 s default).
+  to a 30 s configured timeout).
 * a curve that never falls to 1 - p within what was observed (most clients stayed as
   long as anyone was seen): no estimate either; a few impatient clients do not set the
   deadline of a patient population (a mixed one gets its low quantile, not its minimum).

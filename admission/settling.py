@@ -149,8 +149,9 @@ class Settling:
         itself inside the budget. Before any service was seen it may queue for half its
         budget. A request predicted to need (nearly) all of it still queues briefly
         (a tenth): the prediction is an upper estimate, and shedding it forever helps
-        nobody. The configured queue timeout (the tenant's own first) is the default for
-        clients that say nothing."""
+        nobody. A client that says nothing, whose patience is not learned yet, has no
+        deadline unless one is configured (the tenant's queue timeout first): it waits
+        until it starts or leaves, and its leaving teaches its population's patience."""
         start = req.arrival if req.budget_from_first else now
         if req.latency_budget is not None:
             deadline = min(req.deadline, start + queue_slack(req.latency_budget, predicted))
@@ -159,7 +160,10 @@ class Settling:
             timeout = self.config.queue_timeout_s
             if policy is not None and policy.queue_timeout_s is not None:
                 timeout = policy.queue_timeout_s  # the tenant's own replaces the default
-            deadline = min(req.deadline, now + timeout)
+            if timeout is not None:
+                deadline = min(req.deadline, now + timeout)
+            else:
+                deadline = req.deadline
         # Within its tenant: earliest deadline first, as of its first arrival (a retry
         # keeps its place); admission.fairqueue orders the tenants.
         edf = deadline - max(0.0, start - req.arrival) if math.isfinite(deadline) else math.inf

@@ -214,7 +214,7 @@ class _PatienceCollector(Collector):
         patience = GaugeMetricFamily(
             "kvgate_client_patience_seconds",
             "How long clients that state no timeout wait (the Kaplan-Meier quantile of "
-            "when they leave); absent while the configured queue_timeout_s applies",
+            "when they leave); absent until learned",
             labels=[*labels, "quantile"],
         )
         seen = CounterMetricFamily(

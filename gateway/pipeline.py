@@ -403,7 +403,8 @@ class Pipeline:
         by the configured queue timeout); the client's read timeout (the openai SDKs'
         ``x-stainless-read-timeout``) less the predicted service, or for a stream the
         predicted time to first token; else the patience admission learned of clients
-        that say nothing (admission/patience.py), until then the configured timeout.
+        that say nothing (admission/patience.py), until then the configured timeout, if
+        any (none by default: it waits until it starts or its client leaves).
         """
         if self.state_gate is not None and (closed := self.state_gate()) is not None:
             raise closed

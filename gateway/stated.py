@@ -24,14 +24,17 @@ H_IDEMPOTENCY_KEY = "idempotency-key"
 SDK_DEFAULT_MAX_RETRIES = 2
 
 
-def read_stated(request: web.Request, ctx: RequestContext, cap_s: float, now: float) -> float:
-    """The queue deadline the client states (``x-kvgate-queue-timeout``, capped at `cap_s`;
-    else none: inf), with its read timeout, whether it stated either, and whether this is
-    its last retry set on `ctx`."""
+def read_stated(
+    request: web.Request, ctx: RequestContext, cap_s: float | None, now: float
+) -> float:
+    """The queue deadline the client states (``x-kvgate-queue-timeout``, capped at `cap_s`
+    where one is configured; else none: inf), with its read timeout, whether it stated
+    either, and whether this is its last retry set on `ctx`."""
     deadline = math.inf
     hdr = request.headers.get(H_QUEUE_TIMEOUT)
     if hdr is not None:
-        deadline = now + min(cap_s, _seconds(hdr, H_QUEUE_TIMEOUT))
+        stated = _seconds(hdr, H_QUEUE_TIMEOUT)
+        deadline = now + (stated if cap_s is None else min(cap_s, stated))
     if (read := request.headers.get(H_READ_TIMEOUT)) is not None:
         ctx.req.latency_budget = _seconds(read, H_READ_TIMEOUT) or None
     # Said nothing: admission uses its clients' learned patience, and learns from it.

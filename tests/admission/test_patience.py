@@ -307,8 +307,9 @@ def test_a_stream_is_scored_on_what_its_clients_wait_for(stalled: bool) -> None:
 
 def test_clients_that_state_no_timeout_are_not_held_past_it_in_virtual_time() -> None:
     # Seed 001's card and job (tests/admission/test_limit.py), 32 closed-loop clients that
-    # give up after 45 s and never say so, retrying sheds twice after Retry-After. Held
-    # for the configured 30 s queue timeout plus service, 235 of 320 timed out on main.
+    # give up after 45 s and never say so, retrying sheds twice after Retry-After. Once
+    # held for a 30 s queue timeout plus service, 235 of 320 timed out. No deadline is
+    # assumed now: the first wave's queued clients leave at 45 s, which teaches the rest.
     from bench.vtime import run
     from enginesim.workloads import seed2_workload
     from tests.admission.test_limit import PROFILE, TIMEOUT_S
