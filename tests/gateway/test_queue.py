@@ -335,3 +335,34 @@ async def test_a_non_stream_request_that_asks_for_its_whole_bound_is_reserved_fo
     assert reserved["plain"] < 100, reserved
     assert 120 <= reserved["min_tokens"] < 200, reserved
     assert reserved["ignore_eos"] >= 200, reserved
+
+
+async def test_with_no_queue_timeout_set_only_what_a_client_states_bounds_its_wait(
+    replica, gateway
+):
+    """The default configuration assumes no queue deadline: a request whose client states
+    none waits until room frees (its clients' patience is not learned yet), and one that
+    states `x-kvgate-queue-timeout` is shed by it, uncapped."""
+    srv = await replica(speed=0.25)  # the held stream outlasts the waits below
+    gw = await gateway(srv, pool_tokens=512, admission={"queue_timeout_s": None})
+    assert gw.state.config.admission.queue_timeout_s is None
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as s:
+        big = await hold_pool(s, gw, 440)
+        t0 = loop.time()
+        async with s.post(
+            gw.url + "/v1/chat/completions",
+            json=body(100),
+            headers={"x-kvgate-queue-timeout": "0.5"},
+        ) as r:
+            stated_wait = loop.time() - t0
+            assert r.status == 503, await r.text()
+        patient = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json=body(100)))
+        assert await wait_for(lambda: gw.report.queue_depth() == 1)
+        await asyncio.sleep(1.5)  # three times the stated wait: still queued
+        assert not patient.done() and gw.report.queue_depth() == 1
+        big.close()
+        async with await patient as r:
+            assert r.status == 200, await r.text()
+    assert 0.4 <= stated_wait < 1.5
+    assert gw.report.reserved_tokens() == 0
