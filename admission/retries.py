@@ -82,6 +82,18 @@ class Recall(NamedTuple):
     unserved: int
 
 
+class _Left(NamedTuple):
+    """A request left unserved, as the memory keeps it until it is back or forgotten."""
+
+    first: float  # its first attempt's arrival
+    expires: float
+    unserved: int  # its attempts left unserved so far
+    back_by: float  # a client that honours its Retry-After is back by then
+    back: bool | None  # came back since; False while awaited; None: it teaches nothing
+    told: float  # the Retry-After it was told (0: its client left on its own)
+    budget: float | None  # its client's time as it was judged (stated or learned)
+
+
 class RetryMemory:
     """First-arrival times of requests recently left unserved, per tenant, bounded in time
     and size; and what became of each (back, or given up), from which `RetryBudget`
@@ -90,15 +102,7 @@ class RetryMemory:
     __slots__ = ("_tenants", "_ttl", "_max", "_due", "_seq", "budget", "told")
 
     def __init__(self, ttl_s: float, max_entries: int) -> None:
-        # tenant -> key -> (first arrival, expiry, unserved, back by, came back since: False
-        # while awaited, None where it teaches nothing, the Retry-After it was told, the
-        # budget it was judged by)
-        self._tenants: dict[
-            str,
-            OrderedDict[
-                Hashable, tuple[float, float, int, float, bool | None, float, float | None]
-            ],
-        ] = {}
+        self._tenants: dict[str, OrderedDict[Hashable, _Left]] = {}
         self._ttl = ttl_s
         self._max = max_entries
         self._due: list[tuple[float, int, str, Hashable, int]] = []  # (back by, seq, ...)
@@ -126,19 +130,18 @@ class RetryMemory:
         got = entries.get(key) if entries is not None else None
         if got is None or entries is None:
             return None
-        arrival, expires, unserved, back_by, back, told, budget = got
-        if expires <= now:
+        if got.expires <= now:
             del entries[key]
             return None
-        if back is not True:  # its first return since it was left unserved
+        if got.back is not True:  # its first return since it was left unserved
             # Back after its budget from its first attempt ran out: its clock is an
             # attempt's (admission/toldwait.py).
-            past = budget is not None and now - arrival > budget
-            self.told.came_back(tenant, said, told, past)
-            if back is False:  # awaited (None: it teaches the retry budget nothing)
-                self.budget.outcome(tenant, unserved, came_back=True)
-            entries[key] = (arrival, expires, unserved, back_by, True, told, budget)
-        return Recall(arrival, unserved)
+            past = got.budget is not None and now - got.first > got.budget
+            self.told.came_back(tenant, said, got.told, past)
+            if got.back is False:  # awaited (None: it teaches the retry budget nothing)
+                self.budget.outcome(tenant, got.unserved, came_back=True)
+            entries[key] = got._replace(back=True)
+        return Recall(got.first, got.unserved)
 
     def returns_after(self, tenant: str, said: bool) -> float:
         """How long `tenant`'s shed clients (that say which attempt they send, or not:
@@ -166,8 +169,8 @@ class RetryMemory:
         self._settle(now)
         entries = self._tenants.setdefault(tenant, OrderedDict())
         known = entries.pop(key, None)
-        first = min(arrival, known[0]) if known is not None else arrival
-        unserved = known[2] + 1 if known is not None else 1
+        first = min(arrival, known.first) if known is not None else arrival
+        unserved = known.unserved + 1 if known is not None else 1
         # A client that honours Retry-After is back by then; its own rounding (whole
         # seconds), backoff and jitter are what the grace allows for.
         back_by = now + 2.0 * retry_after + _GRACE_S
@@ -175,12 +178,12 @@ class RetryMemory:
         # Awaited, what comes of it teaches the retry budget: unless a client that says
         # nothing left on its own (module docstring).
         awaited: bool | None = False if said or retry_after > 0 else None
-        entries[key] = (first, expires, unserved, back_by, awaited, retry_after, budget)
+        entries[key] = _Left(first, expires, unserved, back_by, awaited, retry_after, budget)
         self._seq += 1
         heapq.heappush(self._due, (back_by, self._seq, tenant, key, unserved))
         while entries:
             oldest_key, oldest = next(iter(entries.items()))
-            if oldest[1] > now and len(entries) <= self._max:
+            if oldest.expires > now and len(entries) <= self._max:
                 break
             del entries[oldest_key]
 
@@ -222,8 +225,8 @@ class RetryMemory:
         budget: float | None = None,
     ) -> None:
         """`req` was shed and told to come back in `retry_after` seconds, or its client
-        left before an answer began (0). `budget`: the one the shed judged it by (its
-        stated timeout when not given)."""
+        left before an answer began (0). `budget`: the one the shed judged it by (a learned
+        patience is not left on the request; its stated timeout when not given)."""
         if req.retry_key is not None:
             if budget is None:
                 budget = req.latency_budget
@@ -248,7 +251,7 @@ class RetryMemory:
         while due and due[0][0] <= now:
             _, _, tenant, key, unserved = heapq.heappop(due)
             got = self._tenants.get(tenant, {}).get(key)
-            if got is not None and got[2] == unserved and got[4] is False:
+            if got is not None and got.unserved == unserved and got.back is False:
                 self.budget.outcome(tenant, unserved, came_back=False)
 
 

@@ -160,10 +160,7 @@ class Settling:
             timeout = self.config.queue_timeout_s
             if policy is not None and policy.queue_timeout_s is not None:
                 timeout = policy.queue_timeout_s  # the tenant's own replaces the default
-            if timeout is not None:
-                deadline = min(req.deadline, now + timeout)
-            else:
-                deadline = req.deadline
+            deadline = req.deadline if timeout is None else min(req.deadline, now + timeout)
         # Within its tenant: earliest deadline first, as of its first arrival (a retry
         # keeps its place); admission.fairqueue orders the tenants.
         edf = deadline - max(0.0, start - req.arrival) if math.isfinite(deadline) else math.inf
