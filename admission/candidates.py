@@ -107,7 +107,7 @@ class KeyedMax:
 
 class PredictMax:
     """The largest predicted service ``max(0, base + a * prompt + b * output)`` over a
-    model's replicas (their `admission.service.Plane` at their load), bounded as
+    model's replicas (their `admission.learned.service.Plane` at their load), bounded as
     ``max(0, max(base) + max(a) * prompt + max(b) * output)``: each maximum kept by
     replica (`KeyedMax`)."""
 

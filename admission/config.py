@@ -52,7 +52,7 @@ class AdmissionConfig(BaseModel):
         description=(
             "Margin of a reservation resting on an estimated prompt count or output (it "
             "reserves size / (1 - margin)) until the model's estimates were seen to miss "
-            "(admission/margin.py); one of known size keeps none."
+            "(admission/learned/margin.py); one of known size keeps none."
         ),
     )
     queue_max_per_model: int = Field(256, ge=0, description="Bounded queue length per model.")
@@ -144,7 +144,7 @@ class AdmissionConfig(BaseModel):
     learn_limit: bool = Field(
         True,
         description="Learn each replica's running limit from latency, goodput and the "
-        "engine's own signals (admission/limit.py). Caps from config or the engine stay "
+        "engine's own signals (admission/learned/limit.py). Caps from config or the engine stay "
         "upper bounds.",
     )
     initial_limit: float = Field(
@@ -209,7 +209,7 @@ class AdmissionConfig(BaseModel):
         60.0,
         gt=0.0,
         description="How long a stream's inter-token gap stays evidence for the per-replica "
-        "ITL model that places requests with an ITL target (admission/itl.py).",
+        "ITL model that places requests with an ITL target (admission/learned/itl.py).",
     )
     cold_retry_after_s: float = Field(
         5.0,

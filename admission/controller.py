@@ -34,9 +34,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from admission.config import AdmissionConfig
+from admission.learned.patience import Budget, ClientEnd, ClientPatience
 from admission.learning import Learning
 from admission.ledger import Ledger, Reservation
-from admission.patience import Budget, ClientEnd, ClientPatience
 from admission.placement import Placement
 from admission.refusals import refuse_or_clamp, unknown_model
 from admission.report import AdmissionReport
@@ -242,7 +242,7 @@ class AdmissionController:
             req = answer
         if req.latency_budget is None and req.deadline == math.inf:
             # Its client said nothing: the patience learned from its population's clients
-            # is its budget, as a stated timeout would be (admission/patience.py).
+            # is its budget, as a stated timeout would be (admission/learned/patience.py).
             learned = self._patience.budget(req.tenant, req.model, req.stream)
             if learned is not None:
                 req = replace(
@@ -333,7 +333,7 @@ class AdmissionController:
     ) -> Events:
         """A request whose client stated no timeout ended: its client left (disconnected
         while queued or running) or stayed to the end, `end` says when and, for a
-        stream, where. Teaches that population's patience (admission/patience.py).
+        stream, where. Teaches that population's patience (admission/learned/patience.py).
 
         Returns the queued requests this shed, and those that then fit: where the
         patience was learned, or learned shorter, the population's queued requests that

@@ -37,7 +37,7 @@ def sized_exactly(
     """A reservation of ``prompt + expected_output`` bounds the request: its prompt was
     counted exactly and its whole ``max_tokens`` is reserved. Anything else rests on an
     estimate and keeps a margin (`reservation`), which the gateway learns from such
-    requests' misses (`admission.margin`)."""
+    requests' misses (`admission.learned.margin`)."""
     return prompt_exact and max_tokens_given and expected_output >= max_tokens
 
 
@@ -57,7 +57,7 @@ def reservation(
 
     A size that rests on an estimate (a prompt counted from its characters, an output
     reserved below its bound) is grown by ``1 / (1 - margin)``: what the pool keeps for
-    estimates that fall short (`margin`, learned: `admission.margin`; None: the replica's
+    estimates that fall short (`margin`, learned: `admission.learned.margin`; None: the replica's
     configured headroom). A size known to bound the request (an exact prompt and its
     whole ``max_tokens``) keeps none: margin kept there is pool left idle."""
     bs = max(1, lim.block_size)

@@ -2,7 +2,7 @@
 
 A released request's `Completion` feeds its replica's service and TTFT lines (the
 predictions a queued request's deadline is judged by), its inter-token gap model
-(admission.itl) and its learned running limit (admission.limit); each discovery round's
+(admission.learned.itl) and its learned running limit (admission.learned.limit); each discovery round's
 engine view feeds the limit its preemption and waiting signals. Nothing here admits or
 sheds: the ledger, the queue and placement read what it learned.
 """
@@ -10,10 +10,10 @@ sheds: the ledger, the queue and placement read what it learned.
 from __future__ import annotations
 
 from admission.config import AdmissionConfig
-from admission.itl import ItlModel
-from admission.latency import LatencyTargets, latency_ratio
+from admission.learned.itl import ItlModel
+from admission.learned.latency import LatencyTargets, latency_ratio
+from admission.learned.limit import LimitSettings, RunningLimit
 from admission.ledger import Reservation
-from admission.limit import LimitSettings, RunningLimit
 from admission.replica import Replica
 from admission.types import Completion
 from routing.types import ReplicaState

@@ -73,7 +73,7 @@ class SharedLimit:
 @dataclass(frozen=True, slots=True)
 class SharedPatience:
     """A population's client patience as the process that learned it last published it
-    (admission/patience.py)."""
+    (admission/learned/patience.py)."""
 
     seconds: float
     whole: bool

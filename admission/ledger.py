@@ -37,9 +37,9 @@ import math
 from dataclasses import dataclass
 
 from admission.config import AdmissionConfig
-from admission.drain import DrainMeter
 from admission.fit import can_ever_fit
-from admission.limit import RunningLimit
+from admission.learned.drain import DrainMeter
+from admission.learned.limit import RunningLimit
 from admission.replica import Replica
 from admission.room import deadline_room
 from admission.types import AdmissionRequest, Admit, Completion

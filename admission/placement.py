@@ -173,7 +173,7 @@ class Placement:
         for this request over its drain rate in tokens/s, and its running-slot deficit
         over its rate in requests/s) plus the prefill of the part it does not hold;
         against the prefill of what `chosen` does not hold, starting now. Prefill times
-        are the replicas' own fitted TTFT models (`admission.service`); without samples on
+        are the replicas' own fitted TTFT models (`admission.learned.service`); without samples on
         either, or without a drain rate on the warm one, there is no basis to wait and
         the request starts now. Routing names the warm replicas (`Router.warm`); this is
         admission's when, not routing's where."""

@@ -19,7 +19,7 @@ Reservation size
 
     A size resting on an estimate (a prompt counted from its characters, an output
     reserved below its bound) is grown by ``1 / (1 - margin)``, the margin learned from
-    what the model's estimates missed (`admission.margin`; the headroom until then); one
+    what the model's estimates missed (`admission.learned.margin`; the headroom until then); one
     that bounds the request (an exact prompt and its whole ``max_tokens``) is not.
 
 Effective pool
@@ -37,12 +37,12 @@ import math
 from dataclasses import dataclass, field
 
 from admission.config import AdmissionConfig
-from admission.drain import DrainMeter
 from admission.fit import FitLimits, can_ever_fit, context_needed, reservation, round_up
-from admission.itl import ItlModel
-from admission.limit import RunningLimit
+from admission.learned.drain import DrainMeter
+from admission.learned.itl import ItlModel
+from admission.learned.limit import RunningLimit
+from admission.learned.service import ServiceModel
 from admission.prefixshare import SharedPrefixes
-from admission.service import ServiceModel
 from admission.types import AdmissionRequest
 from routing.types import Candidate, ReplicaState
 
@@ -86,7 +86,7 @@ class Replica:
     # Service (and time to first token) against tokens, for the deadline of a queued request.
     service: ServiceModel = field(default_factory=ServiceModel)
     ttft: ServiceModel = field(default_factory=ServiceModel)
-    # Mean inter-token gap of streams by the number running (admission.itl): the
+    # Mean inter-token gap of streams by the number running (admission.learned.itl): the
     # `Candidate.predicted_itl_s` of a request with an ITL target (None: no evidence).
     itl: ItlModel | None = None
     # This process's lease of the replica when several gateways share it (`set_pool_share`):

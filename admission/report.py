@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from admission.fit import FitLimits
+from admission.learned.limit import RunningLimit
+from admission.learned.patience import Budget, ClientPatience, PatienceReading
+from admission.learned.service import Plane
 from admission.ledger import Ledger
-from admission.limit import RunningLimit
-from admission.patience import Budget, ClientPatience, PatienceReading
 from admission.placement import Placement
 from admission.replica import Replica
 from admission.scaling import ScalingSignal
-from admission.service import Plane
 from admission.settling import Settling
 from admission.shedding import Shedding
 from admission.types import Admit, ReplicaUsage
@@ -143,7 +143,7 @@ class AdmissionReport:
 
     def predicted_itl(self, replica: str, running_after: int) -> float | None:
         """The replica's expected inter-token gap with `running_after` running (None:
-        no evidence yet); admission.itl."""
+        no evidence yet); admission.learned.itl."""
         rep = self._ledger.replicas.get(replica)
         return rep.predicted_itl(running_after) if rep is not None else None
 

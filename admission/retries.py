@@ -11,8 +11,8 @@ its first arrival: the queue is ordered by that arrival, so the oldest waiting w
 first and shed-and-retry approximates one FIFO queue that lives partly in the clients.
 The memory also counts each request's unserved attempts (shed, or its client left before
 an answer began) and sees whether it came back, which teaches how many attempts clients
-that do not say make (admission/retry_budget.py), how long a told wait they come back
-after and whose clock their timeout is (admission/toldwait.py).
+that do not say make (admission/learned/retry_budget.py), how long a told wait they come back
+after and whose clock their timeout is (admission/learned/toldwait.py).
 
 A retry is known by what its client says (`identify`): an ``Idempotency-Key`` names
 the request whatever its body; the openai and anthropic SDKs say which attempt this is
@@ -44,8 +44,8 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import NamedTuple
 
-from admission.retry_budget import RetryBudget
-from admission.toldwait import ToldWaits
+from admission.learned.retry_budget import RetryBudget
+from admission.learned.toldwait import ToldWaits
 from admission.types import AdmissionRequest
 
 _GRACE_S = 5.0  # past twice its Retry-After, an attempt not back is a client that gave up
@@ -135,7 +135,7 @@ class RetryMemory:
             return None
         if got.back is not True:  # its first return since it was left unserved
             # Back after its budget from its first attempt ran out: its clock is an
-            # attempt's (admission/toldwait.py).
+            # attempt's (admission/learned/toldwait.py).
             past = got.budget is not None and now - got.first > got.budget
             self.told.came_back(tenant, said, got.told, past)
             if got.back is False:  # awaited (None: it teaches the retry budget nothing)
@@ -145,7 +145,7 @@ class RetryMemory:
 
     def returns_after(self, tenant: str, said: bool) -> float:
         """How long `tenant`'s shed clients (that say which attempt they send, or not:
-        `said`) were seen to come back after (admission/toldwait.py). With the memory
+        `said`) were seen to come back after (admission/learned/toldwait.py). With the memory
         off nothing is seen, and every wait may be told: inf."""
         return self.told.returns_after(tenant, said) if self.enabled else math.inf
 
@@ -193,7 +193,7 @@ class RetryMemory:
     ) -> None:
         """Take `req` in: its retry identity and, where it is the retry of a request kvgate
         left unserved, its first arrival (its place in line) and, for a client that does
-        not state which retry it sends, whether this is its last (admission/retry_budget.py)."""
+        not state which retry it sends, whether this is its last (admission/learned/retry_budget.py)."""
         req.retry_key, req.retry_said = ident.key, ident.said
         first = None if ident.first else self.recall(ident.key, now, req.tenant, ident.said)
         req.recalled = first is not None
@@ -206,7 +206,7 @@ class RetryMemory:
     def ended(self, req: AdmissionRequest, attempt: float, left: bool, now: float) -> None:
         """`req`, whose attempt arrived at `attempt`, ended at `now`: its client `left`
         before an answer, or stayed to the end. A retry of a client that stated its
-        timeout votes on its population's clock (admission/toldwait.py)."""
+        timeout votes on its population's clock (admission/learned/toldwait.py)."""
         if req.recalled and req.latency_budget is not None and not req.budget_learned:
             self.told.retry_ended(
                 req.tenant, req.retry_said, req.latency_budget, req.arrival, attempt, left, now

@@ -4,14 +4,14 @@ its client's deadline (sans-IO).
 A running request whose client's budget bounds its whole response (a stated timeout, or
 the patience learned for clients that state none: `Reservation.due`) has a predicted rest
 of service: the replica's upper estimate of its service at the load it serves at
-(admission/service.py), less the time it has run. Service stretches with the load by the
+(admission/learned/service.py), less the time it has run. Service stretches with the load by the
 learned share ``k`` of a proportional growth (`ServiceModel.elasticity`), so at a load of
 ``L'`` instead of ``L`` the rest becomes ``rest * (1 + k * (L' / L - 1))``, which ends in
 the time left while ``L' <= L * (1 + (left / rest - 1) / k)``. The room is the least of
 these bounds over the replica's running requests.
 
 Admission takes another request to the replica only while ``running + 1 <= room``
-(`Ledger.fits_now`), whatever the learned limit allows (admission/limit.py).
+(`Ledger.fits_now`), whatever the learned limit allows (admission/learned/limit.py).
 A request already predicted late counts too: the replica takes nothing more until enough
 of its batch has finished for that request to make its time, or it ends. A last retry out
 of time to start is taken all the same, as it is past the learned limit: shed, it fails
@@ -34,7 +34,7 @@ import math
 from collections.abc import Iterable
 from typing import Protocol
 
-from admission.service import ServiceModel
+from admission.learned.service import ServiceModel
 
 
 class Running(Protocol):

@@ -37,8 +37,8 @@ from typing import Protocol
 
 from admission.config import AdmissionConfig
 from admission.fairqueue import FairQueue
+from admission.learned.patience import Budget
 from admission.ledger import Ledger
-from admission.patience import Budget
 from admission.placement import REJECTED, Placement
 from admission.types import AdmissionRequest, Admit, Events
 

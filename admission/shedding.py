@@ -2,7 +2,7 @@
 
 The wait for a request is estimated as its deficit (tokens, and running slots, that must
 free before it fits, counting the queue ahead of it for the same model) divided by the
-drain rate of the model's replicas (`admission.drain.DrainMeter`). A request is shed at
+drain rate of the model's replicas (`admission.learned.drain.DrainMeter`). A request is shed at
 submit (503) when the queue is full or the estimated wait exceeds the time to its
 deadline, so it is never held only to time out later; 429 when its tenant's own queue is
 full. With fewer than ``min_drain_samples`` releases observed there is no evidence to
@@ -223,7 +223,7 @@ class Shedding:
 
     def comes_back(self, req: AdmissionRequest, wait: float, deadline: float, now: float) -> bool:
         """Whether `req`, shed now on its estimated `wait`, would be told a Retry-After its
-        clients were seen to come back after (admission/toldwait.py). One that would not
+        clients were seen to come back after (admission/learned/toldwait.py). One that would not
         is kept queued until its deadline, as a fixed proxy's queue would hold it: a
         client whose timeout counts the wait it is told (or that gives up on a long one)
         is lost by the shed."""

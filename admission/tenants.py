@@ -188,7 +188,7 @@ class Gcra:
         self.tat = -math.inf
         # The largest cost (as a fraction of the total) refused because it exceeded this
         # process's share, not the total: demand the share lease must see, or a request
-        # larger than an idle split would never pass here (gateway.sharing asks for it).
+        # larger than an idle split would never pass here (gateway.state.sharing asks for it).
         self.wanted = 0.0
         self.wanted_until = -math.inf  # kept until the client has had time to come back
         # How soon a share can grow: the lease renewal the shell runs (set by it; a

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from admission.service import Plane
+from admission.learned.service import Plane
 from routing.types import RouteRequest
 
 
@@ -35,7 +35,7 @@ class AdmissionRequest(RouteRequest):
     # the engine's own answer decides (invariant 4).
     prompt_exact: bool = True
     # The share a reservation resting on an estimate keeps beyond its size, learned from
-    # the model's estimates (admission.margin); None: the configured headroom.
+    # the model's estimates (admission.learned.margin); None: the configured headroom.
     margin: float | None = None
     # The client's last retry (openai SDKs: x-stainless-retry-count == max_retries):
     # shedding it turns into a user-visible failure, so it is queued ahead of first
@@ -50,11 +50,11 @@ class AdmissionRequest(RouteRequest):
     # The learned limit keeps service times inside the budgets of the requests it sees.
     latency_budget: float | None = None
     stream: bool = False  # a stream's budget bounds its time to first token only
-    # True when `latency_budget` is the learned patience of its clients (admission.patience),
+    # True when `latency_budget` is the learned patience of its clients (admission.learned.patience),
     # not a timeout the client stated.
     budget_learned: bool = False
     # True when the budget bounds a stream's whole response, not only its first token
-    # (and gaps): a learned whole-stream deadline (admission.patience). A non-stream
+    # (and gaps): a learned whole-stream deadline (admission.learned.patience). A non-stream
     # request's budget always bounds its whole response.
     budget_whole: bool = False
     # Identifies a request across its retries (admission/retries.py, `identify`): a shed
@@ -65,7 +65,7 @@ class AdmissionRequest(RouteRequest):
     # The longest Retry-After its clients were seen to come back after (RetryMemory's
     # `returns_after`): a wait estimate past it queues the request instead of shedding it.
     returns_after_s: float = math.inf
-    # Its clients' stated timeout bounds the whole call (admission/toldwait.py): a retry's
+    # Its clients' stated timeout bounds the whole call (admission/learned/toldwait.py): a retry's
     # queue deadline counts from its first attempt.
     budget_from_first: bool = False
     # False when the client set no output bound (`max_tokens` is then kvgate's own guess):
@@ -107,7 +107,7 @@ class Admit:
     replica: str
     reserved_tokens: int  # block-rounded tokens now held for the request on that replica
     # The latency budget it was admitted under: its client's stated timeout, or its
-    # clients' learned patience (admission.patience); None: neither.
+    # clients' learned patience (admission.learned.patience); None: neither.
     latency_budget: float | None = None
 
 
@@ -191,5 +191,5 @@ class ReplicaUsage:
     # before any sample.
     service_plane: Plane | None = None
     service_samples: int = 0
-    # How its service grows with the load (admission.service.ServiceModel.elasticity).
+    # How its service grows with the load (admission.learned.service.ServiceModel.elasticity).
     service_elasticity: float | None = None

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gateway.config import KVEventsSource  # noqa: E402
-from gateway.kvevents import KVEventSubscriber  # noqa: E402
+from gateway.fleet.kvevents import KVEventSubscriber  # noqa: E402
 from routing.kvevents import decode  # noqa: E402
 from routing.kvindex import KVIndex  # noqa: E402
 

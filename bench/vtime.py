@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.estimate import TokenEstimator
 from admission.fit import sized_exactly
+from admission.learned.estimate import TokenEstimator
 from admission.retries import RetryMemory, identify
 from admission.types import AdmissionRequest, Admit, Completion, Queued, Refuse, Shed
 from enginesim.core import EngineCore

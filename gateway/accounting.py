@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from admission.estimate import TokenEstimator
 from admission.fit import sized_exactly
-from admission.patience import ClientEnd, stream_end
+from admission.learned.estimate import TokenEstimator
+from admission.learned.patience import ClientEnd, stream_end
 from admission.tenants import TenantLimiter, TenantState
 from admission.types import Completion
 from gateway.context import RequestContext
@@ -93,7 +93,7 @@ def client_left(ctx: RequestContext) -> bool | None:
 
 
 def patience_seen(ctx: RequestContext, now: float) -> ClientEnd | None:
-    """What an ended request says of its client's patience (admission/patience.py), or
+    """What an ended request says of its client's patience (admission/learned/patience.py), or
     None: it stated its timeout, or ended in a way that says nothing of it (refused, cut
     by shutdown, a client that stopped reading)."""
     if ctx.patience_stated:
@@ -206,7 +206,7 @@ class Accounting:
             and ctx.usage_completion is not None
         ):
             # What the estimate reserved against what the engine says was used: the
-            # margin estimated reservations keep (admission.margin).
+            # margin estimated reservations keep (admission.learned.margin).
             self.estimator.observe_estimated(
                 r.model, prompt + r.expected_output, ctx.usage_prompt + ctx.usage_completion
             )

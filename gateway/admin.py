@@ -22,12 +22,12 @@ from typing import Any
 from aiohttp import web
 
 from admission.health import OutlierDetector
+from admission.learned.retry_budget import BudgetReading
+from admission.learned.toldwait import ToldWaitReading
 from admission.report import AdmissionReport
-from admission.retry_budget import BudgetReading
-from admission.toldwait import ToldWaitReading
 from admission.types import ReplicaUsage
-from gateway.discovery import Discovery
 from gateway.errors import ApiError
+from gateway.fleet.discovery import Discovery
 from gateway.logging import iso8601
 
 
@@ -76,7 +76,7 @@ def replicas_snapshot(
                 "ejections": outliers.ejections(name) if outliers is not None else 0,
                 "limit": u.limit if u else None,
                 "limit_reason": u.limit_reason if u else "",
-                # What moved the limit, and on what evidence (admission/limitlog.py).
+                # What moved the limit, and on what evidence (admission/learned/limitlog.py).
                 "limit_changes": [
                     {"at": iso8601(wall - (now - c.at)), **c.fields()}
                     for c in (limit.history.changes if limit is not None else ())
@@ -98,7 +98,7 @@ def replicas_snapshot(
                 "last_ok": iso8601(w.last_ok),
             }
         )
-    # What admission learned of clients that state no timeout (admission/patience.py).
+    # What admission learned of clients that state no timeout (admission/learned/patience.py).
     patience = [
         {
             "tenant": r.tenant,
@@ -115,7 +115,7 @@ def replicas_snapshot(
         }
         for r in report.patience_readings()
     ]
-    # How many unserved attempts such clients give up after (admission/retry_budget.py;
+    # How many unserved attempts such clients give up after (admission/learned/retry_budget.py;
     # the key's name predates departures counting as unserved).
     retries = [
         {"tenant": r.tenant, "gives_up_after_sheds": r.attempts, "came_back": r.came_back,
@@ -123,7 +123,7 @@ def replicas_snapshot(
         for r in retry_budget
     ]  # fmt: skip
     # Whose clock clients' timeouts are and the longest wait told them on an estimate
-    # (admission/toldwait.py; null: any).
+    # (admission/learned/toldwait.py; null: any).
     told = [r._asdict() for r in told_waits]
     return {
         "replicas": out,

@@ -21,90 +21,39 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from admission.controller import AdmissionController
-from admission.estimate import TokenEstimator
 from admission.report import AdmissionReport
-from admission.tenants import TenantLimiter
 from gateway import connections as conns
 from gateway.checks import exposure_warning
 from gateway.config import GatewayConfig
 from gateway.context import Kind
 from gateway.counting import PromptCounter
-from gateway.discovery import Discovery
-from gateway.dns import DnsGroups
 from gateway.door import AdmissionDoor
 from gateway.endpoints import UPSTREAM_PATHS
 from gateway.errors import ApiError, Dialect
+from gateway.fleet.discovery import Discovery
+from gateway.fleet.dns import DnsGroups
+from gateway.fleet.kvevents import start_kv_events
 from gateway.forward import Forwarder
+from gateway.gateway_state import GatewayState
 from gateway.http import hide_server_version, server_kwargs
 from gateway.http import install as install_error_handler
-from gateway.kvevents import KVEventSubscriber, start_kv_events
 from gateway.kvtokens import PromptTokenIds
 from gateway.metrics import GatewayMetrics
 from gateway.models_api import ModelsApi
 from gateway.operations_api import OperationsApi
 from gateway.pipeline import TENANT_KEY, Pipeline
 from gateway.ratelimit import rate_limit_headers
-from gateway.relay import Relay
 from gateway.reload import Reloader
 from gateway.scaling import DesiredReplicas
-from gateway.sharing import StateSync, make_backend
 from gateway.shutdown import log_pending_tasks, wait_until
 from gateway.state import StateBackend
 from gateway.state.collector import StateCollector
-from gateway.tokenizers import load_token_counters
-from gateway.upstream import make_session
-from routing.kvindex import KVIndex
-from routing.plugin import PluginEnv
-from routing.scheduler import build_router
+from gateway.state.sharing import StateSync, make_backend
+from gateway.upstream.relay import Relay
+from gateway.upstream.session import make_session
 from routing.types import Router
 
 log = logging.getLogger("kvgate")
-
-
-class GatewayState:
-    """Everything the app owns at run time; filled by the start-up context."""
-
-    def __init__(self, config: GatewayConfig, picker: Router | None = None) -> None:
-        self.config = config
-        # The engines' own caches, where a replica publishes its KV events.
-        self.kv_index = KVIndex() if any(rc.kv_events for rc in config.replicas) else None
-        if picker is None:
-            routing = config.routing
-            picker = build_router(
-                routing,
-                discovery_interval_s=config.discovery.refresh_interval_s,
-                env=PluginEnv(block_chars=routing.block_chars, kv_index=self.kv_index),
-            )
-        # Tenants (admission/tenants.py): the pipeline checks keys and rates, the
-        # controller's queue reads weights and caps.
-        self.tenants = TenantLimiter.from_config(config.tenants, config.auth.api_keys)
-        # The door is the gateway's only holder of the controller: every change goes
-        # through it, every read through its report.
-        self.door = AdmissionDoor(
-            AdmissionController(config.admission, picker, tenants=self.tenants.tenants.get)
-        )
-        counters = load_token_counters(config.tokenizers)
-        self.estimator = TokenEstimator(config.admission, tokenizer_for=counters.get)
-        self.discovery: Discovery
-        self.dns: DnsGroups  # replicas from DNS (replica_groups)
-        self.reloader: Reloader | None = None
-        self.pipeline: Pipeline
-        self.metrics: GatewayMetrics
-        self.sync: StateSync | None = None  # the lease loop (shared state), if any
-        self.kv_subscribers: list[KVEventSubscriber] = []
-
-    def set_tenant_share(self, tenant: str, fraction: float, refill: float | None = None) -> None:
-        """This process's share of a tenant's rpm, tpm and concurrency (the shared-state
-        backend leases it), and the rate its spent rpm and tpm refill at (`Gcra`); a
-        larger share may admit waiting requests at once."""
-        now = asyncio.get_running_loop().time()
-        self.tenants.set_share(tenant, fraction, now, refill)
-        self.door.advance(now)
-
-    def queue_depths(self) -> dict[str, int]:
-        report = self.door.report
-        return {m: report.queue_depth(m) for m in self.discovery.known_models}
 
 
 STATE_KEY = web.AppKey("kvgate_state", GatewayState)
@@ -192,7 +141,7 @@ def build_app(
         st.dns = DnsGroups(config.replica_groups, config.dns, st.discovery)
         await st.dns.start()
         if config_path is not None:  # live reload: SIGHUP, or the file changed
-            st.reloader = Reloader(st, config_path, st.metrics.registry, workers=workers_hint)
+            st.reloader = Reloader(st.apply, config_path, st.metrics.registry, workers=workers_hint)
             st.reloader.start()
         backend = state_backend if state_backend is not None else make_backend(config.state)
         if backend is not None:

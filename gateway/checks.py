@@ -70,7 +70,7 @@ async def probe_report(config: GatewayConfig, out: list[str]) -> int:
 
     import aiohttp
 
-    from gateway.discovery import new_state, probe_once
+    from gateway.fleet.discovery import new_state, probe_once
     from routing.adapters import adapter_for
 
     timeout = config.discovery.probe_timeout_s

@@ -209,7 +209,7 @@ class StateConfig(_Strict):
 class GatewayConfig(_Strict):
     listen: ListenConfig = Field(default_factory=ListenConfig)
     replicas: list[ReplicaConfig] = Field(default_factory=list)
-    # Replicas found by DNS (a Kubernetes headless Service): gateway/dns.py.
+    # Replicas found by DNS (a Kubernetes headless Service): gateway/fleet/dns.py.
     replica_groups: list[ReplicaGroupConfig] = Field(default_factory=list)
     dns: DnsConfig = Field(default_factory=DnsConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)

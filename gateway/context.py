@@ -61,7 +61,7 @@ class RequestContext:
     # (gateway.prefixcount.PrefixCount): the account stage stores the usage under it.
     prefix: Any = None
     # admit: the latency budget it was admitted under (the client's stated timeout, or
-    # its clients' learned patience: admission/patience.py).
+    # its clients' learned patience: admission/learned/patience.py).
     latency_budget: float | None = None
     patience_stated: bool = False  # the client said how long it waits (a header)
     admission_id: str | None = None

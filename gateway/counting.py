@@ -72,12 +72,12 @@ from typing import Any, NamedTuple
 
 import aiohttp
 
-from admission.estimate import TokenEstimator
 from admission.fit import FitLimits, can_ever_fit, reservation
+from admission.learned.estimate import TokenEstimator
 from admission.report import AdmissionReport
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext
-from gateway.discovery import Discovery, ReplicaWatcher
+from gateway.fleet.discovery import Discovery, ReplicaWatcher
 from gateway.metrics import GatewayMetrics
 from gateway.prefixcount import Lru, PrefixCounts, prompt_chain
 from gateway.prompt import PromptShape, chat_shape

@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.limitlog import LimitHistory
-from admission.patience import Budget, ClientEnd
+from admission.learned.limitlog import LimitHistory
+from admission.learned.patience import Budget, ClientEnd
 from admission.report import AdmissionReport
 from admission.settling import TenantLimits
 from admission.types import (
@@ -183,7 +183,7 @@ class AdmissionDoor:
         self._rearm()
 
     def client_ended(self, tenant: str, model: str, stream: bool, end: ClientEnd) -> None:
-        """Teach the patience of clients that state no timeout (admission/patience.py),
+        """Teach the patience of clients that state no timeout (admission/learned/patience.py),
         and hand out what a patience learned shorter sheds of the queue."""
         self._resolve(self._controller.client_ended(tenant, model, stream, end, self._loop.time()))
         self._rearm()  # the queue's deadlines may have come forward

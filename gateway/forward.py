@@ -34,9 +34,9 @@ from gateway.body import read_body
 from gateway.config import GatewayConfig
 from gateway.default_model import fill_model
 from gateway.denials import model_not_found, rate_limited
-from gateway.discovery import Discovery
 from gateway.endpoints import PASSED_HEADERS
 from gateway.errors import ApiError, Dialect, invalid_request
+from gateway.fleet.discovery import Discovery
 from gateway.metrics import GatewayMetrics
 from gateway.stored_responses import StoredResponses
 

@@ -12,7 +12,7 @@ Policy, and why:
   closed (aiohttp's keep-alive timer: slowloris); a body must arrive within
   ``limits.body_timeout_s`` (408, `gateway.body`, and the connection is closed with it);
   a client that takes none of its
-  answer for ``limits.client_write_timeout_s`` is cut (`gateway.relay`).
+  answer for ``limits.client_write_timeout_s`` is cut (`gateway.upstream.relay`).
 - **A client that stops reading costs a bounded buffer.** Linux grows a socket's send
   buffer up to ``net.ipv4.tcp_wmem``'s maximum (4 MiB by default): a stuck client would
   absorb a whole answer (a 2,000-token stream is ~400 KB) and keep its reservation while

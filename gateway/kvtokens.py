@@ -22,7 +22,7 @@ import aiohttp
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext
 from gateway.counting import TEMPLATE_FIELDS
-from gateway.discovery import Discovery
+from gateway.fleet.discovery import Discovery
 from gateway.schemas import CompletionRequest
 from routing.kvindex import KVIndex, token_block_hashes
 

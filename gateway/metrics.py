@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from admission.patience import QUANTILE, PatienceReading
-from admission.retry_budget import BudgetReading
+from admission.learned.patience import QUANTILE, PatienceReading
+from admission.learned.retry_budget import BudgetReading
 from admission.types import ReplicaUsage
 from routing.types import ReplicaState
 
@@ -176,7 +176,7 @@ class _EngineCollector(Collector):
 
 class _RetryBudgetCollector(Collector):
     """How many unserved attempts clients that do not say which retry they send give up
-    after (admission/retry_budget.py), per tenant, read at scrape time."""
+    after (admission/learned/retry_budget.py), per tenant, read at scrape time."""
 
     def __init__(self, readings: Callable[[], Iterable[BudgetReading]]) -> None:
         self._readings = readings
@@ -203,7 +203,7 @@ class _RetryBudgetCollector(Collector):
 
 
 class _PatienceCollector(Collector):
-    """The learned patience of clients that state no timeout (admission/patience.py),
+    """The learned patience of clients that state no timeout (admission/learned/patience.py),
     per tenant, model and stream, read from the admission report at scrape time."""
 
     def __init__(self, readings: Callable[[], Iterable[PatienceReading]]) -> None:
@@ -333,7 +333,7 @@ class GatewayMetrics:
         self.estimate_margin = Gauge(
             "kvgate_estimate_margin",
             "Share an estimated reservation keeps beyond its size, learned from what the "
-            "model's estimates missed (admission/margin.py)",
+            "model's estimates missed (admission/learned/margin.py)",
             ["model"],
             registry=r,
         )

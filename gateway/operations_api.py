@@ -17,17 +17,17 @@ from aiohttp import web
 
 from gateway.admin import replicas_snapshot, require_admin
 from gateway.config import GatewayConfig
-from gateway.discovery import Discovery
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
+from gateway.fleet.discovery import Discovery
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
-from gateway.sharing import StateSync
+from gateway.state.sharing import StateSync
 
 
 class RunningGateway(Protocol):
-    """What these endpoints read of the running app (`gateway.app.GatewayState`)."""
+    """What these endpoints read of the running app (`gateway.gateway_state.GatewayState`)."""
 
     config: GatewayConfig
     door: AdmissionDoor

@@ -13,7 +13,7 @@ OpenAI error object. Account and release run in ``finally`` on every path, inclu
 cancellation when the client disconnects, so a reservation can never leak.
 
 The stages' neighbours, each in a module of its own: reading the body (gateway/body.py),
-retries, failover and outlier ejection (gateway/failover.py, gateway/outliers.py), the
+retries, failover and outlier ejection (gateway/upstream/failover.py, gateway/upstream/outliers.py), the
 account stage (gateway/accounting.py), the answers of turned-away requests
 (gateway/denials.py), and the requests in flight with their graceful shutdown
 (gateway/shutdown.py): new and queued requests are answered 503 ``shutting_down`` once
@@ -31,11 +31,11 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from admission.estimate import TokenEstimator
+from admission.learned.estimate import TokenEstimator
+from admission.learned.retry_budget import BudgetReading
+from admission.learned.toldwait import ToldWaitReading
 from admission.retries import RetryMemory
-from admission.retry_budget import BudgetReading
 from admission.tenants import TenantLimiter
-from admission.toldwait import ToldWaitReading
 from admission.types import Admit, Refuse, Shed
 from gateway.accounting import Accounting, client_left, completion, patience_seen
 from gateway.apikey import tenant_of
@@ -45,15 +45,13 @@ from gateway.context import Kind, RequestContext
 from gateway.counting import PromptCounter
 from gateway.default_model import fill_model
 from gateway.denials import model_not_found, rate_limited, refused_error, shed_error, tenant_limit
-from gateway.discovery import Discovery
 from gateway.door import AdmissionDoor
 from gateway.endpoints import AUDIO, PASSED_HEADERS, POOLING, SCHEMAS, UPSTREAM_PATHS, dialect_of
 from gateway.errors import ApiError, invalid_request
-from gateway.failover import Failover
+from gateway.fleet.discovery import Discovery
 from gateway.kvtokens import PromptTokenIds
 from gateway.logging import REQUEST_ID
 from gateway.metrics import GatewayMetrics
-from gateway.relay import Relay
 from gateway.schemas import (
     MAX_TOKENS_CEILING,
     BodyError,
@@ -67,7 +65,9 @@ from gateway.schemas import (
 from gateway.shutdown import InFlight, shutdown_retry_after, shutting_down
 from gateway.stated import H_RETRY_COUNT, read_stated, retry_identity
 from gateway.stored_responses import StoredResponses, follow_up, remember_answer
-from gateway.upstream import UpstreamFailure
+from gateway.upstream.failover import Failover
+from gateway.upstream.relay import Relay
+from gateway.upstream.session import UpstreamFailure
 from routing.classify import classify_workload
 from routing.prefix import block_hashes
 
@@ -114,7 +114,7 @@ class Pipeline:
         # legacy keys are hashed here and not kept.
         self.tenants = tenants or TenantLimiter.from_config(config.tenants, config.auth.api_keys)
         metrics.set_tenant_names(self.tenants.tenants)
-        # Set by the app when shared state is configured fail-closed (gateway/sharing.py):
+        # Set by the app when shared state is configured fail-closed (gateway/state/sharing.py):
         # returns the 503 new requests get while Redis is unreachable, else None.
         self.state_gate: Callable[[], ApiError | None] | None = None
         # Set by the app when a replica publishes KV events (gateway/kvtokens.py).
@@ -388,12 +388,12 @@ class Pipeline:
 
     def retry_budget(self) -> list[BudgetReading]:
         """What the retry memory learned of clients that do not say which retry they
-        send (admission/retry_budget.py), per tenant."""
+        send (admission/learned/retry_budget.py), per tenant."""
         return self._retries.budget.readings()
 
     def told_waits(self) -> list[ToldWaitReading]:
         """What the retry memory learned of how clients take the waits they are told
-        (admission/toldwait.py), per tenant and whether they say their attempt."""
+        (admission/learned/toldwait.py), per tenant and whether they say their attempt."""
         return self._retries.told.readings()
 
     async def admit(self, request: web.Request, ctx: RequestContext) -> None:
@@ -403,7 +403,7 @@ class Pipeline:
         by the configured queue timeout); the client's read timeout (the openai SDKs'
         ``x-stainless-read-timeout``) less the predicted service, or for a stream the
         predicted time to first token; else the patience admission learned of clients
-        that say nothing (admission/patience.py), until then the configured timeout, if
+        that say nothing (admission/learned/patience.py), until then the configured timeout, if
         any (none by default: it waits until it starts or its client leaves).
         """
         if self.state_gate is not None and (closed := self.state_gate()) is not None:

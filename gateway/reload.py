@@ -30,18 +30,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.checks import serve_problems
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.tasks import cancel_all
-from routing.scheduler import build_router
-
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
 
 log = logging.getLogger("kvgate.reload")
 
@@ -72,14 +68,14 @@ def file_identity(path: Path) -> tuple[object, ...] | None:
 class Reloader:
     def __init__(
         self,
-        state: GatewayState,
+        apply: Callable[[GatewayConfig], Awaitable[None]],
         path: str | Path,
         registry: CollectorRegistry,
         *,
         workers: int = 1,
         poll_s: float = POLL_S,
     ) -> None:
-        self._st = state
+        self._apply = apply  # makes a valid config the running one (GatewayState.apply)
         self.path = Path(path)
         reloads = Counter(
             "kvgate_config_reloads_total",
@@ -131,42 +127,7 @@ class Reloader:
                     extra={"fields": {"error": str(e)}},
                 )
                 return False
-            await self.apply(new)
+            await self._apply(new)
             self._count("ok")
             log.info("config reloaded (%s)", why, extra={"fields": {"path": str(self.path)}})
             return True
-
-    async def apply(self, new: GatewayConfig) -> None:
-        st = self._st
-        old = st.config
-        later = [s for s in RESTART_ONLY if getattr(old, s) != getattr(new, s)]
-        if later:
-            log.warning(
-                "config reload: %s changed and take effect at restart",
-                ", ".join(later),
-                extra={"fields": {"sections": later}},
-            )
-        loop = asyncio.get_running_loop()
-        # Who may send requests first: a removed key stops at once.
-        st.tenants.reconfigure(new.tenants, new.auth.api_keys, loop.time())
-        st.metrics.set_tenant_names(st.tenants.tenants)
-        router = None
-        if new.routing != old.routing:
-            router = build_router(
-                new.routing, discovery_interval_s=old.discovery.refresh_interval_s
-            )
-        if new.admission != old.admission or router is not None:
-            st.door.reconfigure(new.admission, router)
-        if new.logging.level != old.logging.level:
-            logging.getLogger("kvgate").setLevel(new.logging.level.upper())
-        # Replicas: removed ones retire, new and changed ones are (re)probed.
-        before = {rc.name: rc for rc in old.replicas}
-        after = {rc.name: rc for rc in new.replicas}
-        for name in before.keys() - after.keys():
-            st.discovery.retire(name)
-        changed = [rc for name, rc in after.items() if before.get(name) != rc]
-        if changed:
-            await st.discovery.add(changed)
-        await st.dns.apply(new.replica_groups, new.dns)
-        st.discovery.prune()
-        st.config = new

@@ -1,5 +1,5 @@
 """The replica sections of kvgate's config: one engine replica (`ReplicaConfig`), the
-replicas found by DNS (`ReplicaGroupConfig`, gateway/dns.py) and its resolver
+replicas found by DNS (`ReplicaGroupConfig`, gateway/fleet/dns.py) and its resolver
 (`DnsConfig`); both kinds of replica entry share `ReplicaSettings`. gateway/config.py
 assembles them into the whole file's model."""
 
@@ -20,7 +20,7 @@ class _Strict(BaseModel):
 
 class KVEventsSource(_Strict):
     """Where a vLLM started with ``--kv-events-config`` publishes its KV cache events
-    (gateway/kvevents.py): its PUB ``endpoint`` (the engine binds ``tcp://*:PORT``;
+    (gateway/fleet/kvevents.py): its PUB ``endpoint`` (the engine binds ``tcp://*:PORT``;
     kvgate connects to ``tcp://HOST:PORT``), its ``replay_endpoint`` if it has one, and
     the ``topic`` it was given."""
 
@@ -125,7 +125,7 @@ class ReplicaConfig(ReplicaSettings):
 class ReplicaGroupConfig(ReplicaSettings):
     """Replicas found by DNS, as Envoy's strict-DNS clusters and Kubernetes headless
     Services work: every address `host` resolves to is one replica, re-resolved every
-    ``resolve_interval_s`` (gateway/dns.py). A new address joins once its probe finds it
+    ``resolve_interval_s`` (gateway/fleet/dns.py). A new address joins once its probe finds it
     ready; a vanished one takes no new request at once, and leaves when its running
     requests have ended.
 

@@ -2,7 +2,7 @@
 timeout and which retry this is (documented in docs/api.md).
 
 A client that states neither a queue timeout nor a read timeout gets the patience
-admission learned of clients like it (admission/patience.py), and teaches it.
+admission learned of clients like it (admission/learned/patience.py), and teaches it.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from gateway.context import RequestContext
-from gateway.discovery import ReplicaWatcher
 from gateway.errors import ApiError
+from gateway.fleet.discovery import ReplicaWatcher
 from gateway.schemas import ResponsesRequest
 from gateway.state.backend import StateBackend, StateUnavailable
 

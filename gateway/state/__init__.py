@@ -8,7 +8,7 @@ They do so by *leases*, as Google's Doorman divides a global rate limit:
 - Each process leases a slice of each shared resource (a replica's effective pool in
   tokens, its running limit in requests, a tenant's budget in units) and admits from its
   slice locally: the request path never waits on the backend.
-- A background loop in the gateway shell (`gateway.sharing`) renews the slices every
+- A background loop in the gateway shell (`gateway.state.sharing`) renews the slices every
   ``renew_interval_s`` (and at once when requests queue behind a slice). A slice asks
   for what the process holds and has queued plus a little spare (its *want*).
 - The arithmetic (`admission.lease.grant`) runs atomically in the backend (a Lua

@@ -1,4 +1,4 @@
-"""The shared-state metrics (gateway/sharing.py's lease loop), read at scrape time."""
+"""The shared-state metrics (gateway/state/sharing.py's lease loop), read at scrape time."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 from admission.report import AdmissionReport
 
 if TYPE_CHECKING:
-    from gateway.sharing import StateSync
+    from gateway.state.sharing import StateSync
 
 
 class StateCollector(Collector):

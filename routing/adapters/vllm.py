@@ -82,7 +82,7 @@ _READ = _LOAD.read(_SPEC_DRAFTS, _SPEC_PER_POS, _CACHE_CONFIG, _POOL_TOKENS)
 class VLLMAdapter:
     engine = "vllm"
     probe_paths: tuple[str, ...] = ("/metrics", "/v1/models")
-    # Why a replica that answered every probe is still not ready (gateway/probe.py).
+    # Why a replica that answered every probe is still not ready (gateway/fleet/probe.py).
     missing_capacity = "no vllm:cache_config_info in /metrics: is this vLLM? (engine: vllm)"
 
     def apply(self, state: ReplicaState, responses: Responses, now: float) -> None:

@@ -2,7 +2,7 @@
 
 A tenant's inter-token latency target (``tenants[].slo.itl_s``) reaches routing as
 `RouteRequest.itl_target_s`; admission fills each candidate's `predicted_itl_s`, the
-replica's expected inter-token gap with this request added (admission/itl.py: a fit of
+replica's expected inter-token gap with this request added (admission/learned/itl.py: a fit of
 the gap against the running count). The filter keeps a candidate whose prediction is
 within the target, or unknown (no evidence yet: the first streams teach the model). A
 request without a target passes untouched. When no candidate is kept, routing rejects

@@ -87,7 +87,7 @@ def warm_drain(ctrl: AdmissionController, tokens: int, rate: float, *, start: fl
 
 def filled(ctrl: AdmissionController) -> float:
     """A 1,000-token replica "r1" with drain history, then full: five 200-token requests
-    ("run0".."run4") run, each held ~2 s, releasing ~500 tokens/s (admission/drain.py),
+    ("run0".."run4") run, each held ~2 s, releasing ~500 tokens/s (admission/learned/drain.py),
     so a 200-token request waits ~0.4 s. Returns the time reached."""
     ctrl.upsert_replica(replica(capacity=1000), 0.0)
     now = warm_drain(ctrl, 200, rate=100.0)

@@ -267,7 +267,7 @@ def test_queue_full_sheds_with_retry_after_from_drain_rate() -> None:
     assert isinstance(shed, Shed) and shed.reason == "queue_full" and shed.status == 503
     # 600 tokens (two queued + itself) must drain. Served one at a time the replica
     # released ~100 tokens/s; five running now, each held ~2 s as those were, release
-    # 1,000 tokens per 2 s (admission/drain.py): about 1.2 s, not the past rate's 6 s.
+    # 1,000 tokens per 2 s (admission/learned/drain.py): about 1.2 s, not the past rate's 6 s.
     expected = 600 / ctrl.report.drain_rate("m", now)[0]  # type: ignore[index]
     assert shed.retry_after == pytest.approx(expected, rel=1e-6)
     assert 1.0 < shed.retry_after < 1.5
@@ -313,7 +313,7 @@ def test_deadline_that_cannot_be_met_is_shed_at_submit() -> None:
     ctrl = controller()
     now = filled(ctrl)
     # Needs 200 tokens to drain; five running, each held ~2 s, release 500 tokens/s
-    # (admission/drain.py): ~0.4 s. A 0.2 s deadline cannot be met.
+    # (admission/learned/drain.py): ~0.4 s. A 0.2 s deadline cannot be met.
     shed = ctrl.submit(request("hurry", 100, 100, deadline=now + 0.2), now).verdict
     assert isinstance(shed, Shed) and shed.reason == "deadline"
     assert 0.2 <= shed.retry_after <= 1.0

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from admission.config import AdmissionConfig
-from admission.drain import DrainMeter
-from admission.estimate import TokenEstimator
+from admission.learned.drain import DrainMeter
+from admission.learned.estimate import TokenEstimator
 
 
 def test_prompt_estimate_starts_conservative() -> None:

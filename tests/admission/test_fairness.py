@@ -381,7 +381,7 @@ def test_an_itl_target_a_lighter_load_would_meet_holds_the_replicas_for_it() -> 
 
 
 def test_itl_model_fits_gap_against_running_and_keeps_light_load_evidence() -> None:
-    from admission.itl import ItlModel
+    from admission.learned.itl import ItlModel
 
     m = ItlModel(per_load=4, min_samples=4)
     assert m.predict(1) is None

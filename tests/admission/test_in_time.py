@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from admission.limit import LimitSettings, RunningLimit
+from admission.learned.limit import LimitSettings, RunningLimit
 from admission.types import Admit, Completion, Queued
 from bench.parity_sweep import TIMEOUT_FACTOR
 from bench.parity_vtime import calibrate, cell

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import pytest
 
 from admission.config import AdmissionConfig
-from admission.latency import LatencyTargets, latency_ratio
-from admission.limit import LimitSettings, RunningLimit
+from admission.learned.latency import LatencyTargets, latency_ratio
+from admission.learned.limit import LimitSettings, RunningLimit
 from bench.vtime import run
 from enginesim.simulate import run_closed_loop
 from enginesim.workloads import seed2_workload

@@ -1,10 +1,10 @@
-"""What moved a learned limit is kept with its evidence (admission/limitlog.py): each
+"""What moved a learned limit is kept with its evidence (admission/learned/limitlog.py): each
 change of the allowed count, never a move within one count, at most `HISTORY` of them."""
 
 from __future__ import annotations
 
-from admission.limit import LimitSettings, RunningLimit
-from admission.limitlog import HISTORY, LimitHistory
+from admission.learned.limit import LimitSettings, RunningLimit
+from admission.learned.limitlog import HISTORY, LimitHistory
 from tests.admission.test_limit import feed_window
 
 SIGNALS = {"cap": None}

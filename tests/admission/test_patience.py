@@ -1,4 +1,4 @@
-"""Learned patience of clients that state no timeout (admission/patience.py), in virtual
+"""Learned patience of clients that state no timeout (admission/learned/patience.py), in virtual
 time: what a population teaches, and what admission does with it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from admission.patience import (
+from admission.learned.patience import (
     MIN_COHORT,
     MIN_EVENTS,
     REFRESH_STAYS,

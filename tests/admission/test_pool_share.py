@@ -7,7 +7,7 @@ import dataclasses
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.limit import LimitSettings, RunningLimit
+from admission.learned.limit import LimitSettings, RunningLimit
 from admission.types import Admit, Queued
 from routing.scheduler import default_profile
 from tests.admission.helpers import controller, replica, request

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from admission.drain import DrainMeter
+from admission.learned.drain import DrainMeter
 from admission.types import Admit, Queued, Shed
 from bench.vtime import run
 from enginesim.simulate import run_closed_loop

@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from admission.learned.service import ServiceModel
 from admission.room import deadline_room
-from admission.service import ServiceModel
 from admission.types import Admit, Completion, Queued, Shed
 from tests.admission.helpers import controller, replica, request, served_one_by_one
 

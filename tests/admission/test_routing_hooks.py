@@ -275,7 +275,7 @@ def test_shortlist_choice_matches_a_full_scan_and_filters_stay_exact() -> None:
 
 def test_candidates_carry_a_predicted_itl_from_the_replicas_streams() -> None:
     """Admission fills `Candidate.predicted_itl_s` from the replica's own streams
-    (admission.itl: the mean inter-token gap by the number running) for a request with an
+    (admission.learned.itl: the mean inter-token gap by the number running) for a request with an
     ITL target, the batch with it added; None before any stream completed there, and None
     for a request without a target (nothing reads it)."""
     from dataclasses import replace

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from admission.candidates import PredictMax
-from admission.service import ServiceModel
+from admission.learned.service import ServiceModel
 
 # A replica's step under continuous batching: an output token costs a whole step (50 ms),
 # a prompt token a share of a prefill chunk (0.1 ms).
@@ -145,7 +145,7 @@ def test_a_requests_service_alone_is_its_service_less_what_the_load_adds(slope: 
     """What the learned limit cannot take away: the service with nothing beside it. The
     real vLLM's case (0): as long as at the load; past a knee (1): a sixth of it at six.
     Low rather than high (the elasticity is an upper estimate): an aim it widens
-    (admission/latency.py) is never wider than the request's own service allows."""
+    (admission/learned/latency.py) is never wider than the request's own service allows."""
     model = ServiceModel()
     _served_beside(model, slope, random.Random(3))
     for p, o in ((1400, 40), (4000, 200), (2500, 120)):

@@ -1,14 +1,14 @@
 """Clients that count the wait they were told (issue 47, item 3): a wait estimate sheds
 only with a Retry-After the population was seen to come back after, and a population
 whose retries leave at their timeout counted from the first attempt has its retries'
-deadlines counted from there (admission/toldwait.py)."""
+deadlines counted from there (admission/learned/toldwait.py)."""
 
 from __future__ import annotations
 
 import math
 
+from admission.learned.toldwait import MIN_VOTES, ToldWaits
 from admission.retries import RetryMemory, identify
-from admission.toldwait import MIN_VOTES, ToldWaits
 from admission.types import Admit, Queued, Shed
 from bench.matrix import CLIENTS, calibrate, workload
 from bench.vtime import run

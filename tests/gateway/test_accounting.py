@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from admission.estimate import TokenEstimator
+from admission.learned.estimate import TokenEstimator
 from admission.tenants import TenantLimiter
 from gateway.accounting import Accounting, completion, inter_token_latency
 from gateway.config import config_from_mapping

@@ -1,4 +1,4 @@
-"""Failover over real loopback HTTP (gateway/failover.py): a retry never goes back to
+"""Failover over real loopback HTTP (gateway/upstream/failover.py): a retry never goes back to
 the replica that failed it, and a client's request never counts against a replica's
 health; only the replica's own failures do (DESIGN invariant 8).
 

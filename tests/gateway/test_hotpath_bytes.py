@@ -4,7 +4,7 @@
   the result must parse to the body with ``stream_options.include_usage`` true, for any
   body, written any way JSON allows (whitespace, escapes, duplicate keys, an existing
   ``stream_options``), and keep the client's bytes otherwise.
-- ``gateway.sse.take_events`` finds the usage chunk and counts content events by byte tests
+- ``gateway.upstream.sse.take_events`` finds the usage chunk and counts content events by byte tests
   over a whole buffer: forwarded bytes, counts and usage must equal the per-event path's
   (``take_each``) for any stream and any chunking, including content that mentions
   ``"usage"``, ``data:`` or ``[DONE]``.
@@ -17,10 +17,10 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway import sse as sse_module
 from gateway.context import RequestContext
-from gateway.relay import Relay, with_include_usage
-from gateway.sse import take_each, take_events
+from gateway.upstream import sse as sse_module
+from gateway.upstream.relay import Relay, with_include_usage
+from gateway.upstream.sse import take_each, take_events
 
 # ----------------------------------------------------------------- body patching
 json_scalars = (

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from admission.tenants import TenantState, hash_key
 from enginesim.lora import LoraModule
-from gateway.discovery import ModelCatalog
+from gateway.fleet.discovery import ModelCatalog
 from gateway.models_api import ModelsApi
 from routing.adapters._common import apply_models
 from routing.types import ReplicaState

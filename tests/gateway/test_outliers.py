@@ -1,4 +1,4 @@
-"""Outlier ejection on the upstream side (gateway/outliers.py): every change, the
+"""Outlier ejection on the upstream side (gateway/upstream/outliers.py): every change, the
 ejection and its end, reaches every subscriber, in order, whatever one of them does;
 and over real loopback HTTP, the gateway's own subscribers (admission, metrics) and a
 test's hear the same changes of a replica that answers 5xx."""
@@ -13,7 +13,7 @@ import pytest
 from admission.health import OutlierDetector
 from enginesim.faults import make_fault
 from gateway.config import OutlierConfig
-from gateway.outliers import EjectionChange, OutlierEjection
+from gateway.upstream.outliers import EjectionChange, OutlierEjection
 from tests.gateway.conftest import wait_for
 from tests.gateway.test_health import SHORT, _metric, _usage
 

@@ -1,4 +1,4 @@
-"""Learned client patience through the live gateway (admission/patience.py): a plain HTTP
+"""Learned client patience through the live gateway (admission/learned/patience.py): a plain HTTP
 client with a total timeout it never states teaches kvgate how long it waits, and is then
 answered (served, or shed with Retry-After) before it would give up; the openai SDK,
 which states its timeout, is believed and teaches nothing."""
@@ -11,7 +11,7 @@ import aiohttp
 import openai
 import pytest
 
-from admission.patience import MIN_COHORT, MIN_EVENTS, ClientEnd
+from admission.learned.patience import MIN_COHORT, MIN_EVENTS, ClientEnd
 from gateway.accounting import patience_seen
 from gateway.context import RequestContext
 from tests.gateway.conftest import MODEL, wait_for
@@ -150,7 +150,7 @@ async def test_a_stream_client_with_a_total_deadline_is_learned_as_one(replica, 
     gw = await gateway(srv, auth={"admin_token": "adm"})
     async with aiohttp.ClientSession() as s:
         # Its short streams end within the deadline (a deadline no stream of the
-        # population was read within is not learned: admission/patience.py).
+        # population was read within is not learned: admission/learned/patience.py).
         async with _post(s, gw, 5, stream=True) as r:
             assert r.status == 200
             await r.read()

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from admission.estimate import TokenEstimator
+from admission.learned.estimate import TokenEstimator
 from admission.tenants import TenantLimiter
 from gateway.accounting import Accounting
 from gateway.config import config_from_mapping

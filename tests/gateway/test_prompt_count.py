@@ -12,8 +12,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.estimate import TokenEstimator
 from admission.fit import FitLimits
+from admission.learned.estimate import TokenEstimator
 from admission.types import AdmissionRequest, Admit, Refuse
 from gateway.config import GatewayConfig, ReplicaConfig, config_from_mapping
 from gateway.context import RequestContext

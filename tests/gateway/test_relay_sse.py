@@ -11,8 +11,8 @@ import random
 import pytest
 
 from gateway.context import RequestContext
-from gateway.relay import Relay
-from gateway.sse import take_events
+from gateway.upstream.relay import Relay
+from gateway.upstream.sse import take_events
 
 
 def chunk(i: int, content: str) -> bytes:
@@ -95,7 +95,7 @@ def test_upstream_body_adds_include_usage_only_when_needed():
 def test_failure_classification():
     import aiohttp
 
-    from gateway.upstream import classify_client_error
+    from gateway.upstream.session import classify_client_error
 
     f = classify_client_error(aiohttp.ConnectionTimeoutError("slow connect"), started=False)
     assert (f.kind, f.retryable) == ("connect", True)

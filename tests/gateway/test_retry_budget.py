@@ -1,5 +1,5 @@
 """The retry budget of clients that do not say which retry they send, through the live
-gateway (admission/retry_budget.py): a plain HTTP client's attempt after two sheds is its
+gateway (admission/learned/retry_budget.py): a plain HTTP client's attempt after two sheds is its
 last (the cold budget, the openai SDKs' default) and queues ahead of first attempts, as
 an SDK's last retry does; an operator sees the budget and what it was learned from."""
 
@@ -182,7 +182,7 @@ async def test_an_sdk_client_back_after_its_whole_budget_shows_a_clock_per_attem
     """A client with the SDK's headers and a 0.5 s timeout, shed at once and back after
     0.6 s (past its whole budget since its first attempt: a whole call's clock could not
     be back), shows a clock per attempt: an operator sees it, and any wait may be told
-    to its tenant's SDK clients (admission/toldwait.py)."""
+    to its tenant's SDK clients (admission/learned/toldwait.py)."""
     srv = await replica(speed=1.0)
     gw = await gateway(srv, pool_tokens=512, auth={"admin_token": "adm"})
     payload = body(300, user="sdk")

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from admission.config import AdmissionConfig
-from admission.estimate import TokenEstimator
+from admission.learned.estimate import TokenEstimator
 from gateway.config import ConfigError, config_from_mapping
 from gateway.tokenizers import load_token_counters
 

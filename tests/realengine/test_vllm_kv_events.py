@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from gateway.app import Gateway
-from gateway.kvevents import KVEventSubscriber
+from gateway.fleet.kvevents import KVEventSubscriber
 from routing.kvindex import token_block_hashes
 from tests.realengine.test_through_kvgate import until
 from tests.realengine.vllm import (

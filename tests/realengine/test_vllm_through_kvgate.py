@@ -503,7 +503,7 @@ async def test_the_learned_limit_reads_the_engines_preemptions(
     limit, reason = moves[first]
     assert limit is not None and limit <= 12, moves
     # Preemptions of streams admitted before that cut are not evidence against it
-    # (admission/limit.py), so a later "preemption" move shows only when the engine
+    # (admission/learned/limit.py), so a later "preemption" move shows only when the engine
     # preempts again under the cut limit: timing, not asserted.
     assert {reason for _, reason in moves} <= {"cold_start", "slow_start", *cuts}, moves
     # Preemptions of the streams admitted before a cut are not evidence against the cut

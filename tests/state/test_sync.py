@@ -1,4 +1,4 @@
-"""The lease loop (`gateway.sharing.StateSync`) over two admission controllers, as two
+"""The lease loop (`gateway.state.sharing.StateSync`) over two admission controllers, as two
 gateway processes would run it, on both backends: slices follow demand and never sum
 past the pool; learned limits are shared; an unreachable backend cuts each slice to 1/N
 (fail-open) or closes the gate (fail-closed); a backend that comes back is rebuilt from
@@ -14,15 +14,15 @@ import pytest
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
+from admission.learned.patience import ClientEnd
 from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedLimit, SharedPatience
-from admission.patience import ClientEnd
 from admission.tenants import TenantConfig, TenantLimiter
 from admission.types import AdmissionRequest, Admit, Shed
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
-from gateway.sharing import StateSync
 from gateway.state import MemoryBackend, StateBackend, StateUnavailable
 from gateway.state.redis import RedisBackend
+from gateway.state.sharing import StateSync
 from routing.scheduler import default_profile
 from tests.admission.helpers import replica, request
 from tests.state.conftest import RedisServer, free_port
@@ -142,7 +142,7 @@ async def test_learned_limits_are_shared(backend: StateBackend) -> None:
 
 def leave_at(s: StateSync, waited: float, n: int = 3) -> None:
     """`n` clients that stated no timeout, of tenant "default" and model "m", left
-    together after `waited` seconds (one configured timeout: admission/patience.py)."""
+    together after `waited` seconds (one configured timeout: admission/learned/patience.py)."""
     for _ in range(n):
         s.door.client_ended("default", "m", False, ClientEnd(waited, True))
 
@@ -554,7 +554,7 @@ def test_a_shared_limit_grows_on_the_fleets_evidence() -> None:
     fast as a lone process's (before, each needed a whole window of its own: a fleet of
     two took twice the completions per doubling, and the shared_pool bench's warm-up ran
     at half the concurrency)."""
-    from admission.limit import LimitSettings, RunningLimit
+    from admission.learned.limit import LimitSettings, RunningLimit
 
     def completions_to_grow(others: int) -> int:
         lim = RunningLimit(LimitSettings(initial=8, window=16))

@@ -18,7 +18,7 @@ replica) is retried the same way: its upstream connection is closed first, so th
 engine aborts it and no replica does the work twice. A non-stream request's only bound
 is ``upstream.total_s``: past it, the answer is 504, not a retry.
 
-Outlier ejection (gateway/outliers.py, config ``outlier``) hears of a replica's own
+Outlier ejection (gateway/upstream/outliers.py, config ``outlier``) hears of a replica's own
 failures before the first byte at once: a refused connection, no first byte in time.
 An engine's error *answer* (a 5xx status with its error object) may be the request's
 fault, not the replica's (a client's input the engine cannot handle): it is charged to
@@ -40,13 +40,13 @@ from admission.tenants import TenantLimiter
 from admission.types import Admit, Queued, Shed
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext
-from gateway.discovery import Discovery
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
+from gateway.fleet.discovery import Discovery
 from gateway.metrics import GatewayMetrics
-from gateway.outliers import EjectionChange, OutlierEjection, report_ejections
 from gateway.shutdown import shutting_down
-from gateway.upstream import UpstreamFailure
+from gateway.upstream.outliers import EjectionChange, OutlierEjection, report_ejections
+from gateway.upstream.session import UpstreamFailure
 
 # The request path's logger, as before these lines left gateway/pipeline.py: log
 # filters that select it keep working.

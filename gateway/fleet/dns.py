@@ -5,7 +5,7 @@ Each group's name is resolved every ``resolve_interval_s`` with a real DNS clien
 (dnspython, asking ``dns.servers`` or the system's resolvers; never a cache): every
 A/AAAA address, with the group's port, or every SRV target's address with the record's
 port, is one replica named ``<group>-<address>:<port>``. What changed between two
-answers is applied to discovery (gateway/discovery.py):
+answers is applied to discovery (gateway/fleet/discovery.py):
 
 - a new address is probed at once and joins admission when a probe finds it ready;
 - a vanished address takes no new request from that moment (`Discovery.retire`), its
@@ -30,7 +30,7 @@ import dns.rdatatype
 import dns.resolver
 
 from gateway.config import DnsConfig, ReplicaConfig, ReplicaGroupConfig
-from gateway.discovery import Discovery
+from gateway.fleet.discovery import Discovery
 from gateway.tasks import cancel_all
 
 log = logging.getLogger("kvgate.discovery")

@@ -1,6 +1,6 @@
 """What kvgate reads in an engine's SSE stream, without changing what it forwards.
 
-The relay (`gateway.relay`) hands each read to `take_events`, which splits complete
+The relay (`gateway.upstream.relay`) hands each read to `take_events`, which splits complete
 events off the buffer at their blank line (LF, CRLF or CR framing), counts content
 events (a lower bound of the generated tokens), records the usage chunk's counts,
 takes the usage off again when only kvgate asked for it, and turns an engine's error

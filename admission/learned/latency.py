@@ -1,5 +1,5 @@
 """A completion's latency score: measured over target, against its client's own
-timeout and against the model's configured targets (sans-IO). `admission/limit.py`
+timeout and against the model's configured targets (sans-IO). `admission/learned/limit.py`
 learns the running limit from these scores."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Renewal
     its limits from the shared ones; the running lease then splits the shared limit (a
     process alone on a replica is not capped by it, so its limit grows between
     renewals as a single process's does). What the process learned of its clients'
-    patience is shared the same way, once per interval (gateway/patience_sync.py).
+    patience is shared the same way, once per interval (gateway/state/patience_sync.py).
 
 Tenant budgets
     A tenant's rpm, tpm and concurrency are leased the same way, as a fraction of the
@@ -77,8 +77,8 @@ from admission.tenants import Gcra, TenantLimiter, TenantState
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
-from gateway.patience_sync import PatienceSync
 from gateway.state import LeaseRequest, StateBackend, StateUnavailable
+from gateway.state.patience_sync import PatienceSync
 
 log = logging.getLogger("kvgate.state")
 

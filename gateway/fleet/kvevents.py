@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 
 from gateway.config import GatewayConfig, KVEventsSource
-from gateway.discovery import Discovery
+from gateway.fleet.discovery import Discovery
 from gateway.tasks import cancel_all
 from routing.kvevents import END_SEQ, BadMessage, decode
 from routing.kvindex import GAP, EngineBlocks, KVIndex

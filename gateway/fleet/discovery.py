@@ -11,7 +11,7 @@ The first round runs for all replicas before the gateway starts serving, so ``/r
 is truthful from the first request.
 
 A probe GET slower than ``discovery.probe_timeout_s`` fails its round but is not
-dropped (`gateway.probe.RoundFetcher`): the next round takes its answer, stamped with
+dropped (`gateway.fleet.probe.RoundFetcher`): the next round takes its answer, stamped with
 when it was asked for. An engine busy serving answers its /metrics late, and that is when
 its preemption counter should reach the learned limit.
 
@@ -43,7 +43,7 @@ import aiohttp
 from admission.health import ProbeHysteresis
 from gateway.config import DiscoveryConfig, ReplicaConfig
 from gateway.door import AdmissionDoor
-from gateway.probe import Outcomes, RoundFetcher, answered, explain, fetch_round
+from gateway.fleet.probe import Outcomes, RoundFetcher, answered, explain, fetch_round
 from gateway.tasks import cancel_all
 from routing.adapters import EngineAdapter, adapter_for
 from routing.types import ReplicaState

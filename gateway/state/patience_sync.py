@@ -1,8 +1,8 @@
 """Client patience shared between gateway processes (gateway/state), one round at a time.
 
 The clients that state no timeout reach every gateway process behind a load balancer,
-so what one process learned of a population's patience (admission/patience.py) holds
-for the others. Each lease round (gateway/sharing.py) publishes what this process
+so what one process learned of a population's patience (admission/learned/patience.py) holds
+for the others. Each lease round (gateway/state/sharing.py) publishes what this process
 learned itself and changed since it last published, and adopts for each population the
 latest budget another process published (`AdmissionDoor.adopt_patience`), which applies
 only while this process has learned none of its own, and only until this process's own
@@ -15,8 +15,8 @@ attempt timeouts of a fresh kvgate's first wave).
 
 from __future__ import annotations
 
+from admission.learned.patience import Budget
 from admission.lease import SharedPatience
-from admission.patience import Budget
 from gateway.door import AdmissionDoor
 from gateway.state.backend import StateBackend
 
@@ -55,7 +55,7 @@ class PatienceSync:
         for population, budget in self.door.report.learned_patience().items():
             # A dropped estimate is not published: the record is the fleet's latest, and
             # another process may still hold what it learned; each adopter drops a stale
-            # one as it drops its own (admission/patience.py).
+            # one as it drops its own (admission/learned/patience.py).
             if budget is None or self._published.get(population) == budget:
                 continue
             key = population_key(*population)

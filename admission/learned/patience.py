@@ -369,7 +369,7 @@ class ClientPatience:
     """Patience by population (tenant, model, stream), bounded in number.
 
     A population this process has not learned takes the budget another gateway process
-    learned of it (`adopt`, from the shared state: gateway/patience_sync.py): the same
+    learned of it (`adopt`, from the shared state: gateway/state/patience_sync.py): the same
     clients reach every process behind a load balancer, and without it each new
     process (a worker, a host added, a restart) kept a wave of them under the default
     queue timeout until they left, as a fresh kvgate's first wave does. What this

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 
 from admission.config import AdmissionConfig
-from admission.margin import EstimateMargin
+from admission.learned.margin import EstimateMargin
 
 TokenCounter = Callable[[str], int]
 TokenizerLookup = Callable[[str], TokenCounter | None]
@@ -183,7 +183,7 @@ class TokenEstimator:
 
     def margin(self, model: str) -> float:
         """The share an estimated reservation of `model` keeps beyond its size
-        (`admission.margin`); the configured headroom until learned."""
+        (`admission.learned.margin`); the configured headroom until learned."""
         stats = self._models.get(model)
         cold = self._config.headroom
         return cold if stats is None else stats.short.margin(cold)

@@ -5,7 +5,7 @@ latency SLO, the latency one usually binding first (seed 001's card holds ~19 of
 job's requests but serves ~8 inside a 45 s client timeout). The ledger enforces the KV
 ceiling; a configured or engine-reported cap is an upper bound. This module learns the
 rest, per replica, so that no operator has to run the ceiling sweep and copy its answer.
-Each change of the allowed count is kept with its evidence (`admission/limitlog.py`).
+Each change of the allowed count is kept with its evidence (`admission/learned/limitlog.py`).
 
 The limit L is the number of requests kvgate lets run on the replica at once. It moves
 on evidence, one *window* at a time. A window is at least ``limit_window`` (and at least
@@ -64,7 +64,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from admission.limitlog import LimitHistory, Seen
+from admission.learned.limitlog import LimitHistory, Seen
 
 FAILURE_RATIO = 2.0
 _INSIDE_HARD = 0.85  # aim this far inside a client's timeout budget (its slowest request)
@@ -192,7 +192,7 @@ class RunningLimit:
         window = self._s.window // 2 if self._slow_start else self._s.window
         window = max(window, math.ceil(self._opened))
         if self.others > 0:
-            # Processes sharing the replica (gateway/sharing.py) each see their part of
+            # Processes sharing the replica (gateway/state/sharing.py) each see their part of
             # its completions: this one's part of the evidence is its part of the load.
             own = max(1, self._running)
             window = max(2, math.ceil(window * own / (own + self.others)))

@@ -1,7 +1,7 @@
 """What moved a replica's learned running limit, and on what evidence (sans-IO).
 
 The limit moves on windows of completions and on the engine's own signals
-(`admission/limit.py`); its current value and last reason alone cannot tell an operator
+(`admission/learned/limit.py`); its current value and last reason alone cannot tell an operator
 why a replica runs 4 today where it ran 8 yesterday. Each change of the allowed count is
 kept here with the evidence that made it, the last `HISTORY` of them per replica: the
 gateway logs each one (`kvgate.limit`) and `/admin/replicas` lists them.

@@ -51,11 +51,11 @@ from gateway.body import with_member
 from gateway.config import UpstreamConfig
 from gateway.context import RequestContext
 from gateway.errors import ApiError, upstream_error
-from gateway.sse import record_usage, take_events, take_named_events
-from gateway.upstream import UpstreamFailure, classify_client_error
-from gateway.watchdog import StreamWatchdog
+from gateway.upstream.session import UpstreamFailure, classify_client_error
+from gateway.upstream.sse import record_usage, take_events, take_named_events
+from gateway.upstream.watchdog import StreamWatchdog
 
-# Endpoints whose streams are typed events (gateway/sse.py); the others (chat,
+# Endpoints whose streams are typed events (gateway/upstream/sse.py); the others (chat,
 # completions, audio) stream ``data:`` chunks ending in ``[DONE]``.
 _NAMED = frozenset({"responses", "messages"})
 _SSE_HEADERS_BASE = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
