@@ -55,15 +55,10 @@ class Placement:
         """Route with `router` from now on (a reloaded config). Requests the old one
         placed end without telling it: routing's memory of them starts afresh."""
         self.router = router
-        self._placed_hook = getattr(router, "placed", None)
-        self._released_hook = getattr(router, "released", None)
-        self._hints_hook = getattr(router, "hints", None)
-        self._warm_hook = getattr(router, "warm", None)
 
     def released(self, request_id: str, replica: str, now: float) -> None:
         """Tell routing a request it placed has ended."""
-        if self._released_hook is not None:
-            self._released_hook(request_id, replica, now)
+        self.router.released(request_id, replica, now)
 
     def candidate_names(self, req: AdmissionRequest) -> Iterable[str]:
         """Usable replicas `req` could ever run on (none that it avoids)."""
@@ -114,8 +109,8 @@ class Placement:
         req.need_tokens = entry.raw
         req.now = now
         hinted: list[str] = []
-        if not complete and self._hints_hook is not None:
-            hinted = self._hints_hook(req)
+        if not complete:
+            hinted = self.router.hints(req)
             for name in hinted:
                 if name not in fit:
                     rep = reps.get(name)
@@ -146,7 +141,7 @@ class Placement:
         rep = reps.get(choice.name)
         if rep is None or not fit.get(choice.name):
             raise ValueError(f"picker returned {choice.name!r}, which was not a candidate")
-        if self._warm_hook is not None and req.prefix_hashes:
+        if req.prefix_hashes:
             # Only when a replica routing may prefer could not be a candidate (full).
             if complete:
                 full = not all(fit.values())
@@ -155,8 +150,7 @@ class Placement:
             if full and self._wait_for_warm(req, rep, fit, now):
                 return REJECTED  # waits for the warm replica without blocking anyone
         admit = ledger.reserve(rep, req, now, entry.entered)
-        if self._placed_hook is not None:
-            self._placed_hook(req, rep.cand, now)
+        self.router.placed(req, rep.cand, now)
         return admit
 
     def _wait_for_warm(
@@ -177,7 +171,7 @@ class Placement:
         either, or without a drain rate on the warm one, there is no basis to wait and
         the request starts now. Routing names the warm replicas (`Router.warm`); this is
         admission's when, not routing's where."""
-        warm = self._warm_hook(req)  # type: ignore[misc]
+        warm = self.router.warm(req)
         if not warm:
             return False
         name, cached = warm[0]

@@ -49,6 +49,7 @@ from gateway.shutdown import log_pending_tasks, wait_until
 from gateway.state import StateBackend
 from gateway.state.collector import StateCollector
 from gateway.state.sharing import StateSync, make_backend
+from gateway.stream_reservation import StreamReservation
 from gateway.upstream.relay import Relay
 from gateway.upstream.session import make_session
 from routing.types import Router
@@ -90,23 +91,18 @@ def build_app(
             st.queue_depths,
             lambda: report.top_up_failures,
         )
-        decisions = getattr(st.door.router, "decisions", None)
-        if decisions is not None:
-            choices = report.ttft_choices
-            st.metrics.watch_routing(lambda: {**decisions, **choices})
-        routes = getattr(st.door.router, "route_decisions", None)
-        if routes is not None:
-            st.metrics.watch_route_decisions(lambda: routes)
+        # Read through the door at each scrape: a reload may replace the router.
+        choices = report.ttft_choices
+        st.metrics.watch_routing(lambda: {**st.door.router.decision_counts(), **choices})
+        st.metrics.watch_route_decisions(lambda: st.door.router.route_decision_counts())
         st.metrics.watch_engines(lambda: [w.state for w in st.discovery.watchers.values()])
         st.metrics.watch_patience(report.patience_readings)
-        pipeline_ref: list[Pipeline] = []
-        st.metrics.watch_retry_budget(lambda: pipeline_ref[0].retry_budget())
+        st.metrics.watch_retry_budget(lambda: st.pipeline.retry_budget())
         relay = Relay(
             session,
             config.upstream,
-            lambda ctx: pipeline_ref[0].on_progress(ctx),
+            StreamReservation(st.door),
             client_write_timeout_s=config.limits.client_write_timeout_s,
-            on_first_token=lambda ctx: st.door.first_token(ctx.admission_id),
         )
         counter = PromptCounter(
             config, st.estimator, st.discovery, st.door.report, st.metrics, session
@@ -121,7 +117,6 @@ def build_app(
             counter=counter,
             tenants=st.tenants,
         )
-        pipeline_ref.append(st.pipeline)
         forwarder.append(
             Forwarder(
                 config,

@@ -161,16 +161,16 @@ class AdmissionDoor:
     def first_token(self, request_id: str | None) -> None:
         """A request's first token left its replica (the relay saw it): routing stops
         counting its prefill as waiting there (routing.prefill). Changes no admission."""
-        hook = getattr(self._controller.router, "first_token", None)
-        if request_id is not None and hook is not None:
-            hook(request_id, self._loop.time())
+        if request_id is not None:
+            self._controller.router.first_token(request_id, self._loop.time())
 
     def prompt_cached(self, request_id: str | None, cached: int, chars_per_token: float) -> None:
         """The engine held `cached` tokens of a request's prompt (its usage): routing
         corrects its prefix index (routing.prefixfeedback). Changes no admission."""
-        hook = getattr(self._controller.router, "prompt_cached", None)
-        if request_id is not None and hook is not None:
-            hook(request_id, cached, chars_per_token, self._loop.time())
+        if request_id is not None:
+            self._controller.router.prompt_cached(
+                request_id, cached, chars_per_token, self._loop.time()
+            )
 
     def release(self, request_id: str, completion: Completion | None = None) -> None:
         """Free a reservation or queue entry (idempotent) and hand out what that admits."""

@@ -131,7 +131,7 @@ class Pipeline:
         # reads them or a replica of the model counts shared prefixes once
         # (admission.prefixshare).
         routing = config.routing
-        self._route_prefix = bool(getattr(door.router, "needs_prefix", False))
+        self._route_prefix = door.router.needs_prefix
         self._prefix = (
             (routing.block_chars, routing.max_prefix_blocks)
             if self._route_prefix or config.admission.share_prefix
@@ -147,7 +147,7 @@ class Pipeline:
             self.tenants,
             metrics,
             discovery.known_models,
-            route_of=getattr(door.router, "route_of", None),
+            route_of=lambda rid: door.router.route_of(rid),  # a reload may replace the router
         )
         self.failover = Failover(config, door, discovery, metrics, self.tenants, self.release)
         # The outlier detector (None: disabled), read by /admin/replicas.
@@ -460,15 +460,6 @@ class Pipeline:
             if ctx.response_id is not None and ctx.outcome == "ok":
                 remember_answer(self.stored, ctx, replica, self._loop.time())
             return resp
-
-    def on_progress(self, ctx: RequestContext) -> None:
-        """A stream outgrew its reservation: ask for more (never cuts the stream)."""
-        total = ctx.req.prompt_tokens + ctx.generated
-        want = total + max(16, total // 8)
-        if ctx.admission_id and self.door.top_up(ctx.admission_id, want, self._loop.time()):
-            res = self.report.reservation(ctx.admission_id)
-            ctx.reserved = res.reserved_tokens if res else want
-        ctx.topup_at = max(ctx.reserved, want)
 
     def release(self, ctx: RequestContext) -> None:
         """Free the reservation or queue entry (idempotent; always runs), telling

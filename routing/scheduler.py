@@ -36,10 +36,10 @@ from routing.plugin import (
     reads_prefix,
 )
 from routing.registry import build
-from routing.types import Candidate, RouteRequest
+from routing.types import Candidate, Router, RouteRequest
 
 
-class Profile:
+class Profile(Router):
     """One filter -> score -> pick pipeline (module docstring), and its plugins' hooks."""
 
     def __init__(
@@ -132,7 +132,7 @@ class Profile:
         return self.picker.choose(req, list(zip(totals, kept, strict=True)))
 
 
-class SchedulingRouter:
+class SchedulingRouter(Router):
     """Profiles by model, by workload class and a default, and the plugins' hooks."""
 
     def __init__(
@@ -180,6 +180,12 @@ class SchedulingRouter:
         self.route_decisions[key] = self.route_decisions.get(key, 0) + 1
         self._last = (req.request_id, f"{req.workload}/{profile.scoring}/{reason}")
         return chosen
+
+    def decision_counts(self) -> dict[str, int]:
+        return self.decisions
+
+    def route_decision_counts(self) -> dict[tuple[str, str], int]:
+        return self.route_decisions
 
     def route_of(self, request_id: str) -> str | None:
         """How a placed request was routed ("<workload>/<scoring>/<reason>"), until it

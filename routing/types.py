@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -145,20 +144,61 @@ class RouteRequest:
     token_block_size: int = 0
 
 
-class Router(Protocol):
+class Router:
     """Where a request goes, among replicas admission found able to take it now.
 
+    A policy subclasses this and overrides `pick`; every other member is a hook with a
+    no-op default, so admission and the gateway call them without asking whether a
+    policy has them (`routing.scheduler.SchedulingRouter` is the built-in policy).
+
     `pick` returns one of `candidates` or None (every candidate rejected: the request
-    stays queued without holding anything up). The optional hooks ``placed(req,
-    replica, now)`` and ``released(request_id, replica, now)`` are called by admission
-    when it reserves a replica for a request and when it frees that reservation, so a
-    policy can keep state (prefix index, session table). The optional ``hints(req) ->
-    list[str]`` names replicas the policy wants among the candidates whatever their
-    headroom (warm prefix, session, speculating): admission scores a shortlist of the
-    replicas with the most headroom plus these, not the whole fleet. The optional
-    ``warm(req) -> list[tuple[str, int]]`` names replicas expected to hold part of the
-    prompt cached, with those tokens, warmest first: admission weighs waiting for a
-    full warm replica against a cold start now by expected time to first token.
+    stays queued without holding anything up). `placed` and `released` are called when
+    admission reserves a replica for a request and when it frees that reservation, so a
+    policy can keep state (prefix index, session table). `hints` names replicas the
+    policy wants among the candidates whatever their headroom (warm prefix, session,
+    speculating): admission scores a shortlist of the replicas with the most headroom
+    plus these, not the whole fleet. `warm` names replicas expected to hold part of the
+    prompt cached, with those tokens, warmest first: admission weighs waiting for a full
+    warm replica against a cold start now by expected time to first token. The gateway
+    reports a request's first token (`first_token`) and the prompt tokens its engine
+    had cached (`prompt_cached`), and reads which profile placed a request (`route_of`)
+    and the decision counters it exports (`decision_counts`, `route_decision_counts`).
     """
 
-    def pick(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None: ...
+    # The policy reads the request's prompt prefix block hashes (computed only then).
+    needs_prefix: bool = False
+
+    def pick(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Candidate | None:
+        raise NotImplementedError
+
+    def placed(self, req: RouteRequest, candidate: Candidate, now: float) -> None:
+        return None
+
+    def released(self, request_id: str, replica: str, now: float) -> None:
+        return None
+
+    def hints(self, req: RouteRequest) -> list[str]:
+        return []
+
+    def warm(self, req: RouteRequest) -> list[tuple[str, int]]:
+        return []
+
+    def first_token(self, request_id: str, now: float) -> None:
+        return None
+
+    def prompt_cached(
+        self, request_id: str, cached: int, chars_per_token: float, now: float
+    ) -> None:
+        return None
+
+    def route_of(self, request_id: str) -> str | None:
+        """The profile that placed a running request (None: not known)."""
+        return None
+
+    def decision_counts(self) -> dict[str, int]:
+        """Decisions by how they were made (kvgate_routing_decisions_total)."""
+        return {}
+
+    def route_decision_counts(self) -> dict[tuple[str, str], int]:
+        """Decisions by (workload, the profile's scoring) (kvgate_route_decisions_total)."""
+        return {}

@@ -40,8 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -118,6 +117,16 @@ async def _write(resp: web.StreamResponse, data: bytes) -> None:
         raise ClientGone() from e
 
 
+class StreamHooks(Protocol):
+    """What the relay reports of a running stream (gateway.stream_reservation)."""
+
+    def first_token(self, ctx: RequestContext) -> None:
+        """Its first event: the prompt's prefill on the replica is done."""
+
+    def outgrew(self, ctx: RequestContext) -> None:
+        """Its generated tokens passed ``ctx.topup_at``: top its reservation up."""
+
+
 class Relay:
     """Forwards requests over the shared upstream session."""
 
@@ -125,19 +134,15 @@ class Relay:
         self,
         session: aiohttp.ClientSession,
         cfg: UpstreamConfig,
-        on_progress: Callable[[RequestContext], None],
+        hooks: StreamHooks,
         *,
         client_write_timeout_s: float = 60.0,
-        on_first_token: Callable[[RequestContext], None] | None = None,
     ) -> None:
         self._session = session
         self._cfg = cfg
         # A client that takes none of its stream for this long is cut (see _stream).
         self._write_timeout = client_write_timeout_s
-        # Called when a stream's generated tokens pass ctx.topup_at (reservation top-up).
-        self._on_progress = on_progress
-        # Called at a stream's first event: the prompt's prefill on the replica is done.
-        self._on_first_token = on_first_token
+        self._hooks = hooks
 
     # ------------------------------------------------------------------ request body
     @staticmethod
@@ -293,11 +298,10 @@ class Relay:
                                 not named or ctx.events or ctx.done_seen
                             ):
                                 ctx.first_byte_at = now
-                                if self._on_first_token is not None:
-                                    self._on_first_token(ctx)
+                                self._hooks.first_token(ctx)
                             ctx.last_event_at = now
                             if ctx.generated + ctx.req.prompt_tokens > ctx.topup_at:
-                                self._on_progress(ctx)
+                                self._hooks.outgrew(ctx)
                         if not named or ctx.events or ctx.done_seen:
                             wd.last = loop.time()
                     if buf:  # trailing bytes without a final blank line: pass them on

@@ -411,7 +411,7 @@ def test_custom_picker_sees_the_request_and_may_decline() -> None:
 
     seen: list[tuple[RouteRequest, list[str]]] = []
 
-    class OnlyR2:
+    class OnlyR2(Router):
         def pick(self, req: RouteRequest, candidates: list[Candidate]) -> Candidate | None:
             seen.append((req, [c.name for c in candidates]))
             return next((c for c in candidates if c.name == "r2"), None)

@@ -10,11 +10,11 @@ from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.types import Admit, Queued
 from routing.scheduler import build_router
-from routing.types import Candidate, RouteRequest
+from routing.types import Candidate, Router, RouteRequest
 from tests.admission.helpers import replica, request
 
 
-class RejectsOne:
+class RejectsOne(Router):
     """Rejects every replica for request ids starting with "bad"; records the hooks."""
 
     def __init__(self) -> None:
@@ -34,9 +34,9 @@ class RejectsOne:
         self.events.append(("released", request_id, replica))
 
 
-def make(router: object) -> AdmissionController:
+def make(router: Router) -> AdmissionController:
     cfg = AdmissionConfig(headroom=0.0, learn_limit=False, retry_jitter=0.0)
-    return AdmissionController(cfg, router)  # type: ignore[arg-type]
+    return AdmissionController(cfg, router)
 
 
 def test_a_request_every_filter_rejects_does_not_block_the_queue() -> None:
@@ -117,7 +117,7 @@ def test_scheduling_router_places_sessions_through_admission() -> None:
         assert got.replica == home  # affinity beats the emptier replica
 
 
-class WarmOn:
+class WarmOn(Router):
     """Prefers `warm` (holding `cached` prompt tokens) whenever it is a candidate."""
 
     def __init__(self, warm: str, cached: int) -> None:
