@@ -1,6 +1,6 @@
 """How fast any admission that keeps the pool by final sizes can be, on the real vLLM.
 
-DESIGN.md's invariant 3: the gateway never admits more KV demand to a replica than its
+invariant 3 (docs/principles.md): the gateway never admits more KV demand to a replica than its
 pool. kvgate books each request's final size (prompt + output); vLLM books only what a
 request holds so far and preempts when the outputs outgrow the pool. This bench measures
 the ceiling the invariant sets, with an oracle no gateway has: it knows every request's

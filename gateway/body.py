@@ -5,7 +5,7 @@ its bytes do; a body that has not arrived within ``limits.body_timeout_s`` is a 
 slow body holds a connection and a handler). JSON that is not valid is a 400, and so
 is valid JSON with a string that is not Unicode text (a lone surrogate escape such as
 ``"\ud800"``): no engine can encode it, and sent on, it would come back as the engine's
-500 and count against a replica that did nothing wrong (DESIGN invariant 8).
+500 and count against a replica that did nothing wrong (invariant 8, docs/principles.md).
 """
 
 from __future__ import annotations

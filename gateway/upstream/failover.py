@@ -23,7 +23,7 @@ failures before the first byte at once: a refused connection, no first byte in t
 An engine's error *answer* (a 5xx status with its error object) may be the request's
 fault, not the replica's (a client's input the engine cannot handle): it is charged to
 the replica only when the same request then succeeds on another one. A request that
-fails on both is the request's fault (DESIGN invariant 8): neither replica is charged,
+fails on both is the request's fault (invariant 8, docs/principles.md): neither replica is charged,
 and the client gets the engine's answer. Consecutive failures eject the replica from
 admission for a doubling, capped time; requests already reserved there run on and
 release as they end. Admission hears of each ejection and its end as a subscriber.

@@ -11,7 +11,7 @@ knows neither. A subscriber that raises is logged and the others still hear the 
 Only the failures that say the replica is unwell count (`OUTLIER_FAILURES`): a refused
 connection, no first byte in time, and a 5xx answer once the request path has judged it
 the replica's (gateway/upstream/failover.py: another replica then served the same request; a
-request that fails everywhere is the request's fault, DESIGN invariant 8). Any other
+request that fails everywhere is the request's fault, invariant 8 (docs/principles.md)). Any other
 answer resets the count.
 """
 

@@ -1,4 +1,4 @@
-"""A deadline nobody states is not assumed (DESIGN invariant 7): a request whose client
+"""A deadline nobody states is not assumed (invariant 7, docs/principles.md): a request whose client
 states no timeout, of a population whose patience is not learned yet, waits in the queue
 until it starts or its client leaves, unless an operator configured `queue_timeout_s`."""
 

@@ -1,6 +1,6 @@
 """Failover over real loopback HTTP (gateway/upstream/failover.py): a retry never goes back to
 the replica that failed it, and a client's request never counts against a replica's
-health; only the replica's own failures do (DESIGN invariant 8).
+health; only the replica's own failures do (invariant 8, docs/principles.md).
 
 Replicas are embedded enginesim servers; a crash aborts every connection and stops
 listening, which is how a SIGKILLed engine looks from outside. The `gateway` fixture
