@@ -44,8 +44,10 @@ from enginesim.profiles import load_profile
 from enginesim.types import EventKind, SimRequest
 from enginesim.workloads import WorkItem
 from gateway import accounting
+from gateway import outcome as ends
 from gateway.context import RequestContext
 from gateway.door import AdmissionDoor
+from gateway.outcome import CLIENT_DISCONNECT, OK, Outcome
 from gateway.stated import SDK_DEFAULT_MAX_RETRIES
 from routing.kvindex import token_block_hashes
 from routing.scheduler import default_profile
@@ -311,7 +313,7 @@ def run(
         report.sheds[att.client] += 1
         if att.ctx is not None:
             memory.unserved(att.ctx.req, now, verdict.retry_after, verdict.budget)
-        ended(att, f"shed_{verdict.reason}")
+        ended(att, ends.shed(verdict.reason))
         live.pop(att.rid, None)
         att.done = True
         if max_retries is not None and att.retries >= max_retries:
@@ -394,7 +396,7 @@ def run(
             chains[item.request_id] = token_block_hashes(item.prompt_token_ids, core.block_size)
         return chains[item.request_id]
 
-    def ended(att: _Attempt, outcome: str) -> None:
+    def ended(att: _Attempt, outcome: Outcome) -> None:
         """The request ended with `outcome` as the gateway words it: what its account
         stage tells admission of a client that states no timeout (the gateway's own
         `gateway.accounting.patience_seen`)."""
@@ -469,7 +471,7 @@ def run(
                         core.abort(att.rid, now)
                         engine_freed(att)
                         report.stopped += 1
-                        ended(att, "client_disconnect")
+                        ended(att, CLIENT_DISCONNECT)
                         door.release(att.rid)
                         loop.drain()
                         finish(att)
@@ -480,7 +482,7 @@ def run(
                     if att.ctx is not None:  # what the gateway's account stage reports
                         att.ctx.usage_prompt = ev.prompt_tokens
                         att.ctx.usage_completion = ev.completion_tokens
-                        ended(att, "ok")
+                        ended(att, OK)
                         done = accounting.completion(att.ctx, now)
                     est.observe_output(model, ev.completion_tokens)
                     if att.estimated is not None:
@@ -531,7 +533,7 @@ def run(
                     memory.unserved(att.ctx.req, now)
                 # What the gateway's account stage makes of a client that left
                 # (gateway/accounting.py, `completion` and `patience_seen`).
-                ended(att, "client_disconnect")
+                ended(att, CLIENT_DISCONNECT)
                 gone = accounting.completion(att.ctx, now) if att.ctx is not None else None
                 door.withdraw(att.rid)  # its handler's waiter is gone, as in the gateway
                 door.release(att.rid, gone)

@@ -24,6 +24,7 @@ from admission.types import Completion
 from gateway.context import RequestContext
 from gateway.logging import access_log_enabled, log_access
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import CLIENT_DISCONNECT, OK, UPSTREAM_TIMEOUT
 
 # Upstream failures that say the replica could not serve its load: the learned limit
 # hears of them (a refused connection or a dropped one says the replica is down, not full).
@@ -47,12 +48,12 @@ def completion(ctx: RequestContext, now: float) -> Completion | None:
     if ctx.admitted_at is None:
         return None
     budget = ctx.latency_budget
-    if ctx.outcome != "ok":
-        if ctx.upstream_error in _LOAD_FAILURES or ctx.outcome == "upstream_timeout":
+    if ctx.outcome != OK:
+        if ctx.upstream_error in _LOAD_FAILURES or ctx.outcome == UPSTREAM_TIMEOUT:
             # The replica failed it: slow, or (llama.cpp) out of KV mid-stream.
             return Completion(ok=False, latency_budget=budget)
         if (
-            ctx.outcome == "client_disconnect"
+            ctx.outcome == CLIENT_DISCONNECT
             and budget is not None
             and now - ctx.arrival >= _BUDGET_SPENT * budget
         ):
@@ -75,19 +76,15 @@ def completion(ctx: RequestContext, now: float) -> Completion | None:
     )
 
 
-# Ends that say the client stayed to the end (served, shed, failed by the replica).
-_STAYED = ("ok", "shed_", "upstream_")
-
-
 def client_left(ctx: RequestContext) -> bool | None:
     """Whether an ended request's client left before its answer ended (True) or stayed to
     the end (False); None: it ended in a way that says neither (refused, cut by shutdown,
     a client that stopped reading)."""
     if ctx.cut or ctx.admission_id is None:
         return None
-    if ctx.outcome == "client_disconnect":
+    if ctx.outcome == CLIENT_DISCONNECT:
         return True
-    if ctx.outcome.startswith(_STAYED):
+    if ctx.outcome.client_stayed:
         return False
     return None
 
@@ -143,12 +140,12 @@ class Accounting:
             # The engine's count of the whole prompt: the next turn's counted prefix
             # (gateway/prefixcount.py).
             ctx.prefix.learn(ctx.usage_prompt)
-        if ctx.outcome == "ok":
+        if ctx.outcome == OK:
             self._learn(ctx)
         self._account_tenant(ctx, now)
         m = self.metrics
-        m.count_request(model_label, ctx.outcome, ctx.kind)
-        m.count_workload(ctx.req.workload, ctx.outcome)
+        m.count_request(model_label, ctx.outcome.label, ctx.kind)
+        m.count_workload(ctx.req.workload, ctx.outcome.label)
         ttft = None
         if ctx.first_byte_at is not None:
             ttft = ctx.first_byte_at - ctx.arrival
@@ -224,7 +221,7 @@ class Accounting:
                 self.tenants.correct(charge, true, now)
         m = self.metrics
         tenant = ctx.req.tenant
-        m.tenant_request(tenant, ctx.outcome)
+        m.tenant_request(tenant, ctx.outcome.label)
         if ctx.usage_prompt is not None:
             m.tenant_tokens(tenant, "prompt", ctx.usage_prompt)
         if completion_tokens := _completion_tokens(ctx):
@@ -234,7 +231,7 @@ class Accounting:
             policy.ttft_s is None and policy.itl_s is None and policy.e2e_s is None
         ):
             return
-        ok = ctx.outcome == "ok"
+        ok = ctx.outcome == OK
         if not ok and ctx.status < 500:
             return  # the client's own error or limit: not a latency the gateway missed
         _slo(m, policy, ctx, ok, now)
@@ -266,7 +263,7 @@ def _access_fields(ctx: RequestContext, ttft: float | None, now: float) -> dict[
         "stream": ctx.req.stream,
         "workload": ctx.req.workload,
         "replica": ctx.replica,
-        "outcome": ctx.outcome,
+        "outcome": ctx.outcome.label,
         "status": ctx.status,
         "prompt_tokens": ctx.usage_prompt,
         "prompt_tokens_est": ctx.req.prompt_tokens or None,

@@ -29,6 +29,7 @@ from admission.types import ReplicaUsage
 from gateway.errors import ApiError
 from gateway.fleet.discovery import Discovery
 from gateway.logging import iso8601
+from gateway.outcome import denied
 
 
 def replicas_snapshot(
@@ -165,5 +166,5 @@ def require_admin(request: web.Request, token: str | None) -> None:
             + ("" if token else " (no admin token is configured, so it is disabled)")
             + ".",
             code="invalid_admin_token",
-            outcome="unauthorized",
+            outcome=denied("unauthorized"),
         )

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from admission.tenants import TenantLimiter
 from gateway.errors import ApiError
+from gateway.outcome import denied
 
 
 def tenant_of(limiter: TenantLimiter, request: web.Request) -> str:
@@ -29,6 +30,6 @@ def tenant_of(limiter: TenantLimiter, request: web.Request) -> str:
             if key
             else "Missing API key: send Authorization: Bearer <key> (or x-api-key: <key>).",
             code="invalid_api_key",
-            outcome="unauthorized",
+            outcome=denied("unauthorized"),
         )
     return tenant

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from gateway.errors import ApiError, invalid_request
+from gateway.outcome import denied
 
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
@@ -130,5 +131,5 @@ def _too_large(limit: int) -> ApiError:
         413,
         f"Request body exceeds the limit of {limit} bytes.",
         code="request_too_large",
-        outcome="too_large",
+        outcome=denied("too_large"),
     )

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from admission.types import AdmissionRequest, Admit
 from gateway.errors import Dialect
+from gateway.outcome import UNKNOWN, Outcome
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 # The endpoint a request came in on: its body's schema, the engine path it goes to, the
@@ -97,7 +98,7 @@ class RequestContext:
     cut: bool = False
     # outcome
     status: int = 0
-    outcome: str = "unknown"
+    outcome: Outcome = UNKNOWN
 
     def __post_init__(self) -> None:
         if not self.req.request_id:

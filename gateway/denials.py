@@ -12,6 +12,7 @@ import math
 
 from admission.tenants import TenantState
 from admission.types import Refuse, Shed
+from gateway import outcome as ends
 from gateway.context import RequestContext
 from gateway.errors import ApiError
 from gateway.ratelimit import go_duration
@@ -24,7 +25,7 @@ def model_not_found(model: str) -> ApiError:
         f"The model `{model}` does not exist or you do not have access to it.",
         code="model_not_found",
         param="model",
-        outcome="model_not_found",
+        outcome=ends.denied("model_not_found"),
     )
 
 
@@ -42,7 +43,7 @@ def rate_limited(policy: TenantState, limit: str, tokens: int, wait: float, now:
             f"Requested {requested}. Reduce the prompt or max_tokens.",
             code="rate_limit_exceeded",
             param=None,
-            outcome=f"rate_limited_{limit}",
+            outcome=ends.rate_limited(limit),
         )
     left = g.fleet_remaining(now)
     shared = ""
@@ -58,7 +59,7 @@ def rate_limited(policy: TenantState, limit: str, tokens: int, wait: float, now:
         f"{go_duration(wait)}.",
         code="rate_limit_exceeded",
         retry_after=wait,
-        outcome=f"rate_limited_{limit}",
+        outcome=ends.rate_limited(limit),
     )
 
 
@@ -117,7 +118,7 @@ def shed_error(shed: Shed, ctx: RequestContext, policy: TenantState) -> ApiError
             f"{what} Please try again in {go_duration(shed.retry_after)}.",
             code="rate_limit_exceeded",
             retry_after=shed.retry_after,
-            outcome=f"shed_{shed.reason}",
+            outcome=ends.shed(shed.reason),
         )
     if shed.reason in _NOT_READY:
         return ApiError(
@@ -126,7 +127,7 @@ def shed_error(shed: Shed, ctx: RequestContext, policy: TenantState) -> ApiError
             f"retry after {max(1, math.ceil(shed.retry_after))} s.",
             code=shed.reason,
             retry_after=shed.retry_after,
-            outcome=f"shed_{shed.reason}",
+            outcome=ends.shed(shed.reason),
         )
     why = _BINDS.get(shed.binds, "are at capacity")
     return ApiError(
@@ -135,7 +136,7 @@ def shed_error(shed: Shed, ctx: RequestContext, policy: TenantState) -> ApiError
         f"retry after {max(1, math.ceil(shed.retry_after))} s.",
         code="overloaded",
         retry_after=shed.retry_after,
-        outcome=f"shed_{shed.reason}",
+        outcome=ends.shed(shed.reason),
     )
 
 
@@ -180,5 +181,5 @@ def refused_error(refuse: Refuse, ctx: RequestContext) -> ApiError:
         refusal_message(refuse),
         code=refuse.code,
         param="model" if refuse.code == "model_not_found" else _PROMPT_PARAM[ctx.kind],
-        outcome=refuse.code,
+        outcome=ends.denied(refuse.code),
     )

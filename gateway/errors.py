@@ -19,6 +19,8 @@ from typing import Literal
 
 from aiohttp import web
 
+from gateway.outcome import Outcome, denied, upstream
+
 # OpenAI's `type` values, keyed by the status they go with.
 _TYPE_FOR_STATUS = {
     400: "invalid_request_error",
@@ -106,7 +108,7 @@ class ApiError(Exception):
         param: str | None = None,
         type: str | None = None,
         retry_after: float | None = None,
-        outcome: str | None = None,
+        outcome: Outcome | None = None,
         close: bool = False,
     ) -> None:
         super().__init__(message)
@@ -116,8 +118,8 @@ class ApiError(Exception):
         self.param = param
         self.type = type or _TYPE_FOR_STATUS.get(status, "invalid_request_error")
         self.retry_after = retry_after
-        # Short label for metrics and the access log; defaults to the code.
-        self.outcome = outcome or code or f"http_{status}"
+        # How the request ended (gateway.outcome); an error kvgate answers by default.
+        self.outcome = outcome or denied(code or f"http_{status}")
         self.close = close  # the answer ends the connection (Connection: close)
 
     def body(self) -> dict[str, dict[str, str | None]]:
@@ -232,11 +234,11 @@ def upstream_error(status: int, body: object, *, fallback: str) -> ApiError:
         code=code,
         param=param if isinstance(param, str) else None,
         type=_TYPE_FOR_STATUS.get(status, "server_error" if status >= 500 else None),
-        outcome=f"upstream_{status}",
+        outcome=upstream(status),
     )
 
 
 def invalid_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(
-        400, message, param=param, code=code or "invalid_request", outcome="bad_request"
+        400, message, param=param, code=code or "invalid_request", outcome=denied("bad_request")
     )

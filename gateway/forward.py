@@ -38,6 +38,7 @@ from gateway.endpoints import PASSED_HEADERS
 from gateway.errors import ApiError, Dialect, invalid_request
 from gateway.fleet.discovery import Discovery
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import denied
 from gateway.stored_responses import StoredResponses
 
 
@@ -95,7 +96,7 @@ class Forwarder:
                     404,
                     f"Response with id '{rid}' not found.",
                     code="response_not_found",
-                    outcome="response_not_found",
+                    outcome=denied("response_not_found"),
                 )
             w = self._discovery.watchers.get(held.replica)
             if w is None or not w.state.ready:
@@ -104,7 +105,7 @@ class Forwarder:
                     f"Response with id '{rid}' not found: the replica that stored it "
                     f"({held.replica}) is {'gone' if w is None else 'not ready'}.",
                     code="response_not_found",
-                    outcome="response_not_found",
+                    outcome=denied("response_not_found"),
                 )
             raw = await read_body(request, self._max_body, self._body_timeout)
             resp = await self._send(request, request.method, held.replica, request.path, raw)

@@ -52,6 +52,7 @@ from gateway.fleet.discovery import Discovery
 from gateway.kvtokens import PromptTokenIds
 from gateway.logging import REQUEST_ID
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import CLIENT_DISCONNECT, INTERNAL_ERROR, OK
 from gateway.schemas import (
     MAX_TOKENS_CEILING,
     BodyError,
@@ -215,7 +216,7 @@ class Pipeline:
             # Client went away (aiohttp cancels the handler). Upstream is closed by the
             # relay's own finally; the reservation by ours.
             ctx.status = 499
-            ctx.outcome = "client_disconnect"
+            ctx.outcome = CLIENT_DISCONNECT
             if ctx.first_byte_at is None:
                 # It left before an answer: its retry keeps its place (admission/retries.py).
                 self._retries.unserved(ctx.req, self._loop.time())
@@ -223,7 +224,7 @@ class Pipeline:
         except Exception:
             log.exception("unhandled error in request %s", ctx.request_id)
             ctx.status = 500
-            ctx.outcome = "internal_error"
+            ctx.outcome = INTERNAL_ERROR
             return ApiError(500, "internal error in kvgate", code="internal_error").response(
                 {"x-request-id": ctx.request_id}, ctx.dialect
             )
@@ -457,7 +458,7 @@ class Pipeline:
                     continue  # admitted elsewhere: send it there
                 raise self.failover.answer(ctx, replica, f) from None
             self.failover.answered(ctx, replica)
-            if ctx.response_id is not None and ctx.outcome == "ok":
+            if ctx.response_id is not None and ctx.outcome == OK:
                 remember_answer(self.stored, ctx, replica, self._loop.time())
             return resp
 

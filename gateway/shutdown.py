@@ -19,6 +19,7 @@ from aiohttp import web
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext
 from gateway.errors import ApiError
+from gateway.outcome import SHUTDOWN_CUT, shed
 
 log = logging.getLogger("kvgate")
 
@@ -30,7 +31,7 @@ def shutting_down(config: GatewayConfig) -> ApiError:
         "kvgate is shutting down; retry the request.",
         code="shutting_down",
         retry_after=shutdown_retry_after(config),
-        outcome="shed_shutdown",
+        outcome=shed("shutdown"),
     )
 
 
@@ -80,7 +81,7 @@ class InFlight:
         """The answer of a request cut at shutdown: an error event on a started stream,
         else a 503."""
         ctx.status = 503
-        ctx.outcome = "shutdown_cut"
+        ctx.outcome = SHUTDOWN_CUT
         err = shutting_down(self.config)
         resp = ctx.client_stream
         if resp is not None and resp.prepared:

@@ -77,6 +77,7 @@ from admission.tenants import Gcra, TenantLimiter, TenantState
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
+from gateway.outcome import shed
 from gateway.state import LeaseRequest, StateBackend, StateUnavailable
 from gateway.state.patience_sync import PatienceSync
 
@@ -206,8 +207,9 @@ class StateSync:
             task, self._task = self._task, None
             task.cancel()
             # A cancellation that lands inside a client library's own timeout handling can
-            # be lost (seen once in 11 stops): the loop also ends on _stopped, and the stop
-            # waits for it no longer than one backend call before returning the leases.
+            # be lost (seen: docs/benchmarks-faults.md): the loop also ends on _stopped, and
+            # the stop waits for it no longer than one backend call before returning the
+            # leases.
             await asyncio.wait({task}, timeout=self.config.timeout_s * 2)
             if not task.done():
                 log.warning("state: the lease loop did not stop in time; returning leases anyway")
@@ -230,7 +232,7 @@ class StateSync:
             "retry the request.",
             code="state_unavailable",
             retry_after=max(1.0, self.config.renew_interval_s),
-            outcome="shed_state_unavailable",
+            outcome=shed("state_unavailable"),
         )
 
     async def _run(self) -> None:

@@ -44,6 +44,7 @@ from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
 from gateway.fleet.discovery import Discovery
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import OK, UPSTREAM_TIMEOUT, upstream
 from gateway.shutdown import shutting_down
 from gateway.upstream.outliers import EjectionChange, OutlierEjection, report_ejections
 from gateway.upstream.session import UpstreamFailure
@@ -98,7 +99,7 @@ class Failover:
         unjudged, ctx.unjudged = ctx.unjudged, None
         if ctx.upstream_error is None:
             self.ejection.success(replica)
-            if unjudged is not None and ctx.outcome == "ok":
+            if unjudged is not None and ctx.outcome == OK:
                 self.ejection.failure(*unjudged)
             return
         self.metrics.upstream_errors.labels(replica, ctx.upstream_error).inc()
@@ -150,7 +151,7 @@ class Failover:
             # The engine's own error, with its status and message; an overloaded
             # engine's 503 (or 429) says when to come back, as kvgate's own do.
             answer = f.answer
-            answer.outcome = f"upstream_{f.kind}"
+            answer.outcome = upstream(f.kind)
             if answer.status in (429, 503) and answer.retry_after is None:
                 answer.retry_after = self.door.report.retry_after(
                     ctx.req.model, ctx.reserved or ctx.req.prompt_tokens, self._loop.time()
@@ -161,13 +162,13 @@ class Failover:
                 504,
                 f"Replica {replica} timed out.",
                 code="upstream_timeout",
-                outcome="upstream_timeout",
+                outcome=UPSTREAM_TIMEOUT,
             )
         return ApiError(
             502,
             f"Replica {replica} failed: {f.client_message}.",
             code=f"upstream_{f.kind}",
-            outcome=f"upstream_{f.kind}",
+            outcome=upstream(f.kind),
         )
 
     def _serves_elsewhere(self, model: str, avoid: frozenset[str]) -> bool:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from enum import Enum
 from typing import Any, Protocol
 
 import aiohttp
@@ -50,6 +51,7 @@ from gateway.body import with_member
 from gateway.config import UpstreamConfig
 from gateway.context import RequestContext
 from gateway.errors import ApiError, upstream_error
+from gateway.outcome import CLIENT_DISCONNECT, CLIENT_STALLED, OK, End, Outcome, upstream
 from gateway.upstream.session import UpstreamFailure, classify_client_error
 from gateway.upstream.sse import record_usage, take_events, take_named_events
 from gateway.upstream.watchdog import StreamWatchdog
@@ -115,6 +117,39 @@ async def _write(resp: web.StreamResponse, data: bytes) -> None:
         await resp.write(data)
     except ConnectionError as e:  # includes aiohttp's ClientConnectionResetError
         raise ClientGone() from e
+
+
+class Ended(Enum):
+    """How a stream that was sent on ended."""
+
+    DONE = "done"  # the engine ended it
+    CLIENT_GONE = "client_gone"  # its client closed (after [DONE]: it had everything)
+    CLIENT_STALLED = "client_stalled"  # its client stopped reading and was cut
+    FAILED = "failed"  # the engine failed it or went silent
+
+
+def stream_outcome(ended: Ended, done_out: bool, upstream_error: str | None) -> Outcome:
+    """The outcome of a stream by how it ended: `done_out`, its [DONE] reached the
+    client's socket; `upstream_error`, an error the engine sent or failed it with."""
+    if ended is Ended.CLIENT_STALLED:
+        return CLIENT_STALLED
+    if ended is Ended.CLIENT_GONE:
+        return OK if done_out and upstream_error is None else CLIENT_DISCONNECT
+    # An error event from the engine ended it: an upstream error, not a completion.
+    return OK if upstream_error is None else upstream(upstream_error)
+
+
+class _Pumped:
+    """What pumping a stream reached: the engine's response, the client's, whether
+    [DONE] reached the client, whether the engine's stream was read to its end."""
+
+    __slots__ = ("up", "resp", "done_out", "clean")
+
+    def __init__(self) -> None:
+        self.up: aiohttp.ClientResponse | None = None
+        self.resp: web.StreamResponse | None = None
+        self.done_out = False
+        self.clean = False
 
 
 class StreamHooks(Protocol):
@@ -222,7 +257,7 @@ class Relay:
                 # Answered at once, generated on in the engine: its reservation is held
                 # as a request kvgate stopped waiting for is (until the engine idles).
                 ctx.upstream_abandoned = True
-            ctx.outcome = "ok"
+            ctx.outcome = OK
             return web.Response(
                 status=status,
                 body=body,
@@ -246,16 +281,11 @@ class Relay:
         headers: dict[str, str],
         data: bytes,
     ) -> web.StreamResponse:
+        """Pump the engine's stream to the client, then end it by how it ended
+        (`_finish`). Raises UpstreamFailure while nothing reached the client."""
         loop = asyncio.get_running_loop()
         cfg = self._cfg
         total_deadline = loop.time() + cfg.total_s
-        up: aiohttp.ClientResponse | None = None
-        resp: web.StreamResponse | None = None
-        clean = False
-        # [DONE] reached the client's socket: a client that closes after it has its
-        # whole answer (it need not wait for the chunked body's last bytes).
-        done_out = False
-        failure: UpstreamFailure | None = None
         # A timeout while writing (wd.writing) is the client's stall, not the engine's.
         wd = StreamWatchdog(
             loop,
@@ -264,139 +294,161 @@ class Relay:
             total_deadline,
             self._write_timeout,
         )
+        s = _Pumped()
+        failure: UpstreamFailure | None = None
         try:
             try:
                 try:
-                    try:
-                        up = await self._session.post(url, data=data, headers=headers)
-                    except aiohttp.ClientError as e:
-                        raise classify_client_error(e, started=False) from e
-                    if up.status != 200:
-                        return await self._stream_refused(ctx, up)
-                    buf = b""
-                    # Typed-event streams open with events that precede any output (the
-                    # Responses API's response.created while the prompt is prefilled):
-                    # the first token, and the end of the first-byte phase, is the
-                    # first output event there.
-                    named = ctx.kind in _NAMED
-                    take = take_named_events if named else take_events
-                    async for chunk in up.content.iter_any():
-                        buf = buf + chunk if buf else chunk
-                        out, buf = take(ctx, buf)
-                        if out:
-                            # The idle bound is for the engine, not for a slow client:
-                            # while writing (backpressure) only the total bound applies.
-                            # A client that takes nothing for client_write_timeout_s is cut.
-                            wd.begin_write(loop.time())
-                            if resp is None:
-                                resp = await self._start_client_stream(request, ctx, up)
-                            await _write(resp, out)
-                            done_out = ctx.done_seen
-                            wd.writing = False
-                            now = loop.time()
-                            if ctx.first_byte_at is None and (
-                                not named or ctx.events or ctx.done_seen
-                            ):
-                                ctx.first_byte_at = now
-                                self._hooks.first_token(ctx)
-                            ctx.last_event_at = now
-                            if ctx.generated + ctx.req.prompt_tokens > ctx.topup_at:
-                                self._hooks.outgrew(ctx)
-                        if not named or ctx.events or ctx.done_seen:
-                            wd.last = loop.time()
-                    if buf:  # trailing bytes without a final blank line: pass them on
-                        if resp is None:
-                            resp = await self._start_client_stream(request, ctx, up)
-                        await _write(resp, buf)
-                    if resp is None:
-                        raise UpstreamFailure(
-                            "dropped", "replica closed an empty stream", retryable=True
-                        )
-                    clean = True
+                    refused = await self._pump(request, ctx, url, headers, data, wd, s)
+                    if refused is not None:
+                        return refused
+                    ended = Ended.DONE
                 except asyncio.CancelledError:
                     if wd.expired():
                         raise TimeoutError from None
                     task = asyncio.current_task()
-                    if done_out and ctx.upstream_error is None and task is not None:
-                        # aiohttp cancels the handler when its client closes; one that
-                        # closes after [DONE] had its whole answer: a completion.
-                        task.uncancel()
-                        ctx.outcome = "ok"
-                        return resp if resp is not None else web.Response(status=499)
-                    raise
+                    if not (s.done_out and ctx.upstream_error is None and task is not None):
+                        raise
+                    # aiohttp cancels the handler when its client closes; one that closes
+                    # after [DONE] had its whole answer: a completion.
+                    task.uncancel()
+                    ended = Ended.CLIENT_GONE
             except TimeoutError:
                 if wd.writing and loop.time() < total_deadline:
-                    # The client's socket stayed full: it reads nothing. Drop it (and what
-                    # is buffered for it); the engine's request is aborted in `finally`.
-                    ctx.outcome = "client_stalled"
-                    ctx.status = 499
-                    if request.transport is not None:
-                        request.transport.abort()
-                    return resp if resp is not None else web.Response(status=499)
-                # Before the first byte the client has seen nothing: the request may be
-                # retried on another replica (this one's is aborted as the connection
-                # closes, so no replica does the work twice).
-                failure = UpstreamFailure(
-                    "timeout",
-                    "upstream timed out"
-                    + (" between stream chunks" if resp else " before the first token"),
-                    retryable=resp is None,
-                )
+                    ended = Ended.CLIENT_STALLED  # its socket stayed full: it reads nothing
+                else:
+                    # Before the first byte the client has seen nothing: the request may
+                    # be retried on another replica (this one's is aborted as the
+                    # connection closes, so no replica does the work twice).
+                    ended = Ended.FAILED
+                    failure = UpstreamFailure(
+                        "timeout",
+                        "upstream timed out"
+                        + (" between stream chunks" if s.resp else " before the first token"),
+                        retryable=s.resp is None,
+                    )
             except ClientGone:
-                if done_out and ctx.upstream_error is None:
-                    ctx.outcome = "ok"
-                    return resp if resp is not None else web.Response(status=499)
-                ctx.outcome = "client_disconnect"
-                ctx.status = 499
-                # Nobody reads this response; aiohttp drops it on the closed transport.
-                return resp if resp is not None else web.Response(status=499)
+                ended = Ended.CLIENT_GONE
             except aiohttp.ClientError as e:
-                failure = classify_client_error(e, started=resp is not None)
+                ended, failure = Ended.FAILED, classify_client_error(e, started=s.resp is not None)
             except UpstreamFailure as e:
-                failure = e
-            if failure is not None:
-                if resp is None:
-                    raise failure
-                # Mid-stream: the status line is gone; end the stream with an error event
-                # (the OpenAI SDKs raise APIError on it) rather than a silent truncation.
-                ctx.outcome = f"upstream_{failure.kind}"
-                ctx.upstream_error = failure.kind
-                err = ApiError(
-                    504 if failure.kind == "timeout" else 502,
-                    failure.client_message,
-                    code=f"upstream_{failure.kind}",
-                )
-                try:
-                    named = ctx.kind == "responses"
-                    await self._end(request, resp, ctx, err.sse_event(ctx.dialect, named))
-                except ConnectionError:
-                    pass
-                return resp
-            assert resp is not None
-            try:
-                if not await self._end(request, resp, ctx):
-                    return resp
-            except ConnectionError:
-                if not (done_out and ctx.upstream_error is None):
-                    ctx.outcome = "client_disconnect"
-                    ctx.status = 499
-                    return resp
-            # An error event from the engine ended it: an upstream error, not a completion.
-            ctx.outcome = "ok" if ctx.upstream_error is None else f"upstream_{ctx.upstream_error}"
-            return resp
+                ended, failure = Ended.FAILED, e
+            if failure is not None and s.resp is None:
+                raise failure
+            return await self._finish(request, ctx, s, ended, failure)
         finally:
             wd.close()
-            if up is not None:
-                if clean:
-                    up.release()
+            if s.up is not None:
+                if s.clean:
+                    s.up.release()
                 else:
                     # Closing the connection is how an engine learns to abort the request
                     # (vLLM and SGLang abort on client disconnect) and free its KV blocks.
-                    up.close()
+                    s.up.close()
 
-    async def _end(
-        self, request: web.Request, resp: web.StreamResponse, ctx: RequestContext, last: bytes = b""
-    ) -> bool:
+    async def _pump(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        url: str,
+        headers: dict[str, str],
+        data: bytes,
+        wd: StreamWatchdog,
+        s: _Pumped,
+    ) -> web.StreamResponse | None:
+        """Send the request and copy its stream, event by event, to the client until the
+        engine ends it; the answer to a refusal (an error status before streaming), else
+        None. What it reached is left in `s`."""
+        loop = asyncio.get_running_loop()
+        try:
+            s.up = up = await self._session.post(url, data=data, headers=headers)
+        except aiohttp.ClientError as e:
+            raise classify_client_error(e, started=False) from e
+        if up.status != 200:
+            return await self._stream_refused(ctx, up)
+        buf = b""
+        # Typed-event streams open with events that precede any output (the Responses
+        # API's response.created while the prompt is prefilled): the first token, and the
+        # end of the first-byte phase, is the first output event there.
+        named = ctx.kind in _NAMED
+        take = take_named_events if named else take_events
+        async for chunk in up.content.iter_any():
+            buf = buf + chunk if buf else chunk
+            out, buf = take(ctx, buf)
+            if out:
+                # The idle bound is for the engine, not for a slow client: while writing
+                # (backpressure) only the total bound applies. A client that takes
+                # nothing for client_write_timeout_s is cut.
+                wd.begin_write(loop.time())
+                if s.resp is None:
+                    s.resp = await self._start_client_stream(request, ctx, up)
+                await _write(s.resp, out)
+                # [DONE] reached the client's socket: a client that closes after it has
+                # its whole answer (it need not wait for the chunked body's last bytes).
+                s.done_out = ctx.done_seen
+                wd.writing = False
+                now = loop.time()
+                if ctx.first_byte_at is None and (not named or ctx.events or ctx.done_seen):
+                    ctx.first_byte_at = now
+                    self._hooks.first_token(ctx)
+                ctx.last_event_at = now
+                if ctx.generated + ctx.req.prompt_tokens > ctx.topup_at:
+                    self._hooks.outgrew(ctx)
+            if not named or ctx.events or ctx.done_seen:
+                wd.last = loop.time()
+        if buf:  # trailing bytes without a final blank line: pass them on
+            if s.resp is None:
+                s.resp = await self._start_client_stream(request, ctx, up)
+            await _write(s.resp, buf)
+        if s.resp is None:
+            raise UpstreamFailure("dropped", "replica closed an empty stream", retryable=True)
+        s.clean = True
+        return None
+
+    async def _finish(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        s: _Pumped,
+        ended: Ended,
+        failure: UpstreamFailure | None,
+    ) -> web.StreamResponse:
+        """End a stream that reached its client, by how it ended: the engine's end
+        written out, an in-stream error event for a failure (the OpenAI SDKs raise
+        APIError on it, rather than see a silent truncation), a stalled client dropped."""
+        resp = s.resp
+        assert resp is not None or ended is Ended.CLIENT_GONE or ended is Ended.CLIENT_STALLED
+        if ended is Ended.FAILED:
+            assert failure is not None and resp is not None
+            ctx.upstream_error = failure.kind
+            err = ApiError(
+                504 if failure.kind == "timeout" else 502,
+                failure.client_message,
+                code=f"upstream_{failure.kind}",
+            )
+            try:
+                named = ctx.kind == "responses"
+                if not await self._end(request, resp, err.sse_event(ctx.dialect, named)):
+                    ended = Ended.CLIENT_STALLED
+            except ConnectionError:
+                pass
+        elif ended is Ended.DONE:
+            assert resp is not None
+            try:
+                if not await self._end(request, resp):
+                    ended = Ended.CLIENT_STALLED
+            except ConnectionError:
+                ended = Ended.CLIENT_GONE
+        elif ended is Ended.CLIENT_STALLED:
+            if request.transport is not None:
+                request.transport.abort()
+        ctx.outcome = stream_outcome(ended, s.done_out, ctx.upstream_error)
+        if ctx.outcome.end in (End.CLIENT_DISCONNECT, End.CLIENT_STALLED):
+            ctx.status = 499
+        # Nobody reads the response of a client that left; aiohttp drops it.
+        return resp if resp is not None else web.Response(status=499)
+
+    async def _end(self, request: web.Request, resp: web.StreamResponse, last: bytes = b"") -> bool:
         """Write `last` and end the stream. A client that takes none of it within the
         write timeout (its buffers were already full) is dropped like a stalled one, so
         the end of a stream cannot hold the request either; returns False then."""
@@ -407,8 +459,6 @@ class Relay:
                 await resp.write_eof()
             return True
         except TimeoutError:
-            ctx.outcome = "client_stalled"
-            ctx.status = 499
             if request.transport is not None:
                 request.transport.abort()
             return False

@@ -15,6 +15,7 @@ from bench.vtime import run
 from enginesim.workloads import seed2_workload
 from gateway import accounting
 from gateway.door import AdmissionDoor
+from gateway.outcome import CLIENT_DISCONNECT
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, cls: type, names: tuple[str, ...]) -> Counter[str]:
@@ -67,7 +68,7 @@ def test_a_client_gone_at_its_timeout_is_judged_by_the_gateways_threshold(
 
         def completion(ctx, now):  # type: ignore[no-untyped-def]
             got = real(ctx, now)
-            if ctx.outcome == "client_disconnect":
+            if ctx.outcome == CLIENT_DISCONNECT:
                 seen.append(got)
             return got
 

@@ -14,6 +14,7 @@ from gateway.accounting import Accounting, completion, inter_token_latency
 from gateway.config import config_from_mapping
 from gateway.context import RequestContext
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import CLIENT_DISCONNECT, OK, denied, shed, upstream
 
 MODEL = "tiny-llm"
 
@@ -36,7 +37,7 @@ def streamed(events: int, first: float = 10.5, last: float = 12.5, **fields: obj
         first_byte_at=first,
         last_event_at=last,
         events=events,
-        outcome="ok",
+        outcome=OK,
         status=200,
         **fields,
     )
@@ -72,7 +73,7 @@ def test_a_completed_stream_reports_ttft_from_admission_and_the_same_itl():
 
 
 def test_a_non_stream_reports_no_ttft_or_itl_and_counts_its_own_tokens_without_usage():
-    c = ctx(model=MODEL, admitted_at=10.0, outcome="ok", prompt_tokens=12, generated=7)
+    c = ctx(model=MODEL, admitted_at=10.0, outcome=OK, prompt_tokens=12, generated=7)
     done = completion(c, now=11.0)
     assert done is not None and done.ok
     assert (done.ttft_s, done.itl_s) == (None, None)
@@ -80,21 +81,24 @@ def test_a_non_stream_reports_no_ttft_or_itl_and_counts_its_own_tokens_without_u
 
 
 def test_a_request_never_admitted_says_nothing():
-    assert completion(ctx(outcome="shed_queue_full"), now=11.0) is None
+    assert completion(ctx(outcome=shed("queue_full")), now=11.0) is None
 
 
 @pytest.mark.parametrize("how", ["stream_error", "timeout", "status_5xx"])
 def test_a_load_failure_is_a_failure_of_the_replica(how):
-    done = completion(ctx(admitted_at=10.0, outcome="upstream_x", upstream_error=how), 11.0)
+    done = completion(ctx(admitted_at=10.0, outcome=upstream("x"), upstream_error=how), 11.0)
     assert done is not None and not done.ok
 
 
 def test_a_refused_connection_is_not_about_load():
-    assert completion(ctx(admitted_at=10.0, outcome="x", upstream_error="connect"), 11.0) is None
+    assert (
+        completion(ctx(admitted_at=10.0, outcome=denied("x"), upstream_error="connect"), 11.0)
+        is None
+    )
 
 
 def test_a_client_that_leaves_at_its_declared_timeout_counts_against_the_replica():
-    left = dict(admitted_at=10.0, outcome="client_disconnect", latency_budget=10.0)
+    left = dict(admitted_at=10.0, outcome=CLIENT_DISCONNECT, latency_budget=10.0)
     early = completion(ctx(**left), now=10.0 + 8.9)  # arrival 10.0: left at 89 % of 10 s
     assert early is None  # it simply left
     late = completion(ctx(**left), now=10.0 + 9.0)
@@ -144,16 +148,16 @@ def test_a_one_event_stream_has_no_itl_to_judge():
 
 def test_a_failed_stream_misses_the_itl_target_and_a_client_error_is_not_judged():
     accounting, m = _accounting(itl_target=10.0)
-    accounting.account(ctx(stream=True, tenant="a", outcome="upstream_x", status=502), 11.0)
+    accounting.account(ctx(stream=True, tenant="a", outcome=upstream("x"), status=502), 11.0)
     assert _value(m, "kvgate_tenant_slo_total", tenant="a", target="itl") == 1
     assert _value(m, "kvgate_tenant_slo_met_total", tenant="a", target="itl") == 0
-    accounting.account(ctx(stream=True, tenant="a", outcome="bad", status=400), 11.0)
+    accounting.account(ctx(stream=True, tenant="a", outcome=denied("bad"), status=400), 11.0)
     assert _value(m, "kvgate_tenant_slo_total", tenant="a", target="itl") == 1  # unchanged
 
 
 def test_a_model_no_replica_serves_is_counted_as_unknown():
     accounting, m = _accounting(itl_target=1.0)
-    accounting.account(ctx(model="made-up", outcome="model_not_found", status=404), 11.0)
+    accounting.account(ctx(model="made-up", outcome=denied("model_not_found"), status=404), 11.0)
     labels = {"model": "_unknown", "outcome": "model_not_found"}
     assert _value(m, "kvgate_requests_total", **labels) == 1
     assert _value(m, "kvgate_requests_total", model="made-up", outcome="model_not_found") == 0

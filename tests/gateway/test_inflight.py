@@ -10,6 +10,7 @@ import json
 
 from gateway.config import config_from_mapping
 from gateway.context import RequestContext
+from gateway.outcome import SHUTDOWN_CUT
 from gateway.shutdown import InFlight
 
 CONFIG = config_from_mapping(
@@ -63,7 +64,7 @@ async def test_a_cut_request_without_a_started_stream_gets_the_shutdown_503():
     flight = InFlight(CONFIG)
     c = ctx(1)
     resp = await flight.cut_answer(c)
-    assert (c.status, c.outcome) == (503, "shutdown_cut")
+    assert (c.status, c.outcome) == (503, SHUTDOWN_CUT)
     assert resp.status == 503
     assert int(resp.headers["Retry-After"]) >= 1
     assert resp.headers["x-request-id"] == "kvg-test-1"

@@ -14,6 +14,7 @@ import pytest
 from admission.learned.patience import MIN_COHORT, MIN_EVENTS, ClientEnd
 from gateway.accounting import patience_seen
 from gateway.context import RequestContext
+from gateway.outcome import CLIENT_DISCONNECT, OK
 from tests.gateway.conftest import MODEL, wait_for
 from tests.gateway.test_ops import scrape
 from tests.gateway.test_queue import body, hold_pool
@@ -175,7 +176,7 @@ def _stream_ctx(**fields) -> RequestContext:
     ctx = RequestContext("r", "chat", "/v1/chat/completions", arrival=0.0)
     ctx.req.stream = True
     ctx.admission_id = "r"
-    ctx.outcome = "client_disconnect"
+    ctx.outcome = CLIENT_DISCONNECT
     for k, v in fields.items():
         setattr(ctx, k, v)
     return ctx
@@ -192,7 +193,7 @@ def test_where_a_stream_client_left_is_read_from_its_gaps() -> None:
     early = _stream_ctx()
     assert patience_seen(early, 3.0) == ClientEnd(3.0, True, 3.0, None)
     # Served: it sat through at least its wait for the first token.
-    served = _stream_ctx(first_byte_at=0.5, last_event_at=2.48, events=100, outcome="ok")
+    served = _stream_ctx(first_byte_at=0.5, last_event_at=2.48, events=100, outcome=OK)
     assert patience_seen(served, 2.5) == ClientEnd(2.5, False, 0.5, None, 0.5)
     # A stated timeout teaches nothing.
     assert patience_seen(_stream_ctx(patience_stated=True), 3.0) is None

@@ -22,6 +22,7 @@ from gateway.config import config_from_mapping
 from gateway.context import RequestContext
 from gateway.counting import INLINE_COUNT_TOKENS
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import OK
 from gateway.prefixcount import PrefixCounts, prompt_chain
 from gateway.prompt import chat_shape
 from gateway.schemas import ChatCompletionRequest, MessagesRequest, ResponsesRequest
@@ -108,7 +109,7 @@ def test_the_account_stage_stores_the_usage_and_teaches_the_tail_only() -> None:
     store.put("m", chain[2], 450)
     shape = chat_shape(req)
     p = store.lookup("m", chain, shape.message_chars)
-    ctx = RequestContext("r1", "chat", "/", 0.0, parsed=req, prefix=p, outcome="ok")
+    ctx = RequestContext("r1", "chat", "/", 0.0, parsed=req, prefix=p, outcome=OK)
     ctx.req.model = "m"
     ctx.prompt_chars, ctx.num_messages = shape.chars, shape.messages
     ctx.req.prompt_tokens = 450 + est.prompt_tokens("m", p.tail_chars, p.tail_messages)
