@@ -17,10 +17,10 @@
 * `POST /v1/embeddings` on any model (a real vLLM needs a pooling runner for it): one
   prefill-only core request per input, which holds its prompt's KV while prefilled and
   generates nothing; the vector is a deterministic function of the tokens
-  (`EMBED_DIM` floats, unit length, as vLLM normalizes).
+  (`enginesim.pooling.EMBED_DIM` floats, unit length, as vLLM normalizes).
 
-Every generating request goes through the chat path's own helpers
-(`EngineServer._prepared`, `_submitted`, `_batches`): it queues, takes KV, streams at the
+Every generating request goes through the chat path's own steps (`Host.prepared`,
+`submitted`, `batches`, in `enginesim.host`): it queues, takes KV, streams at the
 simulated pace, is aborted in the core when its client goes away, honours the `drop`
 fault, and counts in /metrics exactly as a chat completion does. Shapes, field order and
 event sequences follow vLLM 0.32's `entrypoints/openai/responses` and
@@ -33,12 +33,11 @@ import asyncio
 import base64
 import contextlib
 import copy
-import hashlib
 import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -58,14 +57,11 @@ from enginesim.api import (
     validated,
 )
 from enginesim.driver import RequestHandle
+from enginesim.host import Host, open_sse, prefill_together, run_to_end
+from enginesim.pooling import embedding_vector, input_items, input_prompt, list_answer
 from enginesim.types import EngineEvent, EventKind
 
-if TYPE_CHECKING:
-    from enginesim.server import EngineServer
-
-EMBED_DIM = 8  # floats per embedding
 MAX_STORED_RESPONSES = 10_000  # vLLM never evicts; a long simulation should not grow forever
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 # --------------------------------------------------------------------------------------
@@ -302,115 +298,6 @@ def _render(messages: list[dict[str, Any]], tools: Any) -> tuple[str, list[int]]
     return text, tokenizer.encode(text)
 
 
-def embedding_vector(token_ids: list[int]) -> list[float]:
-    """EMBED_DIM floats of unit length, a deterministic function of the tokens."""
-    digest = hashlib.blake2b(struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
-    raw = [v / 2**31 - 1.0 for v in struct.unpack(f"<{EMBED_DIM}I", digest[: 4 * EMBED_DIM])]
-    norm = sum(v * v for v in raw) ** 0.5 or 1.0
-    return [v / norm for v in raw]
-
-
-# --------------------------------------------------------------------------------------
-# Running requests on the core (this module's routes and enginesim.serving_api's)
-# --------------------------------------------------------------------------------------
-
-
-async def run_to_end(
-    server: EngineServer, request: web.Request, prep: Prepared, handle: RequestHandle
-) -> tuple[list[int], EngineEvent]:
-    """A non-stream request's output tokens and terminal event."""
-    ids: list[int] = []
-    final: EngineEvent | None = None
-    async for batch, end in server._batches(request, prep, handle):
-        ids.extend(batch)
-        final = end
-    assert final is not None  # noqa: S101
-    if final.kind is EventKind.ABORTED:
-        raise ApiError(500, "the engine aborted the request")
-    return ids, final
-
-
-async def prefill_together(
-    server: EngineServer,
-    request: web.Request,
-    req: SamplingRequest,
-    model: str,
-    rid: str,
-    prompts: list[tuple[str, list[int]]],
-) -> list[Prepared]:
-    """Each (text, ids) prompt as a prefill-only core request `<rid>-<i>`, run together."""
-    preps: list[Prepared] = []
-    for i, (text, ids) in enumerate(prompts):
-        prep = server._prepared(request, req, "completion", model, text, ids, 0, f"{rid}-{i}")
-        prep.sim.prefill_only = True
-        preps.append(prep)
-    async with contextlib.AsyncExitStack() as stack:
-        handles = [await stack.enter_async_context(server._submitted(p)) for p in preps]
-        await asyncio.gather(
-            *(run_to_end(server, request, p, h) for p, h in zip(preps, handles, strict=True))
-        )
-    return preps
-
-
-async def open_sse(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
-    resp.enable_chunked_encoding()
-    await resp.prepare(request)
-    return resp
-
-
-def list_answer(
-    rid: str, model: str, data: list[dict[str, Any]], usage: dict[str, Any]
-) -> web.Response:
-    """An answer that is a list of results (embeddings, scores, pooled outputs)."""
-    return web.json_response(
-        {
-            "id": rid,
-            "object": "list",
-            "created": int(time.time()),
-            "model": model,
-            "data": data,
-            "usage": usage,
-        }
-    )
-
-
-def input_items(value: Any) -> list[str | list[int]]:
-    """A pooling `input` as its prompts: a string, a list of token ids, or a list of
-    either."""
-    if isinstance(value, str):
-        return [value]
-    if value and isinstance(value[0], int):
-        return [value]
-    return list(value or [])
-
-
-def input_prompt(item: str | list[int], limit: int, purpose: str = "") -> tuple[str, list[int]]:
-    """One input's text and token ids, checked as vLLM checks them (ids in the
-    vocabulary, one to `limit` tokens)."""
-    if isinstance(item, str):
-        text, ids = item, tokenizer.encode(item)
-    else:
-        text, ids = "", list(item)
-        if any(t < 0 or t >= tokenizer.VOCAB_SIZE for t in ids):
-            raise ApiError(400, f"token ids must be in [0, {tokenizer.VOCAB_SIZE})", "input")
-    check_prompt_len(ids, limit, "input", purpose)
-    return text, ids
-
-
-def check_prompt_len(ids: list[int], limit: int, param: str, purpose: str = "") -> None:
-    if not ids:
-        raise ApiError(400, "The prompt is empty; at least one token is required.", param)
-    if len(ids) > limit:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you "
-            f"requested {len(ids)} tokens in the input{purpose}. Please reduce the length "
-            "of the input.",
-            param,
-        )
-
-
 # --------------------------------------------------------------------------------------
 # The routes
 # --------------------------------------------------------------------------------------
@@ -423,9 +310,10 @@ class StoredResponse:
 
 
 class AgentApi:
-    """The routes of this module for one `EngineServer` (vLLM and SGLang flavors)."""
+    """The routes of this module for one `EngineServer`, seen as a `Host` (vLLM and SGLang
+    flavors)."""
 
-    def __init__(self, server: EngineServer) -> None:
+    def __init__(self, server: Host) -> None:
         self.server = server
         self.responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._tasks: dict[str, asyncio.Task[None]] = {}  # background responses running
@@ -457,7 +345,7 @@ class AgentApi:
     async def create_response(self, request: web.Request) -> web.StreamResponse:
         server = self.server
         req: ResponsesRequest = validated(ResponsesRequest, await read_json(request))
-        model = server._check_model(req.model)
+        model = server.check_model(req.model)
         if req.background and req.stream:
             raise ApiError(400, "streaming background responses are not simulated", "stream")
         prev = None
@@ -474,13 +362,13 @@ class AgentApi:
             "max_output_tokens",
             "input",
         )
-        prep = server._prepared(
+        prep = server.prepared(
             request, req, "chat", model, prompt_text, prompt_ids, max_tokens, f"resp_{hex16()}"
         )
         base = self._response_head(req, prep, max_tokens)
         if req.background:
             return self._start_background(request, prep, base, messages)
-        async with server._submitted(prep) as handle:
+        async with server.submitted(prep) as handle:
             if req.stream:
                 return await self._stream_response(request, req, prep, handle, base, messages)
             ids, final = await run_to_end(self.server, request, prep, handle)
@@ -501,7 +389,7 @@ class AgentApi:
 
         async def run() -> None:
             try:
-                async with self.server._submitted(prep) as handle:
+                async with self.server.submitted(prep) as handle:
                     ids, final = await run_to_end(self.server, request, prep, handle)
             except ApiError:  # the engine aborted it (shutdown)
                 stored = self.responses.get(prep.public_id)
@@ -650,13 +538,13 @@ class AgentApi:
         await send({"response": base, "type": "response.created"})
         await send({"response": base, "type": "response.in_progress"})
         if prep.drop_after == 0:
-            self.server._drop(request, prep)
+            self.server.drop(request, prep)
         item_id: str | None = None
         text = ""
         n_out = 0
         output: list[dict[str, Any]] = []
         final: EngineEvent | None = None
-        async for ids, end in self.server._batches(request, prep, handle):
+        async for ids, end in self.server.batches(request, prep, handle):
             final = end
             n_out += len(ids)
             delta = tokenizer.decode(ids)
@@ -766,7 +654,7 @@ class AgentApi:
         server = self.server
         req: MessagesRequest = validated(MessagesRequest, await read_json(request))
         try:
-            model = server._check_model(req.model)
+            model = server.check_model(req.model)
             chat, tools = anthropic_messages(req)
             prompt_text, prompt_ids = _render(chat, tools)
             max_tokens = bound_max_tokens(
@@ -776,10 +664,8 @@ class AgentApi:
                 "max_tokens",
                 "messages",
             )
-            prep = server._prepared(
-                request, req, "chat", model, prompt_text, prompt_ids, max_tokens
-            )
-            async with server._submitted(prep) as handle:
+            prep = server.prepared(request, req, "chat", model, prompt_text, prompt_ids, max_tokens)
+            async with server.submitted(prep) as handle:
                 if req.stream:
                     return await self._stream_message(request, prep, handle)
                 ids, final = await run_to_end(self.server, request, prep, handle)
@@ -806,11 +692,11 @@ class AgentApi:
             await resp.write(f"event: {event['type']}\ndata: {dumps(event)}\n\n".encode())
 
         if prep.drop_after == 0:
-            self.server._drop(request, prep)
+            self.server.drop(request, prep)
         started = block_open = False
         n_out = 0
         final: EngineEvent | None = None
-        async for ids, end in self.server._batches(request, prep, handle):
+        async for ids, end in self.server.batches(request, prep, handle):
             final = end
             n_out += len(ids)
             if not started:  # vLLM's first chat chunk, with the prompt's usage
@@ -862,7 +748,7 @@ class AgentApi:
     async def count_tokens(self, request: web.Request) -> web.Response:
         req: CountTokensRequest = validated(CountTokensRequest, await read_json(request))
         try:
-            self.server._check_model(req.model)
+            self.server.check_model(req.model)
             chat, tools = anthropic_messages(req)
             n = len(_render(chat, tools)[1])
         except ApiError as exc:
@@ -887,7 +773,7 @@ class AgentApi:
     async def embeddings(self, request: web.Request) -> web.Response:
         server = self.server
         req: EmbeddingRequest = validated(EmbeddingRequest, await read_json(request))
-        model = server._check_model(req.model)
+        model = server.check_model(req.model)
         if req.dimensions is not None:
             raise ApiError(
                 400,

@@ -18,8 +18,8 @@ imitate the ways real engines fail, as seen from a client:
   after ``after_tokens`` tokens (mid-stream for streams; before any response otherwise).
 * ``slow``: every engine step takes ``factor`` times longer than the profile says.
 * ``slow_metrics``: ``/metrics`` answers ``delay_s`` seconds late (rendered at the end of
-  the wait), while the engine serves as usual: vLLM's API server on a busy CPU answered
-  its scrapes 3.5 s late (scripts/REAL_ENGINE_NOTES.md).
+  the wait), while the engine serves as usual, as vLLM's API server on a busy CPU
+  answered its scrapes seconds late (measured: scripts/REAL_ENGINE_NOTES.md).
 * ``none``: normal operation.
 
 This module is pure data and validation; the server and driver act on it.

@@ -63,13 +63,13 @@ class ServerView(Protocol):
     metrics: EngineMetrics
     profile: Profile
     model_name: str
-    _started_at: int
+    started_at: int
 
-    async def _serve_body(
+    async def serve_body(
         self, request: web.Request, body: Any, kind: Literal["chat", "completion"]
     ) -> web.StreamResponse: ...
 
-    def _drop(self, request: web.Request, prep: Prepared) -> NoReturn: ...
+    def drop(self, request: web.Request, prep: Prepared) -> NoReturn: ...
 
 
 BUILD_INFO = "b0-enginesim"
@@ -366,7 +366,7 @@ class LlamaCppApi:
             body=self.server.metrics.render(),
             headers={
                 "Content-Type": METRICS_CONTENT_TYPE,
-                "Process-Start-Time-Unix": str(self.server._started_at),
+                "Process-Start-Time-Unix": str(self.server.started_at),
             },
         )
 
@@ -446,10 +446,10 @@ class LlamaCppApi:
     # -- completions ---------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.server._serve_body(request, await self._body(request), "chat")
+        return await self.server.serve_body(request, await self._body(request), "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.server._serve_body(request, await self._body(request), "completion")
+        return await self.server.serve_body(request, await self._body(request), "completion")
 
     def _head(self, prep: Prepared) -> dict[str, Any]:
         return {
@@ -476,7 +476,7 @@ class LlamaCppApi:
                     and len(token_ids) >= prep.drop_after
                     and final is None
                 ):
-                    self.server._drop(request, prep)
+                    self.server.drop(request, prep)
         except asyncio.CancelledError:
             if not handle.done:  # the client went away; the engine has not noticed yet
                 self._linger(prep.public_id, handle, since)
@@ -551,7 +551,7 @@ class LlamaCppApi:
             return [{"finish_reason": finish, "index": 0, "delta": d}]
 
         if prep.drop_after == 0:
-            self.server._drop(request, prep)
+            self.server.drop(request, prep)
         sent = 0
         while True:
             for ev in pending:
@@ -577,7 +577,7 @@ class LlamaCppApi:
                             }
                         )  # fmt: skip
                     if prep.drop_after is not None and sent >= prep.drop_after:
-                        self.server._drop(request, prep)
+                        self.server.drop(request, prep)
                 elif ev.kind is EventKind.FINISHED:
                     await self._stream_final(send, chat_chunk, delta, prep, ev)
                     await resp.write(b"data: [DONE]\n\n")

@@ -167,7 +167,7 @@ class EngineServer:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._port: int | None = None
-        self._started_at = int(time.time())
+        self.started_at = int(time.time())
         self.app = self._make_app()
         if fault is not None:
             self.set_fault(fault)
@@ -400,13 +400,13 @@ class EngineServer:
         card = {
             "id": self.model_name,
             "object": "model",
-            "created": self._started_at,
+            "created": self.started_at,
             "owned_by": "sglang" if self.flavor is Flavor.SGLANG else "vllm",
             "root": self.model_name,
             "parent": None,
             "max_model_len": self.profile.max_model_len,
         }
-        cards = [card, *(lora_card(m, self._started_at) for m in self.loras.values())]
+        cards = [card, *(lora_card(m, self.started_at) for m in self.loras.values())]
         return web.json_response({"object": "list", "data": cards})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -446,11 +446,11 @@ class EngineServer:
         try:
             if "messages" in body:
                 chat = TokenizeChatRequest.model_validate(body)
-                self._check_model(chat.model)
+                self.check_model(chat.model)
                 tokens = tokenizer.encode(render_chat(chat.messages, body.get("tools")))
             else:
                 comp = TokenizeCompletionRequest.model_validate(body)
-                self._check_model(comp.model)
+                self.check_model(comp.model)
                 tokens = tokenizer.encode(comp.prompt)
         except ValidationError as exc:
             raise validation_error(exc) from None
@@ -515,7 +515,7 @@ class EngineServer:
 
     # -- completions -------------------------------------------------------------------
 
-    def _check_model(self, model: str | None) -> str:
+    def check_model(self, model: str | None) -> str:
         """The model a request is served as: the base, or a LoRA adapter it names."""
         if model is None or model == self.model_name:
             return self.model_name
@@ -538,7 +538,7 @@ class EngineServer:
             raise validation_error(exc) from None
         llamacpp = self.flavor is Flavor.LLAMACPP
         # llama-server serves one model whatever the request names.
-        model = self.model_name if llamacpp else self._check_model(req.model)
+        model = self.model_name if llamacpp else self.check_model(req.model)
         if req.n != 1:
             raise ApiError(400, f"n must be 1 (the simulator samples one choice), got {req.n}", "n")
         if req.stream_options is not None and not req.stream and not llamacpp:
@@ -591,7 +591,7 @@ class EngineServer:
                 n_predict = UNLIMITED
             else:
                 n_predict = max(1, max_tokens)
-            return self._prepared(
+            return self.prepared(
                 request, req, kind, model, prompt_text, prompt_ids, n_predict
             )  # fmt: skip
         if n_prompt == 0:  # vLLM names `prompt` for an empty chat prompt too
@@ -610,9 +610,9 @@ class EngineServer:
                 "min_tokens",
             )
 
-        return self._prepared(request, req, kind, model, prompt_text, prompt_ids, max_tokens)
+        return self.prepared(request, req, kind, model, prompt_text, prompt_ids, max_tokens)
 
-    def _prepared(
+    def prepared(
         self,
         request: web.Request,
         req: SamplingRequest,
@@ -623,6 +623,8 @@ class EngineServer:
         max_tokens: int,
         public_id: str | None = None,
     ) -> Prepared:
+        """A checked request ready for the core, as `public_id` if given (the step every
+        API's requests take after their own checks; see `enginesim.host.Host`)."""
         # The agent APIs name their own requests (resp_..., embd-...).
         if public_id is None and self.flavor is Flavor.LLAMACPP:
             public_id = "chatcmpl-" + "".join(_RNG.choices(_ALNUM, k=32))  # 32 alphanumerics
@@ -662,13 +664,14 @@ class EngineServer:
     async def _serve(
         self, request: web.Request, kind: Literal["chat", "completion"]
     ) -> web.StreamResponse:
-        return await self._serve_body(request, await read_json(request), kind)
+        return await self.serve_body(request, await read_json(request), kind)
 
-    async def _serve_body(
+    async def serve_body(
         self, request: web.Request, body: Any, kind: Literal["chat", "completion"]
     ) -> web.StreamResponse:
+        """A chat or completion request's answer from its parsed JSON body."""
         prep = self._prepare(request, body, kind)
-        async with self._submitted(prep) as handle:
+        async with self.submitted(prep) as handle:
             if self.flavor is Flavor.LLAMACPP:
                 if prep.stream:
                     return await self.llamacpp.stream(request, prep, handle)
@@ -678,7 +681,7 @@ class EngineServer:
             return await self._complete(request, prep, handle)
 
     @contextlib.asynccontextmanager
-    async def _submitted(self, prep: Prepared) -> AsyncIterator[RequestHandle]:
+    async def submitted(self, prep: Prepared) -> AsyncIterator[RequestHandle]:
         """The request in the core for the block's duration (every API's way in).
 
         Every way out (finished, client gone, cancelled, fault, bug) ends the core
@@ -695,7 +698,7 @@ class EngineServer:
             if not (self.flavor is Flavor.LLAMACPP and self.llamacpp.lingers(prep.public_id)):
                 self.driver.abort(prep.public_id)
 
-    async def _batches(
+    async def batches(
         self, request: web.Request, prep: Prepared, handle: RequestHandle
     ) -> AsyncIterator[tuple[list[int], EngineEvent | None]]:
         """A request's output step by step: (new token ids, terminal event or None).
@@ -715,7 +718,7 @@ class EngineServer:
             if final is not None:
                 return
             if prep.drop_after is not None and sent >= prep.drop_after:
-                self._drop(request, prep)
+                self.drop(request, prep)
 
     # -- non-stream --------------------------------------------------------------------
 
@@ -724,7 +727,7 @@ class EngineServer:
     ) -> web.StreamResponse:
         token_ids: list[int] = []
         final: EngineEvent | None = None
-        async for ids, end in self._batches(request, prep, handle):
+        async for ids, end in self.batches(request, prep, handle):
             token_ids.extend(ids)
             final = end
         assert final is not None  # noqa: S101
@@ -768,7 +771,7 @@ class EngineServer:
             }
         )
 
-    def _drop(self, request: web.Request, prep: Prepared) -> NoReturn:
+    def drop(self, request: web.Request, prep: Prepared) -> NoReturn:
         """The `drop` fault: abort the request and close the connection under the client."""
         self.driver.abort(prep.public_id)
         if request.transport is not None:
@@ -822,9 +825,9 @@ class EngineServer:
             return out
 
         if prep.drop_after == 0:
-            self._drop(request, prep)
+            self.drop(request, prep)
         final: EngineEvent | None = None
-        async for ids, final in self._batches(request, prep, handle):
+        async for ids, final in self.batches(request, prep, handle):
             if chat and first:
                 await send(chunk(None, None, role=True))
             first = False

@@ -3,11 +3,12 @@
 * Pooling (a real vLLM needs a pooling runner; the simulator serves them on any model):
   `POST /rerank` (`/v1/rerank`, `/v2/rerank`), `POST /score` (`/v1/score`),
   `POST /classify`, `POST /pooling`. Each prompt is a prefill-only core request, as
-  `/v1/embeddings` is (`enginesim.agent_api`): it queues, holds its prompt's KV while
-  prefilled, counts in /metrics, and is aborted when its client goes away. Score and
-  rerank run as a cross-encoder does: one request per (query, document) pair, the pair's
-  prompt being the query's tokens, a separator and the document's. Scores, class
-  probabilities and pooled vectors are deterministic functions of the tokens.
+  `/v1/embeddings` is (`enginesim.agent_api`; both use `enginesim.pooling`): it queues,
+  holds its prompt's KV while prefilled, counts in /metrics, and is aborted when its
+  client goes away. Score and rerank run as a cross-encoder does: one request per
+  (query, document) pair, the pair's prompt being the query's tokens, a separator and
+  the document's. Scores, class probabilities and pooled vectors are deterministic
+  functions of the tokens.
 * Audio: `POST /v1/audio/transcriptions` and `/v1/audio/translations` (multipart form).
   The audio becomes prompt tokens by its length: one token per `AUDIO_BYTES_PER_TOKEN`
   bytes (20 ms of 16 kHz 16-bit mono PCM, the rate of Whisper's encoder), their ids a
@@ -29,22 +30,12 @@ import base64
 import hashlib
 import math
 import struct
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from enginesim import tokenizer
-from enginesim.agent_api import (
-    check_prompt_len,
-    embedding_vector,
-    input_items,
-    input_prompt,
-    list_answer,
-    open_sse,
-    prefill_together,
-    run_to_end,
-)
 from enginesim.api import (
     ApiError,
     ChatMessage,
@@ -58,9 +49,14 @@ from enginesim.api import (
     validated,
 )
 from enginesim.driver import RequestHandle
-
-if TYPE_CHECKING:
-    from enginesim.server import EngineServer
+from enginesim.host import Host, open_sse, prefill_together, run_to_end
+from enginesim.pooling import (
+    check_prompt_len,
+    embedding_vector,
+    input_items,
+    input_prompt,
+    list_answer,
+)
 
 AUDIO_BYTES_PER_TOKEN = 640  # 20 ms of 16 kHz, 16-bit mono PCM
 AUDIO_BYTES_PER_SECOND = 32_000
@@ -263,9 +259,10 @@ def detokenize(ids: list[int]) -> str:
 
 
 class ServingApi:
-    """The routes of this module for one `EngineServer` (vLLM and SGLang flavors)."""
+    """The routes of this module for one `EngineServer`, seen as a `Host` (vLLM and SGLang
+    flavors)."""
 
-    def __init__(self, server: EngineServer) -> None:
+    def __init__(self, server: Host) -> None:
         self.server = server
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
@@ -327,7 +324,7 @@ class ServingApi:
     async def _score_pairs(
         self, request: web.Request, req: _ScoringBase, rid: str, d1: list[str], d2: list[str]
     ) -> tuple[str, list[float], int]:
-        model = self.server._check_model(req.model)
+        model = self.server.check_model(req.model)
         for name, value in (
             ("max_tokens_per_query", req.max_tokens_per_query),
             ("max_tokens_per_doc", req.max_tokens_per_doc),
@@ -393,7 +390,7 @@ class ServingApi:
     async def classify(self, request: web.Request) -> web.Response:
         req: ClassificationRequest = validated(ClassificationRequest, await read_json(request))
         rid = self._request_id(request, "classify", req.request_id)
-        model = self.server._check_model(req.model)
+        model = self.server.check_model(req.model)
         preps = await prefill_together(self.server, request, req, model, rid, self._inputs(req))
         data = []
         for i, p in enumerate(preps):
@@ -407,7 +404,7 @@ class ServingApi:
     async def pooling(self, request: web.Request) -> web.Response:
         req: PoolingRequest = validated(PoolingRequest, await read_json(request))
         rid = self._request_id(request, "pooling", req.request_id)
-        model = self.server._check_model(req.model)
+        model = self.server.check_model(req.model)
         if req.dimensions is not None:
             raise ApiError(400, "dimensions is currently not supported", "dimensions")
         task = req.task or "embed"
@@ -447,7 +444,7 @@ class ServingApi:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         req: DetokenizeRequest = validated(DetokenizeRequest, await read_json(request))
-        self.server._check_model(req.model)
+        self.server.check_model(req.model)
         if any(t < 0 or t >= tokenizer.VOCAB_SIZE for t in req.tokens):
             raise ApiError(400, f"token ids must be in [0, {tokenizer.VOCAB_SIZE})", "tokens")
         return web.json_response({"prompt": detokenize(req.tokens)})
@@ -492,7 +489,7 @@ class ServingApi:
         audio, form = await self._read_form(request)
         if form.stream and form.use_beam_search:
             raise ApiError(400, "Streaming is not currently supported with beam search")
-        model = server._check_model(form.model)
+        model = server.check_model(form.model)
         if form.response_format not in ("text", "json", "verbose_json", "diarized_json"):
             raise ApiError(
                 400,
@@ -514,8 +511,8 @@ class ServingApi:
             "file",
         )
         rid = self._request_id(request, task)
-        prep = server._prepared(request, form, "completion", model, "", prompt_ids, max_tokens, rid)
-        async with server._submitted(prep) as handle:
+        prep = server.prepared(request, form, "completion", model, "", prompt_ids, max_tokens, rid)
+        async with server.submitted(prep) as handle:
             if form.stream:
                 return await self._audio_stream(request, prep, handle, form, task)
             ids, _final = await run_to_end(self.server, request, prep, handle)
@@ -557,8 +554,8 @@ class ServingApi:
             await resp.write(f"data: {dumps(payload)}\n\n".encode())
 
         if prep.drop_after == 0:
-            self.server._drop(request, prep)
-        async for ids, final in self.server._batches(request, prep, handle):
+            self.server.drop(request, prep)
+        async for ids, final in self.server.batches(request, prep, handle):
             n_out += len(ids)
             text = tokenizer.decode(ids)
             if final is None and not text:

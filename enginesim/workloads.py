@@ -5,12 +5,13 @@ requests (large prompts, small structured JSON outputs)". The seed gives no leng
 we choose and document them:
 
 * a shared instruction prefix (system message: an extraction brief plus a JSON schema,
-  ~330 tokens), identical in every request, so a prefix cache can share it;
-* a unique document per request (user message): lognormal token length, median 1,800,
-  sigma 0.5, clipped to [400, 6,000] (mean ~2,050; p90 ~3,400). Each document opens with
-  a unique header, so prefix-cache sharing stops at the instruction prefix;
-* an output of a small JSON object: lognormal, median 90 tokens, sigma 0.45, clipped to
-  [24, 256] (a few dozen to a couple of hundred tokens).
+  ~340 tokens), identical in every request, so a prefix cache can share it;
+* a unique document per request (user message): lognormal token length (`DOC_MEDIAN`
+  2,000, `DOC_SIGMA` 0.35, clipped to [600, 5,000]: mean ~2,120, p90 ~3,130). Each
+  document opens with a unique header, so prefix-cache sharing stops at the instruction
+  prefix;
+* an output of a small JSON object: lognormal (`OUT_MEDIAN` 70 tokens, `OUT_SIGMA` 0.4,
+  clipped to [24, 200]: a few dozen to a couple of hundred tokens).
 
 Prompts are rendered through `tokenizer.apply_chat_template`, and token ids are exactly
 `tokenizer.encode(prompt_text)` (tested), built from pre-encoded sentences so 738 items

@@ -109,10 +109,10 @@ _LOCAL_CACHE_MIN_CHARS = 512  # shorter texts are cheaper to count than to hash
 _CHAIN_MIN_CHARS = 512
 # A prompt is counted on a replica before admission (inline) when the part of it no count
 # covers is estimated at INLINE_COUNT_TOKENS or more and at INLINE_COUNT_SHARE of the
-# prompt or more. The estimate overstates text by its characters-per-token error (the
-# cold 3.0 overstated seed2's text 1.66x, 1 - 1/1.66 = 40% of the estimate), so an
-# uncounted part under 1/8 of the prompt keeps the prompt's count within 5% of exact,
-# and one under 512 tokens wastes at most ~200 tokens of KV.
+# prompt or more. The estimate overstates text by its characters-per-token error, taken
+# here as 40% of the estimate (the cold 3.0 on seed 2's text; measured: docs/counting.md),
+# so an uncounted part under 1/8 of the prompt keeps the prompt's count within 5% of
+# exact, and one under 512 tokens wastes at most ~200 tokens of KV.
 INLINE_COUNT_TOKENS = 512
 INLINE_COUNT_SHARE = 1 / 8
 # What else changes the count of the same messages: the chain's first digest covers them.

@@ -8,12 +8,10 @@ allocations instead of CPython's 700.
 Why: a request allocates a few hundred short-lived containers (the parsed body, the
 context, aiohttp's request and response objects), nearly all freed by reference
 counting, not by the cyclic collector. At CPython's default a young collection ran every
-few requests, and each older collection walked every long-lived object. In paired wrk
-rounds (non-stream, nginx upstream, this branch with and without the tuning, 5 rounds of
-4 s on the shared 2-core machine) the tuned process served 1.2x-1.3x the requests/s; the
-machine's noise is large, see docs/benchmarks-cost.md. The cost is memory: cyclic
-garbage (an exception's traceback, a cancelled task) waits longer to be freed, bounded
-by the threshold.
+few requests, and each older collection walked every long-lived object; the tuned
+process serves more requests a second (measured: docs/benchmarks-cost.md). The cost is
+memory: cyclic garbage (an exception's traceback, a cancelled task) waits longer to be
+freed, bounded by the threshold.
 """
 
 from __future__ import annotations

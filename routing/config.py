@@ -85,8 +85,8 @@ def workload_profiles() -> dict[str, ProfileConfig]:
             ]
         ),
         # The session's own replica holds its whole history: stay there unless the
-        # prefix trade says otherwise (on bench/agentic_prefix.py's tuning seed 1, one
-        # run: hit rate 0.73 without the affinity, 0.82 with it).
+        # prefix trade says otherwise (the affinity raised the hit rate on
+        # bench/agentic_prefix.py's tuning seed; measured: docs/benchmarks-agentic.md).
         "agentic": ProfileConfig(
             scorers=[_ref(ScorerRef, "prefix_load"), _ref(ScorerRef, "session_affinity")]
         ),

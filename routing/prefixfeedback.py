@@ -21,8 +21,8 @@ block (an engine caches whole blocks; characters per token vary inside a prompt)
 The answers also say how many characters an engine token of that replica's prompts
 holds (the request's characters / its prompt tokens): `chars_per_token` per replica, a
 running mean, turns the index's blocks of characters into the engine's tokens and
-sizes the index from the pool, where a fixed guess (``chars_per_token``, 4) was off by
-3x on the real vLLM's test prompts.
+sizes the index from the pool, where a fixed guess (``chars_per_token``, 4) was far off
+on the real vLLM's test prompts (docs/routing.md gives both).
 
 Each move goes halfway (the first miss sets the horizon), so one odd answer (a
 restart, another client's burst) does not decide alone. The chain itself is not cut

@@ -1,10 +1,11 @@
 """The running ceiling of one replica, learned online from what it measures (sans-IO).
 
 Seed 000 names three ceilings: KV capacity, the running-request cap and the per-user
-latency SLO, the latency one usually binding first (seed 001's card holds ~19 of that
-job's requests but serves ~8 inside a 45 s client timeout). The ledger enforces the KV
-ceiling; a configured or engine-reported cap is an upper bound. This module learns the
-rest, per replica, so that no operator has to run the ceiling sweep and copy its answer.
+latency SLO, the latency one usually binding first (seed 001's card holds more of that
+job's requests in its KV pool than it serves inside a 45 s client timeout: measured in
+docs/benchmarks.md). The ledger enforces the KV ceiling; a configured or engine-reported
+cap is an upper bound. This module learns the rest, per replica, so that no operator has
+to run the ceiling sweep and copy its answer.
 Each change of the allowed count is kept with its evidence (`admission/learned/limitlog.py`).
 
 The limit L is the number of requests kvgate lets run on the replica at once. It moves

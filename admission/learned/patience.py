@@ -27,8 +27,9 @@ deadline of a request that states none. Rules:
   none. Except a configured timeout: when the window's departures, at least
   ``MIN_COHORT`` of them, all came after one wait (within a tenth, and ``COHORT_S``), the
   clients share one timeout and it is that wait (a plain HTTP client with ``total=T``:
-  eight of 32 leave at T together, and waiting for ten held the rest of a 60-request run
-  to a 30 s configured timeout).
+  fewer than ``MIN_EVENTS`` of its clients may leave at T together, and waiting for
+  ``MIN_EVENTS`` held the rest of a run to the configured timeout; measured:
+  docs/admission.md).
 * a curve that never falls to 1 - p within what was observed (most clients stayed as
   long as anyone was seen): no estimate either; a few impatient clients do not set the
   deadline of a patient population (a mixed one gets its low quantile, not its minimum).
@@ -64,18 +65,19 @@ of the population's recent ones (``SHAPE_MEMORY``) left within a tenth of its wa
 that cohort's first tokens came ``CLOCK_SPREAD`` times further apart than it left
 (relatively); the cohort's earlier members, taken as stays, then count as departures
 too. Otherwise it is a stay at its wait, and it does not vote on the shape. Counted as
-departures, readers that stop after 1-6 events (the chaos bench's clients, and
+departures, readers that stop after a few events (the chaos bench's clients, and
 tests/gateway/test_patience_stoppers.py's) taught their population a whole-stream
-deadline (14 ms there) that no stream met, and kvgate shed the patient streams beside
-them. Not told apart: a clock whose clients got their first
-tokens nearly as close together as they left is not seen as one (it keeps the default,
-and its departures before the first token still teach), and readers that all leave at
-one total time however far apart their first tokens came would be read as a clock.
-Hence a last check: a whole-stream deadline applies only while one of the population's
-recent streams (``SHAPE_MEMORY``) was read to its end within it. Readers leave long
-before any stream ends (three stoppers admitted at once, as a cold start of 4 did, left
-together and taught a 16 ms deadline by chance); a real clock lets its short streams
-finish; and a deadline no stream meets is not one kvgate could keep anyway.
+deadline that no stream met, and kvgate shed the patient streams beside them
+(measured: docs/admission.md, docs/benchmarks-faults.md). Not told apart: a clock whose
+clients got their first tokens nearly as close together as they left is not seen as one
+(it keeps the default, and its departures before the first token still teach), and
+readers that all leave at one total time however far apart their first tokens came
+would be read as a clock. Hence a last check: a whole-stream deadline applies only
+while one of the population's recent streams (``SHAPE_MEMORY``) was read to its end
+within it. Readers leave long before any stream ends (stoppers admitted at once in a
+cold start left together and taught a deadline of a few milliseconds by chance:
+docs/admission.md); a real clock lets its short streams finish; and a deadline no
+stream meets is not one kvgate could keep anyway.
 
 Clients that leave together (within ``TOGETHER_S`` of a close's first departure) after
 waits that differ (by more than a tenth, and ``COHORT_S``) did not each run out of

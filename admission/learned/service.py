@@ -4,10 +4,10 @@ Why two terms, not one line in their sum: under continuous batching a prompt is 
 in a few large steps while every output token costs one whole step of the batch, so an
 output token costs tens to hundreds of times a prompt token. A line in
 ``prompt + output`` cannot tell a long prompt with a short answer from the opposite;
-on seed 001's workload (prompts 1,400-4,000 tokens, outputs 40-200) its residuals spread
-about twice as wide as the plane's (kvgate demo logs: sd 0.19 s against 0.12 s, worst
-0.9-1.1 s against 0.4-0.55 s), and the queue's deadline, which takes this model's upper
-estimate, either waited too little or let a request start that could not finish in time.
+on seed 001's workload its residuals spread wider than the plane's (measured:
+docs/benchmarks-matrix.md, Other judges), and the queue's deadline, which takes this
+model's upper estimate, either waited too little or let a request start that could not
+finish in time.
 
 Least squares over the last `size` completions, both slopes kept non-negative (a
 negative slope is a fit to noise: the better of the one-term fits replaces it). A

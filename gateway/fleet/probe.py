@@ -76,7 +76,7 @@ async def fetch_round(
 
 
 # A probe answer slower than the round's timeout still counts when it comes: an engine
-# busy serving answers /metrics late (vLLM's API server on a loaded CPU took 3.5 s,
+# busy serving answers /metrics late (vLLM's API server on a loaded CPU took seconds:
 # scripts/REAL_ENGINE_NOTES.md), and its preemption counter matters most then. Bounded
 # by Prometheus' default scrape timeout: an engine its scraper waits for, kvgate waits for.
 LATE_ANSWER_S = 10.0

@@ -9,8 +9,8 @@ only while this process has learned none of its own, and only until this process
 clients are seen staying past it. The shared records outlive the processes (as the
 learned limits do): a process that starts, a worker added or the fleet restarted after
 a deploy starts from what the fleet learned, instead of holding a first wave under the
-default queue timeout until it leaves at its real patience (bench/real_vllm.py: 15-18
-attempt timeouts of a fresh kvgate's first wave).
+default queue timeout until it leaves at its real patience (a fresh kvgate's first wave
+timed out on bench/real_vllm.py; measured: docs/shared-state.md).
 """
 
 from __future__ import annotations

@@ -43,9 +43,9 @@ def parse_prometheus(
 ) -> dict[str, list[Sample]] | None:
     """Samples by sample name (e.g. ``vllm:num_preemptions_total``), or None if unparsable.
     `names`: only these samples; the other lines are dropped before parsing (vLLM's
-    ``/metrics`` is mostly histogram buckets no adapter reads: parsing it whole took 7.6
-    ms a round for one quiet engine, 0.4 ms for the lines read, and discovery parses
-    every replica's every round)."""
+    ``/metrics`` is mostly histogram buckets no adapter reads, parsing it whole costs
+    many times what the lines read cost, and discovery parses every replica's every
+    round; measured: docs/benchmarks-cost.md)."""
     if body is None:
         return None
     if names is not None:

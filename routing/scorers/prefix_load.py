@@ -66,8 +66,8 @@ class PrefixLoadScorer(PrefixCacheScorer):
 
     def scores(self, req: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
         """`score` of each candidate (the same arithmetic, the request's terms once, in
-        one pass over the matches: `_as_tokens` inline, a call per candidate cost 3%
-        of a precise decision)."""
+        one pass over the matches: `_as_tokens` inline, since a call per candidate was a
+        measurable share of a precise decision: docs/benchmarks-routing.md)."""
         # Conditionals, not max(): a builtin with keywords costs more than the arithmetic.
         raw = req.prompt_tokens  # `cached_tokens` is within it as given
         prompt = raw if raw > 0 else 0

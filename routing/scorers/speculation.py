@@ -13,11 +13,12 @@ a speculating replica whose batch with this request stays within its *crossover*
 speculation pays there and spills to plain ones past it. Other requests score a plain
 replica 1, and a speculating one 1 while its batch with them stays within
 ``others_share`` (0.25) of the crossover, 0 past it: at low load chat gains from
-speculation too (1.5x at batch 1 on enginesim), and it leaves the speculating replicas'
-batch to coding before it grows (0: other classes never go there by preference). With a
-load scorer in the profile (``kv_headroom`` / ``running_headroom``) the weights decide
-how far a preference may overload a replica. The batch is the larger of the ledger's
-running count (current) and the engine's (other clients; as of its last round).
+speculation too (less than coding: docs/simulator.md), and it leaves the speculating
+replicas' batch to coding before it grows (0: other classes never go there by
+preference). With a load scorer in the profile (``kv_headroom`` / ``running_headroom``)
+the weights decide how far a preference may overload a replica. The batch is the larger
+of the ledger's running count (current) and the engine's (other clients; as of its last
+round).
 
 Which replicas speculate: the replica's ``speculative`` label, else the engine
 (`Candidate.speculative`, from the adapters: vLLM's ``spec_decode_*`` counters, SGLang's
@@ -43,7 +44,8 @@ so speculation pays while a (s0 + s1 b / (k + 1)) > s0 + s1 b, i.e. below
   drafts) is scaled by (a - 1) / (1 - a / (k + 1)) at the engine's k over the same at the
   reference's: s0 / s1 is the hardware's, the gain the engine's own.
 - With nothing measured, ``crossover_batch`` as configured (default 32: where a pure
-  coding batch's gain falls to ~1.2x on enginesim's seed2-8b-16gb-spec).
+  coding batch's gain on enginesim's seed2-8b-16gb-spec has nearly run out; measured:
+  docs/benchmarks.md, coding on speculating replicas).
 
 ``explain`` names the decision for ``kvgate_routing_decisions_total``: ``speculation``
 (a speculating workload placed on a speculating replica), ``spill`` (placed on a plain
