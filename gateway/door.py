@@ -246,9 +246,6 @@ class AdmissionDoor:
                 extra={"fields": {"replica": name, "at": iso8601(wall + c.at), **c.fields()}},
             )
 
-    def mark_unready(self, name: str, now: float | None = None) -> None:
-        self._resolve(self._controller.mark_unready(name, self._time(now)))
-
     def set_ejected(self, name: str, ejected: bool, now: float | None = None) -> None:
         self._resolve(self._controller.set_ejected(name, ejected, self._time(now)))
 

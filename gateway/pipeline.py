@@ -150,7 +150,7 @@ class Pipeline:
             discovery.known_models,
             route_of=lambda rid: door.router.route_of(rid),  # a reload may replace the router
         )
-        self.failover = Failover(config, door, discovery, metrics, self.tenants, self.release)
+        self.failover = Failover(config, door, discovery, metrics, self.tenants)
         # The outlier detector (None: disabled), read by /admin/replicas.
         self.outliers = self.failover.outliers
         # Which replica holds each stored response (the Responses API's state).
@@ -421,11 +421,9 @@ class Pipeline:
         targets = self.tenants.tenants.get(req.tenant)
         req.ttft_target_s = targets.ttft_s if targets is not None else None
         req.itl_target_s = targets.itl_s if targets is not None else None
-        verdict, _queued = await self.door.admit(req)
+        verdict = await self._admission(ctx)
         if isinstance(verdict, Admit):
             self._retries.admitted(req)
-            ctx.admitted(verdict, self._loop.time())
-            ctx.latency_budget = verdict.latency_budget  # stated, or learned
             self.metrics.queue_wait.observe(ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
             self.metrics.tenant_queue_wait(ctx.req.tenant, ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
             return
@@ -439,6 +437,30 @@ class Pipeline:
             raise shed_error(verdict, ctx, self.tenants.get(ctx.req.tenant))
         assert isinstance(verdict, Refuse)
         raise refused_error(verdict, ctx)
+
+    async def _admission(self, ctx: RequestContext) -> Admit | Shed | Refuse:
+        """Through the door, a first attempt or a failover's retry alike: admitted now,
+        or queued until admitted or shed. An admitted request is bound to its replica."""
+        verdict, _queued = await self.door.admit(ctx.req)
+        if isinstance(verdict, Admit):
+            ctx.admitted(verdict, self._loop.time())
+            ctx.latency_budget = verdict.latency_budget  # stated, or learned
+        return verdict
+
+    async def _readmit(self, ctx: RequestContext, failed: str, f: UpstreamFailure) -> bool:
+        """A failed attempt's admission given back and the request admitted once more,
+        elsewhere (Failover.retry); False when it was not (its original error is then
+        answered)."""
+        self.release(ctx)
+        self.failover.retry(ctx, failed, f.kind)
+        verdict = await self._admission(ctx)
+        if isinstance(verdict, Shed) and verdict.reason == "shutdown":
+            raise shutting_down(self.config)
+        admitted = isinstance(verdict, Admit)
+        if not admitted:
+            self.release(ctx)
+        self.failover.retried(ctx, failed, f.kind, admitted)
+        return admitted
 
     async def route_and_relay(
         self, request: web.Request, ctx: RequestContext
@@ -454,7 +476,7 @@ class Pipeline:
             try:
                 resp = await self.relay.forward(request, ctx, endpoint.url, headers, data)
             except UpstreamFailure as f:
-                if await self.failover.recovered(ctx, replica, f):
+                if self.failover.failed(ctx, replica, f) and await self._readmit(ctx, replica, f):
                     continue  # admitted elsewhere: send it there
                 raise self.failover.answer(ctx, replica, f) from None
             self.failover.answered(ctx, replica)

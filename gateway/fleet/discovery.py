@@ -395,11 +395,13 @@ class Discovery:
 
     def mark_down(self, name: str) -> None:
         """The request path found `name` down (refused connection): it stays out until
-        ``success_threshold`` good probe rounds in a row."""
+        ``success_threshold`` good probe rounds in a row. Discovery owns readiness: it
+        tells admission, as after a probe round."""
         w = self.watchers.get(name)
         if w is not None:
             w.hysteresis.force_down()
             w.state.ready = False
+            w.upsert()
 
     def served(self) -> frozenset[str]:
         """Every model a replica lists now (`ModelCatalog.served`)."""

@@ -33,11 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 
 from admission.health import OutlierDetector
 from admission.tenants import TenantLimiter
-from admission.types import Admit, Queued, Shed
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext
 from gateway.door import AdmissionDoor
@@ -45,7 +43,6 @@ from gateway.errors import ApiError
 from gateway.fleet.discovery import Discovery
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OK, UPSTREAM_TIMEOUT, upstream
-from gateway.shutdown import shutting_down
 from gateway.upstream.outliers import EjectionChange, OutlierEjection, report_ejections
 from gateway.upstream.session import UpstreamFailure
 
@@ -64,15 +61,12 @@ class Failover:
         discovery: Discovery,
         metrics: GatewayMetrics,
         tenants: TenantLimiter,
-        release: Callable[[RequestContext], None],
     ) -> None:
         self.config = config
         self.door = door
         self.discovery = discovery
         self.metrics = metrics
         self.tenants = tenants
-        # The pipeline's release stage: a retry gives its failed admission back first.
-        self._release = release
         self._retry_once = config.upstream.retry_once
         self._loop = asyncio.get_running_loop()
         self.ejection = OutlierEjection.from_config(
@@ -117,9 +111,9 @@ class Failover:
             },
         )
 
-    async def recovered(self, ctx: RequestContext, replica: str, f: UpstreamFailure) -> bool:
+    def failed(self, ctx: RequestContext, replica: str, f: UpstreamFailure) -> bool:
         """Count and report `replica`'s failure `f` (no byte reached the client yet);
-        True when the request is now admitted to another replica, to be sent again.
+        True when the request is to be admitted once more, elsewhere (`retry`).
 
         A failure without an answer (refused, dropped, timed out) is the replica's and goes
         to outlier ejection at once; an error answer waits for the retry's outcome
@@ -136,13 +130,12 @@ class Failover:
         )
         if f.kind == "connect":
             for name in self.discovery.same_server(replica):
-                self.door.mark_unready(name, self._loop.time())
                 self.discovery.mark_down(name)
         if not (f.retryable and self._retry_once and ctx.attempts == 0):
             return False
         if f.answer is not None:
             ctx.unjudged = (replica, f.kind)
-        return await self._readmit(ctx, replica, f.kind)
+        return True
 
     def answer(self, ctx: RequestContext, replica: str, f: UpstreamFailure) -> ApiError:
         """The error the client gets for a failure that was not retried."""
@@ -177,8 +170,9 @@ class Failover:
             u.name not in avoid and model in u.models for u in self.door.report.replica_usage()
         )
 
-    async def _readmit(self, ctx: RequestContext, failed: str, kind: str) -> bool:
-        """Release the failed admission and admit the request once more, elsewhere.
+    def retry(self, ctx: RequestContext, failed: str, kind: str) -> None:
+        """Make the request a retry of its failed attempt, to go through the admit stage
+        again (its failed admission was released).
 
         The retry avoids every replica entry of the failed server (the ranks of a
         data-parallel engine share its process), for this request alone: nothing is
@@ -188,10 +182,9 @@ class Failover:
         within the request's own queue deadline, and is admitted only to a replica it
         does not avoid: a request that had no byte yet is retried to completion rather
         than answered 502 because the healthy replicas were busy at that instant. Shed
-        from the queue, it gets the original error.
+        from the queue, it gets the original error (`answer`).
         """
         ctx.attempts += 1
-        self._release(ctx)
         avoid = ctx.req.avoid | self.discovery.same_server(failed)
         if kind != "dropped" or self._serves_elsewhere(ctx.req.model, avoid):
             ctx.req.avoid = avoid
@@ -204,15 +197,11 @@ class Failover:
         # the requests that came after it.
         ctx.req.request_id = rid
         ctx.req.arrival = ctx.arrival
-        verdict = self.door.submit(ctx.req, self._loop.time())
-        if isinstance(verdict, Queued):
-            verdict = await self.door.wait_queued(rid)
-        if isinstance(verdict, Shed) and verdict.reason == "shutdown":
-            raise shutting_down(self.config)
-        if isinstance(verdict, Admit):
-            ctx.admitted(verdict, self._loop.time())
+
+    def retried(self, ctx: RequestContext, failed: str, kind: str, admitted: bool) -> None:
+        """The retry's verdict: admitted elsewhere (counted), or not (nothing then
+        judges the failed replica's error answer)."""
+        if admitted:
             self.metrics.retries.labels(failed, kind).inc()
-            return True
-        self._release(ctx)
-        ctx.unjudged = None  # no other replica's answer to judge the error by
-        return False
+        else:
+            ctx.unjudged = None

@@ -56,8 +56,7 @@ async def test_replica_becoming_ready_admits_queued_request(replica, gateway):
     """A discovery round that finds a replica ready admits what waits in the queue."""
     busy, idle = await replica(speed=1.0), await replica()
     gw = await gateway(busy, idle, pool_tokens=512, discovery={"refresh_interval_s": 30.0})
-    loop = asyncio.get_running_loop()
-    gw.door.mark_unready("r1", loop.time())  # as after a refused connection
+    gw.state.discovery.mark_down("r1")  # as after a refused connection
     big = {**BODY, "max_tokens": 440, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession() as s:
         first = await s.post(gw.url + "/v1/chat/completions", json=big)
@@ -66,7 +65,10 @@ async def test_replica_becoming_ready_admits_queued_request(replica, gateway):
             s.post(gw.url + "/v1/chat/completions", json={**BODY, "max_tokens": 100})
         )
         assert await wait_for(lambda: gw.report.queue_depth() == 1)
-        await gw.state.discovery.watchers["r1"].refresh()  # one discovery round for r1
+        watcher = gw.state.discovery.watchers["r1"]
+        for _ in range(gw.state.config.discovery.success_threshold):  # marked down: rounds
+            assert gw.report.queue_depth() == 1  # until then it still waits
+            await watcher.refresh()  # one discovery round for r1
         r = await queued
         assert r.status == 200
         r.release()
