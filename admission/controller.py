@@ -40,10 +40,11 @@ from admission.ledger import Ledger, Reservation
 from admission.placement import Placement
 from admission.refusals import refuse_or_clamp, unknown_model
 from admission.report import AdmissionReport
+from admission.retries import RetryIdentity, RetryMemory
 from admission.scaling import ScalingSignal
 from admission.settling import Settling, TenantLimits
 from admission.shedding import Shedding
-from admission.types import AdmissionRequest, Admit, Completion, Decision, Events, Shed
+from admission.types import AdmissionRequest, Admit, Completion, Decision, Events, Shed, Verdict
 from routing.types import ReplicaState, Router
 
 __all__ = ["AdmissionController", "TenantLimits"]
@@ -68,6 +69,8 @@ class AdmissionController:
         self._shedding = Shedding(config, self._views, self._queue, seed)
         self._learning = Learning(config)
         self._patience = ClientPatience()
+        # Requests left unserved and their clients' retries (admission/retries.py).
+        self._retries = RetryMemory(config.retry_memory_s, config.retry_memory_entries)
         self._scaling = ScalingSignal()  # the demand the scaling signal reads
         self._report = AdmissionReport(
             self._ledger,
@@ -76,6 +79,7 @@ class AdmissionController:
             self._placement,
             self._patience,
             self._scaling,
+            self._retries,
         )
 
     @property
@@ -215,6 +219,33 @@ class AdmissionController:
         return self._settle(now)
 
     # ------------------------------------------------------------------ requests
+    # ------------------------------------------------------------------ clients' retries
+    def arrived(
+        self, req: AdmissionRequest, identity: RetryIdentity, now: float, count_stated: bool
+    ) -> None:
+        """A client's attempt, before its `submit`: known as the retry of a request left
+        unserved, it keeps that one's first arrival (its place in line), and what its
+        population's retries and told waits taught applies to it (admission/retries.py).
+        `count_stated`: its client says which attempt it sends."""
+        self._retries.arrived(req, identity, now, count_stated)
+
+    def answered(self, req: AdmissionRequest, verdict: Verdict, now: float) -> None:
+        """The verdict a client's attempt got (at once, or once queued): admitted, its
+        retry is a newcomer again; shed, it is remembered as left unserved."""
+        if isinstance(verdict, Admit):
+            self._retries.admitted(req)
+        elif isinstance(verdict, Shed) and verdict.reason != "shutdown":
+            self._retries.unserved(req, now, verdict.retry_after, verdict.budget)
+
+    def left_unanswered(self, req: AdmissionRequest, now: float) -> None:
+        """Its client left before an answer began: remembered as unserved."""
+        self._retries.unserved(req, now)
+
+    def attempt_ended(self, req: AdmissionRequest, attempt: float, left: bool, now: float) -> None:
+        """A client's attempt (arrived at `attempt`) ended: its client `left` before its
+        answer ended, or stayed (admission/learned/toldwait.py reads it)."""
+        self._retries.ended(req, attempt, left, now)
+
     def submit(self, req: AdmissionRequest, now: float) -> Decision:
         """Decide one request: Admit now, Queue, Shed (503/429) or Refuse (400/404); with
         the events the decision caused for queued requests."""

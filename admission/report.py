@@ -14,12 +14,15 @@ from types import MappingProxyType
 from admission.fit import FitLimits
 from admission.learned.limit import RunningLimit
 from admission.learned.patience import Budget, ClientPatience, PatienceReading
+from admission.learned.retry_budget import BudgetReading
 from admission.learned.service import Plane
+from admission.learned.toldwait import ToldWaitReading
 from admission.ledger import Ledger
 from admission.placement import Placement
 from admission.replica import Replica
+from admission.retries import RetryMemory
 from admission.scaling import ScalingSignal
-from admission.settling import Settling
+from admission.settling import Entry, Settling
 from admission.shedding import Shedding
 from admission.types import Admit, ReplicaUsage
 
@@ -51,13 +54,26 @@ class AdmissionReport:
         placement: Placement,
         patience: ClientPatience | None = None,
         scaling: ScalingSignal | None = None,
+        retries: RetryMemory | None = None,
     ) -> None:
         self._ledger = ledger
+        self._retries = retries
         self._patience = patience if patience is not None else ClientPatience()
         self._queue = queue
         self._shedding = shedding
         self._placement = placement
         self._scaling = scaling if scaling is not None else ScalingSignal()
+
+    # ------------------------------------------------------------------ clients' retries
+    def retry_budget_readings(self) -> list[BudgetReading]:
+        """How many attempts clients that do not say which they send were seen to make
+        (admission/learned/retry_budget.py), per tenant."""
+        return [] if self._retries is None else self._retries.budget.readings()
+
+    def told_wait_readings(self) -> list[ToldWaitReading]:
+        """How clients take the waits they are told (admission/learned/toldwait.py), per
+        tenant and whether they say their attempt."""
+        return [] if self._retries is None else self._retries.told.readings()
 
     # ------------------------------------------------------------------ scaling
     def desired_replicas(self, now: float) -> dict[str, int]:
@@ -214,7 +230,7 @@ class AdmissionReport:
     def _binding_ceilings(self) -> dict[str, str]:
         """Which ceiling keeps each replica from taking more work right now."""
         out: dict[str, str] = {}
-        head_for = {}
+        head_for: dict[str, Entry] = {}
         for entry in self._queue:
             for name in self._placement.candidate_names(entry.req):
                 head_for.setdefault(name, entry)

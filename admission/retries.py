@@ -187,7 +187,8 @@ class RetryMemory:
                 break
             del entries[oldest_key]
 
-    # The gateway's three calls (gateway/pipeline.py, and bench/vtime.py as it does).
+    # What clients' attempts do, from AdmissionController (arrived, answered,
+    # left_unanswered, attempt_ended), which owns the memory.
     def arrived(
         self, req: AdmissionRequest, ident: RetryIdentity, now: float, count_stated: bool
     ) -> None:

@@ -37,7 +37,7 @@ from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.fit import sized_exactly
 from admission.learned.estimate import TokenEstimator
-from admission.retries import RetryMemory, identify
+from admission.retries import identify
 from admission.types import AdmissionRequest, Admit, Completion, Queued, Refuse, Shed
 from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
@@ -226,11 +226,10 @@ def run(
     seq = itertools.count()
     now = 0.0
     reading = random.Random(seed)  # how many events each stopper's stream reads
-    # The gateway's retry memory (admission/retries.py), as gateway/pipeline.py keeps it:
-    # a request it shed, or whose client left before an answer began, keeps its first
-    # arrival when it comes back, and a plain client's last attempt is known by its
-    # budget.
-    memory = RetryMemory(cfg.retry_memory_s, cfg.retry_memory_entries)
+    # The retry memory lives in admission; what clients' attempts do reaches it through
+    # the door, as from gateway/pipeline.py: a request shed, or whose client left before
+    # an answer began, keeps its first arrival when it comes back, and a plain client's
+    # last attempt is known by its budget.
 
     def push(t: float, kind: str, data: object) -> None:
         heapq.heappush(heap, (t, next(seq), kind, data))
@@ -253,7 +252,7 @@ def run(
             if att.ctx is not None:  # as gateway/pipeline.py records an admission
                 att.ctx.admitted(a, now)
                 att.ctx.latency_budget = a.latency_budget  # stated, or learned
-                memory.admitted(att.ctx.req)
+                door.answered(att.ctx.req, a)
             p = len(att.item.prompt_token_ids)
             core.add_request(
                 SimRequest(
@@ -312,7 +311,7 @@ def run(
     def shed(att: _Attempt, verdict: Shed) -> None:
         report.sheds[att.client] += 1
         if att.ctx is not None:
-            memory.unserved(att.ctx.req, now, verdict.retry_after, verdict.budget)
+            door.answered(att.ctx.req, verdict)
         ended(att, ends.shed(verdict.reason))
         live.pop(att.rid, None)
         att.done = True
@@ -377,7 +376,7 @@ def run(
         # says which attempt it sends; a plain one is known when it comes back when told.
         count = retries if send_timeout else None
         ident = identify("default", model, item.request_id.encode(), count)
-        memory.arrived(req, ident, now, count_stated=send_timeout)
+        door.arrived(req, ident, send_timeout)
         if not sized_exactly(True, req.expected_output, bound, True):  # as the gateway
             att.estimated = p + req.expected_output
         att.ctx = RequestContext(rid, "chat", "/v1/chat/completions", arrival=now, req=req)
@@ -405,7 +404,7 @@ def run(
             return
         ctx.outcome = outcome
         if (left := accounting.client_left(ctx)) is not None:
-            memory.ended(ctx.req, ctx.arrival, left, now)
+            door.attempt_ended(ctx.req, ctx.arrival, left)
         end = accounting.patience_seen(ctx, now)
         if end is not None:
             door.client_ended("default", model, stream, end)
@@ -530,7 +529,7 @@ def run(
                 live.pop(att.rid, None)
                 # It left before an answer began: the gateway remembers it as unserved.
                 if att.ctx is not None:
-                    memory.unserved(att.ctx.req, now)
+                    door.left_unanswered(att.ctx.req)
                 # What the gateway's account stage makes of a client that left
                 # (gateway/accounting.py, `completion` and `patience_seen`).
                 ended(att, CLIENT_DISCONNECT)

@@ -97,7 +97,7 @@ def build_app(
         st.metrics.watch_route_decisions(lambda: st.door.router.route_decision_counts())
         st.metrics.watch_engines(lambda: [w.state for w in st.discovery.watchers.values()])
         st.metrics.watch_patience(report.patience_readings)
-        st.metrics.watch_retry_budget(lambda: st.pipeline.retry_budget())
+        st.metrics.watch_retry_budget(report.retry_budget_readings)
         relay = Relay(
             session,
             config.upstream,

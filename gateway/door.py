@@ -28,6 +28,7 @@ from admission.controller import AdmissionController
 from admission.learned.limitlog import LimitHistory
 from admission.learned.patience import Budget, ClientEnd
 from admission.report import AdmissionReport
+from admission.retries import RetryIdentity
 from admission.settling import TenantLimits
 from admission.types import (
     AdmissionRequest,
@@ -113,16 +114,43 @@ class AdmissionDoor:
         return len(self._waiters)
 
     # ---------------------------------------------------------------- requests
-    async def admit(self, req: AdmissionRequest) -> tuple[Admit | Shed | Refuse, bool]:
+    async def admit(
+        self, req: AdmissionRequest, identity: RetryIdentity | None = None, said: bool = False
+    ) -> tuple[Admit | Shed | Refuse, bool]:
         """Submit `req`; if queued, wait for its Admit or Shed.
 
-        Returns (verdict, queued). Cancellation (client disconnect) propagates; the caller
-        releases in ``finally``, which also drops the queue entry.
+        `identity`: a client's attempt, and how its retries are known (`arrived`; `said`:
+        its client says which attempt it sends); None: the gateway's own retry of a
+        failed attempt, which its client never sees. Returns (verdict, queued).
+        Cancellation (client disconnect) propagates; the caller releases in ``finally``,
+        which also drops the queue entry.
         """
+        if identity is not None:
+            self.arrived(req, identity, said)
         verdict = self.submit(req)
-        if not isinstance(verdict, Queued):
-            return verdict, False
-        return await self.wait_queued(req.request_id), True
+        queued = isinstance(verdict, Queued)
+        got = await self.wait_queued(req.request_id) if queued else verdict
+        assert not isinstance(got, Queued)
+        if identity is not None:
+            self.answered(req, got)
+        return got, queued
+
+    # ---------------------------------------------------------- what clients' attempts do
+    def arrived(self, req: AdmissionRequest, identity: RetryIdentity, said: bool) -> None:
+        """A client's attempt arrives (AdmissionController.arrived)."""
+        self._controller.arrived(req, identity, self._loop.time(), said)
+
+    def answered(self, req: AdmissionRequest, verdict: Verdict) -> None:
+        """The verdict a client's attempt got (AdmissionController.answered)."""
+        self._controller.answered(req, verdict, self._loop.time())
+
+    def left_unanswered(self, req: AdmissionRequest) -> None:
+        """Its client left before an answer began (AdmissionController.left_unanswered)."""
+        self._controller.left_unanswered(req, self._loop.time())
+
+    def attempt_ended(self, req: AdmissionRequest, attempt: float, left: bool) -> None:
+        """A client's attempt ended (AdmissionController.attempt_ended)."""
+        self._controller.attempt_ended(req, attempt, left, self._loop.time())
 
     def submit(self, req: AdmissionRequest, now: float | None = None) -> Verdict:
         """Decide `req` and deliver what the decision settled for others (an entry a

@@ -80,8 +80,8 @@ class OperationsApi:
                 st.discovery,
                 st.pipeline.outliers,
                 asyncio.get_running_loop().time(),
-                retry_budget=st.pipeline.retry_budget(),
-                told_waits=st.pipeline.told_waits(),
+                retry_budget=st.door.report.retry_budget_readings(),
+                told_waits=st.door.report.told_wait_readings(),
             )
         )
 

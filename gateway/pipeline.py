@@ -32,9 +32,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from admission.learned.estimate import TokenEstimator
-from admission.learned.retry_budget import BudgetReading
-from admission.learned.toldwait import ToldWaitReading
-from admission.retries import RetryMemory
+from admission.retries import RetryIdentity
 from admission.tenants import TenantLimiter
 from admission.types import Admit, Refuse, Shed
 from gateway.accounting import Accounting, client_left, completion, patience_seen
@@ -123,9 +121,6 @@ class Pipeline:
         self._max_body = config.limits.max_body_bytes
         self._body_timeout = config.limits.body_timeout_s
         self._queue_timeout = config.admission.queue_timeout_s
-        self._retries = RetryMemory(
-            config.admission.retry_memory_s, config.admission.retry_memory_entries
-        )
         # Per-replica URL and headers: discovery's endpoints (replicas come and go).
         self._endpoints = discovery.endpoints
         # Prefix block hashes are computed once per request, only when a routing profile
@@ -219,7 +214,7 @@ class Pipeline:
             ctx.outcome = CLIENT_DISCONNECT
             if ctx.first_byte_at is None:
                 # It left before an answer: its retry keeps its place (admission/retries.py).
-                self._retries.unserved(ctx.req, self._loop.time())
+                self.door.left_unanswered(ctx.req)
             raise
         except Exception:
             log.exception("unhandled error in request %s", ctx.request_id)
@@ -387,16 +382,6 @@ class Pipeline:
             raise rate_limited(policy, verdict.limit, tokens, verdict.retry_after, now)
         ctx.rate_charge = limiter.charge(ctx.req.tenant, tokens, now)
 
-    def retry_budget(self) -> list[BudgetReading]:
-        """What the retry memory learned of clients that do not say which retry they
-        send (admission/learned/retry_budget.py), per tenant."""
-        return self._retries.budget.readings()
-
-    def told_waits(self) -> list[ToldWaitReading]:
-        """What the retry memory learned of how clients take the waits they are told
-        (admission/learned/toldwait.py), per tenant and whether they say their attempt."""
-        return self._retries.told.readings()
-
     async def admit(self, request: web.Request, ctx: RequestContext) -> None:
         """Admit now, wait in the queue, or answer shed/refuse.
 
@@ -416,21 +401,18 @@ class Pipeline:
         ctx.admission_id = ctx.request_id
         # A retry of a request kvgate left unserved keeps its first arrival, i.e. its
         # place in line (admission/retries.py: what makes a request a retry).
-        stated = H_RETRY_COUNT in request.headers
-        self._retries.arrived(req, retry_identity(request, ctx), now, stated)
         targets = self.tenants.tenants.get(req.tenant)
         req.ttft_target_s = targets.ttft_s if targets is not None else None
         req.itl_target_s = targets.itl_s if targets is not None else None
-        verdict = await self._admission(ctx)
+        said = H_RETRY_COUNT in request.headers
+        verdict = await self._admission(ctx, retry_identity(request, ctx), said)
         if isinstance(verdict, Admit):
-            self._retries.admitted(req)
             self.metrics.queue_wait.observe(ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
             self.metrics.tenant_queue_wait(ctx.req.tenant, ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
             return
         if isinstance(verdict, Shed):
             if verdict.reason == "shutdown":
                 raise shutting_down(self.config)
-            self._retries.unserved(req, self._loop.time(), verdict.retry_after, verdict.budget)
             self.metrics.shed.labels(verdict.reason).inc()
             if verdict.status == 429:
                 self.metrics.tenant_rate_limited(ctx.req.tenant, tenant_limit(verdict))
@@ -438,10 +420,13 @@ class Pipeline:
         assert isinstance(verdict, Refuse)
         raise refused_error(verdict, ctx)
 
-    async def _admission(self, ctx: RequestContext) -> Admit | Shed | Refuse:
-        """Through the door, a first attempt or a failover's retry alike: admitted now,
-        or queued until admitted or shed. An admitted request is bound to its replica."""
-        verdict, _queued = await self.door.admit(ctx.req)
+    async def _admission(
+        self, ctx: RequestContext, identity: RetryIdentity | None = None, said: bool = False
+    ) -> Admit | Shed | Refuse:
+        """Through the door, a client's attempt (`identity`: how its retries are known)
+        or a failover's retry alike: admitted now, or queued until admitted or shed. An
+        admitted request is bound to its replica."""
+        verdict, _queued = await self.door.admit(ctx.req, identity, said)
         if isinstance(verdict, Admit):
             ctx.admitted(verdict, self._loop.time())
             ctx.latency_budget = verdict.latency_budget  # stated, or learned
@@ -498,7 +483,7 @@ class Pipeline:
                 ctx.admission_id, ctx.usage_cached, ctx.prompt_chars / ctx.usage_prompt
             )
         if (left := client_left(ctx)) is not None:
-            self._retries.ended(ctx.req, ctx.arrival, left, self._loop.time())
+            self.door.attempt_ended(ctx.req, ctx.arrival, left)
         if (seen := patience_seen(ctx, self._loop.time())) is not None:
             self.door.client_ended(ctx.req.tenant, ctx.req.model, ctx.req.stream, seen)
         if ctx.upstream_abandoned and ctx.replica is not None:
