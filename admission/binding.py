@@ -30,10 +30,11 @@ def _running_bound(r: Replica) -> str | None:
     allowed = r.allowed
     if allowed is None or r.running < allowed:
         return "running_deadlines" if r.running + 1 > r.room else None
-    own = r.cap if r.limit is None else r.limit.allowed(r.cap)
+    learned = None if r.limit is None else r.limit.allowed(r.cap)
+    own = r.cap if learned is None else learned
     if r.share_running is not None and (own is None or r.share_running < own):
         return "running_share"
-    if r.limit is not None and (r.cap is None or own < r.cap):
+    if learned is not None and (r.cap is None or learned < r.cap):
         return "running_learned"
     return "running_cap"
 

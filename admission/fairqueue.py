@@ -37,7 +37,9 @@ import heapq
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
+
+from admission.types import AdmissionRequest
 
 
 class _QEntry(Protocol):
@@ -49,14 +51,18 @@ class _QEntry(Protocol):
     queued: bool
 
     @property
-    def req(self) -> Any: ...
+    def req(self) -> AdmissionRequest: ...
+
+
+# The queue's entries: admission.settling's Entry (FairQueue[Entry]).
+_E = TypeVar("_E", bound=_QEntry)
 
 
 @dataclass(slots=True)
-class _Lane:
+class _Lane(Generic[_E]):
     """One tenant's entries in one priority class, by key."""
 
-    entries: list[_QEntry]
+    entries: list[_E]
     keys: list[tuple[int, int, float, float, int]]
     tokens: int = 0
     model_tokens: dict[str, int] | None = None
@@ -76,18 +82,18 @@ class _Served:
     running_at_admit: int
 
 
-class FairQueue:
+class FairQueue(Generic[_E]):
     """Entries by priority class, then VTC across tenants, then EDF within a tenant."""
 
     def __init__(self, weight_of: Callable[[str], float] | None = None) -> None:
         self._weight_of = weight_of or (lambda _t: 1.0)
-        self._classes: dict[int, dict[str, _Lane]] = {}
+        self._classes: dict[int, dict[str, _Lane[_E]]] = {}
         self._prios: list[int] = []  # sorted, highest first
         self._counter: dict[str, float] = {}
         self._backlog: dict[str, int] = {}  # tenant -> entries queued (all classes)
         self._floor = 0.0  # counter level where the last backlog ended
         self._n = 0
-        self._deadlines: list[tuple[float, int, _QEntry]] = []
+        self._deadlines: list[tuple[float, int, _E]] = []
         self._dseq = 0
         self._served: dict[str, _Served] = {}  # request id -> what it was charged
         self.running: dict[str, int] = {}  # tenant -> admitted, not yet released
@@ -110,7 +116,7 @@ class FairQueue:
         return w if w > 0 else 1.0
 
     # ------------------------------------------------------------------ insert / remove
-    def insert(self, entry: _QEntry) -> None:
+    def insert(self, entry: _E) -> None:
         req = entry.req
         tenant = req.tenant
         if not self._backlog.get(tenant):
@@ -134,7 +140,7 @@ class FairQueue:
         self._dseq += 1
         heapq.heappush(self._deadlines, (entry.deadline, self._dseq, entry))
 
-    def tighten(self, entry: _QEntry, deadline: float) -> None:
+    def tighten(self, entry: _E, deadline: float) -> None:
         """Bring a queued entry's deadline forward (its place in its lane stays: that is
         the order of first arrival's deadline, which a later judgement does not move)."""
         if deadline < entry.deadline:
@@ -142,7 +148,7 @@ class FairQueue:
             self._dseq += 1
             heapq.heappush(self._deadlines, (deadline, self._dseq, entry))
 
-    def remove(self, entry: _QEntry) -> None:
+    def remove(self, entry: _E) -> None:
         req = entry.req
         tenant = req.tenant
         prio = req.priority
@@ -177,7 +183,7 @@ class FairQueue:
             self._counter[tenant] = level
 
     # ------------------------------------------------------------------ service
-    def admitted(self, req: Any, running_after: int) -> None:
+    def admitted(self, req: AdmissionRequest, running_after: int) -> None:
         """`req` got a reservation: charge its tenant's counter its estimate."""
         tenant = req.tenant
         cost = max(1, req.prompt_tokens) + max(0, req.expected_output)
@@ -202,7 +208,7 @@ class FairQueue:
         return s.running_at_admit
 
     # ------------------------------------------------------------------ order
-    def visit(self, passed_over: Callable[[str], bool]) -> Iterator[_QEntry]:
+    def visit(self, passed_over: Callable[[str], bool]) -> Iterator[_E]:
         """Entries in service order for one scan; the caller may admit (remove) the entry
         it was given before asking for the next, and the order follows the counters.
         Tenants for which `passed_over` is true (at their concurrency cap) are skipped."""
@@ -232,7 +238,7 @@ class FairQueue:
                 else:
                     heapq.heappop(heap)
 
-    def __iter__(self) -> Iterator[_QEntry]:
+    def __iter__(self) -> Iterator[_E]:
         """The order projected without admissions: per class, each tenant's entries at
         the counter they would reach (counter + tokens before them / weight)."""
         for neg in list(self._prios):
@@ -257,7 +263,7 @@ class FairQueue:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
-    def victim(self, entry: Any, limit: int) -> Any | None:
+    def victim(self, entry: _E, limit: int) -> _E | None:
         """When the queue of `entry`'s model is full (`limit` entries): the entry that
         should give way to it, or None (the newcomer is shed). A tenant holding fewer
         than its weighted share of the model's queue slots takes the last slot of the
@@ -283,16 +289,16 @@ class FairQueue:
         for neg in reversed(self._prios):  # lowest class first
             if -neg > req.priority:
                 break
-            lane = self._classes[-neg].get(over)
-            if lane is None:
+            over_lane = self._classes[-neg].get(over)
+            if over_lane is None:
                 continue
-            for e in reversed(lane.entries):
+            for e in reversed(over_lane.entries):
                 if e.req.model == model:
                     return e
         return None
 
     # ------------------------------------------------------------------ estimates
-    def ahead(self, entry: Any) -> tuple[int, int]:
+    def ahead(self, entry: _E) -> tuple[int, int]:
         """(tokens, entries) of `entry`'s model expected to be served before it: every
         higher class, its own tenant's entries before it, and of each other tenant in
         its class what the counters let through before its turn."""

@@ -96,8 +96,8 @@ class Placement:
                     rep = reps.get(name)
                     ok = rep is not None and name not in blocked and fits_now(rep, req, now)
                     fit[name] = ok
-                    if ok:
-                        short.append(rep)  # type: ignore[arg-type]
+                    if ok and rep is not None:  # ok implies the second: for the type checker
+                        short.append(rep)
                 if ok:
                     got += 1
                     if got >= k:
@@ -121,8 +121,8 @@ class Placement:
                         and fits_now(rep, req, now)
                     )
                     fit[name] = ok
-                    if ok:
-                        short.append(rep)  # type: ignore[arg-type]
+                    if ok and rep is not None:  # as above
+                        short.append(rep)
         if not short:
             return None
         choice = self.router.pick(req, [r.cand for r in short])

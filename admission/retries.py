@@ -251,7 +251,8 @@ class RetryMemory:
         due = self._due
         while due and due[0][0] <= now:
             _, _, tenant, key, unserved = heapq.heappop(due)
-            got = self._tenants.get(tenant, {}).get(key)
+            entries = self._tenants.get(tenant)
+            got = entries.get(key) if entries is not None else None
             if got is not None and got.unserved == unserved and got.back is False:
                 self.budget.outcome(tenant, unserved, came_back=False)
 

@@ -109,7 +109,7 @@ class Settling:
         self._placement = placement
         # Tenant policies by name (weight, caps, queue timeout); None: all equal, no caps.
         self.tenant_of: Callable[[str], TenantLimits | None] = tenants or (lambda _t: None)
-        self.queue = FairQueue(self._weight_of)  # the order: admission.fairqueue
+        self.queue: FairQueue[Entry] = FairQueue(self._weight_of)  # the order: admission.fairqueue
         self.queued: dict[str, Entry] = {}
         self.cold: dict[str, Entry] = {}  # queued entries with `cold` set
         self.per_model: dict[str, int] = {}
@@ -120,7 +120,7 @@ class Settling:
         return bool(self.queue)
 
     def __iter__(self) -> Iterator[Entry]:
-        return iter(self.queue)  # type: ignore[arg-type]
+        return iter(self.queue)
 
     # ------------------------------------------------------------------ tenants
     def set_tenants(self, tenants: Callable[[str], TenantLimits | None]) -> None:
@@ -274,15 +274,15 @@ class Settling:
         for entry in self.queue.visit(self.capped):
             if usable <= blocked:
                 break
-            if self._late(entry, now):  # type: ignore[arg-type]
+            if self._late(entry, now):
                 continue
-            admit = self._placement.place(entry, blocked, now)  # type: ignore[arg-type]
+            admit = self._placement.place(entry, blocked, now)
             if isinstance(admit, Admit):
-                self.dequeue(entry)  # type: ignore[arg-type]
+                self.dequeue(entry)
                 self.queue.admitted(entry.req, replicas[admit.replica].running)
                 admitted.append(admit)
             elif admit is REJECTED:
-                held = self._slo_holds(entry)  # type: ignore[arg-type]
+                held = self._slo_holds(entry)
                 entry.rejected = not held
                 blocked.update(held)
             else:

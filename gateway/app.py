@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -373,10 +372,9 @@ class Gateway:
             reuse_port=self.reuse_port or None,
         )
         await self._site.start()
-        server = self._site._server  # the asyncio Server: the only way to learn port 0's pick
-        if server is not None and server.sockets:
-            sock: socket.socket = server.sockets[0]
-            self.port = sock.getsockname()[1]
+        socks = conns.listening_sockets(self._site)  # the only way to learn port 0's pick
+        if socks:
+            self.port = socks[0].getsockname()[1]
         log.info("kvgate listening on %s", self.url, extra={"fields": {"url": self.url}})
         if (warning := exposure_warning(self.config, self.host)) is not None:
             log.warning(warning, extra={"fields": {"host": self.host}})
@@ -464,7 +462,9 @@ class Gateway:
         the kernel had queued are accepted first (gateway/connections.py)."""
         if self._site is not None and self._runner is not None:
             site, self._site = self._site, None
-            queued = await conns.stop_accepting(site, self.runner.server)
+            server = self.runner.server
+            assert server is not None  # set up in start()
+            queued = await conns.stop_accepting(site, server)
             log.info("kvgate stopped accepting connections", extra={"fields": {"queued": queued}})
 
     async def stop(self) -> None:

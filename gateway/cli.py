@@ -24,6 +24,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the commands import what they run when they run it
+    from gateway.config import GatewayConfig
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.cli:serve_main", "run the gateway"),
@@ -141,7 +145,7 @@ def serve_main(argv: Sequence[str]) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a declared dependency
-        uvloop = None  # type: ignore[assignment]
+        uvloop = None  # type: ignore[assignment]  # None: the module is missing
     runner = uvloop.run if uvloop is not None else asyncio.run
     try:
         runner(_serve(config, reuse_port=worker, workers=workers, path=args.config))
@@ -287,8 +291,8 @@ def _supervise(argv: list[str], workers: int) -> int:
 
 
 async def _serve(
-    config, *, reuse_port: bool = False, workers: int = 1, path: str | None = None
-) -> None:  # type: ignore[no-untyped-def]
+    config: GatewayConfig, *, reuse_port: bool = False, workers: int = 1, path: str | None = None
+) -> None:
     from gateway.app import Gateway
     from gateway.runtime import tune_gc
 

@@ -310,17 +310,18 @@ def _format_validation_error(err: ValidationError) -> str:
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     """The field names of the model at `loc` (a validation error's path), for a
     misspelt field's "did you mean"; [] where the path leaves the models."""
-    model: Any = GatewayConfig
+    model: type[BaseModel] = GatewayConfig
     for part in loc:
         if isinstance(part, int):
             continue
-        field = model.model_fields.get(part) if isinstance(model, type) else None
+        field = model.model_fields.get(part)
         if field is None:
             return []
-        model = _model_in(field.annotation)
-        if model is None:
+        inner = _model_in(field.annotation)
+        if inner is None:
             return []
-    return list(model.model_fields) if isinstance(model, type) else []
+        model = inner
+    return list(model.model_fields)
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:

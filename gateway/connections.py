@@ -59,11 +59,19 @@ def close_idle(server: web.Server | None) -> int:
     )
 
 
+def listening_sockets(site: web.BaseSite) -> list[socket.socket]:
+    """The sockets `site` listens on ([] when it is not listening)."""
+    listening = site._server  # the loop's server (asyncio or uvloop); aiohttp names no other
+    # aiohttp types it asyncio.AbstractServer, which declares no `sockets`: both loops'
+    # servers (asyncio.Server, uvloop's Server) have them.
+    found = listening.sockets if listening is not None else None  # type: ignore[attr-defined]  # see above
+    return list(found) if found else []
+
+
 async def stop_accepting(site: web.BaseSite, server: web.Server) -> int:
     """Stop `site` listening without resetting what the kernel queued on it: those
     connections are accepted and handed to `server`. Returns how many there were."""
-    listening = site._server  # the loop's server (asyncio or uvloop); aiohttp names no other
-    socks = list(listening.sockets) if listening is not None and listening.sockets else []
+    socks = listening_sockets(site)
     # A duplicate keeps the kernel's socket (and its queue) alive past the loop's close.
     dups = [socket.socket(fileno=os.dup(s.fileno())) for s in socks]
     await site.stop()  # synchronous inside: nothing is accepted between this and below

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from admission.types import AdmissionRequest, Admit
 from gateway.errors import Dialect
 from gateway.outcome import UNKNOWN, Outcome
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import ParsedRequest
 
 # The endpoint a request came in on: its body's schema, the engine path it goes to, the
 # dialect of its errors and the shape of its event stream.
@@ -29,6 +29,8 @@ Kind = Literal[
     "score",
     "classify",
     "pooling",
+    "transcription",
+    "translation",
 ]
 
 
@@ -50,7 +52,7 @@ class RequestContext:
     # parse
     raw: bytes = b""
     body: dict[str, Any] | None = None
-    parsed: ChatCompletionRequest | CompletionRequest | None = None
+    parsed: ParsedRequest | None = None
     client_wants_usage: bool = False
     # estimate
     prompt_chars: int = 0

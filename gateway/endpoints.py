@@ -17,6 +17,7 @@ from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     MessagesRequest,
+    ParsedRequest,
     PoolingRequest,
     ResponsesRequest,
 )
@@ -40,9 +41,7 @@ ALIASES: dict[str, Kind] = {"/rerank": "rerank", "/v2/rerank": "rerank", "/score
 POOLING: frozenset[Kind] = frozenset({"embeddings", "rerank", "score", "classify", "pooling"})
 # Audio endpoints take a multipart form (the audio file and its fields), not JSON.
 AUDIO: frozenset[Kind] = frozenset({"transcription", "translation"})
-SCHEMAS: dict[
-    Kind, type[ChatCompletionRequest] | type[CompletionRequest] | type[PoolingRequest]
-] = {
+SCHEMAS: dict[Kind, type[ParsedRequest]] = {
     "chat": ChatCompletionRequest,
     "completion": CompletionRequest,
     "responses": ResponsesRequest,

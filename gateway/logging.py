@@ -67,7 +67,7 @@ def configure_logging(level: str = "info", *, access: bool = True) -> None:
             root.removeHandler(h)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
-    handler._kvgate = True  # type: ignore[attr-defined]
+    handler._kvgate = True  # type: ignore[attr-defined]  # our mark, found by the getattr above
     root.addHandler(handler)
     access_log.disabled = not access
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -107,7 +107,11 @@ class _LedgerCollector(Collector):
         return [depth, cap, reserved, running, ready, ejected, limit, binding, topup]
 
 
-class _CountsCollector(Collector):
+# The label values of a _CountsCollector's counts: a tuple of str as long as its labels.
+_LabelValues = TypeVar("_LabelValues", bound=tuple[str, ...])
+
+
+class _CountsCollector(Collector, Generic[_LabelValues]):
     """One counter family read from a callable at scrape time: label values -> count."""
 
     def __init__(
@@ -115,7 +119,7 @@ class _CountsCollector(Collector):
         name: str,
         doc: str,
         labels: list[str],
-        counts: Callable[[], dict[tuple[str, ...], int]],
+        counts: Callable[[], dict[_LabelValues, int]],
     ) -> None:
         self._name, self._doc, self._labels, self._counts = name, doc, labels, counts
 
@@ -503,4 +507,4 @@ class GatewayMetrics:
         self._child(self.prompt_counts, how).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self._exposed)  # type: ignore[arg-type]
+        return generate_latest(self._exposed)

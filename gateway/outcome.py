@@ -48,9 +48,7 @@ class Outcome:
             self.label = end.value
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Outcome) and self.end is other.end and self.detail == other.detail
-        )
+        return isinstance(other, Outcome) and self.end is other.end and self.detail == other.detail
 
     def __hash__(self) -> int:
         return hash((self.end, self.detail))

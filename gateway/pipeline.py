@@ -407,8 +407,10 @@ class Pipeline:
         said = H_RETRY_COUNT in request.headers
         verdict = await self._admission(ctx, retry_identity(request, ctx), said)
         if isinstance(verdict, Admit):
-            self.metrics.queue_wait.observe(ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
-            self.metrics.tenant_queue_wait(ctx.req.tenant, ctx.admitted_at - ctx.arrival)  # type: ignore[operator]
+            assert ctx.admitted_at is not None  # an Admit went through ctx.admitted
+            waited = ctx.admitted_at - ctx.arrival
+            self.metrics.queue_wait.observe(waited)
+            self.metrics.tenant_queue_wait(ctx.req.tenant, waited)
             return
         if isinstance(verdict, Shed):
             if verdict.reason == "shutdown":

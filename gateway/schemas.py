@@ -205,7 +205,7 @@ class CompletionRequest(_Common):
 
     def __init__(self, body: dict[str, Any]) -> None:
         super().__init__(body)
-        p = body.get("prompt")
+        p: Any = body.get("prompt")  # JSON: the checks below give its type
         ok = type(p) is str or (
             type(p) is list
             and (
@@ -347,8 +347,8 @@ def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
                         "content": output if isinstance(output, str) else _responses_parts(output, f"{loc}.output")})  # fmt: skip
         elif kind == "reasoning":
-            texts = [p.get("text") for p in (item.get("summary") or []) + (item.get("content") or [])
-                     if isinstance(p, dict) and isinstance(p.get("text"), str)]  # fmt: skip
+            texts = [t for p in (item.get("summary") or []) + (item.get("content") or [])
+                     if isinstance(p, dict) and isinstance(t := p.get("text"), str)]  # fmt: skip
             if texts:
                 out.append({"role": "assistant", "content": "\n".join(texts)})
         else:  # built-in tools' items (web search, MCP...): their JSON is what the model reads
@@ -612,3 +612,8 @@ class AudioRequest(_Common):
     @property
     def wants_usage(self) -> bool:
         return True  # the form is forwarded as sent: nothing is added to it
+
+
+# A parsed body of any admitted endpoint (gateway/endpoints.py's SCHEMAS; the Responses and
+# Messages APIs are ChatCompletionRequests).
+ParsedRequest = ChatCompletionRequest | CompletionRequest | PoolingRequest | AudioRequest

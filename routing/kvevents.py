@@ -94,7 +94,7 @@ def event_of(raw: Any) -> Event | None:
     kind, f = _fields(raw)
     if kind == "BlockStored":
         parent = f.get("parent_block_hash")
-        extra = f.get("extra_keys")
+        extra: Any = f.get("extra_keys")  # as decoded: a sequence, or None
         keyed = bool(f.get("lora_name")) or bool(f.get("lora_id")) or (bool(extra) and any(extra))
         return Stored(
             _hashes(f.get("block_hashes")),

@@ -82,11 +82,8 @@ class Profile(Router):
         self.needs_prefix = any(reads_prefix(p) for p in plugins)
         # Every scorer as one call over the candidates, where every one has `scores`
         # (a mix pays more for the calls than it saves: per candidate then).
-        self._batch = (
-            tuple((s.scores, w) for s, w in self.scorers)
-            if self.scorers and all(isinstance(s, BatchScorer) for s, _ in self.scorers)
-            else None
-        )
+        batch = tuple((s.scores, w) for s, w in self.scorers if isinstance(s, BatchScorer))
+        self._batch = batch if batch and len(batch) == len(self.scorers) else None
 
     def score(self, req: RouteRequest, candidate: Candidate) -> float:
         total = 0.0

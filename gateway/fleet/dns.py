@@ -22,12 +22,19 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+from typing import TYPE_CHECKING, cast
 
 import dns.asyncresolver
 import dns.exception
 import dns.nameserver
+import dns.rdata
 import dns.rdatatype
 import dns.resolver
+
+if TYPE_CHECKING:  # what the records of each type are, for `cast` below
+    import dns.rdtypes.IN.A
+    import dns.rdtypes.IN.AAAA
+    import dns.rdtypes.IN.SRV
 
 from gateway.config import DnsConfig, ReplicaConfig, ReplicaGroupConfig
 from gateway.fleet.discovery import Discovery
@@ -66,7 +73,9 @@ def _host_port(item: str) -> tuple[str, int]:
     return item, 53
 
 
-async def _query(resolver: dns.asyncresolver.Resolver, name: str, rdtype: str) -> list[object]:
+async def _query(
+    resolver: dns.asyncresolver.Resolver, name: str, rdtype: str
+) -> list[dns.rdata.Rdata]:
     try:
         answer = await resolver.resolve(name, rdtype, search=False)
     except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
@@ -76,20 +85,31 @@ async def _query(resolver: dns.asyncresolver.Resolver, name: str, rdtype: str) -
     return list(answer)
 
 
+async def _addresses(resolver: dns.asyncresolver.Resolver, name: str, rdtype: str) -> list[str]:
+    """The addresses an A or AAAA query answers."""
+    # dnspython types an answer's records as the base Rdata: an A query's are A records,
+    # an AAAA query's AAAA records (resolve_group casts an SRV query's the same way).
+    records = await _query(resolver, name, rdtype)
+    return [r.address for r in cast("list[dns.rdtypes.IN.A.A | dns.rdtypes.IN.AAAA.AAAA]", records)]
+
+
 async def resolve_group(
     resolver: dns.asyncresolver.Resolver, g: ReplicaGroupConfig
 ) -> set[Address]:
     """Every (address, port) of the group now; raises ResolveFailed."""
     if g.record != "SRV":
         assert g.port is not None  # the config requires it without SRV
-        return {(r.address, g.port) for r in await _query(resolver, g.host, g.record)}  # type: ignore[attr-defined]
+        return {(a, g.port) for a in await _addresses(resolver, g.host, g.record)}
     out: set[Address] = set()
-    for srv in await _query(resolver, g.host, "SRV"):
-        target = str(srv.target).rstrip(".")  # type: ignore[attr-defined]
-        port = int(srv.port)  # type: ignore[attr-defined]
+    srvs = cast("list[dns.rdtypes.IN.SRV.SRV]", await _query(resolver, g.host, "SRV"))
+    for srv in srvs:
+        target = str(srv.target).rstrip(".")
+        port = int(srv.port)
         # One address per target: a dual-stack pod is one replica, not two.
-        found = await _query(resolver, target, "A") or await _query(resolver, target, "AAAA")
-        out.update((r.address, port) for r in found)  # type: ignore[attr-defined]
+        found = await _addresses(resolver, target, "A")
+        if not found:
+            found = await _addresses(resolver, target, "AAAA")
+        out.update((a, port) for a in found)
     return out
 
 

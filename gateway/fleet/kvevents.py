@@ -71,7 +71,7 @@ class KVEventSubscriber:
             sub.connect(self.source.endpoint)
             # The same socket without asyncio: what is queued is read at once, since an
             # await per message costs the loop more than decoding and applying it.
-            now_queued = zmq.Socket.shadow(sub.underlying)
+            now_queued: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
             self.subscriptions += 1
             subscribed_at = loop.time()
             try:

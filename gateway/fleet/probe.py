@@ -170,10 +170,12 @@ def explain(
         root = url.rstrip("/")[: -len("/v1")]
         return f"the URL ends in /v1: give the server's root ({root}); kvgate adds /v1/... itself"
     name = _ENGINE_NAMES.get(engine)
+    answered: dict[str, tuple[int, str]] = {}
     for path, a in outcomes.items():
         if isinstance(a, str):
             return f"GET {url}{path}: {a}"
-    for path, (status, _body) in outcomes.items():
+        answered[path] = a
+    for path, (status, _body) in answered.items():
         if status != 200:
             why = f"GET {url}{path} answered HTTP {status}"
             if status == 404 and name is not None and path != "/v1/models":

@@ -66,6 +66,6 @@ class PatienceSync:
             if shared.version <= self._adopted.get(key, 0):
                 continue
             self._adopted[key] = shared.version
-            population = population_of(key)
-            if population is not None:
-                self.door.adopt_patience(*population, budget_of(shared), now)
+            named = population_of(key)
+            if named is not None:
+                self.door.adopt_patience(*named, budget_of(shared), now)

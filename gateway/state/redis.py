@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -136,9 +137,9 @@ class RedisBackend(StateBackend):
         now = int(out[0])
         records: dict[str, HolderRecord] = {}
         for j in range(1, len(out), 2):
-            g, w, u, e = (int(x) for x in out[j + 1].split())
-            if e > now:
-                records[out[j]] = HolderRecord(g, w, u, (e - now) / 1000.0)
+            g, w, u, expires = (int(x) for x in out[j + 1].split())
+            if expires > now:
+                records[out[j]] = HolderRecord(g, w, u, (expires - now) / 1000.0)
         return records
 
     async def publish_limit(self, replica: str, value: float, reason: str) -> int:
@@ -175,7 +176,9 @@ class RedisBackend(StateBackend):
     async def _records(self, name: str) -> dict[str, tuple[str, str, str]]:
         """Every field of the hash `name` as its (value, version, tail)."""
         try:
-            raw = await self._r.hgetall(self._key(name))
+            # str keys and values: the client decodes (decode_responses=True), which
+            # redis-py's annotations do not follow (they say bytes | str).
+            raw = cast(dict[str, str], await self._r.hgetall(self._key(name)))
         except (RedisError, OSError) as e:
             raise StateUnavailable(str(e)) from e
         out: dict[str, tuple[str, str, str]] = {}

@@ -15,9 +15,12 @@ refuses to route to a replica without capacity).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from routing.types import ReplicaState
+
+if TYPE_CHECKING:  # the adapters are imported when one is asked for
+    from routing.adapters.llamacpp import KvLayout
 
 Responses = Mapping[str, tuple[int, str]]
 
@@ -30,7 +33,7 @@ class EngineAdapter(Protocol):
     def apply(self, state: ReplicaState, responses: Responses, now: float) -> None: ...
 
 
-def adapter_for(engine: str, *, kv_layout: str = "auto") -> EngineAdapter:
+def adapter_for(engine: str, *, kv_layout: KvLayout = "auto") -> EngineAdapter:
     """The adapter for `engine` (``vllm`` | ``sglang`` | ``llamacpp`` | ``openai``).
 
     `kv_layout` (``auto`` | ``per_slot`` | ``unified``) is llama.cpp's KV layout, which
@@ -55,7 +58,7 @@ def adapter_for(engine: str, *, kv_layout: str = "auto") -> EngineAdapter:
         known = ", ".join(sorted(k for k in adapters if "." not in k))
         raise ValueError(f"unknown engine {engine!r}; expected one of: {known}") from None
     if cls is LlamaCppAdapter:
-        return LlamaCppAdapter(kv_layout)  # type: ignore[arg-type]
+        return LlamaCppAdapter(kv_layout)
     if kv_layout != "auto":
         raise ValueError(f"kv_layout applies to llama.cpp replicas only, not to {engine!r}")
     return cls()

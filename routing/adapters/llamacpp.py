@@ -72,7 +72,7 @@ class LlamaCppAdapter:
             raise ValueError(f"kv_layout must be auto, per_slot or unified, not {kv_layout!r}")
         self.kv_layout: KvLayout = kv_layout
         # What /slots has proven under `auto`, for the server as last seen.
-        self._shape: tuple[int, int] | None = None  # (slots, per-slot context)
+        self._shape: tuple[int, int | None] | None = None  # (slots, per-slot context)
         self._held_max = 0  # the most tokens the slots were seen holding at once
         self._task_max = -1  # the highest task id seen (it only grows until a restart)
 
