@@ -24,13 +24,7 @@ class Learning:
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
-        self._limit_settings = LimitSettings(
-            initial=config.initial_limit,
-            window=config.limit_window,
-            budget_fraction=config.latency_budget_fraction,
-            probe_step=config.limit_probe_step,
-            target_quantile=config.latency_target_quantile,
-        )
+        self._limit_settings = LimitSettings.from_config(config)
         self._targets = {
             model: LatencyTargets(t.ttft_s, t.itl_s, t.e2e_s)
             for model, t in config.latency_targets.items()

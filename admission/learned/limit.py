@@ -65,6 +65,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from admission.config import AdmissionConfig
 from admission.learned.limitlog import LimitHistory, Seen
 
 FAILURE_RATIO = 2.0
@@ -74,15 +75,29 @@ _SLOW_START_END = 0.5  # slow start ends at a window whose slowest is this far t
 _BAND = 1.05  # cut only when a score is this far past its aim; between, the limit holds
 
 
+_DEFAULT = AdmissionConfig.model_fields  # one place for each default: the settings'
+
+
 @dataclass(slots=True, frozen=True)
 class LimitSettings:
-    """The knobs of `RunningLimit` (copied from `AdmissionConfig`)."""
+    """The knobs of `RunningLimit`: `AdmissionConfig`'s, by their own defaults unless
+    given (`from_config`)."""
 
-    initial: float = 2.0
-    window: int = 16
-    budget_fraction: float = 0.6
-    probe_step: float = 0.15
-    target_quantile: float = 0.5
+    initial: float = _DEFAULT["initial_limit"].default
+    window: int = _DEFAULT["limit_window"].default
+    budget_fraction: float = _DEFAULT["latency_budget_fraction"].default
+    probe_step: float = _DEFAULT["limit_probe_step"].default
+    target_quantile: float = _DEFAULT["latency_target_quantile"].default
+
+    @classmethod
+    def from_config(cls, config: AdmissionConfig) -> LimitSettings:
+        return cls(
+            initial=config.initial_limit,
+            window=config.limit_window,
+            budget_fraction=config.latency_budget_fraction,
+            probe_step=config.limit_probe_step,
+            target_quantile=config.latency_target_quantile,
+        )
 
 
 class RunningLimit:
