@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,8 +66,18 @@ class Stack:
         return p
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
+        """SIGTERM to every process first, then wait for each (killed after 10 s): the
+        stops overlap instead of adding up."""
+        running = [p for p in reversed(self.procs) if p.popen.poll() is None]
+        for p in running:
+            with contextlib.suppress(ProcessLookupError):
+                p.popen.send_signal(signal.SIGTERM)
+        for p in running:
+            try:
+                p.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(10)
 
     def log(self, name: str) -> str:
         path = self.workdir / f"{name}.log"
@@ -121,6 +132,8 @@ def gateway_config(replicas: dict[str, str], port: int) -> dict:
         },
         "upstream": {"first_byte_s": 10.0, "idle_s": 10.0, "total_s": 30.0},
         "logging": {"level": "warning", "access_log": False},
+        # Stop at once on SIGTERM (the default keeps the listener 2 s for load balancers).
+        "shutdown": {"listen_grace_s": 0.0},
     }
 
 
@@ -141,27 +154,16 @@ def stack_dir() -> Iterator[Path]:
 
 
 async def start_stack(st: Stack, speed: float = 2.0) -> None:
+    """Prometheus first, scraping the port kvgate will listen on: it reads its targets
+    only some 5 s after it starts, and the replicas and kvgate start meanwhile (the
+    replicas all at once). The scrapes before kvgate listens find it down."""
     prom_exe = shutil.which("prometheus")
     if prom_exe is None:
         raise RuntimeError("prometheus not found: apt-get install prometheus")
     workdir = st.workdir
     py = sys.executable
-    replicas: dict[str, str] = {}
-    for name in ("replica-a", "replica-b", "replica-bad"):
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        argv = [py, "-m", "enginesim", "serve", "--profile", "tiny", "--port", str(port)]
-        argv += ["--speed", str(speed), "--log-level", "WARNING"]
-        p = st.start(argv, name, url)
-        await wait_ok(url + "/v1/models", p)
-        replicas[name] = url
     port = free_port()
-    cfg = workdir / "kvgate.yaml"
-    cfg.write_text(yaml.safe_dump(gateway_config(replicas, port)))
     st.gateway = f"http://127.0.0.1:{port}"
-    st.faulty = replicas["replica-bad"]
-    gw = st.start([py, "-m", "gateway.cli", "serve", "--config", str(cfg)], "kvgate", st.gateway)
-    await wait_ok(st.gateway + "/ready", gw)
 
     promdir = workdir / "prometheus"
     promdir.mkdir()
@@ -182,8 +184,25 @@ async def start_stack(st: Stack, speed: float = 2.0) -> None:
         f"--web.console.libraries={promdir / 'console_libraries'}",
         "--storage.tsdb.retention.time=1h",
     ]
-    p = st.start(argv, "prometheus", st.prometheus)
-    await wait_ok(st.prometheus + "/-/ready", p)
+    prom = st.start(argv, "prometheus", st.prometheus)
+
+    replicas: dict[str, str] = {}
+    started: list[Awaitable[None]] = []
+    for name in ("replica-a", "replica-b", "replica-bad"):
+        rport = free_port()
+        url = f"http://127.0.0.1:{rport}"
+        argv = [py, "-m", "enginesim", "serve", "--profile", "tiny", "--port", str(rport)]
+        argv += ["--speed", str(speed), "--log-level", "WARNING"]
+        p = st.start(argv, name, url)
+        started.append(wait_ok(url + "/v1/models", p))
+        replicas[name] = url
+    await asyncio.gather(*started)
+    cfg = workdir / "kvgate.yaml"
+    cfg.write_text(yaml.safe_dump(gateway_config(replicas, port)))
+    st.faulty = replicas["replica-bad"]
+    gw = st.start([py, "-m", "gateway.cli", "serve", "--config", str(cfg)], "kvgate", st.gateway)
+    await wait_ok(st.gateway + "/ready", gw)
+    await wait_ok(st.prometheus + "/-/ready", prom)
     await first_scrape(st.prometheus)
 
 

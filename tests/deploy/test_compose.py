@@ -17,6 +17,9 @@ import yaml
 
 from tests.deploy.panels import DASHBOARD, ROOT
 
+# Deployment checks run external tools and subprocesses: left out of the fast subset.
+pytestmark = pytest.mark.slow
+
 COMPOSE = ROOT / "deploy" / "compose"
 
 

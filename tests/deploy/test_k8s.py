@@ -25,6 +25,9 @@ from cloudcoil.models.prometheus_operator import v1 as promop
 
 from tests.deploy.panels import ROOT
 
+# Deployment checks run external tools and subprocesses: left out of the fast subset.
+pytestmark = pytest.mark.slow
+
 K8S = ROOT / "deploy" / "k8s"
 KUBE_VERSION = "1.30.0"  # the oldest Kubernetes the manifests promise to work on
 

@@ -14,6 +14,11 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
+# Deployment checks run external tools and subprocesses: left out of the fast subset.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 GATEWAY_PACKAGES = ("gateway", "admission", "routing")
 OUTSIDE = ("enginesim", "loadtests", "kvgate_demo")

@@ -5,7 +5,12 @@ through Prometheus's HTTP API as Grafana would, returns data."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.deploy.live import run
+
+# Prometheus, kvgate and three replicas as processes, under a load of seconds.
+pytestmark = pytest.mark.slow
 
 
 async def test_every_dashboard_panel_returns_data_from_a_real_run() -> None:

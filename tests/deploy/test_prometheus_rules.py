@@ -16,6 +16,9 @@ import yaml
 
 from tests.deploy.panels import ALERTS, DASHBOARD, ROOT, declared_families, family, targets
 
+# Deployment checks run external tools and subprocesses: left out of the fast subset.
+pytestmark = pytest.mark.slow
+
 PROM = ROOT / "deploy" / "prometheus"
 
 

@@ -16,6 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.live import Stack, free_port, wait_ok
 
+# `kvgate serve --workers 2` and a replica as processes.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llm"
 
 
@@ -36,6 +39,7 @@ async def test_each_worker_labels_its_samples_and_they_add_up(tmp_path) -> None:
             "replicas": [{"name": "r0", "url": sim}],
             "state": {"backend": "redis", "redis_url": redis_url, "key_prefix": f"kvw-{gport}"},
             "logging": {"access_log": False},
+            "shutdown": {"listen_grace_s": 0.0},  # stop at once (the default holds 2 s)
         }
         (tmp_path / "kvgate.yaml").write_text(yaml.safe_dump(cfg))
         gw = f"http://127.0.0.1:{gport}"

@@ -29,6 +29,7 @@ def test_moe_seed000(group: str, index: int) -> None:
     assert row.ok, row
 
 
+@pytest.mark.slow  # a calibration run of the simulator (cached for the other parameters)
 @pytest.mark.parametrize(("group", "index"), [("seed2", i) for i in range(4)])
 def test_8b_16gb_seed001(group: str, index: int) -> None:
     row = _rows(group)[index]

@@ -41,6 +41,7 @@ async def _spawn(*args: str) -> tuple[asyncio.subprocess.Process, str]:
     return proc, line.split()[-1]
 
 
+@pytest.mark.slow  # a real `enginesim serve` process
 async def test_serve_answers_and_stops_on_sigterm():
     proc, url = await _spawn("--profile", "tiny", "--speed", "20", "--flavor", "sglang")
     try:
@@ -60,6 +61,7 @@ async def test_serve_answers_and_stops_on_sigterm():
             await proc.wait()
 
 
+@pytest.mark.slow  # a real `enginesim serve` process
 async def test_crash_fault_exits_the_process():
     proc, url = await _spawn(
         "--profile", "tiny", "--speed", "20", "--fault", "crash", "--fault-after-tokens", "5"

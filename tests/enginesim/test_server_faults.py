@@ -69,6 +69,7 @@ async def test_error_fault(enginesim_server, session):
         assert r.status == 200
 
 
+@pytest.mark.slow  # the stall is seen through real-time timeouts
 async def test_hang_fault_stalls_streams_and_new_requests(enginesim_server, session):
     server = await enginesim_server("tiny", speed=5.0)
     resp = await session.post(server.url + COMPLETIONS, json=_long_stream(server, max_tokens=60))

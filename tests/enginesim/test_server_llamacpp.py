@@ -385,6 +385,7 @@ async def test_bad_input_and_unknown_routes(server, session):
         assert (await r.json())["error"]["type"] == "unavailable_error"
 
 
+@pytest.mark.slow  # a real `enginesim serve` process
 async def test_cli_llamacpp_unified():
     proc, url = await _spawn(
         "--profile", "llamacpp-tiny", "--speed", "20", "--kv-unified", "--cache-ram", "0"

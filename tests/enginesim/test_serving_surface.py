@@ -186,6 +186,7 @@ async def test_pooling_tasks_and_encodings(server, session):
     await post_json(session, url, {"model": "nope", "input": "x"}, status=404)
 
 
+@pytest.mark.slow  # a clock slowed to watch the prefill
 async def test_pooling_endpoints_are_prefill_only_requests(enginesim_server, session):
     server = await enginesim_server("tiny", speed=0.02)  # slow enough to watch the prefill
     before = await scrape(session, server.url)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from loadtests.analysis import Record, Step, find_failure, find_plateau, read, summarize
 from loadtests.report import SweepResult, load_json, markdown, render, write_csv, write_json
 
@@ -123,6 +125,7 @@ def test_outputs_round_trip_and_name_the_points(tmp_path) -> None:
     assert "![throughput](throughput.png)" in md
 
 
+@pytest.mark.slow  # draws the plots (matplotlib)
 def test_a_sweep_renders_again_from_its_json(tmp_path) -> None:
     straight = result("straight", SEED2)
     straight.preemptions = 16

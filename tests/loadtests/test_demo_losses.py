@@ -19,6 +19,9 @@ from kvgate_demo.demo import (
     wait_http,
 )
 
+# A replica and `kvgate serve` as processes, as the demo starts them.
+pytestmark = pytest.mark.slow
+
 SPEED = 0.2  # the engine's clock at a fifth of wall time: a request lasts over half a second
 
 
@@ -37,6 +40,7 @@ async def test_the_demo_reads_who_gave_up_from_kvgates_access_log(tmp_path: Path
         cfg = gateway_config(
             [replica.url], speed=1.0, timeout_s=60.0, engine=str(profile.flavor), access_log=True
         )
+        cfg["shutdown"] = {"listen_grace_s": 0.0}  # stop at once (the default holds 2 s)
         gw = start_gateway(cfg, workdir=tmp_path, log=log)
         with stopping(gw):
             await wait_http(gw.url + "/ready", proc=gw)

@@ -15,6 +15,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+# Locust as a subprocess, for seconds.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
 LOCUST = Path(sys.executable).with_name("locust")

@@ -16,6 +16,11 @@ import struct
 import sys
 from pathlib import Path
 
+import pytest
+
+# `kvgate sweep` (Locust) as a subprocess, for seconds per step.
+pytestmark = pytest.mark.slow
+
 # Prompts of about 900 tokens and 32 output tokens reserve about 60 of the pool's 256
 # blocks each: four run at once, the fifth waits.
 PROMPT, OUTPUT = 900, 32

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -47,7 +48,10 @@ def config(
         "discovery": {"refresh_interval_s": 0.2, "probe_timeout_s": 0.5},
         "auth": {"admin_token": ADMIN},
         "logging": {"access_log": False},
-        "shutdown": {"drain_grace_s": 5.0},
+        # No listen grace: a stop need not keep answering 503 for load balancers (2 s by
+        # default; tests/gateway/test_shutdown.py tests it), so a test's processes stop in
+        # the time their drain takes.
+        "shutdown": {"drain_grace_s": 5.0, "listen_grace_s": 0.0},
         "state": {
             "backend": "redis",
             "redis_url": redis_url,
@@ -92,6 +96,19 @@ async def start(tmp_path: Path, cfg: dict[str, Any], name: str, *extra: str) -> 
         proc.kill()
     await proc.wait()
     pytest.fail(f"kvgate serve {name} did not become ready: " + log.read_text())
+
+
+async def start_all(tmp_path: Path, cfg: dict[str, Any], names: list[str]) -> list[Node]:
+    """`start` for each name, all at once (each spends most of a second importing and
+    probing the replica); the nodes in the order of `names`. If one fails, the others
+    that started are stopped before its error is raised."""
+    got = await asyncio.gather(*(start(tmp_path, cfg, n) for n in names), return_exceptions=True)
+    nodes = [g for g in got if isinstance(g, Node)]
+    failed = [g for g in got if not isinstance(g, Node)]
+    if failed:
+        await asyncio.gather(*(stop(n) for n in nodes))
+        raise failed[0]
+    return nodes
 
 
 async def stop(node: Node) -> int | None:
@@ -140,19 +157,22 @@ def all_see(count: int) -> Callable[[list[dict[str, Any]]], bool]:
 @dataclass
 class RpmPress:
     """Clients of a rate-limited tenant that come back exactly when a 429 says (at most a
-    second later), until `until`; the times of the answers that passed, by node."""
+    second later), until `until` (or `stop_at`, if sooner); the times of the answers that
+    passed, by node, and of the refusals."""
 
     body: dict[str, Any]
     headers: dict[str, str]
     ok_at: list[float] = field(default_factory=list)
     per_node: dict[str, int] = field(default_factory=dict)
     limited: int = 0
+    refused_at: list[tuple[float, str]] = field(default_factory=list)  # (time, node url)
+    stop_at: float = math.inf
 
     async def client(self, s: aiohttp.ClientSession, node: Node, until: float) -> None:
         loop = asyncio.get_running_loop()
         url = node.url + "/v1/chat/completions"
         for _ in range(5000):
-            if loop.time() >= until:
+            if loop.time() >= min(until, self.stop_at):
                 return
             async with s.post(url, json=self.body, headers=self.headers) as r:
                 await r.read()
@@ -164,8 +184,47 @@ class RpmPress:
                     assert (await r.json())["error"]["code"] == "rate_limit_exceeded"
                     assert "retry-after-ms" in r.headers, await admin_state(s, node)
                     self.limited += 1
+                    self.refused_at.append((loop.time(), node.url))
                     # Back exactly when it would pass, as a well-behaved client is.
                     await asyncio.sleep(min(1.0, int(r.headers["retry-after-ms"]) / 1000))
+
+    async def steady_window(
+        self,
+        s: aiohttp.ClientSession,
+        nodes: list[Node],
+        clients: int,
+        window: float,
+        settle: float = 1.5,
+        within: float = 10.0,
+    ) -> tuple[float, float]:
+        """Press `nodes` with `clients` clients (spread over them in turn) until every node
+        has refused one (the burst its bucket held is spent: at most `within` s), then
+        `settle` s more, then `window` s; the (start, end) of that steady window.
+
+        The warm-up ends when the burst is spent, however fast this machine spends it,
+        not after a fixed time sized for the slowest. If a node never refuses (a limit
+        that does not bind), the window starts after `within` s and what it counts shows
+        the excess."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        urls = {n.url for n in nodes}
+        self.stop_at = math.inf
+        tasks = [
+            asyncio.create_task(self.client(s, nodes[i % len(nodes)], math.inf))
+            for i in range(clients)
+        ]
+        try:
+            while loop.time() < began + within and not any(task.done() for task in tasks):
+                if urls <= {url for at, url in self.refused_at if at >= began}:
+                    break
+                await asyncio.sleep(0.05)
+            start = loop.time() + settle
+            self.stop_at = start + window
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        return start, start + window
 
     def within(self, start: float, end: float) -> int:
         return sum(1 for t in self.ok_at if start <= t < end)

@@ -39,10 +39,14 @@ from tests.state.cluster import (
     child_env,
     config,
     start,
+    start_all,
     states_when,
     stop,
 )
 from tests.state.conftest import RedisServer, free_port
+
+# Every test starts real `kvgate serve` processes (docs/development.md: the fast subset).
+pytestmark = pytest.mark.slow
 
 CAP = 4  # the replica's running cap, split across the processes
 POOL = 480  # its pinned pool, all of it admitted on (the headroom is the estimates' margin)
@@ -63,7 +67,7 @@ def replicas(srv: Any) -> list[dict[str, Any]]:
 async def nodes() -> AsyncIterator[list[Node]]:
     made: list[Node] = []
     yield made
-    # All at once: each stop is a graceful drain of about 2 s.
+    # All at once: each stop is a graceful drain (its leases returned to Redis).
     await asyncio.gather(*(stop(n) for n in made))
 
 
@@ -129,8 +133,7 @@ async def test_three_processes_share_one_replica_within_its_pool_and_cap(
     tmp_path: Path, redis_url: str, prefix: str, replica: Any, nodes: list[Node]
 ) -> None:
     cfg = config(redis_url, prefix, replicas(replica))
-    for i in range(3):
-        nodes.append(await start(tmp_path, cfg, f"gw{i}"))
+    nodes += await start_all(tmp_path, cfg, ["gw0", "gw1", "gw2"])
     backend = RedisBackend(redis_url, prefix=prefix)
     load = Load()
     try:
@@ -163,8 +166,7 @@ async def test_sigkill_returns_a_dead_process_capacity_within_the_ttl(
     tmp_path: Path, redis_url: str, prefix: str, replica: Any, nodes: list[Node]
 ) -> None:
     cfg = config(redis_url, prefix, replicas(replica))
-    for i in range(3):
-        nodes.append(await start(tmp_path, cfg, f"gw{i}"))
+    nodes += await start_all(tmp_path, cfg, ["gw0", "gw1", "gw2"])
     backend = RedisBackend(redis_url, prefix=prefix)
     load = Load()
     try:
@@ -212,8 +214,7 @@ async def test_redis_stopped_and_restarted_mid_load_fail_open(
     tmp_path: Path, prefix: str, replica: Any, nodes: list[Node], own_redis: RedisServer
 ) -> None:
     cfg = config(own_redis.url, prefix, replicas(replica), on_unreachable="fail-open")
-    for i in range(3):
-        nodes.append(await start(tmp_path, cfg, f"gw{i}"))
+    nodes += await start_all(tmp_path, cfg, ["gw0", "gw1", "gw2"])
     load = Load()
     async with aiohttp.ClientSession() as s:
         with Watch(replica, None) as w:
@@ -400,7 +401,6 @@ async def test_a_tenant_rpm_limit_holds_across_three_processes(
     rpm = 600  # 10 a second for the tenant, across every process
     await _start_rpm_tenant(tmp_path, redis_url, prefix, replica, nodes, rpm)
     press = RpmPress({**BODY, "max_tokens": 2}, {"Authorization": "Bearer sk-team-a"})
-    loop = asyncio.get_running_loop()
 
     def equal(states: list[dict[str, Any]]) -> bool:
         # Equal: none above a third, and none still near 0 (a process whose lease is not
@@ -413,13 +413,13 @@ async def test_a_tenant_rpm_limit_holds_across_three_processes(
         # the three hold equal fractions before the load
         states = await states_when(s, nodes, equal, "the fractions did not settle to a third each")
         assert sum(st["tenants"]["team-a"]["share"] for st in states) <= 1.0 + 1e-9
-        warm, window = 6.0, 12.0
-        start_t = loop.time()
-        until = start_t + warm + window
-        await asyncio.gather(*(press.client(s, nodes[i % 3], until) for i in range(9)))
+        # The window starts once each process has spent its burst (its first 429) and
+        # 1.5 s more: a fixed 6 s warm-up spent most of its time in the steady state.
+        window = 12.0
+        start_t, end_t = await press.steady_window(s, nodes, 9, window)
         states = [await admin_state(s, n) for n in nodes]
     assert press.limited > 0  # the limit was pressed throughout
-    steady = press.within(start_t + warm, start_t + warm + window)
+    steady = press.within(start_t, end_t)
     expected = rpm * window / 60.0
     # Never more than the tenant's rate (5% for the window's edges)...
     assert steady <= 1.05 * expected, (steady, expected)
@@ -439,8 +439,7 @@ async def _start_rpm_tenant(
 
     cfg = config(redis_url, prefix, [{"name": "r0", "url": replica.url}], lease_ttl_s=3.0)
     cfg["tenants"] = [{"name": "team-a", "keys_sha256": [hash_key("sk-team-a")], "rpm": rpm}]
-    for i in range(3):
-        nodes.append(await start(tmp_path, cfg, f"gw{i}"))
+    nodes += await start_all(tmp_path, cfg, ["gw0", "gw1", "gw2"])
 
 
 async def test_a_tenant_rpm_limit_holds_after_one_process_spent_most_of_it(
@@ -461,13 +460,14 @@ async def test_a_tenant_rpm_limit_holds_after_one_process_spent_most_of_it(
         alone_share = (await admin_state(s, nodes[0]))["tenants"]["team-a"]["share"]
         # A share moving between processes lets a few cells through at once (127 of 120 in
         # a 12 s window once): over 20 s such an edge is under the 5% the test allows.
-        warm, window = 4.0, 20.0
-        start_t = loop.time()
-        until = start_t + warm + window
-        await asyncio.gather(*(press.client(s, nodes[i % 3], until) for i in range(9)))
+        # The window starts once each process has been refused (the others have spent
+        # the bursts their small fractions held, the first is in debt) and 1.5 s more,
+        # not after a fixed 4 s.
+        window = 20.0
+        start_t, end_t = await press.steady_window(s, nodes, 9, window)
         states = [await admin_state(s, n) for n in nodes]
     assert alone_share > 0.6  # the lone process grew into most of the budget
-    steady = press.within(start_t + warm, start_t + warm + window)
+    steady = press.within(start_t, end_t)
     expected = rpm * window / 60.0
     assert steady <= 1.05 * expected, (steady, expected)
     assert steady >= 0.75 * expected, (steady, expected, states)
@@ -591,8 +591,7 @@ async def test_a_process_sheds_in_time_with_the_patience_another_learned(
     Retry-After within that second instead of waiting out b's 20 s queue timeout."""
     srv = await enginesim_server("tiny", speed=0.2)  # a hog that holds the pool for seconds
     cfg = config(redis_url, prefix, [{"name": "r0", "url": srv.url, "pool_tokens": POOL}])
-    a = await start(tmp_path, cfg, "a")
-    b = await start(tmp_path, cfg, "b")
+    a, b = await start_all(tmp_path, cfg, ["a", "b"])
     nodes += [a, b]
     hog_body = {**BODY, "max_tokens": 400}  # most of the 480-token pool, for seconds
     silent = {**BODY, "max_tokens": 40}

@@ -36,7 +36,19 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_demo.demo import Process, start_replica, wait_http
-from tests.state.cluster import MODEL, Node, admin_state, all_see, config, start, states_when, stop
+from tests.state.cluster import (
+    MODEL,
+    Node,
+    admin_state,
+    all_see,
+    config,
+    start_all,
+    states_when,
+    stop,
+)
+
+# Real `kvgate serve` and `enginesim serve` processes under a load of over ten seconds.
+pytestmark = pytest.mark.slow
 
 SPEED = 0.2  # the engine's clock at a fifth of wall time: a request lasts over half a second
 # Three-letter words: about one token per four characters, as kvgate's estimate assumes.
@@ -121,7 +133,7 @@ async def test_processes_sharing_one_engine_keep_its_whole_pool(
 ) -> None:
     cfg = config(redis_url, prefix, [{"name": "r0", "url": engine.url}])
     cfg["admission"] = {"queue_timeout_s": 30.0, "learn_limit": False}
-    nodes = [await start(tmp_path, cfg, f"gw{i}") for i in range(processes)]
+    nodes = await start_all(tmp_path, cfg, [f"gw{i}" for i in range(processes)])
     statuses: list[int] = []
     try:
         async with aiohttp.ClientSession() as s:
@@ -140,7 +152,7 @@ async def test_processes_sharing_one_engine_keep_its_whole_pool(
                 watch.cancel()
             states = [await admin_state(s, n) for n in nodes]
     finally:
-        await asyncio.gather(*(stop(n) for n in nodes))  # each drain takes about 2 s
+        await asyncio.gather(*(stop(n) for n in nodes))  # all at once: each drains
 
     assert statuses == [200] * (processes * clients * each), statuses
     assert all(st["replicas"]["r0"]["reserved_tokens"] == 0 for st in states), states

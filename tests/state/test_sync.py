@@ -147,6 +147,7 @@ def leave_at(s: StateSync, waited: float, n: int = 3) -> None:
         s.door.client_ended("default", "m", False, ClientEnd(waited, True))
 
 
+@pytest.mark.slow  # a queued request shed by a learned patience, in real time
 async def test_learned_patience_is_shared_and_outlives_the_process(
     backend: StateBackend,
 ) -> None:
@@ -420,6 +421,7 @@ class _SwallowsOneCancel(MemoryBackend):
         await super().release(holder, resources)
 
 
+@pytest.mark.slow  # a stop bounded in real time
 async def test_a_stop_whose_cancellation_is_lost_still_ends_the_loop_and_returns_the_leases() -> (
     None
 ):
@@ -439,6 +441,7 @@ async def test_a_stop_whose_cancellation_is_lost_still_ends_the_loop_and_returns
     assert await backend.holders("pool:r1") == {}
 
 
+@pytest.mark.slow  # a stop bounded in real time
 async def test_a_stop_whose_lease_loop_never_answers_is_bounded() -> None:
     """Issue 19 item 4: the lease loop lost its cancellation and its renewal never
     answers. The stop waits for it at most two backend timeouts, then returns the leases."""
