@@ -2,8 +2,8 @@
 
 A released request's `Completion` feeds its replica's service and TTFT lines (the
 predictions a queued request's deadline is judged by), its inter-token gap model
-(admission.learned.itl) and its learned running limit (admission.learned.limit); each discovery round's
-engine view feeds the limit its preemption and waiting signals. Nothing here admits or
+(admission.learned.itl) and its learned running limit (admission.learned.limit); each
+discovery round's engine view feeds the limit its preemption and waiting signals. Nothing here admits or
 sheds: the ledger, the queue and placement read what it learned.
 """
 

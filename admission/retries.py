@@ -194,7 +194,8 @@ class RetryMemory:
     ) -> None:
         """Take `req` in: its retry identity and, where it is the retry of a request kvgate
         left unserved, its first arrival (its place in line) and, for a client that does
-        not state which retry it sends, whether this is its last (admission/learned/retry_budget.py)."""
+        not state which retry it sends, whether this is its last
+        (admission/learned/retry_budget.py)."""
         req.retry_key, req.retry_said = ident.key, ident.said
         first = None if ident.first else self.recall(ident.key, now, req.tenant, ident.said)
         req.recalled = first is not None

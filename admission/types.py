@@ -50,8 +50,8 @@ class AdmissionRequest(RouteRequest):
     # The learned limit keeps service times inside the budgets of the requests it sees.
     latency_budget: float | None = None
     stream: bool = False  # a stream's budget bounds its time to first token only
-    # True when `latency_budget` is the learned patience of its clients (admission.learned.patience),
-    # not a timeout the client stated.
+    # True when `latency_budget` is the learned patience of its clients
+    # (admission.learned.patience), not a timeout the client stated.
     budget_learned: bool = False
     # True when the budget bounds a stream's whole response, not only its first token
     # (and gaps): a learned whole-stream deadline (admission.learned.patience). A non-stream

@@ -22,9 +22,9 @@ Three modes, the same load each: ``fair``: the tenants with their weights, kvgat
 their TTFT and end-to-end targets (attainment is measured, placement ignores them) but
 not interactive's ITL target; ``fair+itl``: the same, and kvgate told the ITL target
 too, so interactive's requests go only where the replica's ITL model predicts the target
-holds, or wait (admission/learned/itl.py, routing/filters/slo_itl.py); ``fifo``: all keys map to one tenant
-(one first-come line, no weights, no targets). Attainment is always measured against
-every target in the list above, from the client's clocks.
+holds, or wait (admission/learned/itl.py, routing/filters/slo_itl.py); ``fifo``: all keys
+map to one tenant (one first-come line, no weights, no targets). Attainment is always
+measured against every target in the list above, from the client's clocks.
 Measured over the run after the first 10% (warm-up), per tenant: tokens served (prompt
 + completion of completed requests), share, requests, and attainment of each target from
 the client's own clocks.

@@ -64,7 +64,9 @@ def listening_sockets(site: web.BaseSite) -> list[socket.socket]:
     listening = site._server  # the loop's server (asyncio or uvloop); aiohttp names no other
     # aiohttp types it asyncio.AbstractServer, which declares no `sockets`: both loops'
     # servers (asyncio.Server, uvloop's Server) have them.
-    found = listening.sockets if listening is not None else None  # type: ignore[attr-defined]  # see above
+    if listening is None:
+        return []
+    found = listening.sockets  # type: ignore[attr-defined]  # see above
     return list(found) if found else []
 
 

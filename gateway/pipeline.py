@@ -13,7 +13,7 @@ OpenAI error object. Account and release run in ``finally`` on every path, inclu
 cancellation when the client disconnects, so a reservation can never leak.
 
 The stages' neighbours, each in a module of its own: reading the body (gateway/body.py),
-retries, failover and outlier ejection (gateway/upstream/failover.py, gateway/upstream/outliers.py), the
+retries, failover and outlier ejection (gateway/upstream/failover.py and outliers.py), the
 account stage (gateway/accounting.py), the answers of turned-away requests
 (gateway/denials.py), and the requests in flight with their graceful shutdown
 (gateway/shutdown.py): new and queued requests are answered 503 ``shutting_down`` once

@@ -5,8 +5,6 @@ and never reaches back into the pipeline that called it."""
 
 from __future__ import annotations
 
-import asyncio
-
 from gateway.context import RequestContext
 from gateway.door import AdmissionDoor
 
@@ -21,7 +19,6 @@ class StreamReservation:
 
     def __init__(self, door: AdmissionDoor) -> None:
         self._door = door
-        self._loop = asyncio.get_running_loop()
 
     def first_token(self, ctx: RequestContext) -> None:
         self._door.first_token(ctx.admission_id)
@@ -31,7 +28,7 @@ class StreamReservation:
         total = ctx.req.prompt_tokens + ctx.generated
         want = total + max(_TOPUP_MIN, total // _TOPUP_SHARE)
         door = self._door
-        if ctx.admission_id and door.top_up(ctx.admission_id, want, self._loop.time()):
+        if ctx.admission_id and door.top_up(ctx.admission_id, want):
             res = door.report.reservation(ctx.admission_id)
             ctx.reserved = res.reserved_tokens if res else want
         ctx.topup_at = max(ctx.reserved, want)

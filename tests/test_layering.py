@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.import_graph import cycles, import_graph
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +44,7 @@ def test_admission_takes_routing_types_only_and_never_the_gateway() -> None:
     assert any(m == "routing.types" for _, m in found)  # the check sees real imports
 
 
+@pytest.mark.slow
 def test_the_gateway_packages_never_import_the_simulator_or_the_load_tools() -> None:
     apart = {"enginesim", "loadtests", "kvgate_demo", "locust"}
     for package in ("gateway", "admission", "routing"):

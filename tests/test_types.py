@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("gateway", "admission", "routing")
 
 
+pytestmark = pytest.mark.slow
+
+
 def test_mypy_finds_no_error() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "mypy"],

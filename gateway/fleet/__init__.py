@@ -1,1 +1,2 @@
-"""The replicas: which there are (configured, from DNS), whether each answers (probes), and what their engines publish (KV events)."""
+"""The replicas: which there are (configured, from DNS), whether each answers (probes),
+and what their engines publish (KV events)."""

@@ -1,1 +1,2 @@
-"""Towards the engines: the connection pool, relaying a request and reading its stream, failing over, and ejecting replicas that fail."""
+"""Towards the engines: the connection pool, relaying a request and reading its stream,
+failing over, and ejecting replicas that fail."""

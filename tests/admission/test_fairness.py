@@ -140,6 +140,7 @@ def simulate(
     return res
 
 
+@pytest.mark.slow
 def test_a_flood_does_not_starve_a_trickle() -> None:
     """A sends 10x its fair share; B a trickle well within its own. B waits at most about
     one completion gap and meets a 1 s TTFT target on every request; A gets the rest."""

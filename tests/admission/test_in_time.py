@@ -181,6 +181,7 @@ def vllm_8k(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_the_sdk_at_32_completes_every_request_near_the_best_fixed_concurrency(vllm_8k) -> None:
     """Issue 20.4 in virtual time: the SDK's defaults (its timeout stated, two retries
     after Retry-After) at concurrency 32 through a fresh admission core complete every
@@ -204,6 +205,7 @@ def test_the_sdk_at_32_completes_every_request_near_the_best_fixed_concurrency(v
     assert report.preemptions == 0
 
 
+@pytest.mark.slow
 def test_the_sdk_on_an_engine_slower_than_its_timeout_was_set_for_is_not_cut_below_it(
     vllm_8k,
 ) -> None:
@@ -280,6 +282,7 @@ def test_preemptions_seen_after_the_burst_ended_still_cut() -> None:
     assert lim.reason == "preemption" and lim.value == pytest.approx(12.0)
 
 
+@pytest.mark.slow
 def test_the_demos_job_with_a_stated_timeout_loses_nothing_to_a_late_start() -> None:
     """The README's demo in virtual time: seed 001's card and batch job (738 requests,
     long prompts, 40-200 token answers sent with ignore_eos), 32 clients that state their

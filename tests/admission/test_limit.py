@@ -296,6 +296,7 @@ def best_fixed(seed2_items) -> int:
     return best[0]
 
 
+@pytest.mark.slow
 def test_a_cold_replica_finds_the_sweeps_best_without_falling_off_the_cliff(
     seed2_items, best_fixed
 ) -> None:
@@ -316,6 +317,7 @@ def test_a_cold_replica_finds_the_sweeps_best_without_falling_off_the_cliff(
     assert report.wall_s <= 1.15 * fixed.wall_time
 
 
+@pytest.mark.slow
 def test_the_limit_follows_a_slowdown_and_the_recovery(seed2_items) -> None:
     def slow(t: float) -> float:
         return 2.0 if 250.0 <= t < 650.0 else 1.0
@@ -334,6 +336,7 @@ def test_the_limit_follows_a_slowdown_and_the_recovery(seed2_items) -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 3])
+@pytest.mark.slow
 def test_clients_that_state_their_timeout_keep_it_through_a_slowdown(seed) -> None:
     """The openai SDK's clients (T stated, two retries after Retry-After) at 32 while the
     replica runs at half speed for 400 s: the limit follows, so an attempt times out only
@@ -375,6 +378,7 @@ def test_the_learned_limit_never_admits_past_the_kv_ceiling() -> None:
     assert usage.binding_ceiling == "kv_capacity"
 
 
+@pytest.mark.slow
 def test_a_configured_cap_stays_an_upper_bound(seed2_items) -> None:
     report = run(PROFILE, seed2_items, concurrency=32, timeout_s=TIMEOUT_S, max_running=3)
     assert report.max_running <= 3
@@ -385,6 +389,7 @@ def test_config_defaults_learn_the_limit() -> None:
     assert AdmissionConfig().learn_limit is True
 
 
+@pytest.mark.slow
 def test_an_overstated_pool_is_corrected_from_the_engines_kv_usage() -> None:
     from enginesim.workloads import synthetic_items
 

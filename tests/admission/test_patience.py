@@ -305,6 +305,7 @@ def test_a_stream_is_scored_on_what_its_clients_wait_for(stalled: bool) -> None:
         assert usage.limit_reason == "latency" and usage.limit is not None and usage.limit < 8
 
 
+@pytest.mark.slow
 def test_clients_that_state_no_timeout_are_not_held_past_it_in_virtual_time() -> None:
     # Seed 001's card and job (tests/admission/test_limit.py), 32 closed-loop clients that
     # give up after 45 s and never say so, retrying sheds twice after Retry-After. Once

@@ -101,6 +101,7 @@ def test_a_burst_of_64_sdk_clients_on_seed_001s_card_fails_none_fast() -> None:
     assert report.preemptions == 0
 
 
+@pytest.mark.slow
 def test_the_sdk_at_32_with_a_timeout_under_a_second_completes_every_request(
     vllm_8k: str,  # noqa: F811 (the fixture imported above)
 ) -> None:

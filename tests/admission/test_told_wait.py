@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from admission.learned.toldwait import MIN_VOTES, ToldWaits
 from admission.retries import RetryMemory, identify
 from admission.types import Admit, Queued, Shed
@@ -115,6 +117,7 @@ def test_a_retry_of_a_whole_call_client_queues_until_its_first_attempts_budget_r
     assert shed.request_id == "r"
 
 
+@pytest.mark.slow
 def test_clients_whose_timeout_counts_the_wait_they_are_told_get_the_fixed_proxys_share() -> None:
     """32 plain clients whose timeout (stated nowhere) bounds the whole call, the
     Retry-After they wait included, read in whole seconds (told a longer wait than they

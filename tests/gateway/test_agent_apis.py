@@ -290,6 +290,7 @@ async def test_an_audio_request_that_is_not_a_form_with_a_file_is_a_400(replica,
     assert gw.report.reserved_tokens() == 0
 
 
+@pytest.mark.slow
 async def test_a_responses_streams_first_token_is_its_first_output_event(replica, gateway):
     """response.created comes before the prompt is prefilled: kvgate's time to first token
     (its TTFT metric, routing's end-of-prefill signal) is the first output event's."""
@@ -346,6 +347,7 @@ async def test_rerank_score_and_audio_through_kvgate(replica, gateway):
             assert r.status == 404
 
 
+@pytest.mark.slow
 async def test_the_anthropic_sdk_retries_a_529_after_retry_after_and_succeeds(replica, gateway):
     """A shed message is 529 with retry-after; the anthropic SDK's own retries (as
     Claude Code's) wait it out and succeed once the pool has room."""

@@ -32,6 +32,7 @@ from collections import Counter
 from typing import Any
 
 import aiohttp
+import pytest
 
 from enginesim.faults import make_fault
 from tests.gateway.conftest import MODEL, wait_for
@@ -40,6 +41,9 @@ from tests.gateway.test_failover import failure_log
 N_REQUESTS = 80
 CLIENTS = 8
 FAULT_AFTER = 16  # completed requests before the faults
+
+
+pytestmark = pytest.mark.slow
 
 
 async def _one(s: aiohttp.ClientSession, url: str, body: dict[str, Any], errored: list[str]) -> str:

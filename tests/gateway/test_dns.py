@@ -15,6 +15,8 @@ import pytest
 from tests.gateway.conftest import MODEL, wait_for
 from tests.gateway.dnsmasq import Dnsmasq
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 async def dnsmasq(tmp_path) -> Any:

@@ -7,6 +7,8 @@ import ast
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from admission.types import AdmissionRequest, Admit, Queued, Shed
 from gateway.door import AdmissionDoor
 from tests.admission.helpers import controller, replica, request
@@ -64,6 +66,7 @@ async def test_a_displaced_entry_is_answered_by_the_submit_that_displaced_it() -
     assert door.report.reserved_tokens() == 0 and door.report.queue_depth() == 0
 
 
+@pytest.mark.slow
 def test_the_door_is_the_gateways_only_way_to_the_controller() -> None:
     # gateway_state.py builds the controller and hands it to the door; every other gateway
     # module changes admission through the door and reads its report.

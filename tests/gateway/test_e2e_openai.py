@@ -100,6 +100,7 @@ async def test_unknown_model_is_404_model_not_found(replica, gateway):
     assert ei.value.code == "model_not_found"
 
 
+@pytest.mark.slow
 async def test_shed_503_is_retried_by_the_sdk_and_succeeds(replica, gateway):
     # One replica at real speed with a pinned pool that a single long request fills.
     srv = await replica(speed=1.0)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginesim.faults import make_fault
@@ -106,6 +107,7 @@ async def test_retries_after_a_crash_never_go_back_to_the_dead_replica(replica, 
     assert gw.report.reserved_tokens() == 0 and gw.report.queue_depth() == 0
 
 
+@pytest.mark.slow
 async def test_retries_after_a_sigkill_never_go_back_to_the_killed_engine(replica, gateway):
     """The same with a real process: an `enginesim serve` SIGKILLed while it runs two
     requests and the live replica is full."""

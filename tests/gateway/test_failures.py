@@ -205,6 +205,7 @@ async def test_connection_dropped_before_response_is_502(replica, gateway):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.slow
 async def test_hung_replica_is_504_and_aborted(replica, gateway, stream):
     srv = await replica()
     gw = await gateway(srv, upstream={"first_byte_s": 0.3, "total_s": 0.6})
@@ -224,6 +225,7 @@ async def test_hung_replica_is_504_and_aborted(replica, gateway, stream):
     assert (await upstream_errors(gw))[("r0", "timeout")] == 1
 
 
+@pytest.mark.slow
 async def test_stream_stalling_mid_way_hits_idle_timeout(replica, gateway):
     srv = await replica(speed=1.0)
     gw = await gateway(srv, upstream={"idle_s": 0.3})
@@ -324,6 +326,7 @@ async def test_burst_with_random_disconnects_leaves_nothing_behind(replica, gate
     assert statuses.count(200) >= len(survivors) // 2
 
 
+@pytest.mark.slow
 async def test_a_stream_longer_than_many_idle_windows_is_not_cut(replica, gateway):
     """The idle bound is between chunks, not on the whole stream: a stream that goes on
     for several idle windows, a chunk at a time, ends normally (the relay's one timer is

@@ -21,6 +21,7 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,6 +39,9 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
 # ---------------------------------------------------------------------- raw HTTP client
+pytestmark = pytest.mark.slow
+
+
 async def raw_request(
     port: int,
     body: bytes,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginesim.faults import make_fault
@@ -43,6 +44,7 @@ async def _metric(gw, family: str, replica: str) -> float | None:
     return None
 
 
+@pytest.mark.slow
 async def test_failed_probe_rounds_keep_a_single_replica_ready_until_threshold(replica, gateway):
     srv = await replica()
     gw = await gateway(
@@ -68,6 +70,7 @@ async def test_failed_probe_rounds_keep_a_single_replica_ready_until_threshold(r
     assert await _status_of_a_short_chat(gw) == 200
 
 
+@pytest.mark.slow
 async def test_a_slow_metrics_answer_still_arrives_and_keeps_the_replica_ready(replica, gateway):
     """vLLM's API server on a busy CPU answered /metrics 3.5 s late. Each round's GET was
     cut at the probe timeout: no answer ever arrived, the learned limit heard nothing
@@ -102,6 +105,7 @@ async def test_a_slow_metrics_answer_still_arrives_and_keeps_the_replica_ready(r
         srv.set_fault(make_fault("none"))
 
 
+@pytest.mark.slow
 async def test_a_replica_slower_than_the_probe_timeout_from_the_start_still_joins(replica, gateway):
     """An engine whose /metrics always answers later than the probe timeout (vLLM
     loaded from the start): its answers arrive every other round, a round late. Counted

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -62,6 +63,7 @@ def _expected(body: dict) -> dict:
     indent=st.sampled_from([None, 0, 2]),
     lead=st.sampled_from(["", " ", "\n\t "]),
 )
+@pytest.mark.slow
 def test_patched_body_is_json_equivalent_to_the_reserialised_one(
     extra, opts, has_opts, ensure_ascii, indent, lead
 ):
@@ -195,6 +197,7 @@ def _run(take, data: bytes, cuts: list[int]) -> tuple[bytes, bytes]:
     cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=8),
     wants_usage=st.booleans(),
 )
+@pytest.mark.slow
 def test_fast_stream_path_equals_the_per_event_path(body, tail, cuts, wants_usage):
     data = b"".join(body) + tail
     cuts = [c % (len(data) + 1) for c in cuts]

@@ -109,6 +109,7 @@ async def upstream_errors(gw) -> dict[tuple[str, str], float]:
     return out
 
 
+@pytest.mark.slow
 async def test_no_connection_idle_as_long_as_the_engines_close_is_reused(replica, gateway):
     srv = await replica()
     relay = IdleCloseRelay(int(srv.url.rsplit(":", 1)[1]))

@@ -7,10 +7,14 @@ import asyncio
 import logging
 
 import aiohttp
+import pytest
 
 from tests.gateway.conftest import MODEL, wait_for
 
 ADMIN = "admin-secret"
+
+
+pytestmark = pytest.mark.slow
 
 
 def stream(i: int) -> dict:

@@ -135,6 +135,7 @@ def pressure(n: int) -> list[dict[str, Any]]:
     return [body(words(700, i), 900, stream=True) for i in range(n)]
 
 
+@pytest.mark.slow
 async def test_kv_pressure_straight_fails_mid_stream_through_kvgate_completes(llama, gateway):
     srv = await llama(kv_unified=True)
     straight = await asyncio.gather(
@@ -270,6 +271,7 @@ async def test_abandoned_non_stream_request_is_held_until_its_slot_stops(llama, 
     assert gw.report.reserved_tokens() == 0
 
 
+@pytest.mark.slow
 async def test_abandoned_request_on_a_busy_server_is_held_while_it_generates(llama, gateway):
     """Another stream's tokens keep llama-server from noticing the hang-up: the abandoned
     request generates to its end, and its reservation is held that long."""

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from admission.tenants import TenantState, hash_key
@@ -143,6 +144,7 @@ async def test_an_adapters_requests_go_only_to_replicas_that_serve_it(replica, g
     assert status == 404 and out["error"]["code"] == "model_not_found"
 
 
+@pytest.mark.slow
 async def test_an_adapter_shares_its_replicas_running_cap_with_the_base(replica, gateway):
     """One replica, one running slot: an adapter request waits for the base's."""
     srv = await replica(lora_modules=LORAS, speed=1.0)

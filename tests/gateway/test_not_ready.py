@@ -53,6 +53,7 @@ async def admin_replicas(gw: Any) -> dict[str, dict[str, Any]]:
             return {x["name"]: x for x in (await r.json())["replicas"]}
 
 
+@pytest.mark.slow
 async def test_each_cause_is_named_on_admin_and_logged_once_at_warning(
     replica, gateway, discovery_log
 ) -> None:

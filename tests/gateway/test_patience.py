@@ -22,6 +22,9 @@ from tests.gateway.test_queue import body, hold_pool
 TIMEOUT = 0.6  # the plain client's total timeout, never sent
 
 
+pytestmark = pytest.mark.slow
+
+
 def _post(s: aiohttp.ClientSession, gw, max_tokens: int, stream: bool = False):
     """A plain client's chat request, with the total timeout it never states."""
     return s.post(

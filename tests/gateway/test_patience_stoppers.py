@@ -11,11 +11,15 @@ import random
 from collections import Counter
 
 import aiohttp
+import pytest
 
 from tests.gateway.conftest import MODEL
 from tests.gateway.test_queue import body
 
 STATED_NEVER = aiohttp.ClientTimeout(total=60.0)  # the clients' own, never sent
+
+
+pytestmark = pytest.mark.slow
 
 
 async def _stream(s: aiohttp.ClientSession, url: str, max_tokens: int, stop_after: int | None):

@@ -7,11 +7,15 @@ index's expectation at each decision follows what the engine then reports."""
 from __future__ import annotations
 
 import aiohttp
+import pytest
 
 from tests.gateway.conftest import MODEL
 
 PROFILE = {"block_chars": 64, "default_profile": {"scorers": [{"name": "prefix_cache"}]}}
 SYSTEM = "You are a careful agent. Read the task, then act with one tool per turn. " * 7
+
+
+pytestmark = pytest.mark.slow
 
 
 async def test_the_index_expects_what_the_engine_reports_after_its_answers(replica, gateway):

@@ -13,6 +13,7 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.gateway.conftest import MODEL
 
@@ -21,6 +22,9 @@ SYSTEM = (
     "You are the build agent of team blue. Read the failing test, find the module, "
     "propose one minimal patch, run the suite, and report. Never touch generated files. "
 ) * 24
+
+
+pytestmark = pytest.mark.slow
 
 
 def body(i: int, max_tokens: int = 160) -> dict[str, Any]:

@@ -26,6 +26,7 @@ async def hold_pool(s: aiohttp.ClientSession, gw, max_tokens: int) -> aiohttp.Cl
     return big
 
 
+@pytest.mark.slow
 async def test_requests_beyond_the_pool_wait_and_complete_in_order(replica, gateway):
     srv = await replica(speed=5.0)
     # 512-token pool: two 200-token requests fit (their prompts estimated, so grown by the
@@ -307,6 +308,7 @@ async def test_a_shed_by_the_learned_running_limit_says_so_not_kv_capacity(repli
     assert "KV capacity" not in message, message
 
 
+@pytest.mark.slow
 async def test_a_non_stream_request_that_asks_for_its_whole_bound_is_reserved_for_it(
     replica, gateway
 ):
@@ -337,6 +339,7 @@ async def test_a_non_stream_request_that_asks_for_its_whole_bound_is_reserved_fo
     assert reserved["ignore_eos"] >= 200, reserved
 
 
+@pytest.mark.slow
 async def test_with_no_queue_timeout_set_only_what_a_client_states_bounds_its_wait(
     replica, gateway
 ):

@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import pytest
 import yaml
 
 from admission.tenants import hash_key
@@ -22,6 +23,9 @@ from tests.gateway.conftest import MODEL, all_replicas_ready, wait_for
 from tests.gateway.test_not_ready import Lines
 
 KEY = "sk-team-a"
+
+
+pytestmark = pytest.mark.slow
 
 
 def config(servers: list[Any], **extra: Any) -> dict[str, Any]:

@@ -8,12 +8,16 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 
 from tests.gateway.conftest import wait_for
 from tests.gateway.test_ops import scrape
 from tests.gateway.test_queue import body, hold_pool
 
 URL = "/v1/chat/completions"
+
+
+pytestmark = pytest.mark.slow
 
 
 async def _shed(s: aiohttp.ClientSession, gw, payload: dict) -> None:

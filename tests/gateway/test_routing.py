@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
+import pytest
 
 from routing.plugin import PluginEnv
 from routing.registry import register
@@ -89,6 +90,7 @@ def _reject(params: Mapping[str, Any], env: PluginEnv) -> _RejectSession:
     return _RejectSession(str(params.get("session", "")))
 
 
+@pytest.mark.slow
 async def test_a_request_every_filter_rejects_does_not_block_others(replica, gateway):
     srv = await replica(speed=50.0)
     gw = await gateway(

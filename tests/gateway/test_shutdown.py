@@ -34,6 +34,9 @@ SHORT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_t
 ROOT = Path(__file__).resolve().parents[2]
 
 
+pytestmark = pytest.mark.slow
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

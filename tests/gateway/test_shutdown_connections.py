@@ -99,6 +99,7 @@ async def test_a_connection_accepted_before_the_listener_closes_gets_its_answer(
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "shutting_down"
 
 
+@pytest.mark.slow
 async def test_drain_closes_idle_keepalive_connections_and_answers_with_connection_close(
     replica, tmp_path
 ):

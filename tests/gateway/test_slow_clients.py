@@ -18,6 +18,8 @@ import asyncio
 import json
 import socket
 
+import pytest
+
 from tests.gateway.conftest import MODEL, wait_for
 
 # ~100 KB of SSE: past the transport's 64 KiB high-water mark, within what the buffers hold.
@@ -130,6 +132,7 @@ async def test_slow_body_connection_is_closed_after_its_408(replica, gateway):
     assert closed - answered < 1.0, f"closed {closed - answered:.1f} s after the 408"
 
 
+@pytest.mark.slow
 async def test_client_that_never_reads_its_stream_is_cut_and_released(replica, gateway):
     # Slow enough that the whole answer takes several write timeouts even on a loaded
     # machine: the cut must come long before the engine would finish.

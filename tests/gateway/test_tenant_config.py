@@ -67,6 +67,7 @@ def test_env_keys_are_hashed_at_load() -> None:
     assert "sk-env" not in repr(cfg)
 
 
+@pytest.mark.slow
 def test_hash_key_cli() -> None:
     cmd = [sys.executable, "-m", "gateway.cli", "hash-key"]
     out = subprocess.run(cmd, input="sk-x\n", capture_output=True, text=True, check=True)
