@@ -25,7 +25,7 @@ deadline of a request that states none. Rules:
   shared state, the budget another gateway process learned of the population, if any:
   `ClientPatience.adopt`). A population that never leaves teaches nothing and keeps
   none. Except a configured timeout: when the window's departures, at least
-  ``MIN_COHORT`` of them, all came after one wait (within a tenth, and ``COHORT_S``), the
+  ``MIN_COHORT`` of them, all came after one wait (within a tenth), the
   clients share one timeout and it is that wait (a plain HTTP client with ``total=T``:
   fewer than ``MIN_EVENTS`` of its clients may leave at T together, and waiting for
   ``MIN_EVENTS`` held the rest of a run to the configured timeout; measured:
@@ -80,11 +80,17 @@ docs/admission.md); a real clock lets its short streams finish; and a deadline n
 stream meets is not one kvgate could keep anyway.
 
 Clients that leave together (within ``TOGETHER_S`` of a close's first departure) after
-waits that differ (by more than a tenth, and ``COHORT_S``) did not each run out of
-patience: something ended them at once (a load generator stopping mid-run, a client
-process killed, a network path dropped). Such a mass close counts once, its first
-departure; the others count as having stayed as long as they did. A cohort that leaves
-together after one wait (sent together with one timeout) is not a mass close: each counts.
+waits that differ (by more than their departure instants do, and than a tenth) did not
+each run out of patience: something ended them at once (a load generator stopping
+mid-run, a client process killed, a network path dropped). Such a mass close counts
+once, its first departure; from the first of its members whose wait shows it, the others
+count as having stayed as long as they did. A cohort that leaves together after one
+wait (sent together with one timeout) is not a mass close: each counts, unless at least
+``MIN_EVENTS`` clients of its population were seen waiting past that wait (the same
+evidence that drops a learned estimate). Both tests come from a load generator stopping
+at saturation in front of an engine that answers in milliseconds: its in-flight
+requests' waits differ by a few milliseconds, which a fixed tolerance took for one
+timeout, or not at all, when it sent them in one batch.
 
 Memory: ``WINDOW`` observations per population, at most ``POPULATIONS`` populations
 (tenants come from configured keys, models from discovery; the oldest is dropped).
@@ -106,7 +112,6 @@ REFRESH_STAYS = 16  # stays between two computations of the estimate
 SHAPE_MEMORY = 64  # departures mid-stream that decide a stream budget's shape
 CLOCK_SPREAD = 2.0  # a clock's cohort left this many times closer together than it began
 TOGETHER_S = 0.02  # departures this close to a close's first one are part of that close
-COHORT_S = 0.005  # and waits this close to its wait (or within a tenth): one cohort
 
 
 def _spread(values: list[float]) -> float:
@@ -190,7 +195,7 @@ class Patience:
             return False
         waits = [t for t, left in self._window if left]
         lo, hi = min(waits), max(waits)
-        return hi - lo <= max(COHORT_S, 0.1 * lo)
+        return hi - lo <= 0.1 * lo
 
     @property
     def events(self) -> int:
@@ -280,6 +285,7 @@ class Population:
         "stalled",
         "_close_at",
         "_close_waited",
+        "_mass",
         "_recent",
         "_served",
     )
@@ -291,6 +297,7 @@ class Population:
         self.stalled = 0  # departures mid-stream after a stall
         self._close_at = -math.inf  # when the current close's first departure left
         self._close_waited = 0.0  # and how long that client had waited
+        self._mass = False  # one of the close left at its moment, not after its wait
         # The recent departures while tokens flowed.
         self._recent: deque[_Flowing] = deque(maxlen=SHAPE_MEMORY)
         # How long the recent streams its clients read to the end took (streams only).
@@ -328,10 +335,18 @@ class Population:
         """Whether a departure at `now` is its client's own (else part of a mass close
         that its first departure already counted)."""
         if now - self._close_at >= TOGETHER_S:
-            self._close_at, self._close_waited = now, end.waited_s  # a new close begins
+            # A new close begins.
+            self._close_at, self._close_waited, self._mass = now, end.waited_s, False
             return True
-        first = self._close_waited
-        return abs(end.waited_s - first) <= max(COHORT_S, 0.1 * first)
+        if not self._mass:
+            first = self._close_waited
+            # A cohort with one timeout leaves after one wait, a mass close at one moment:
+            # this one's wait is further from the first's than its departure is (and than
+            # a tenth). Or they waited alike (sent together), but a wait their population
+            # was seen sitting through is no timeout of its.
+            self._mass = abs(end.waited_s - first) > max(now - self._close_at, 0.1 * first)
+            self._mass = self._mass or self.total.stayed_past(1.1 * first) >= MIN_EVENTS
+        return not self._mass
 
     @property
     def per_chunk(self) -> bool:

@@ -234,6 +234,38 @@ def test_a_mass_close_is_one_departure_not_a_patience() -> None:
     assert spread.budget("t", "m", True) == Budget(0.006, whole=False)
 
 
+def test_a_load_generator_stopping_at_saturation_teaches_nothing() -> None:
+    """wrk at concurrency 32 in front of an engine that answers in 5-9 ms: at each round's
+    end it closes its 32 connections within a millisecond, each request some way into its
+    few milliseconds. Their waits are alike only because every wait is short: they left
+    at one moment, not after one wait. Counted, they taught a 7 ms patience and the next
+    rounds were shed."""
+    rng = random.Random(7)
+    pop = ClientPatience()
+    now = 0.0
+    for _round in range(4):
+        for _ in range(2000):  # served: nobody left
+            now += 0.0005
+            pop.observe("t", "m", False, ClientEnd(rng.uniform(0.005, 0.009), False), now)
+        closes = sorted((now + rng.uniform(0, 0.001), rng.uniform(0, 0.007)) for _ in range(32))
+        for at, waited in closes:
+            pop.observe("t", "m", False, ClientEnd(waited, True), at)
+    assert pop.budget("t", "m", False) is None
+    assert pop.readings()[0].left <= 2 * 4  # about the first of each close
+    # It sent its requests in batches: the 32 it closes all waited 13 ms, as a cohort with
+    # one timeout would have, but requests of theirs were served after 20 ms and more.
+    batched = ClientPatience()
+    now = 0.0
+    for _round in range(4):
+        for _ in range(2000):
+            now += 0.0005
+            batched.observe("t", "m", False, ClientEnd(rng.uniform(0.005, 0.03), False), now)
+        for i in range(32):
+            batched.observe("t", "m", False, ClientEnd(0.013, True), now + 0.00003 * i)
+    assert batched.budget("t", "m", False) is None
+    assert batched.readings()[0].left == 4
+
+
 def test_a_cohort_that_arrived_together_and_leaves_together_counts_whole() -> None:
     pop = ClientPatience()
     for i in range(MIN_EVENTS):  # sent at once with one 3 s timeout: they leave together
