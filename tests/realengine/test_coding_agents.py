@@ -24,9 +24,10 @@ from admission.tenants import hash_key
 from gateway.app import Gateway
 from gateway.config import config_from_mapping
 from gateway.logging import access_log
+from tests.realengine import boot
 from tests.realengine.llama import env_path
 from tests.realengine.test_through_kvgate import until
-from tests.realengine.vllm import MODEL_NAME, VllmServer, vllm_path
+from tests.realengine.vllm import MODEL_NAME, VllmServer
 
 KEY = "sk-coding-agents-test"
 CONTEXT = 65536
@@ -38,14 +39,20 @@ def agent(var: str) -> Path:
     return env_path(var, "coding-agents.sh", "coding-agents.env")
 
 
-@pytest.fixture(scope="module")
-def agents_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+def _agents(folder: Path) -> VllmServer:
     extra = [
         *("--max-model-len", str(CONTEXT), "--kv-cache-memory-bytes", str(POOL_BYTES)),
         *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
     ]
-    server = VllmServer("agents", extra, tmp_path_factory.mktemp("agents") / "vllm.log")
-    server.start_vllm(vllm_path("KVGATE_VLLM_PYTHON"), vllm_path("KVGATE_VLLM_BRIEF_MODEL"))
+    return VllmServer("agents", extra, folder / "vllm.log")
+
+
+boot.declare("agents_vllm", _agents, model_var="KVGATE_VLLM_BRIEF_MODEL")
+
+
+@pytest.fixture(scope="module")
+def agents_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    server = boot.take("agents_vllm", tmp_path_factory.mktemp("agents"))
     try:
         yield server
     finally:

@@ -6,6 +6,7 @@ stays reserved."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -13,17 +14,24 @@ import pytest
 
 from gateway.app import Gateway
 from gateway.config import config_from_mapping
+from tests.realengine import boot
 from tests.realengine.test_through_kvgate import until
-from tests.realengine.vllm import MODEL_NAME, VllmServer, vllm_path
+from tests.realengine.vllm import MODEL_NAME, VllmServer
 
 EMBED_MODEL = "tiny-embed"
 
 
+def _embed(folder: Path) -> VllmServer:
+    extra = ["--served-model-name", EMBED_MODEL, "--runner", "pooling", "--convert", "embed"]
+    return VllmServer("embed", extra, folder / "vllm.log")
+
+
+boot.declare("embed_vllm", _embed)
+
+
 @pytest.fixture(scope="module")
 def embed_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    extra = ["--served-model-name", EMBED_MODEL, "--runner", "pooling", "--convert", "embed"]
-    server = VllmServer("embed", extra, tmp_path_factory.mktemp("embed") / "vllm.log")
-    server.start_vllm(vllm_path("KVGATE_VLLM_PYTHON"), vllm_path("KVGATE_VLLM_MODEL"))
+    server = boot.take("embed_vllm", tmp_path_factory.mktemp("embed"))
     try:
         yield server
     finally:

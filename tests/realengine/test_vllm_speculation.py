@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
@@ -20,7 +21,8 @@ from openai import OpenAI
 from routing.adapters.vllm import VLLMAdapter
 from routing.scorers.speculation import SpeculationScorer, gain_factor
 from routing.types import Candidate, ReplicaState, RouteRequest
-from tests.realengine.vllm import MODEL_NAME, START_TIMEOUT_S, VllmServer, vllm_path
+from tests.realengine import boot
+from tests.realengine.vllm import MODEL_NAME, START_TIMEOUT_S, VllmServer
 
 DRAFTS = 3
 SPECULATIVE_CONFIG = {
@@ -37,14 +39,19 @@ COUNTERS = (
 WORDS = "the river town morning light story garden friend letter journey winter".split()
 
 
+def _ngram(folder: Path) -> VllmServer:
+    args = ["--speculative-config", json.dumps(SPECULATIVE_CONFIG)]
+    return VllmServer("vllm-ngram", args, folder / "ngram.log")
+
+
+# A second vLLM beside the session's: twice the suite's start timeout on a busy machine
+# (seen: not healthy after 150 s at load average 19 on 2 cores).
+boot.declare("spec_vllm", _ngram, timeout=2 * START_TIMEOUT_S)
+
+
 @pytest.fixture(scope="module")
 def spec_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    args = ["--speculative-config", json.dumps(SPECULATIVE_CONFIG)]
-    server = VllmServer("vllm-ngram", args, tmp_path_factory.mktemp("vllm") / "ngram.log")
-    # A second vLLM beside the session's: twice the suite's start timeout on a busy machine
-    # (seen: not healthy after 150 s at load average 19 on 2 cores).
-    python, model = vllm_path("KVGATE_VLLM_PYTHON"), vllm_path("KVGATE_VLLM_MODEL")
-    server.start_vllm(python, model, timeout=2 * START_TIMEOUT_S)
+    server = boot.take("spec_vllm", tmp_path_factory.mktemp("vllm"))
     try:
         yield server
     finally:

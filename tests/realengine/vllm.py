@@ -110,6 +110,7 @@ class VllmServer(LlamaServer):
         self.cpus = cpus  # two engines side by side (a bench) each get a core of their own
         # (events, replay): the ports it publishes its KV events on (kv_events_args), if any.
         self.kv_ports: tuple[int, int] | None = None
+        self._cmd: list[str] = []
 
     def start_vllm(
         self,
@@ -120,30 +121,40 @@ class VllmServer(LlamaServer):
     ) -> float:
         """Start (on `port`, else a free one: a restart keeps its port) and wait for
         /health 200 (at most `timeout` s); returns the seconds it took."""
-        self.port = port or free_port()
-        cmd = serve_command(python, model, self.port, *self.args)
         t0 = time.monotonic()
+        self.launch(python, model, port)
+        self.wait_healthy(timeout)
+        return time.monotonic() - t0
+
+    def launch(self, python: Path, model: Path, port: int | None = None) -> None:
+        """Start the server's processes and return at once (`wait_healthy` waits)."""
+        self.port = port or free_port()
+        self._cmd = serve_command(python, model, self.port, *self.args)
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                cmd,
+                self._cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=serve_env(self.cpus),
                 start_new_session=True,  # the engine core is a child: stop the group
             )
-        deadline = t0 + timeout
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until /health answers 200 (at most `timeout` s from now), else fail the test."""
+        assert self.proc is not None, "launch first"
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(
                     f"vllm ({self.name}) exited with {self.proc.returncode}: "
-                    f"{' '.join(cmd)}\n{self.log_tail()}",
+                    f"{' '.join(self._cmd)}\n{self.log_tail()}",
                     pytrace=False,
                 )
             with contextlib.suppress(OSError):
                 if self.get("/health", timeout=1.0).status == 200:
                     self._engine_core_yields()
-                    return time.monotonic() - t0
+                    return
             time.sleep(0.2)
         self.stop()
         pytest.fail(
