@@ -44,6 +44,7 @@ from gateway.replica_config import (  # noqa: F401 - re-exported: the config's o
     ReplicaConfig,
     ReplicaGroupConfig,
     _Strict,
+    expand_data_parallel,
 )
 from routing.config import FilterRef, ProfileConfig, RoutingConfig
 
@@ -232,21 +233,9 @@ class GatewayConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_replica_names(self) -> GatewayConfig:
-        # A vLLM data-parallel replica becomes one replica per engine rank (first: the
-        # names checked below are the expanded ones).
-        expanded: list[ReplicaConfig] = []
-        for r in self.replicas:
-            if r.data_parallel_size > 1 and r.dp_rank is None:
-                expanded.extend(
-                    r.model_copy(update={"name": f"{r.name}-dp{k}", "dp_rank": k})
-                    for k in range(r.data_parallel_size)
-                )
-            else:
-                expanded.append(r)
-        if len(expanded) != len(self.replicas):
-            self.replicas = expanded
+        # The names served are unique: a data-parallel entry's ranks' names included.
         seen: set[str] = set()
-        for r in self.replicas:
+        for r in expand_data_parallel(self.replicas):
             if r.name in seen:
                 raise ValueError(f"replicas: duplicate replica name {r.name!r}")
             seen.add(r.name)
@@ -270,19 +259,24 @@ class GatewayConfig(_Strict):
                         f"tenants.{i}.keys_sha256: a key of {t.name!r} is also {owner[d]!r}'s"
                     )
                 owner[d] = t.name
-        # A tenant with an ITL target needs the slo_itl filter in every profile
-        # (routing/filters/slo_itl.py); it keeps everything for requests without a target.
-        if any(t.slo.itl_s is not None for t in self.tenants):
-            self.routing = self.routing.model_copy(
-                update={
-                    "default_profile": _with_slo_filter(self.routing.default_profile),
-                    "profiles": {m: _with_slo_filter(p) for m, p in self.routing.profiles.items()},
-                    "workloads": {
-                        w: _with_slo_filter(p) for w, p in self.routing.workloads.items()
-                    },
-                }
-            )
         return self
+
+
+def routing_with_slo_filter(config: GatewayConfig) -> RoutingConfig:
+    """The routing a gateway serves `config` with: its ``routing`` section, and, when a
+    tenant has an ITL target, the slo_itl filter (routing/filters/slo_itl.py) at the end
+    of every profile that lacks it. The filter keeps every replica for requests without
+    a target, so only the tenants with one see it."""
+    routing = config.routing
+    if not any(t.slo.itl_s is not None for t in config.tenants):
+        return routing
+    return routing.model_copy(
+        update={
+            "default_profile": _with_slo_filter(routing.default_profile),
+            "profiles": {m: _with_slo_filter(p) for m, p in routing.profiles.items()},
+            "workloads": {w: _with_slo_filter(p) for w, p in routing.workloads.items()},
+        }
+    )
 
 
 def _with_slo_filter(profile: ProfileConfig) -> ProfileConfig:
