@@ -17,8 +17,10 @@ REMOVED = {
 }
 
 
-class LatencyTargetsConfig(BaseModel):
-    """Latency targets of one model, in seconds; any may be left out."""
+class LatencyTargets(BaseModel):
+    """Latency targets in seconds, any left out: a model's (``admission.latency_targets``,
+    which bound its replicas' learned limit) and a tenant's (``tenants[].slo``, measured
+    as attainment; its ITL target also places requests)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -26,9 +28,14 @@ class LatencyTargetsConfig(BaseModel):
     itl_s: float | None = Field(
         None,
         gt=0.0,
-        description="Inter-token latency: 1 / the per-user decode rate (0.2 = 5 tokens/s).",
+        description="Mean inter-token latency: 1 / the per-user decode rate (0.2 = 5 tokens/s).",
     )
-    e2e_s: float | None = Field(None, gt=0.0, description="Whole request, admission to end.")
+    e2e_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="The whole request: a model's from its admission, a tenant's from its "
+        "arrival, to the end of the answer.",
+    )
 
 
 class AdmissionConfig(BaseModel):
@@ -171,7 +178,7 @@ class AdmissionConfig(BaseModel):
     limit_probe_step: float = Field(
         0.15, gt=0.0, le=1.0, description="Relative growth of the limit per busy window."
     )
-    latency_targets: dict[str, LatencyTargetsConfig] = Field(
+    latency_targets: dict[str, LatencyTargets] = Field(
         default_factory=dict,
         description="Per-model latency targets; the key '*' applies to models not listed. "
         "Default: none, so only clients' own timeouts and goodput bound the limit.",
