@@ -53,6 +53,37 @@ class ConfigError(Exception):
     """Invalid configuration; the message names every offending field."""
 
 
+def _now_constant(name: str, module: str) -> str:
+    return f"an internal of the algorithm, now the constant {name} in {module}"
+
+
+_ESTIMATE = "admission/learned/estimate.py"
+_LIMIT = "admission/learned/limit.py"
+_SHEDDING = "admission/shedding.py"
+_SCHEDULER = "routing/scheduler.py"
+
+# Settings a config may no longer hold, by path (list positions left out), each with the
+# reason: a file that still sets one is told what became of it, not "unknown field".
+REMOVED_SETTINGS = {
+    "admission.knee_efficiency": "the goodput knee is no longer fitted (docs/admission.md)",
+    "admission.min_drain_samples": _now_constant("MIN_DRAIN_SAMPLES", _SHEDDING),
+    "admission.cold_retry_after_s": _now_constant("COLD_RETRY_AFTER_S", _SHEDDING),
+    "admission.min_output_samples": _now_constant("MIN_OUTPUT_SAMPLES", _ESTIMATE),
+    "admission.min_prompt_samples": _now_constant("MIN_PROMPT_SAMPLES", _ESTIMATE),
+    "admission.prompt_quantile": _now_constant("PROMPT_QUANTILE", _ESTIMATE),
+    "admission.max_chars_per_token_growth": _now_constant("MAX_CHARS_PER_TOKEN_GROWTH", _ESTIMATE),
+    "admission.estimator_window": _now_constant("ESTIMATOR_WINDOW", _ESTIMATE),
+    "admission.drain_window_s": _now_constant("DRAIN_WINDOW_S", "admission/learned/drain.py"),
+    "admission.retry_memory_entries": _now_constant("RETRY_MEMORY_ENTRIES", "admission/retries.py"),
+    "admission.limit_window": _now_constant("LIMIT_WINDOW", _LIMIT),
+    "admission.limit_probe_step": _now_constant("LIMIT_PROBE_STEP", _LIMIT),
+    "admission.prefix_settle_s": _now_constant("PREFIX_SETTLE_S", "admission/ledger.py"),
+    "routing.stale_after_intervals": _now_constant("STALE_AFTER_INTERVALS", _SCHEDULER),
+    "routing.stale_score_factor": _now_constant("STALE_SCORE_FACTOR", _SCHEDULER),
+    "counting.near_limit_margin": _now_constant("NEAR_LIMIT_MARGIN", "gateway/counting.py"),
+}
+
+
 class ListenConfig(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
@@ -84,15 +115,15 @@ class CountingConfig(_Strict):
     """How prompt tokens are counted before admission (see gateway/counting.py).
 
     A prompt is estimated from its characters; when the estimate puts it within
-    ``near_limit_margin`` of a limit (the smallest ``max_model_len`` serving its model,
-    or the largest KV pool), kvgate asks a ready replica's own tokenize endpoint for the
-    exact count, once. Media parts cannot be counted from characters: each is reserved
-    at a fixed allowance and such a prompt is never refused on kvgate's count.
+    ``NEAR_LIMIT_MARGIN`` (gateway/counting.py) of a limit (the smallest ``max_model_len``
+    serving its model, or the largest KV pool), kvgate asks a ready replica's own
+    tokenize endpoint for the exact count, once. Media parts cannot be counted from
+    characters: each is reserved at a fixed allowance and such a prompt is never refused
+    on kvgate's count.
     """
 
     # Ask a replica's tokenize endpoint (vLLM, SGLang, llama.cpp) near a limit.
     replica_tokenize: bool = True
-    near_limit_margin: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
     # Exact counts remembered per (model, digest of the prompt or of one long message);
     # 0 disables the cache.
     cache_entries: Annotated[int, Field(ge=0)] = 4096
@@ -290,7 +321,11 @@ def _format_validation_error(err: ValidationError) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(root)"
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden" and e["loc"]:
+        removed = _removed(e["loc"]) if e["type"] == "extra_forbidden" else None
+        if removed is not None:
+            loc = ".".join(str(p) for p in e["loc"][:-1]) or "(root)"
+            msg = f"{e['loc'][-1]} was removed: {removed}; delete the setting"
+        elif e["type"] == "extra_forbidden" and e["loc"]:
             msg = "unknown field"
             near = difflib.get_close_matches(
                 str(e["loc"][-1]), _fields_at(e["loc"][:-1]), n=1, cutoff=0.6
@@ -299,6 +334,11 @@ def _format_validation_error(err: ValidationError) -> str:
                 msg += f" (did you mean {near[0]!r}?)"
         lines.append(f"{loc}: {msg}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _removed(loc: tuple[Any, ...]) -> str | None:
+    """Why the setting at `loc` (a validation error's path) was removed, or None."""
+    return REMOVED_SETTINGS.get(".".join(str(p) for p in loc if not isinstance(p, int)))
 
 
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:

@@ -119,14 +119,6 @@ class RoutingConfig(BaseModel):
     max_prefix_blocks: int = Field(
         512, gt=0, description="Most prefix blocks hashed per request (the prompt's head)."
     )
-    stale_after_intervals: float = Field(
-        3.0,
-        gt=0.0,
-        description="An engine view older than this many discovery intervals is stale.",
-    )
-    stale_score_factor: float = Field(
-        0.5, ge=0.0, le=1.0, description="A stale replica's score is multiplied by this."
-    )
 
     @model_validator(mode="before")
     @classmethod
