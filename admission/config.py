@@ -1,24 +1,20 @@
 """Validated settings of the admission core.
 
-Every knob is a pydantic field so a YAML config is checked at start-up with errors that
-name the offending field (``extra="forbid"`` catches typos such as ``headrom``).
+Every setting a user may set is a pydantic field so a YAML config is checked at start-up
+with errors that name the offending field (``extra="forbid"`` catches typos such as
+``headrom``). The algorithms' internals (windows, sample counts, quantiles, step sizes)
+are constants beside the code that uses them.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-# Settings that were removed with the rule they tuned: a config that still sets one is
-# told so by name, rather than with "unknown field".
-REMOVED = {
-    "knee_efficiency": "the goodput knee is no longer fitted (docs/admission.md)",
-}
+from pydantic import BaseModel, ConfigDict, Field
 
 
-class LatencyTargetsConfig(BaseModel):
-    """Latency targets of one model, in seconds; any may be left out."""
+class LatencyTargets(BaseModel):
+    """Latency targets in seconds, any left out: a model's (``admission.latency_targets``,
+    which bound its replicas' learned limit) and a tenant's (``tenants[].slo``, measured
+    as attainment; its ITL target also places requests)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -26,24 +22,20 @@ class LatencyTargetsConfig(BaseModel):
     itl_s: float | None = Field(
         None,
         gt=0.0,
-        description="Inter-token latency: 1 / the per-user decode rate (0.2 = 5 tokens/s).",
+        description="Mean inter-token latency: 1 / the per-user decode rate (0.2 = 5 tokens/s).",
     )
-    e2e_s: float | None = Field(None, gt=0.0, description="Whole request, admission to end.")
+    e2e_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="The whole request: a model's from its admission, a tenant's from its "
+        "arrival, to the end of the answer.",
+    )
 
 
 class AdmissionConfig(BaseModel):
     """Admission policy: pool headroom, the bounded queue, estimators and Retry-After."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_removed_settings(cls, data: Any) -> Any:
-        removed = sorted(set(data) & set(REMOVED)) if isinstance(data, dict) else []
-        if removed:
-            name = removed[0]
-            raise ValueError(f"{name} was removed: {REMOVED[name]}; delete the setting")
-        return data
 
     headroom: float = Field(
         0.05,
@@ -82,11 +74,6 @@ class AdmissionConfig(BaseModel):
         gt=0.0,
         description="Chars per token assumed before learning; low means tokens are over-estimated.",
     )
-    min_drain_samples: int = Field(
-        4,
-        ge=1,
-        description="Releases seen on a model's replicas before the drain rate is trusted.",
-    )
     max_retry_after_s: float = Field(60.0, ge=1.0, description="Upper clamp of Retry-After.")
     min_retry_after_s: float = Field(
         1.0,
@@ -97,7 +84,6 @@ class AdmissionConfig(BaseModel):
         "timeout when those are shorter. The Retry-After header is whole seconds (at least "
         "1); retry-after-ms, which the openai SDKs read first, carries the finer value.",
     )
-    # --- additions beyond the documented API (all have defaults) ---
     default_output_tokens: int = Field(
         1024,
         ge=1,
@@ -106,40 +92,12 @@ class AdmissionConfig(BaseModel):
     per_message_overhead_tokens: int = Field(
         8, ge=0, description="Chat-template tokens added per message (role markers, separators)."
     )
-    min_output_samples: int = Field(
-        20,
-        ge=1,
-        description="Completions observed before the learned quantile replaces max_tokens.",
-    )
-    min_prompt_samples: int = Field(
-        5, ge=1, description="Prompts observed before the learned chars-per-token is used."
-    )
-    prompt_quantile: float = Field(
-        0.1,
-        gt=0.0,
-        lt=1.0,
-        description="Low quantile of observed chars-per-token (low => conservative token counts).",
-    )
-    max_chars_per_token_growth: float = Field(
-        0.1,
-        gt=0.0,
-        description="Largest relative rise of chars-per-token per observation (no abrupt optimism).",
-    )
-    estimator_window: int = Field(
-        1000, ge=10, description="Recent observations kept per model by the estimators."
-    )
-    drain_window_s: float = Field(
-        20.0, gt=0.0, description="Time constant (busy seconds) of the drain-rate EWMA."
-    )
     retry_memory_s: float = Field(
         120.0,
         ge=0.0,
         description="How long an unserved request's first arrival (shed, or its client left "
         "before an answer) is remembered, so its retry "
         "keeps its place in line (0 disables; keep above max_retry_after_s).",
-    )
-    retry_memory_entries: int = Field(
-        100_000, ge=0, description="Most unserved requests remembered at once (oldest dropped)."
     )
     learn_limit: bool = Field(
         True,
@@ -149,9 +107,6 @@ class AdmissionConfig(BaseModel):
     )
     initial_limit: float = Field(
         2.0, ge=1.0, description="Running limit of a replica before anything was measured."
-    )
-    limit_window: int = Field(
-        16, ge=2, description="Completions (at least the limit) per measurement window."
     )
     latency_budget_fraction: float = Field(
         0.6,
@@ -168,10 +123,7 @@ class AdmissionConfig(BaseModel):
         description="Quantile of a window's requests held to the latency targets (0.5: the "
         "median user, as seed 000's per-user decode rate; 0.9 for a p90 SLO).",
     )
-    limit_probe_step: float = Field(
-        0.15, gt=0.0, le=1.0, description="Relative growth of the limit per busy window."
-    )
-    latency_targets: dict[str, LatencyTargetsConfig] = Field(
+    latency_targets: dict[str, LatencyTargets] = Field(
         default_factory=dict,
         description="Per-model latency targets; the key '*' applies to models not listed. "
         "Default: none, so only clients' own timeouts and goodput bound the limit.",
@@ -199,22 +151,9 @@ class AdmissionConfig(BaseModel):
         "as an engine with prefix caching holds it (vLLM, SGLang; admission/prefixshare.py), "
         "instead of once per request.",
     )
-    prefix_settle_s: float = Field(
-        2.0,
-        ge=0.0,
-        description="Until a replica's time to first token is learned: how long after its "
-        "admission a request's prompt blocks are taken to be computed and shareable.",
-    )
     itl_memory_s: float = Field(
         60.0,
         gt=0.0,
         description="How long a stream's inter-token gap stays evidence for the per-replica "
         "ITL model that places requests with an ITL target (admission/learned/itl.py).",
-    )
-    cold_retry_after_s: float = Field(
-        5.0,
-        gt=0.0,
-        description="Retry-After / estimated wait used while there is no drain history "
-        "(a client that stated its timeout, or whose patience was learned, is told at most "
-        "half of it).",
     )

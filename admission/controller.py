@@ -40,7 +40,7 @@ from admission.ledger import Ledger, Reservation
 from admission.placement import Placement
 from admission.refusals import refuse_or_clamp, unknown_model
 from admission.report import AdmissionReport
-from admission.retries import RetryIdentity, RetryMemory
+from admission.retries import RETRY_MEMORY_ENTRIES, RetryIdentity, RetryMemory
 from admission.scaling import ScalingSignal
 from admission.settling import Settling, TenantLimits
 from admission.shedding import Shedding
@@ -70,7 +70,7 @@ class AdmissionController:
         self._learning = Learning(config)
         self._patience = ClientPatience()
         # Requests left unserved and their clients' retries (admission/retries.py).
-        self._retries = RetryMemory(config.retry_memory_s, config.retry_memory_entries)
+        self._retries = RetryMemory(config.retry_memory_s, RETRY_MEMORY_ENTRIES)
         self._scaling = ScalingSignal()  # the demand the scaling signal reads
         self._report = AdmissionReport(
             self._ledger,

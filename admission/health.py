@@ -75,15 +75,16 @@ class _Outlier:
 
 
 class OutlierDetector:
-    """Consecutive-failure ejection with doubling, capped, bounded by a percentage."""
+    """Consecutive-failure ejection with doubling, capped, bounded by a percentage. Its
+    settings are the gateway's ``outlier`` section's, which holds their defaults."""
 
     def __init__(
         self,
         *,
-        consecutive_failures: int = 5,
-        base_ejection_s: float = 30.0,
-        max_ejection_s: float = 300.0,
-        max_ejection_percent: float = 50.0,
+        consecutive_failures: int,
+        base_ejection_s: float,
+        max_ejection_s: float,
+        max_ejection_percent: float,
     ) -> None:
         self.consecutive_failures = max(1, consecutive_failures)
         self.base_ejection_s = base_ejection_s

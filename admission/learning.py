@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from admission.config import AdmissionConfig
 from admission.learned.itl import ItlModel
-from admission.learned.latency import LatencyTargets, latency_ratio
+from admission.learned.latency import latency_ratio
 from admission.learned.limit import LimitSettings, RunningLimit
 from admission.ledger import Reservation
 from admission.replica import Replica
@@ -25,10 +25,7 @@ class Learning:
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
         self._limit_settings = LimitSettings.from_config(config)
-        self._targets = {
-            model: LatencyTargets(t.ttft_s, t.itl_s, t.e2e_s)
-            for model, t in config.latency_targets.items()
-        }
+        self._targets = config.latency_targets
 
     def new_limit(self, now: float) -> RunningLimit | None:
         """A fresh learned running limit for a new replica (None: not learning)."""

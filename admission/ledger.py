@@ -38,13 +38,18 @@ from dataclasses import dataclass
 
 from admission.config import AdmissionConfig
 from admission.fit import can_ever_fit
-from admission.learned.drain import DrainMeter
+from admission.learned.drain import DRAIN_WINDOW_S, DrainMeter
 from admission.learned.limit import RunningLimit
 from admission.replica import Replica
 from admission.room import deadline_room
 from admission.types import AdmissionRequest, Admit, Completion
 from admission.views import ModelViews
 from routing.types import ReplicaState
+
+# How long after its admission a prompt's blocks are taken to be computed (shareable)
+# while neither the replica's time to first token nor its service is learned: its first
+# completion teaches the second.
+PREFIX_SETTLE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -93,7 +98,7 @@ class Ledger:
     # ------------------------------------------------------------------ replicas
     def add_replica(self, name: str, limit: RunningLimit | None) -> Replica:
         rep = self.replicas[name] = Replica(
-            name=name, drain=DrainMeter(self.config.drain_window_s), limit=limit
+            name=name, drain=DrainMeter(DRAIN_WINDOW_S), limit=limit
         )
         return rep
 
@@ -179,7 +184,7 @@ class Ledger:
         """How long after admission the prompt blocks of `req` on `rep` are taken to be
         computed (shareable): twice its predicted time to first token there (streams
         teach it), else twice the predicted service of its prompt alone (every completion
-        teaches that: an upper bound of its prefill), or ``prefix_settle_s`` while neither
+        teaches that: an upper bound of its prefill), or ``PREFIX_SETTLE_S`` while neither
         is learned."""
         load = rep.allowed or rep.running + 1
         prompt = max(1, req.prompt_tokens)
@@ -187,7 +192,7 @@ class Ledger:
             return 2.0 * rep.ttft.predict(prompt, load=load)
         if len(rep.service):
             return 2.0 * rep.service.predict(prompt, load=load)
-        return self.config.prefix_settle_s
+        return PREFIX_SETTLE_S
 
     # ------------------------------------------------------------------ reserve / free
     def reserve(

@@ -281,7 +281,7 @@ class AdmissionReport:
 
     def drain_rate(self, model: str, now: float) -> tuple[float, float] | None:
         """(tokens/s, requests/s) released by `model`'s ready replicas, or None while
-        fewer than ``min_drain_samples`` releases were seen."""
+        fewer than ``MIN_DRAIN_SAMPLES`` (admission/shedding.py) releases were seen."""
         return self._shedding.drain_rate(model, now)
 
 

@@ -49,6 +49,9 @@ from admission.learned.toldwait import ToldWaits
 from admission.types import AdmissionRequest
 
 _GRACE_S = 5.0  # past twice its Retry-After, an attempt not back is a client that gave up
+# Most unserved requests one tenant's memory holds (its oldest dropped first): memory
+# stays bounded under a flood of sheds.
+RETRY_MEMORY_ENTRIES = 100_000
 
 
 class RetryIdentity(NamedTuple):

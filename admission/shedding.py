@@ -5,9 +5,9 @@ free before it fits, counting the queue ahead of it for the same model) divided 
 drain rate of the model's replicas (`admission.learned.drain.DrainMeter`). A request is shed at
 submit (503) when the queue is full or the estimated wait exceeds the time to its
 deadline, so it is never held only to time out later; 429 when its tenant's own queue is
-full. With fewer than ``min_drain_samples`` releases observed there is no evidence to
+full. With fewer than ``MIN_DRAIN_SAMPLES`` releases observed there is no evidence to
 shed on: the request is queued (its deadline still bounds the wait) and Retry-After is
-the documented ``cold_retry_after_s`` (at most half the client's budget when it has one).
+``COLD_RETRY_AFTER_S`` (at most half the client's budget when it has one).
 The delay is clamped to [floor, max_retry_after_s] (by default 60 s), the floor being
 ``min_retry_after_s`` (1 s) or, if shorter, the time between two releases on the model's
 replicas or half the client's budget (`Shedding.clamp`).
@@ -41,6 +41,13 @@ from admission.types import AdmissionRequest, Queued, Shed
 from admission.views import ModelViews
 
 _LEAST_RETRY_S = 0.01  # the floor's floor: a retry sooner than this is a busy loop
+# Releases seen on a model's replicas before their drain rate is believed: the first few
+# are single requests' hold times, not a rate.
+MIN_DRAIN_SAMPLES = 4
+# The Retry-After (and estimated wait) while no release was seen: there is no rate to
+# estimate from; a client that stated its timeout, or whose patience was learned, is
+# told at most half of that instead.
+COLD_RETRY_AFTER_S = 5.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,9 +105,9 @@ class Shedding:
     # ------------------------------------------------------------------ estimates
     def drain_rate(self, model: str, now: float) -> tuple[float, float] | None:
         """(tokens/s, requests/s) released by `model`'s ready replicas, or None while
-        fewer than ``min_drain_samples`` releases were seen."""
+        fewer than ``MIN_DRAIN_SAMPLES`` releases were seen."""
         reps = [r for r in self._views.serving(model) if r.usable]
-        if sum(r.drain.samples for r in reps) < self.config.min_drain_samples:
+        if sum(r.drain.samples for r in reps) < MIN_DRAIN_SAMPLES:
             return None
         tok = req = 0.0
         for rep in reps:
@@ -163,7 +170,7 @@ class Shedding:
         replicas and to half the client's own `budget`, when shorter: a replica that
         frees a slot every 50 ms is not waited out twenty times over, nor is a client
         whose whole timeout is 0.87 s (the real vLLM's) told to wait longer than it."""
-        value = self.config.cold_retry_after_s if wait is None else wait
+        value = COLD_RETRY_AFTER_S if wait is None else wait
         floor = self.config.min_retry_after_s
         rates = self.drain_rate(model, now) if model is not None else None
         if rates is not None and rates[1] > 0:
@@ -212,7 +219,7 @@ class Shedding:
             # whose patience was learned) is told half of it, the share it could queue
             # for, not a constant: 5 s is six of its attempts for a client whose whole
             # timeout is 0.87 s (the real vLLM), and a tenth of one for a 45 s timeout.
-            delay = self.config.cold_retry_after_s
+            delay = COLD_RETRY_AFTER_S
             if req.latency_budget is not None and req.latency_budget > 0:
                 delay = min(delay, 0.5 * req.latency_budget)
             return delay
@@ -294,7 +301,7 @@ class Shedding:
         if deadline <= now or late:
             q.dequeue(entry)
             return self.shed(req, raw, "deadline", wait, deadline, now), displaced
-        estimated = wait if wait is not None else self.config.cold_retry_after_s
+        estimated = wait if wait is not None else COLD_RETRY_AFTER_S
         return Queued(req.request_id, position, estimated), displaced
 
     def expire(self, now: float) -> list[Shed]:

@@ -55,6 +55,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from admission.config import LatencyTargets
+
 DEFAULT_TENANT = "default"
 _WINDOW_S = 60.0  # rpm and tpm are per minute
 _WANTED_S = 10.0  # how long a refused request's share stays demand (at least)
@@ -80,18 +82,6 @@ class PriorityRange(BaseModel):
         return self
 
 
-class SloTargets(BaseModel):
-    """A tenant's latency targets in seconds; any may be left out."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    ttft_s: float | None = Field(None, gt=0.0, description="Time to first token.")
-    itl_s: float | None = Field(
-        None, gt=0.0, description="Mean inter-token latency (placement holds it)."
-    )
-    e2e_s: float | None = Field(None, gt=0.0, description="Arrival to the end of the answer.")
-
-
 class TenantConfig(BaseModel):
     """One tenant (``tenants:`` in the YAML)."""
 
@@ -113,7 +103,7 @@ class TenantConfig(BaseModel):
     queue_timeout_s: float | None = Field(
         None, gt=0.0, description="Queue timeout (replaces admission.queue_timeout_s)."
     )
-    slo: SloTargets = Field(default_factory=SloTargets)
+    slo: LatencyTargets = Field(default_factory=LatencyTargets)
 
     @field_validator("keys_sha256")
     @classmethod

@@ -23,7 +23,7 @@ from aiohttp import web
 from admission.report import AdmissionReport
 from gateway import connections as conns
 from gateway.checks import exposure_warning
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, expand_data_parallel
 from gateway.context import Kind
 from gateway.counting import PromptCounter
 from gateway.door import AdmissionDoor
@@ -84,7 +84,9 @@ def build_app(
         session = make_session(config.upstream)
         st.door.start()
         report = st.door.report
-        st.discovery = Discovery(config.replicas, session, st.door, config.discovery)
+        st.discovery = Discovery(
+            expand_data_parallel(config.replicas), session, st.door, config.discovery
+        )
         st.metrics = GatewayMetrics(
             report.replica_usage,
             st.queue_depths,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from gateway.config import ConfigError, GatewayConfig
+from gateway.config import ConfigError, GatewayConfig, expand_data_parallel
 
 
 def serve_problems(config: GatewayConfig, workers: int = 1) -> list[str]:
@@ -76,7 +76,7 @@ async def probe_report(config: GatewayConfig, out: list[str]) -> int:
     timeout = config.discovery.probe_timeout_s
     status = 0
     async with aiohttp.ClientSession() as session:
-        replicas = list(config.replicas)
+        replicas = expand_data_parallel(config.replicas)
         states = [new_state(rc) for rc in replicas]
         errors = await asyncio.gather(
             *(

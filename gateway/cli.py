@@ -106,7 +106,7 @@ def serve_main(argv: Sequence[str]) -> int:
         parser.error("--probe goes with --check")
 
     from gateway.checks import exposure_warning, serve_problems
-    from gateway.config import ConfigError, load_config
+    from gateway.config import ConfigError, expand_data_parallel, load_config
     from gateway.logging import configure_logging
 
     try:
@@ -123,7 +123,7 @@ def serve_main(argv: Sequence[str]) -> int:
     if args.check:
         if (warning := exposure_warning(config)) is not None:
             print(f"kvgate: warning: {warning}", file=sys.stderr)
-        n = len(config.replicas)
+        n = len(expand_data_parallel(config.replicas))
         groups = f", {len(config.replica_groups)} DNS groups" if config.replica_groups else ""
         print(f"kvgate: config OK ({n} replicas{groups})")
         if not args.probe:

@@ -44,12 +44,44 @@ from gateway.replica_config import (  # noqa: F401 - re-exported: the config's o
     ReplicaConfig,
     ReplicaGroupConfig,
     _Strict,
+    expand_data_parallel,
 )
 from routing.config import FilterRef, ProfileConfig, RoutingConfig
 
 
 class ConfigError(Exception):
     """Invalid configuration; the message names every offending field."""
+
+
+def _now_constant(name: str, module: str) -> str:
+    return f"an internal of the algorithm, now the constant {name} in {module}"
+
+
+_ESTIMATE = "admission/learned/estimate.py"
+_LIMIT = "admission/learned/limit.py"
+_SHEDDING = "admission/shedding.py"
+_SCHEDULER = "routing/scheduler.py"
+
+# Settings a config may no longer hold, by path (list positions left out), each with the
+# reason: a file that still sets one is told what became of it, not "unknown field".
+REMOVED_SETTINGS = {
+    "admission.knee_efficiency": "the goodput knee is no longer fitted (docs/admission.md)",
+    "admission.min_drain_samples": _now_constant("MIN_DRAIN_SAMPLES", _SHEDDING),
+    "admission.cold_retry_after_s": _now_constant("COLD_RETRY_AFTER_S", _SHEDDING),
+    "admission.min_output_samples": _now_constant("MIN_OUTPUT_SAMPLES", _ESTIMATE),
+    "admission.min_prompt_samples": _now_constant("MIN_PROMPT_SAMPLES", _ESTIMATE),
+    "admission.prompt_quantile": _now_constant("PROMPT_QUANTILE", _ESTIMATE),
+    "admission.max_chars_per_token_growth": _now_constant("MAX_CHARS_PER_TOKEN_GROWTH", _ESTIMATE),
+    "admission.estimator_window": _now_constant("ESTIMATOR_WINDOW", _ESTIMATE),
+    "admission.drain_window_s": _now_constant("DRAIN_WINDOW_S", "admission/learned/drain.py"),
+    "admission.retry_memory_entries": _now_constant("RETRY_MEMORY_ENTRIES", "admission/retries.py"),
+    "admission.limit_window": _now_constant("LIMIT_WINDOW", _LIMIT),
+    "admission.limit_probe_step": _now_constant("LIMIT_PROBE_STEP", _LIMIT),
+    "admission.prefix_settle_s": _now_constant("PREFIX_SETTLE_S", "admission/ledger.py"),
+    "routing.stale_after_intervals": _now_constant("STALE_AFTER_INTERVALS", _SCHEDULER),
+    "routing.stale_score_factor": _now_constant("STALE_SCORE_FACTOR", _SCHEDULER),
+    "counting.near_limit_margin": _now_constant("NEAR_LIMIT_MARGIN", "gateway/counting.py"),
+}
 
 
 class ListenConfig(_Strict):
@@ -83,15 +115,15 @@ class CountingConfig(_Strict):
     """How prompt tokens are counted before admission (see gateway/counting.py).
 
     A prompt is estimated from its characters; when the estimate puts it within
-    ``near_limit_margin`` of a limit (the smallest ``max_model_len`` serving its model,
-    or the largest KV pool), kvgate asks a ready replica's own tokenize endpoint for the
-    exact count, once. Media parts cannot be counted from characters: each is reserved
-    at a fixed allowance and such a prompt is never refused on kvgate's count.
+    ``NEAR_LIMIT_MARGIN`` (gateway/counting.py) of a limit (the smallest ``max_model_len``
+    serving its model, or the largest KV pool), kvgate asks a ready replica's own
+    tokenize endpoint for the exact count, once. Media parts cannot be counted from
+    characters: each is reserved at a fixed allowance and such a prompt is never refused
+    on kvgate's count.
     """
 
     # Ask a replica's tokenize endpoint (vLLM, SGLang, llama.cpp) near a limit.
     replica_tokenize: bool = True
-    near_limit_margin: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
     # Exact counts remembered per (model, digest of the prompt or of one long message);
     # 0 disables the cache.
     cache_entries: Annotated[int, Field(ge=0)] = 4096
@@ -232,21 +264,9 @@ class GatewayConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_replica_names(self) -> GatewayConfig:
-        # A vLLM data-parallel replica becomes one replica per engine rank (first: the
-        # names checked below are the expanded ones).
-        expanded: list[ReplicaConfig] = []
-        for r in self.replicas:
-            if r.data_parallel_size > 1 and r.dp_rank is None:
-                expanded.extend(
-                    r.model_copy(update={"name": f"{r.name}-dp{k}", "dp_rank": k})
-                    for k in range(r.data_parallel_size)
-                )
-            else:
-                expanded.append(r)
-        if len(expanded) != len(self.replicas):
-            self.replicas = expanded
+        # The names served are unique: a data-parallel entry's ranks' names included.
         seen: set[str] = set()
-        for r in self.replicas:
+        for r in expand_data_parallel(self.replicas):
             if r.name in seen:
                 raise ValueError(f"replicas: duplicate replica name {r.name!r}")
             seen.add(r.name)
@@ -270,19 +290,24 @@ class GatewayConfig(_Strict):
                         f"tenants.{i}.keys_sha256: a key of {t.name!r} is also {owner[d]!r}'s"
                     )
                 owner[d] = t.name
-        # A tenant with an ITL target needs the slo_itl filter in every profile
-        # (routing/filters/slo_itl.py); it keeps everything for requests without a target.
-        if any(t.slo.itl_s is not None for t in self.tenants):
-            self.routing = self.routing.model_copy(
-                update={
-                    "default_profile": _with_slo_filter(self.routing.default_profile),
-                    "profiles": {m: _with_slo_filter(p) for m, p in self.routing.profiles.items()},
-                    "workloads": {
-                        w: _with_slo_filter(p) for w, p in self.routing.workloads.items()
-                    },
-                }
-            )
         return self
+
+
+def routing_with_slo_filter(config: GatewayConfig) -> RoutingConfig:
+    """The routing a gateway serves `config` with: its ``routing`` section, and, when a
+    tenant has an ITL target, the slo_itl filter (routing/filters/slo_itl.py) at the end
+    of every profile that lacks it. The filter keeps every replica for requests without
+    a target, so only the tenants with one see it."""
+    routing = config.routing
+    if not any(t.slo.itl_s is not None for t in config.tenants):
+        return routing
+    return routing.model_copy(
+        update={
+            "default_profile": _with_slo_filter(routing.default_profile),
+            "profiles": {m: _with_slo_filter(p) for m, p in routing.profiles.items()},
+            "workloads": {w: _with_slo_filter(p) for w, p in routing.workloads.items()},
+        }
+    )
 
 
 def _with_slo_filter(profile: ProfileConfig) -> ProfileConfig:
@@ -296,7 +321,11 @@ def _format_validation_error(err: ValidationError) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(root)"
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden" and e["loc"]:
+        removed = _removed(e["loc"]) if e["type"] == "extra_forbidden" else None
+        if removed is not None:
+            loc = ".".join(str(p) for p in e["loc"][:-1]) or "(root)"
+            msg = f"{e['loc'][-1]} was removed: {removed}; delete the setting"
+        elif e["type"] == "extra_forbidden" and e["loc"]:
             msg = "unknown field"
             near = difflib.get_close_matches(
                 str(e["loc"][-1]), _fields_at(e["loc"][:-1]), n=1, cutoff=0.6
@@ -305,6 +334,11 @@ def _format_validation_error(err: ValidationError) -> str:
                 msg += f" (did you mean {near[0]!r}?)"
         lines.append(f"{loc}: {msg}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _removed(loc: tuple[Any, ...]) -> str | None:
+    """Why the setting at `loc` (a validation error's path) was removed, or None."""
+    return REMOVED_SETTINGS.get(".".join(str(p) for p in loc if not isinstance(p, int)))
 
 
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:

@@ -22,10 +22,11 @@ prompt token count. The count comes from the cheapest source that is good enough
    at ``INLINE_COUNT_TOKENS`` (512) or more and at 1/8 of the prompt or more (a first
    turn, a long new document: the estimate's error would be hundreds of tokens of KV,
    over 5% of the prompt; chat and completions, not the pooling endpoints, whose
-   batches of inputs hold no KV past their prefill), or the request is *near a limit* (prompt + max_tokens within ``counting.near_limit_margin`` of the smallest
-   ``max_model_len`` serving the model, or its KV need within that margin of the
-   largest pool): one call, bounded by ``upstream.tokenize_timeout_s``, to the tokenize
-   endpoint of one ready replica serving the model, taken in turn:
+   batches of inputs hold no KV past their prefill), or the request is *near a limit*
+   (prompt + max_tokens within ``NEAR_LIMIT_MARGIN`` of the smallest ``max_model_len``
+   serving the model, or its KV need within that margin of the largest pool): one call,
+   bounded by ``upstream.tokenize_timeout_s``, to the tokenize endpoint of one ready
+   replica serving the model, taken in turn:
 
    - vLLM (and enginesim): ``POST /tokenize`` with the chat request's ``messages``,
      ``tools`` and template options (the engine applies its chat template), or with the
@@ -115,6 +116,10 @@ _CHAIN_MIN_CHARS = 512
 # exact, and one under 512 tokens wastes at most ~200 tokens of KV.
 INLINE_COUNT_TOKENS = 512
 INLINE_COUNT_SHARE = 1 / 8
+# A request whose estimate comes within this share of a limit (the smallest max_model_len
+# serving its model, the largest pool) is counted exactly: an estimate's usual miss could
+# turn the verdict there, and farther off counting costs a call for nothing.
+NEAR_LIMIT_MARGIN = 0.1
 # What else changes the count of the same messages: the chain's first digest covers them.
 _CHAIN_FIELDS = (*TEMPLATE_FIELDS, "truncate_prompt_tokens")
 
@@ -311,7 +316,7 @@ class PromptCounter:
             ctx.req.prompt_tokens,
             ctx.req.max_tokens,
             ctx.req.expected_output,
-            self._cfg.near_limit_margin,
+            NEAR_LIMIT_MARGIN,
         )
 
     def should_count(self, ctx: RequestContext, m: Measured) -> bool:

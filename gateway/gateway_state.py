@@ -11,7 +11,7 @@ import logging
 from admission.controller import AdmissionController
 from admission.learned.estimate import TokenEstimator
 from admission.tenants import TenantLimiter
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, expand_data_parallel, routing_with_slo_filter
 from gateway.door import AdmissionDoor
 from gateway.fleet.discovery import Discovery
 from gateway.fleet.dns import DnsGroups
@@ -37,7 +37,7 @@ class GatewayState:
         # The engines' own caches, where a replica publishes its KV events.
         self.kv_index = KVIndex() if any(rc.kv_events for rc in config.replicas) else None
         if picker is None:
-            routing = config.routing
+            routing = routing_with_slo_filter(config)
             picker = build_router(
                 routing,
                 discovery_interval_s=config.discovery.refresh_interval_s,
@@ -90,17 +90,16 @@ class GatewayState:
         self.tenants.reconfigure(new.tenants, new.auth.api_keys, loop.time())
         self.metrics.set_tenant_names(self.tenants.tenants)
         router = None
-        if new.routing != old.routing:
-            router = build_router(
-                new.routing, discovery_interval_s=old.discovery.refresh_interval_s
-            )
+        routing = routing_with_slo_filter(new)
+        if routing != routing_with_slo_filter(old):
+            router = build_router(routing, discovery_interval_s=old.discovery.refresh_interval_s)
         if new.admission != old.admission or router is not None:
             self.door.reconfigure(new.admission, router)
         if new.logging.level != old.logging.level:
             logging.getLogger("kvgate").setLevel(new.logging.level.upper())
         # Replicas: removed ones retire, new and changed ones are (re)probed.
-        before = {rc.name: rc for rc in old.replicas}
-        after = {rc.name: rc for rc in new.replicas}
+        before = {rc.name: rc for rc in expand_data_parallel(old.replicas)}
+        after = {rc.name: rc for rc in expand_data_parallel(new.replicas)}
         for name in before.keys() - after.keys():
             self.discovery.retire(name)
         changed = [rc for name, rc in after.items() if before.get(name) != rc]

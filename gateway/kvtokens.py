@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, expand_data_parallel
 from gateway.context import RequestContext
 from gateway.counting import TEMPLATE_FIELDS
 from gateway.fleet.discovery import Discovery
@@ -45,7 +45,8 @@ class PromptTokenIds:
         self._session = session
         self._kv = kv
         self._timeout = aiohttp.ClientTimeout(total=config.upstream.tokenize_timeout_s)
-        self._names = [rc.name for rc in config.replicas if rc.kv_events is not None]
+        served = expand_data_parallel(config.replicas)
+        self._names = [rc.name for rc in served if rc.kv_events is not None]
         self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self._turn = 0
         self.asked = self.failed = 0

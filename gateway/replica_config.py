@@ -1,11 +1,12 @@
 """The replica sections of kvgate's config: one engine replica (`ReplicaConfig`), the
 replicas found by DNS (`ReplicaGroupConfig`, gateway/fleet/dns.py) and its resolver
 (`DnsConfig`); both kinds of replica entry share `ReplicaSettings`. gateway/config.py
-assembles them into the whole file's model."""
+assembles them into the whole file's model. The entries stay as written; the replicas
+kvgate serves from them are `expand_data_parallel`'s."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -89,14 +90,14 @@ class ReplicaConfig(ReplicaSettings):
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
     url: Annotated[str, Field(pattern=r"^https?://")]
     # vLLM only: a server started with `--data-parallel-size N` runs N engines, each with
-    # its own KV pool, behind one URL. With N here the replica becomes N replicas
-    # `<name>-dp<k>`, one per engine rank, each with a ledger of its own (its pool read
-    # from the metrics labelled engine="k"), and every request is pinned to the rank it
-    # was admitted on with vLLM's `X-data-parallel-rank` header. `pool_tokens` and
+    # its own KV pool, behind one URL. With N here the entry is served as N replicas
+    # `<name>-dp<k>` (`expand_data_parallel`), one per engine rank, each with a ledger of
+    # its own (its pool read from the metrics labelled engine="k"), and every request is
+    # pinned to the rank it was admitted on with vLLM's `X-data-parallel-rank` header. `pool_tokens` and
     # `max_running` apply to each rank. Left at 1 on a DP server, the ranks' pools are
     # summed and vLLM's own balancer picks the rank (see docs/admission.md, data parallel).
     data_parallel_size: Annotated[int, Field(ge=1)] = 1
-    # The engine rank this replica entry addresses (set by the expansion above, or by
+    # The engine rank this replica entry addresses (set by `expand_data_parallel`, or by
     # hand to address one rank of a DP server); None: the whole server.
     dp_rank: Annotated[int, Field(ge=0)] | None = None
     # vLLM only: its KV events, for the precise prefix index (routing/kvindex.py).
@@ -120,6 +121,22 @@ class ReplicaConfig(ReplicaSettings):
                     f"{self.data_parallel_size}"
                 )
         return self
+
+
+def expand_data_parallel(replicas: Iterable[ReplicaConfig]) -> list[ReplicaConfig]:
+    """The replicas kvgate serves from the configured entries: an entry with
+    ``data_parallel_size`` N and no ``dp_rank`` becomes N replicas ``<name>-dp<k>``, each
+    addressing engine rank k; every other entry is served as written."""
+    served: list[ReplicaConfig] = []
+    for r in replicas:
+        if r.data_parallel_size > 1 and r.dp_rank is None:
+            served.extend(
+                r.model_copy(update={"name": f"{r.name}-dp{k}", "dp_rank": k})
+                for k in range(r.data_parallel_size)
+            )
+        else:
+            served.append(r)
+    return served
 
 
 class ReplicaGroupConfig(ReplicaSettings):

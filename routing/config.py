@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from routing import registry
 from routing.classify import WORKLOADS
-from routing.plugin import PluginEnv
+from routing.plugin import BLOCK_CHARS, PluginEnv
 
 
 class _PluginRef(BaseModel):
@@ -114,18 +114,10 @@ class RoutingConfig(BaseModel):
         description="Workload class -> its profile, for models without their own.",
     )
     block_chars: int = Field(
-        64, gt=0, description="Characters per prefix block hashed by the gateway."
+        BLOCK_CHARS, gt=0, description="Characters per prefix block hashed by the gateway."
     )
     max_prefix_blocks: int = Field(
         512, gt=0, description="Most prefix blocks hashed per request (the prompt's head)."
-    )
-    stale_after_intervals: float = Field(
-        3.0,
-        gt=0.0,
-        description="An engine view older than this many discovery intervals is stale.",
-    )
-    stale_score_factor: float = Field(
-        0.5, ge=0.0, le=1.0, description="A stale replica's score is multiplied by this."
     )
 
     @model_validator(mode="before")

@@ -124,12 +124,17 @@ def reads_prefix(plugin: object) -> bool:
     return isinstance(plugin, PrefixReader) and bool(plugin.needs_prefix)
 
 
+# Characters per prefix block (routing.prefix): the default of ``routing.block_chars``,
+# and what a plugin built without a config (a test, a bench) takes its prompts' blocks as.
+BLOCK_CHARS = 64
+
+
 @dataclass(slots=True, frozen=True)
 class PluginEnv:
     """What every plugin factory may read besides its own params."""
 
     seed: int | None = None
-    block_chars: int = 64  # characters per prefix block (routing.prefix)
+    block_chars: int = BLOCK_CHARS  # characters per prefix block (routing.prefix)
     # The engines' own caches, from their KV events: a routing.kvindex.KVIndex (typed
     # Any so this file imports only routing.types); None: no engine publishes them.
     kv_index: Any = None

@@ -38,9 +38,10 @@ from routing.holders import Holders, drop_holder, held_length
 _xxh = xxhash.xxh3_64_intdigest
 
 
-def block_hashes(text: str, block_chars: int = 64, max_blocks: int = 512) -> tuple[int, ...]:
+def block_hashes(text: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
     """The hash chain of `text`'s full blocks of `block_chars` characters (at most
-    `max_blocks`): each hash covers its block and, through its seed, every block before."""
+    `max_blocks`): each hash covers its block and, through its seed, every block before.
+    (The gateway passes its ``routing.block_chars`` and ``routing.max_prefix_blocks``.)"""
     if block_chars <= 0:
         raise ValueError("block_chars must be positive")
     n = min(len(text) // block_chars, max_blocks)

@@ -38,6 +38,13 @@ from routing.plugin import (
 from routing.registry import build
 from routing.types import Candidate, Router, RouteRequest
 
+# A replica's engine view older than this many discovery intervals is stale: two probe
+# rounds in a row brought nothing new, more than one slow probe explains.
+STALE_AFTER_INTERVALS = 3.0
+# A stale replica's score is multiplied by this: a view that stopped moving makes the
+# replica less preferred, never excluded (whether it fits is the ledger's call).
+STALE_SCORE_FACTOR = 0.5
+
 
 class Profile(Router):
     """One filter -> score -> pick pipeline (module docstring), and its plugins' hooks."""
@@ -50,7 +57,7 @@ class Profile(Router):
         picker: Picker,
         *,
         stale_after_s: float = float("inf"),
-        stale_factor: float = 0.5,
+        stale_factor: float = STALE_SCORE_FACTOR,
         scoring: str | None = None,
     ) -> None:
         self.name = name
@@ -251,7 +258,7 @@ def build_profile(
     env: PluginEnv,
     *,
     stale_after_s: float = float("inf"),
-    stale_factor: float = 0.5,
+    stale_factor: float = STALE_SCORE_FACTOR,
 ) -> Profile:
     return Profile(
         name,
@@ -276,8 +283,8 @@ def build_router(
     cfg = cfg if cfg is not None else RoutingConfig()
     if env is None:
         env = PluginEnv(seed=seed, block_chars=cfg.block_chars)
-    stale = cfg.stale_after_intervals * discovery_interval_s
-    kw = {"stale_after_s": stale, "stale_factor": cfg.stale_score_factor}
+    stale = STALE_AFTER_INTERVALS * discovery_interval_s
+    kw = {"stale_after_s": stale, "stale_factor": STALE_SCORE_FACTOR}
     return SchedulingRouter(
         build_profile("default", cfg.default_profile, env, **kw),
         {m: build_profile(m, p, env, **kw) for m, p in cfg.profiles.items()},

@@ -27,6 +27,10 @@ from __future__ import annotations
 
 import math
 
+# The meters' time constant ``tau``, in busy seconds: many releases on a busy replica, so
+# one release does not swing the rate, yet short enough to follow a replica that slows.
+DRAIN_WINDOW_S = 20.0
+
 
 class DrainMeter:
     """Tokens and requests released per busy second, as an exponentially weighted rate."""

@@ -7,9 +7,10 @@ under-estimate is what pushes an engine over its cliff (preemption and recompute
 
 * Prompt: ``tokens = ceil(chars / cpt) + messages * overhead``, where ``cpt`` (characters
   per token) starts low (``initial_chars_per_token``) and is learned from the engine's
-  ``usage.prompt_tokens`` as a *low* quantile of observed ratios. The learned value may
-  fall at once (more conservative) but rises by at most ``max_chars_per_token_growth``
-  per observation, so one batch of unusually dense text cannot make it optimistic.
+  ``usage.prompt_tokens`` as a *low* quantile (``PROMPT_QUANTILE``) of observed ratios.
+  The learned value may fall at once (more conservative) but rises by at most
+  ``MAX_CHARS_PER_TOKEN_GROWTH`` per observation, so one batch of unusually dense text
+  cannot make it optimistic.
 * Output: the ``output_quantile`` (p90 by default) of recent completion lengths, never
   more than the request's ``max_tokens`` or the context left. Until enough completions
   were seen the full ``max_tokens`` (or ``default_output_tokens``) is reserved; the
@@ -28,6 +29,23 @@ from collections.abc import Callable
 
 from admission.config import AdmissionConfig
 from admission.learned.margin import EstimateMargin
+
+# Recent observations kept per model (prompt ratios, completion lengths, estimate misses):
+# enough that a tenth or nine-tenths quantile is not one observation's, few enough that
+# traffic that changed ages out.
+ESTIMATOR_WINDOW = 1000
+# Prompts seen before the learned chars per token replaces the initial one: a single
+# prompt's ratio is its own text's, not the model's traffic's.
+MIN_PROMPT_SAMPLES = 5
+# The low quantile of observed chars per token that is used: low counts more tokens, and
+# over-reserving costs idle pool where under-reserving preempts (above).
+PROMPT_QUANTILE = 0.1
+# The learned chars per token rises by at most this share per observation (it falls at
+# once): one batch of dense text cannot make the estimate optimistic.
+MAX_CHARS_PER_TOKEN_GROWTH = 0.1
+# Completions seen before their quantile replaces max_tokens: over fewer, the default
+# 90th percentile is the largest or the second largest.
+MIN_OUTPUT_SAMPLES = 20
 
 TokenCounter = Callable[[str], int]
 TokenizerLookup = Callable[[str], TokenCounter | None]
@@ -65,10 +83,10 @@ class _ModelStats:
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.chars_per_token = config.initial_chars_per_token
-        self.prompt_ratios = SortedWindow(config.estimator_window)
-        self.outputs = SortedWindow(config.estimator_window)
+        self.prompt_ratios = SortedWindow(ESTIMATOR_WINDOW)
+        self.outputs = SortedWindow(ESTIMATOR_WINDOW)
         self.output_q: int | None = None  # cached learned quantile
-        self.short = EstimateMargin(config.estimator_window)
+        self.short = EstimateMargin(ESTIMATOR_WINDOW)
 
 
 class TokenEstimator:
@@ -120,22 +138,22 @@ class TokenEstimator:
         content_tokens = max(1, actual_tokens - max(0, messages) * cfg.per_message_overhead_tokens)
         stats = self._stats(model)
         stats.prompt_ratios.add(chars / content_tokens)
-        if len(stats.prompt_ratios) < cfg.min_prompt_samples:
+        if len(stats.prompt_ratios) < MIN_PROMPT_SAMPLES:
             return
-        target = stats.prompt_ratios.quantile(cfg.prompt_quantile)
+        target = stats.prompt_ratios.quantile(PROMPT_QUANTILE)
         if target <= stats.chars_per_token:
             stats.chars_per_token = target  # more conservative: adopt at once
         else:
             stats.chars_per_token = min(
-                target, stats.chars_per_token * (1.0 + cfg.max_chars_per_token_growth)
+                target, stats.chars_per_token * (1.0 + MAX_CHARS_PER_TOKEN_GROWTH)
             )
 
     def most_chars_per_token(self, model: str) -> float | None:
         """The most characters per token seen in the model's recent prompts (None before
-        ``min_prompt_samples``): what bounds the tokens a stretch of text holds from
+        ``MIN_PROMPT_SAMPLES``): what bounds the tokens a stretch of text holds from
         below, where `prompt_tokens` bounds them from above."""
         stats = self._models.get(model)
-        if stats is None or len(stats.prompt_ratios) < self._config.min_prompt_samples:
+        if stats is None or len(stats.prompt_ratios) < MIN_PROMPT_SAMPLES:
             return None
         return stats.prompt_ratios.quantile(1.0)
 
@@ -172,7 +190,7 @@ class TokenEstimator:
             return
         stats = self._stats(model)
         stats.outputs.add(float(completion_tokens))
-        if len(stats.outputs) >= self._config.min_output_samples:
+        if len(stats.outputs) >= MIN_OUTPUT_SAMPLES:
             stats.output_q = max(1, math.ceil(stats.outputs.quantile(self._config.output_quantile)))
 
     # ----------------------------------------------------------------- margin

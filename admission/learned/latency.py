@@ -4,16 +4,7 @@ learns the running limit from these scores."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(slots=True, frozen=True)
-class LatencyTargets:
-    """A model's latency targets in seconds (None: no target of that kind)."""
-
-    ttft_s: float | None = None
-    itl_s: float | None = None
-    e2e_s: float | None = None
+from admission.config import LatencyTargets
 
 
 def latency_ratio(

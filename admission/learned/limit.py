@@ -9,7 +9,7 @@ to run the ceiling sweep and copy its answer.
 Each change of the allowed count is kept with its evidence (`admission/learned/limitlog.py`).
 
 The limit L is the number of requests kvgate lets run on the replica at once. It moves
-on evidence, one *window* at a time. A window is at least ``limit_window`` (and at least
+on evidence, one *window* at a time. A window is at least ``LIMIT_WINDOW`` (and at least
 L) requests that completed after they were admitted under the current limit, so every
 window measures the replica at one setting: requests admitted under an earlier limit
 are ignored, as a sweep step ignores its warm-up.
@@ -36,7 +36,7 @@ Per window:
   admission takes is bounded besides by the room the running requests leave,
   admission/room.py.)
   Slow start ends at a window whose slowest came past half its aim (TCP's ssthresh) or
-  at any cut. From then on the limit grows by ``limit_probe_step`` per window, never
+  at any cut. From then on the limit grows by ``LIMIT_PROBE_STEP`` per window, never
   past what the latency score predicts (``mean_running / r``; ``1 / e`` as far where
   service grows by a share ``e`` of the load's, an upper estimate). A replica not kept
   busy (mean running under 80% of the limit) holds.
@@ -73,6 +73,12 @@ _INSIDE_HARD = 0.85  # aim this far inside a client's timeout budget (its slowes
 _INSIDE_SOFT = 0.95  # and this far inside a configured target (its quantile)
 _SLOW_START_END = 0.5  # slow start ends at a window whose slowest is this far to its aim
 _BAND = 1.05  # cut only when a score is this far past its aim; between, the limit holds
+# Completions per window (at least; and at least the limit): a window's slowest and its
+# quantile are then a measurement of the setting, not of one request.
+LIMIT_WINDOW = 16
+# Growth per busy window out of slow start: a step past the knee costs about this share
+# more latency for one window before the latency score cuts it back.
+LIMIT_PROBE_STEP = 0.15
 
 
 _DEFAULT = AdmissionConfig.model_fields  # one place for each default: the settings'
@@ -80,22 +86,22 @@ _DEFAULT = AdmissionConfig.model_fields  # one place for each default: the setti
 
 @dataclass(slots=True, frozen=True)
 class LimitSettings:
-    """The knobs of `RunningLimit`: `AdmissionConfig`'s, by their own defaults unless
-    given (`from_config`)."""
+    """The knobs of `RunningLimit`: `AdmissionConfig`'s settings (by their own defaults
+    unless given) and this module's constants (`from_config` reads both)."""
 
     initial: float = _DEFAULT["initial_limit"].default
-    window: int = _DEFAULT["limit_window"].default
+    window: int = LIMIT_WINDOW
     budget_fraction: float = _DEFAULT["latency_budget_fraction"].default
-    probe_step: float = _DEFAULT["limit_probe_step"].default
+    probe_step: float = LIMIT_PROBE_STEP
     target_quantile: float = _DEFAULT["latency_target_quantile"].default
 
     @classmethod
     def from_config(cls, config: AdmissionConfig) -> LimitSettings:
         return cls(
             initial=config.initial_limit,
-            window=config.limit_window,
+            window=LIMIT_WINDOW,
             budget_fraction=config.latency_budget_fraction,
-            probe_step=config.limit_probe_step,
+            probe_step=LIMIT_PROBE_STEP,
             target_quantile=config.latency_target_quantile,
         )
 

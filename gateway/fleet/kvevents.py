@@ -22,7 +22,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from gateway.config import GatewayConfig, KVEventsSource
+from gateway.config import GatewayConfig, KVEventsSource, expand_data_parallel
 from gateway.fleet.discovery import Discovery
 from gateway.tasks import cancel_all
 from routing.kvevents import END_SEQ, BadMessage, decode
@@ -150,7 +150,7 @@ def start_kv_events(
 ) -> list[KVEventSubscriber]:
     """One running subscriber per replica with ``kv_events``."""
     out = []
-    for rc in config.replicas:
+    for rc in expand_data_parallel(config.replicas):
         if rc.kv_events is None:
             continue
         watcher = discovery.watchers.get(rc.name)

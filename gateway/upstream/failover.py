@@ -36,7 +36,7 @@ import logging
 
 from admission.health import OutlierDetector
 from admission.tenants import TenantLimiter
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, expand_data_parallel
 from gateway.context import RequestContext
 from gateway.door import AdmissionDoor
 from gateway.errors import ApiError
@@ -70,7 +70,7 @@ class Failover:
         self._retry_once = config.upstream.retry_once
         self._loop = asyncio.get_running_loop()
         self.ejection = OutlierEjection.from_config(
-            config.outlier, [rc.name for rc in config.replicas]
+            config.outlier, [rc.name for rc in expand_data_parallel(config.replicas)]
         )
         self.ejection.subscribe(report_ejections(metrics))
         self.ejection.subscribe(self._tell_admission)

@@ -171,7 +171,7 @@ class Relay:
         cfg: UpstreamConfig,
         hooks: StreamHooks,
         *,
-        client_write_timeout_s: float = 60.0,
+        client_write_timeout_s: float,
     ) -> None:
         self._session = session
         self._cfg = cfg

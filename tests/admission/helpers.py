@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
+from admission.shedding import MIN_DRAIN_SAMPLES
 from admission.types import AdmissionRequest, Admit, Completion, Events, Shed
 from routing.scheduler import default_profile
 from routing.types import ReplicaState
@@ -77,7 +78,7 @@ def warm_drain(ctrl: AdmissionController, tokens: int, rate: float, *, start: fl
     until the drain meter has history; returns the time reached. Leaves the ledger empty."""
     now = start
     step = tokens / rate
-    for i in range(ctrl.config.min_drain_samples + 2):
+    for i in range(MIN_DRAIN_SAMPLES + 2):
         verdict = ctrl.submit(request(f"warm{i}", tokens // 2, tokens - tokens // 2), now).verdict
         assert verdict.__class__.__name__ == "Admit", verdict
         now += step

@@ -299,8 +299,9 @@ def test_retry_after_is_clamped() -> None:
     assert isinstance(slow, Shed) and slow.retry_after == 3.0
 
 
-def test_cold_start_queues_and_uses_documented_default() -> None:
-    ctrl = controller(cold_retry_after_s=4.0, queue_max_per_model=1)
+def test_cold_start_queues_and_uses_documented_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("admission.shedding.COLD_RETRY_AFTER_S", 4.0)
+    ctrl = controller(queue_max_per_model=1)
     ctrl.upsert_replica(replica(capacity=100), 0.0)
     ctrl.submit(request("a", 50, 50), 0.0)
     queued = ctrl.submit(request("b", 50, 50, deadline=0.5), 0.0).verdict

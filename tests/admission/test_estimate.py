@@ -8,6 +8,7 @@ import random
 import pytest
 
 from admission.config import AdmissionConfig
+from admission.learned import estimate
 from admission.learned.drain import DrainMeter
 from admission.learned.estimate import TokenEstimator
 
@@ -34,7 +35,7 @@ def test_prompt_learning_converges_to_a_low_quantile_and_rises_slowly() -> None:
         history.append(est.chars_per_token("m"))
     # Never a jump of more than the allowed growth per observation.
     for a, b in zip(history, history[1:], strict=False):
-        assert b <= a * (1 + cfg.max_chars_per_token_growth) + 1e-12
+        assert b <= a * (1 + estimate.MAX_CHARS_PER_TOKEN_GROWTH) + 1e-12
     learned = est.chars_per_token("m")
     assert 3.8 <= learned <= 3.95  # about the 10th percentile: most prompts over-estimated
     over = 0
@@ -48,7 +49,8 @@ def test_prompt_learning_converges_to_a_low_quantile_and_rises_slowly() -> None:
 
 
 def test_denser_text_makes_the_estimate_conservative_at_once() -> None:
-    est = TokenEstimator(AdmissionConfig(min_prompt_samples=5, per_message_overhead_tokens=0))
+    assert estimate.MIN_PROMPT_SAMPLES == 5
+    est = TokenEstimator(AdmissionConfig(per_message_overhead_tokens=0))
     for _ in range(50):
         est.observe_prompt("m", 4000, 1, 1000)  # 4 chars/token
     assert est.chars_per_token("m") == pytest.approx(4.0)
@@ -66,7 +68,8 @@ def test_exact_tokenizer_hook_is_used_when_configured() -> None:
 
 
 def test_expected_output_before_and_after_learning() -> None:
-    cfg = AdmissionConfig(min_output_samples=20, output_quantile=0.9, default_output_tokens=512)
+    assert estimate.MIN_OUTPUT_SAMPLES == 20
+    cfg = AdmissionConfig(output_quantile=0.9, default_output_tokens=512)
     est = TokenEstimator(cfg)
     assert est.expected_output("m", 2000, limit=4000) == 2000  # max_tokens before learning
     assert est.expected_output("m", None, limit=4000) == 512  # configured default
@@ -81,8 +84,10 @@ def test_expected_output_before_and_after_learning() -> None:
     assert est.expected_output("other", None, limit=4000) == 512
 
 
-def test_output_window_forgets_old_traffic() -> None:
-    est = TokenEstimator(AdmissionConfig(estimator_window=50, min_output_samples=10))
+def test_output_window_forgets_old_traffic(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(estimate, "ESTIMATOR_WINDOW", 50)
+    monkeypatch.setattr(estimate, "MIN_OUTPUT_SAMPLES", 10)
+    est = TokenEstimator(AdmissionConfig())
     for _ in range(50):
         est.observe_output("m", 1000)
     for _ in range(50):
@@ -120,8 +125,11 @@ def test_drain_meter_is_unbiased_early() -> None:
 
 
 # ---------------------------------------------------------------- the estimates' margin
-def test_the_margin_is_the_headroom_until_estimates_were_seen_and_then_what_they_missed() -> None:
-    est = TokenEstimator(AdmissionConfig(headroom=0.05, estimator_window=64))
+def test_the_margin_is_the_headroom_until_estimates_were_seen_and_then_what_they_missed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(estimate, "ESTIMATOR_WINDOW", 64)
+    est = TokenEstimator(AdmissionConfig(headroom=0.05))
     assert est.margin("m") == 0.05  # nothing seen: the configured headroom
     for _ in range(15):
         est.observe_estimated("m", 1000, 900)  # over-estimated: nothing missed
@@ -144,8 +152,9 @@ def test_a_few_large_misses_count_with_their_spread() -> None:
     assert est.margin("m") == pytest.approx(0.03 + 0.09)
 
 
-def test_the_margin_forgets_old_misses_and_is_bounded() -> None:
-    est = TokenEstimator(AdmissionConfig(headroom=0.05, estimator_window=64))
+def test_the_margin_forgets_old_misses_and_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(estimate, "ESTIMATOR_WINDOW", 64)
+    est = TokenEstimator(AdmissionConfig(headroom=0.05))
     for _ in range(64):
         est.observe_estimated("m", 100, 400)  # wildly short
     assert est.margin("m") == 0.5  # at most: reserve twice the estimate

@@ -4,6 +4,8 @@ and every event it caused for other requests, and nothing is handed out by a lat
 
 from __future__ import annotations
 
+import pytest
+
 from admission.types import Admit, Completion, Decision, Queued, Shed
 from tests.admission.helpers import admits, controller, replica, request, sheds
 from tests.admission.test_fairness import req
@@ -42,11 +44,14 @@ def test_a_submit_returns_the_entry_it_displaced_from_a_full_queue() -> None:
     assert ctrl.report.reserved_tokens() == 0 and ctrl.report.queue_depth() == 0
 
 
-def test_a_submit_returns_the_earlier_entry_its_scan_admitted() -> None:
-    # b waits for a's prefix to be computed (prefix_settle_s); c's submit after that
+def test_a_submit_returns_the_earlier_entry_its_scan_admitted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # b waits for a's prefix to be computed (PREFIX_SETTLE_S); c's submit after that
     # scans the queue and admits b first: b's Admit is in c's decision, not kept for the
     # next call (this was `_pending`).
-    ctrl = controller(prefix_settle_s=1.0)
+    monkeypatch.setattr("admission.ledger.PREFIX_SETTLE_S", 1.0)
+    ctrl = controller()
     ctrl.upsert_replica(sharing_replica(capacity=1000), 0.0)
     prefix = chain("tenant", 40)
     assert isinstance(ctrl.submit(agentic("a", prefix, 500, 100), 0.0).verdict, Admit)

@@ -33,6 +33,16 @@ def test_thresholds_of_one_follow_every_round() -> None:
     assert [h.observe(x) for x in (True, False, True, False)] == [True, False, True, False]
 
 
+def _one(*, max_ejection_percent: float) -> OutlierDetector:
+    """A detector that ejects on one failure (the outlier section's other defaults)."""
+    return OutlierDetector(
+        consecutive_failures=1,
+        base_ejection_s=30.0,
+        max_ejection_s=300.0,
+        max_ejection_percent=max_ejection_percent,
+    )
+
+
 def _detector(**kw: float) -> OutlierDetector:
     d = OutlierDetector(
         consecutive_failures=int(kw.get("n", 3)),
@@ -80,10 +90,10 @@ def test_max_ejection_percent_keeps_enough_replicas() -> None:
     d = _detector(n=1, pct=50.0)
     assert d.failure("a", 0.0) is not None
     assert d.failure("b", 0.0) is None  # two of two would be out
-    single = OutlierDetector(consecutive_failures=1, max_ejection_percent=50.0)
+    single = _one(max_ejection_percent=50.0)
     single.add("only")
     assert single.failure("only", 0.0) is None  # one of one: never
-    full = OutlierDetector(consecutive_failures=1, max_ejection_percent=100.0)
+    full = _one(max_ejection_percent=100.0)
     full.add("only")
     assert full.failure("only", 0.0) is not None
 

@@ -46,15 +46,17 @@ def test_a_cold_replica_doubles_its_limit_in_one_round_of_completions() -> None:
     assert lim.reason == "slow_start"
 
 
-def test_a_client_that_left_after_the_queue_took_its_budget_is_no_evidence_against_the_replica() -> (
-    None
-):
+def test_a_client_that_left_after_the_queue_took_its_budget_is_no_evidence_against_the_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A request queued for 8 s of its 10 s budget, served for 2 s, then left at its
     timeout: the replica served it for 2 s (a lower bound, 1/3 of its share), so the limit
     is not cut as it is for a request the replica itself failed."""
 
+    monkeypatch.setattr("admission.learned.limit.LIMIT_WINDOW", 4)
+
     def window(completion: Completion) -> tuple[int | None, str]:
-        ctrl = controller(learn_limit=True, initial_limit=8.0, limit_window=4)
+        ctrl = controller(learn_limit=True, initial_limit=8.0)
         ctrl.upsert_replica(replica("r1", 100_000), 0.0)
         now = 0.0
         for i in range(40):
@@ -74,12 +76,15 @@ def test_a_client_that_left_after_the_queue_took_its_budget_is_no_evidence_again
     assert reason == "latency" and limit is not None and limit < 8
 
 
-def test_a_queued_request_waits_as_long_as_its_predicted_service_leaves() -> None:
+def test_a_queued_request_waits_as_long_as_its_predicted_service_leaves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The queue takes what service leaves of a stated budget, not a fixed share of it:
     served alone in 2 s, predicted at 4 s with two running (the upper estimate scales
     with the load), a request with a 10 s budget may wait 6 s (was 4 s: 40% of it).
     Where the pool holds only one of what runs, it runs one: 2 s, and it may wait 8 s."""
-    ctrl = controller(min_drain_samples=1)
+    monkeypatch.setattr("admission.shedding.MIN_DRAIN_SAMPLES", 1)
+    ctrl = controller()
     ctrl.upsert_replica(replica("r1", 1000), 0.0)
     now = 0.0
     for i in range(8):  # service history: 2 s each
@@ -115,7 +120,7 @@ def test_a_queued_request_waits_as_long_as_its_predicted_service_leaves() -> Non
 
 @pytest.mark.parametrize("history", [16, 4])
 def test_a_queued_request_whose_service_grew_while_it_waited_is_shed_not_started_late(
-    history: int,
+    history: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Seen in the demo (1 of 738 in a third of its runs): a request queued while service
     took 2 s may wait 8 s of its 10; while it waits, a completion of 7 s shows service has
@@ -125,7 +130,8 @@ def test_a_queued_request_whose_service_grew_while_it_waited_is_shed_not_started
     it entered. With only 4 completions seen, the prediction is a guess from a start still
     climbing, and the request starts (shedding on it cost the SDK's clients attempts
     they needed)."""
-    ctrl = controller(min_drain_samples=1)
+    monkeypatch.setattr("admission.shedding.MIN_DRAIN_SAMPLES", 1)
+    ctrl = controller()
     ctrl.upsert_replica(replica("r1", 1000, max_running=1), 0.0)
     now = served_one_by_one(ctrl, history, 2.0)
     assert isinstance(ctrl.submit(request("slow", 400, 100), now).verdict, Admit)

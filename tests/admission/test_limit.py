@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from admission.config import AdmissionConfig
-from admission.learned.latency import LatencyTargets, latency_ratio
+from admission.config import AdmissionConfig, LatencyTargets
+from admission.learned.latency import latency_ratio
 from admission.learned.limit import LimitSettings, RunningLimit
 from bench.vtime import run
 from enginesim.simulate import run_closed_loop

@@ -172,8 +172,11 @@ def test_a_learned_patience_holds_while_few_leave_and_yields_to_clients_who_wait
     assert pop.estimate() is None
 
 
-def test_the_learned_limit_scores_completions_against_the_learned_patience() -> None:
-    ctrl = controller(learn_limit=True, initial_limit=8.0, limit_window=4)
+def test_the_learned_limit_scores_completions_against_the_learned_patience(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("admission.learned.limit.LIMIT_WINDOW", 4)
+    ctrl = controller(learn_limit=True, initial_limit=8.0)
     ctrl.upsert_replica(replica("r1", 100_000), 0.0)
     for _ in range(MIN_EVENTS):
         ctrl.client_ended("default", "m", False, ClientEnd(2.0, True), 0.0)
@@ -307,8 +310,11 @@ def test_a_whole_stream_deadline_no_stream_was_read_within_is_not_learned() -> N
 
 
 @pytest.mark.parametrize("stalled", [False, True], ids=["whole-stream", "per-chunk"])
-def test_a_stream_is_scored_on_what_its_clients_wait_for(stalled: bool) -> None:
-    ctrl = controller(learn_limit=True, initial_limit=8.0, limit_window=4)
+def test_a_stream_is_scored_on_what_its_clients_wait_for(
+    stalled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("admission.learned.limit.LIMIT_WINDOW", 4)
+    ctrl = controller(learn_limit=True, initial_limit=8.0)
     ctrl.upsert_replica(replica("r1", 100_000), 0.0)
     ctrl.client_ended("default", "m", True, SERVED, 0.0)
     for i in range(MIN_EVENTS):
@@ -425,14 +431,18 @@ def test_patient_streams_beside_readers_are_not_shed_in_virtual_time() -> None:
     assert sum(n for client, n in report.sheds.items() if client >= 4) == 0
 
 
-def test_requests_admitted_before_their_clients_patience_was_learned_are_scored_by_it() -> None:
+def test_requests_admitted_before_their_clients_patience_was_learned_are_scored_by_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """64 plain clients on seed 001's card: slow start grew to 24 on completions it could
     not judge (their clients stated nothing and no patience was learned when they were
     admitted), and they timed out while running. Once the population's patience is
     known, the completions of requests admitted before it are scored against it."""
 
+    monkeypatch.setattr("admission.learned.limit.LIMIT_WINDOW", 4)
+
     def limit_after(learn: bool) -> tuple[int, str]:
-        ctrl = controller(learn_limit=True, initial_limit=8, limit_window=4)
+        ctrl = controller(learn_limit=True, initial_limit=8)
         ctrl.upsert_replica(replica(capacity=100_000), 0.0)
         for i in range(8):  # their clients state nothing
             assert isinstance(ctrl.submit(request(f"r{i}", 100, 100), 0.0).verdict, Admit)

@@ -87,8 +87,11 @@ def agentic(rid: str, hashes: tuple[int, ...], prompt: int, output: int, w: int 
     return replace(request(rid, prompt, output), prefix_hashes=hashes, prefix_block_tokens=w)
 
 
-def test_a_request_sharing_a_computed_prefix_reserves_its_need_less_that_prefix() -> None:
-    ctrl = controller(prefix_settle_s=1.0)
+def test_a_request_sharing_a_computed_prefix_reserves_its_need_less_that_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("admission.ledger.PREFIX_SETTLE_S", 1.0)
+    ctrl = controller()
     ctrl.upsert_replica(sharing_replica(capacity=1000), 0.0)
     prefix = chain("tenant", 40)  # 40 blocks x 10 tokens bound: 400 tokens
     a = ctrl.submit(agentic("a", prefix, 500, 100), 0.0).verdict
@@ -97,7 +100,7 @@ def test_a_request_sharing_a_computed_prefix_reserves_its_need_less_that_prefix(
     # Before the prefix is computed a second request pays for its whole prompt: 600 more
     # do not fit in 1000.
     assert isinstance(ctrl.submit(agentic("b", prefix, 500, 100), 0.5).verdict, Queued)
-    # Once computed (prefix_settle_s), it shares 40 blocks: 600 - (400 - margin 11), the
+    # Once computed (PREFIX_SETTLE_S), it shares 40 blocks: 600 - (400 - margin 11), the
     # margin being a block of the engine (1) and one of the prefix (10).
     admits = ctrl.advance(1.0)
     assert [x.request_id for x in admits] == ["b"]
@@ -110,9 +113,12 @@ def test_a_request_sharing_a_computed_prefix_reserves_its_need_less_that_prefix(
     assert ctrl.report.reserved_tokens("r1") == 0
 
 
-def test_no_credit_on_a_replica_that_does_not_share_or_without_a_bound() -> None:
+def test_no_credit_on_a_replica_that_does_not_share_or_without_a_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("admission.ledger.PREFIX_SETTLE_S", 0.0)
     for shares, w in ((False, 10), (True, 0)):
-        ctrl = controller(prefix_settle_s=0.0)
+        ctrl = controller()
         ctrl.upsert_replica(sharing_replica(capacity=1000, shares=shares), 0.0)
         prefix = chain("tenant", 40)
         assert isinstance(ctrl.submit(agentic("a", prefix, 500, 100, w), 0.0).verdict, Admit)
@@ -131,8 +137,11 @@ def test_the_model_view_says_whether_a_replica_shares() -> None:
     assert not controller(share_prefix=False).report.shares_prefix("m")
 
 
-def test_a_replica_that_stops_sharing_gives_no_credit_and_its_pins_are_released() -> None:
-    ctrl = controller(prefix_settle_s=0.0)
+def test_a_replica_that_stops_sharing_gives_no_credit_and_its_pins_are_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("admission.ledger.PREFIX_SETTLE_S", 0.0)
+    ctrl = controller()
     ctrl.upsert_replica(sharing_replica(capacity=2000), 0.0)
     prefix = chain("tenant", 40)
     ctrl.submit(agentic("a", prefix, 500, 100), 0.0)
@@ -145,16 +154,18 @@ def test_a_replica_that_stops_sharing_gives_no_credit_and_its_pins_are_released(
     assert ctrl.report.reserved_tokens() == 0
 
 
-def test_disabled_by_config() -> None:
-    ctrl = controller(prefix_settle_s=0.0, share_prefix=False)
+def test_disabled_by_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("admission.ledger.PREFIX_SETTLE_S", 0.0)
+    ctrl = controller(share_prefix=False)
     ctrl.upsert_replica(sharing_replica(capacity=1000), 0.0)
     prefix = chain("tenant", 40)
     assert isinstance(ctrl.submit(agentic("a", prefix, 500, 100), 0.0).verdict, Admit)
     assert isinstance(ctrl.submit(agentic("b", prefix, 500, 100), 1.0).verdict, Queued)
 
 
-def test_a_top_up_counts_the_shared_part_as_held() -> None:
-    ctrl = controller(prefix_settle_s=0.0)
+def test_a_top_up_counts_the_shared_part_as_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("admission.ledger.PREFIX_SETTLE_S", 0.0)
+    ctrl = controller()
     ctrl.upsert_replica(sharing_replica(capacity=2000), 0.0)
     prefix = chain("tenant", 40)
     ctrl.submit(agentic("a", prefix, 500, 100), 0.0)
@@ -211,11 +222,14 @@ class _Engine:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_operations_keep_the_shared_ledger_exact_and_safe(seed: int) -> None:
+def test_random_operations_keep_the_shared_ledger_exact_and_safe(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rng = random.Random(seed)
     bs = rng.choice([1, 4, 16])
     settle = rng.choice([0.0, 0.5, 2.0])
-    ctrl = controller(prefix_settle_s=settle, queue_max_per_model=50)
+    monkeypatch.setattr("admission.ledger.PREFIX_SETTLE_S", settle)
+    ctrl = controller(queue_max_per_model=50)
     ctrl.upsert_replica(sharing_replica(capacity=rng.choice([1500, 3000, 6000]), bs=bs), 0.0)
     tenants = {t: chain(t, rng.randint(5, 60)) for t in "abcd"}
     engine = _Engine(settle, true_block=12)  # requests pass a lower bound (8-12)

@@ -74,7 +74,7 @@ def test_a_shed_before_anything_drained_is_told_half_its_budget() -> None:
     """Nothing released yet, so no wait to estimate: a client that stated a 0.87 s
     timeout is told to come back in half of it, not the 5 s cold default (six of its
     attempts); a client that stated nothing still gets the default."""
-    ctrl = controller(queue_max_per_model=8, cold_retry_after_s=5.0)
+    ctrl = controller(queue_max_per_model=8)  # the cold default: COLD_RETRY_AFTER_S, 5 s
     ctrl.upsert_replica(replica(capacity=1000), 0.0)
     assert isinstance(ctrl.submit(request("hog", 500, 500), 0.0).verdict, Admit)
     stated = request("stated", 100, 100, latency_budget=0.87)

@@ -47,13 +47,16 @@ def test_the_room_is_the_load_at_which_the_tightest_running_request_still_ends_i
 
 
 @pytest.mark.parametrize("budget", [1.5, None])
-def test_a_replica_takes_no_more_than_a_running_requests_deadline_allows(budget) -> None:
+def test_a_replica_takes_no_more_than_a_running_requests_deadline_allows(
+    budget, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Service takes 2 s at the replica's load of 4. A request whose client leaves after
     1.5 s is late by that prediction; the load at which it still ends in time is 3
     (4 x (1 + (1.5 / 2 - 1))), so the replica takes two more beside it and queues the
     rest, naming the ceiling, until it ends. A request whose client states no deadline
     (and whose clients' patience is not learned) keeps nothing: the cap of 4 binds."""
-    ctrl = controller(min_drain_samples=1)
+    monkeypatch.setattr("admission.shedding.MIN_DRAIN_SAMPLES", 1)
+    ctrl = controller()
     ctrl.upsert_replica(replica("r1", 100_000, max_running=4), 0.0)
     now = served_one_by_one(ctrl, 16, 2.0)
     assert isinstance(ctrl.submit(request("tight", 400, 100, latency_budget=budget), now).verdict,

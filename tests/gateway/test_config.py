@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
-from gateway.config import ConfigError, config_from_mapping, load_config
+from gateway.config import (
+    REMOVED_SETTINGS,
+    ConfigError,
+    GatewayConfig,
+    _model_in,
+    config_from_mapping,
+    load_config,
+)
 
 GOOD = """
 listen: {host: 127.0.0.1, port: 9000}
@@ -184,3 +193,27 @@ def test_kv_layout_is_a_llamacpp_setting() -> None:
             },
             env={},
         )
+
+
+def test_a_setting_turned_constant_is_named_with_where_it_went() -> None:
+    with pytest.raises(ConfigError) as ei:
+        config_from_mapping(
+            {"admission": {"limit_window": 16}, "routing": {"stale_score_factor": 0.5}}, env={}
+        )
+    message = str(ei.value)
+    assert (
+        "admission: limit_window was removed: an internal of the algorithm, now the constant "
+        "LIMIT_WINDOW in admission/learned/limit.py; delete the setting"
+    ) in message
+    assert "routing: stale_score_factor was removed" in message
+
+
+@pytest.mark.parametrize("path", sorted(REMOVED_SETTINGS))
+def test_each_removed_setting_is_no_field_and_its_constant_exists(path: str) -> None:
+    section, name = path.split(".")
+    model = _model_in(GatewayConfig.model_fields[section].annotation)
+    assert model is not None and name not in model.model_fields
+    found = re.search(r"the constant (\w+) in ([\w/]+)\.py$", REMOVED_SETTINGS[path])
+    if found:  # a setting that became a constant: it is there, by that name
+        module = importlib.import_module(found[2].replace("/", "."))
+        assert isinstance(getattr(module, found[1]), int | float)

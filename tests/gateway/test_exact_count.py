@@ -183,9 +183,12 @@ async def test_without_an_exact_count_the_engine_decides(counting_replica, gatew
     assert status == 200, data
 
 
-async def test_an_image_part_does_not_teach_the_learned_ratio(counting_replica, gateway):
+async def test_an_image_part_does_not_teach_the_learned_ratio(
+    counting_replica, gateway, monkeypatch
+):
     srv = await counting_replica()
-    gw = await gateway(srv, admission={"min_prompt_samples": 1})
+    monkeypatch.setattr("admission.learned.estimate.MIN_PROMPT_SAMPLES", 1)
+    gw = await gateway(srv)
     est = gw.state.estimator
     image = {
         "model": MODEL,

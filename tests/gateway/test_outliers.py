@@ -33,7 +33,10 @@ class Heard:
 
 def ejection(base_s: float = 0.05, *, failures: int = 1) -> OutlierEjection:
     detector = OutlierDetector(
-        consecutive_failures=failures, base_ejection_s=base_s, max_ejection_percent=50.0
+        consecutive_failures=failures,
+        base_ejection_s=base_s,
+        max_ejection_s=300.0,
+        max_ejection_percent=50.0,
     )
     for name in ("a", "b", "c", "d"):  # two of four may be out at once
         detector.add(name)

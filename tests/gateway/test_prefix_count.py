@@ -93,11 +93,14 @@ def test_responses_and_messages_chain_their_chat_view() -> None:
     assert prompt_chain(cont, "responses", FIELDS) is None
 
 
-def test_the_account_stage_stores_the_usage_and_teaches_the_tail_only() -> None:
+def test_the_account_stage_stores_the_usage_and_teaches_the_tail_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The engine's usage is stored as the count of the whole prompt (whatever the
     outcome), and the estimator learns the characters per token of the part it estimated:
     the tail after the counted prefix, not the prompt it did not estimate."""
-    cfg = config_from_mapping({"admission": {"min_prompt_samples": 1}}, env={})
+    monkeypatch.setattr("admission.learned.estimate.MIN_PROMPT_SAMPLES", 1)
+    cfg = config_from_mapping({}, env={})
     est = TokenEstimator(cfg.admission)
     metrics = GatewayMetrics(lambda: [], lambda: {}, lambda: 0)
     accounting = Accounting(est, TenantLimiter.from_config([], {}), metrics, {"m"})

@@ -129,10 +129,13 @@ async def test_never_fits_is_400_never_queued(replica, gateway):
     assert gw.report.queue_depth() == 0
 
 
-async def test_stream_outgrowing_its_reservation_is_topped_up_not_cut(replica, gateway):
+async def test_stream_outgrowing_its_reservation_is_topped_up_not_cut(
+    replica, gateway, monkeypatch
+):
     srv = await replica(speed=2.0)
     # Learn an output length of 4 from one request, so the next reservation is small.
-    gw = await gateway(srv, admission={"min_output_samples": 1})
+    monkeypatch.setattr("admission.learned.estimate.MIN_OUTPUT_SAMPLES", 1)
+    gw = await gateway(srv)
     async with aiohttp.ClientSession() as s:
         async with s.post(gw.url + "/v1/chat/completions", json=body(4)) as r:
             assert r.status == 200
@@ -147,9 +150,10 @@ async def test_stream_outgrowing_its_reservation_is_topped_up_not_cut(replica, g
     assert raw.rstrip().endswith(b"data: [DONE]")
 
 
-async def test_reservation_grows_during_stream(replica, gateway):
+async def test_reservation_grows_during_stream(replica, gateway, monkeypatch):
     srv = await replica(speed=1.0)
-    gw = await gateway(srv, admission={"min_output_samples": 1})
+    monkeypatch.setattr("admission.learned.estimate.MIN_OUTPUT_SAMPLES", 1)
+    gw = await gateway(srv)
     async with aiohttp.ClientSession() as s:
         async with s.post(gw.url + "/v1/chat/completions", json=body(4)) as r:
             assert r.status == 200
@@ -310,20 +314,21 @@ async def test_a_shed_by_the_learned_running_limit_says_so_not_kv_capacity(repli
 
 @pytest.mark.slow
 async def test_a_non_stream_request_that_asks_for_its_whole_bound_is_reserved_for_it(
-    replica, gateway
+    replica, gateway, monkeypatch
 ):
     """Once history says outputs are short (8 tokens), a non-stream request without
     ignore_eos is reserved that, but one with ignore_eos generates all of its max_tokens
     and is reserved (and its service predicted) for all of it, as it cannot be topped up
     the way a stream is; min_tokens is a floor too. (A gateway each: one's answer would
     join the next one's history.)"""
+    monkeypatch.setattr("admission.learned.estimate.MIN_OUTPUT_SAMPLES", 3)
     reserved = {}
     for name, extra in (
         ("plain", {"ignore_eos": False}),
         ("min_tokens", {"ignore_eos": False, "min_tokens": 120}),
         ("ignore_eos", {}),
     ):
-        gw = await gateway(await replica(speed=0.5), admission={"min_output_samples": 3})
+        gw = await gateway(await replica(speed=0.5))
         async with aiohttp.ClientSession() as s:
             for _ in range(3):  # history: outputs of 8 tokens
                 async with s.post(gw.url + "/v1/chat/completions", json=body(8)) as r:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from admission.tenants import TenantLimiter, hash_key
-from gateway.config import ConfigError, config_from_mapping
+from gateway.config import ConfigError, config_from_mapping, routing_with_slo_filter
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "kvgate.example.yaml"
 DIGEST = hash_key("sk-x")
@@ -48,7 +48,7 @@ def test_the_commented_example_tenant_is_valid() -> None:
 
 def test_an_itl_target_adds_the_slo_filter_to_every_profile() -> None:
     plain = config_from_mapping({"tenants": [{"name": "a"}]}, env={})
-    assert plain.routing.default_profile.filters == []
+    assert routing_with_slo_filter(plain).default_profile.filters == []
     cfg = config_from_mapping(
         {
             "tenants": [{"name": "a", "slo": {"itl_s": 0.1}}],
@@ -56,8 +56,13 @@ def test_an_itl_target_adds_the_slo_filter_to_every_profile() -> None:
         },
         env={},
     )
-    assert [f.name for f in cfg.routing.default_profile.filters] == ["slo_itl"]
-    assert [f.name for f in cfg.routing.profiles["m"].filters] == ["label", "slo_itl"]
+    # The config stays as written; the routing served has the filter in every profile.
+    assert cfg.routing.default_profile.filters == []
+    served = routing_with_slo_filter(cfg)
+    assert [f.name for f in served.default_profile.filters] == ["slo_itl"]
+    assert [f.name for f in served.profiles["m"].filters] == ["label", "slo_itl"]
+    assert served.workloads
+    assert all([f.name for f in p.filters] == ["slo_itl"] for p in served.workloads.values())
 
 
 def test_env_keys_are_hashed_at_load() -> None:

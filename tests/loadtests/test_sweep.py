@@ -91,11 +91,13 @@ async def test_sweep_straight_finds_the_replicas_ceiling(enginesim_server, slow_
 
 
 async def test_sweep_through_kvgate_holds_the_plateau(
-    enginesim_server, gateway, slow_tiny, tmp_path
+    enginesim_server, gateway, slow_tiny, tmp_path, monkeypatch
 ):
     srv = await enginesim_server(slow_tiny, speed=SPEED)
-    # Retry-After floors in the replica's time, as `kvgate demo` sets them.
-    gw = await gateway(srv, admission={"min_retry_after_s": 0.05, "cold_retry_after_s": 0.2})
+    # Retry-After floors in the replica's time, as `kvgate demo` sets them; the cold
+    # Retry-After (before any release) too, which is a constant of admission.
+    monkeypatch.setattr("admission.shedding.COLD_RETRY_AFTER_S", 0.2)
+    gw = await gateway(srv, admission={"min_retry_after_s": 0.05})
     out = tmp_path / "kvgate"
     stdout, stderr = await sweep(gw.url, out, "--label", "through kvgate")
     rows = steps(out)

@@ -296,7 +296,7 @@ async def test_the_shared_prefix_credit_never_falls_below_what_the_engine_holds(
     gw = await through(
         vllm, kvgate, admission={"initial_limit": 8}, discovery={"refresh_interval_s": 0.2}
     )
-    # Five prompts teach the characters per token (min_prompt_samples); as streams of
+    # Five prompts teach the characters per token (MIN_PROMPT_SAMPLES); as streams of
     # prompts this long they teach the time to first token, which says when the first
     # request's prefix is computed and can be shared.
     for i in range(5):

@@ -35,7 +35,9 @@ def cand(name: str, free: int = 500, cap: int = 1000, **kw: object) -> Candidate
 def req(
     text: str = "", session: str | None = None, now: float = 0.0, rid: str = "r"
 ) -> RouteRequest:
-    return RouteRequest(rid, "m", 10, prefix_hashes=block_hashes(text, 8), session=session, now=now)
+    return RouteRequest(
+        rid, "m", 10, prefix_hashes=block_hashes(text, 8, 512), session=session, now=now
+    )
 
 
 def scorer(name: str, **params: object) -> object:
@@ -75,11 +77,11 @@ def test_stale_view_lowers_the_score_but_never_adds_room() -> None:
 
 # ------------------------------------------------------------------ prefix index
 def test_block_hashes_chain_covers_the_parent() -> None:
-    a = block_hashes("x" * 8 + "y" * 8 + "z" * 5, 8)
+    a = block_hashes("x" * 8 + "y" * 8 + "z" * 5, 8, 512)
     assert len(a) == 2  # only full blocks
-    b = block_hashes("w" * 8 + "y" * 8, 8)
+    b = block_hashes("w" * 8 + "y" * 8, 8, 512)
     assert a[1] != b[1]  # same block, different parent
-    assert block_hashes("x" * 8 + "y" * 8 + "q" * 8, 8)[:2] == a
+    assert block_hashes("x" * 8 + "y" * 8 + "q" * 8, 8, 512)[:2] == a
     assert len(block_hashes("a" * 800, 8, max_blocks=10)) == 10
 
 
@@ -104,18 +106,18 @@ def test_block_hashes_are_the_same_whatever_the_text(text: str, block: int, most
 
 def test_prefix_index_walk_stops_at_first_miss() -> None:
     idx = PrefixIndex(100)
-    chain = block_hashes("abcdefgh" * 4, 8)
+    chain = block_hashes("abcdefgh" * 4, 8, 512)
     idx.insert(chain[:2])
     idx.insert(chain[3:])  # block 3 present, block 2 missing
     assert idx.match(chain) == 2
     assert idx.match(()) == 0
-    assert idx.match(block_hashes("zzzzzzzz" * 4, 8)) == 0
+    assert idx.match(block_hashes("zzzzzzzz" * 4, 8, 512)) == 0
 
 
 def test_prefix_index_is_lru_bounded_and_evicts_leaves_first() -> None:
     idx = PrefixIndex(4)
-    old = block_hashes("o" * 8 * 3, 8)
-    new = block_hashes("n" * 8 * 3, 8)
+    old = block_hashes("o" * 8 * 3, 8, 512)
+    new = block_hashes("n" * 8 * 3, 8, 512)
     idx.insert(old)
     idx.insert(new)
     assert len(idx) == 4

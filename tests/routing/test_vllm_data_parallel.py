@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from gateway.config import ConfigError, config_from_mapping
+from gateway.config import ConfigError, config_from_mapping, expand_data_parallel
 from routing.adapters import adapter_for
 from routing.types import ReplicaState
 
@@ -121,7 +121,7 @@ def test_a_rank_never_reads_unlabelled_figures_as_its_own() -> None:
     assert not st.ready
 
 
-def test_config_expands_a_dp_replica_into_one_replica_per_rank() -> None:
+def test_a_dp_replica_is_served_as_one_replica_per_rank() -> None:
     cfg = config_from_mapping(
         {
             "replicas": [
@@ -136,7 +136,10 @@ def test_config_expands_a_dp_replica_into_one_replica_per_rank() -> None:
         },
         env={},
     )
-    names = [(r.name, r.dp_rank, r.url, r.pool_tokens) for r in cfg.replicas]
+    # The config keeps the entry as written; the replicas served are one per rank.
+    assert [(r.name, r.data_parallel_size) for r in cfg.replicas] == [("big", 3), ("small", 1)]
+    served = expand_data_parallel(cfg.replicas)
+    names = [(r.name, r.dp_rank, r.url, r.pool_tokens) for r in served]
     assert names == [
         ("big-dp0", 0, "http://h:8000", 9000),
         ("big-dp1", 1, "http://h:8000", 9000),

@@ -25,7 +25,7 @@ def cand(name: str, free: int = 100_000, cap: int = 100_000, **kw: object) -> Ca
 
 
 def route(rid: str, workload: str, text: str = "", model: str = "m") -> RouteRequest:
-    hashes = block_hashes(text, 64) if text else ()
+    hashes = block_hashes(text, 64, 512) if text else ()
     return RouteRequest(
         rid, model, 100, workload=workload, prefix_hashes=hashes, prompt_tokens=len(text) // 4
     )
