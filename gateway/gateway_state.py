@@ -37,12 +37,7 @@ class GatewayState:
         # The engines' own caches, where a replica publishes its KV events.
         self.kv_index = KVIndex() if any(rc.kv_events for rc in config.replicas) else None
         if picker is None:
-            routing = routing_with_slo_filter(config)
-            picker = build_router(
-                routing,
-                discovery_interval_s=config.discovery.refresh_interval_s,
-                env=PluginEnv(block_chars=routing.block_chars, kv_index=self.kv_index),
-            )
+            picker = self._router(config)
         # Tenants (admission/tenants.py): the pipeline checks keys and rates, the
         # controller's queue reads weights and caps.
         self.tenants = TenantLimiter.from_config(config.tenants, config.auth.api_keys)
@@ -73,6 +68,17 @@ class GatewayState:
         report = self.door.report
         return {m: report.queue_depth(m) for m in self.discovery.known_models}
 
+    def _router(self, config: GatewayConfig) -> Router:
+        """The router `config` describes, over the engines' own caches where replicas
+        publish them (the same index at start and after a reload). Discovery's interval
+        is read at start only (a restart-only section)."""
+        routing = routing_with_slo_filter(config)
+        return build_router(
+            routing,
+            discovery_interval_s=self.config.discovery.refresh_interval_s,
+            env=PluginEnv(block_chars=routing.block_chars, kv_index=self.kv_index),
+        )
+
     async def apply(self, new: GatewayConfig) -> None:
         """Make `new` (validated) the running config: what a reload changes
         (gateway/reload.py) from this moment on; the sections read only at start are
@@ -90,9 +96,8 @@ class GatewayState:
         self.tenants.reconfigure(new.tenants, new.auth.api_keys, loop.time())
         self.metrics.set_tenant_names(self.tenants.tenants)
         router = None
-        routing = routing_with_slo_filter(new)
-        if routing != routing_with_slo_filter(old):
-            router = build_router(routing, discovery_interval_s=old.discovery.refresh_interval_s)
+        if routing_with_slo_filter(new) != routing_with_slo_filter(old):
+            router = self._router(new)
         if new.admission != old.admission or router is not None:
             self.door.reconfigure(new.admission, router)
         if new.logging.level != old.logging.level:

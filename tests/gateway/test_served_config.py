@@ -9,6 +9,7 @@ from typing import Any
 
 from gateway.config import config_from_mapping
 from routing.scheduler import SchedulingRouter
+from routing.scorers.prefix_cache import PrefixCacheScorer
 
 # Nothing listens there: discovery probes it and finds it unready, which is all these need.
 DOWN = "http://127.0.0.1:9"
@@ -44,3 +45,26 @@ async def test_start_and_reload_serve_ranks_and_the_slo_filter(gateway) -> None:
     await st.apply(config_from_mapping(data, env={}))
     assert _filters(st.door.router) == {()}
     assert st.discovery.watchers == ranks
+
+
+async def test_a_reloaded_router_reads_the_engines_own_caches(gateway) -> None:
+    # A replica that publishes its KV events: the precise prefix scorer reads the index
+    # they fill. A reload that rebuilt the router without it lost the index for good.
+    events = {"endpoint": "tcp://127.0.0.1:9"}
+    replicas = [{"name": "v", "url": DOWN, "engine": "vllm", "kv_events": events}]
+    data: dict[str, Any] = {
+        "replicas": replicas,
+        "discovery": {"refresh_interval_s": 0.2, "probe_timeout_s": 0.5},
+    }
+    gw = await gateway(replicas=replicas)
+    st = gw.state
+    assert st.kv_index is not None
+
+    def indexes(router: Any) -> list[Any]:
+        assert isinstance(router, SchedulingRouter)
+        scorers = [s for p in router.profiles() for s, _ in p.scorers]
+        return [s._kv for s in scorers if isinstance(s, PrefixCacheScorer)]
+
+    routing = {"default_profile": {"scorers": [{"name": "prefix_cache"}]}}
+    await st.apply(config_from_mapping({**data, "routing": routing}, env={}))
+    assert indexes(st.door.router) == [st.kv_index]
