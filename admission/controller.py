@@ -100,6 +100,7 @@ class AdmissionController:
         self.config = self._ledger.config = self._queue.config = config
         self._shedding.config = config
         self._learning = Learning(config)  # its derived settings; it keeps no other state
+        self._retries.ttl_s = config.retry_memory_s
         if router is not None:
             self._placement.set_router(router)
         return self._settle(now)

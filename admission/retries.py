@@ -102,11 +102,11 @@ class RetryMemory:
     and size; and what became of each (back, or given up), from which `RetryBudget`
     learns how many attempts clients that say nothing make."""
 
-    __slots__ = ("_tenants", "_ttl", "_max", "_due", "_seq", "budget", "told")
+    __slots__ = ("_tenants", "ttl_s", "_max", "_due", "_seq", "budget", "told")
 
     def __init__(self, ttl_s: float, max_entries: int) -> None:
         self._tenants: dict[str, OrderedDict[Hashable, _Left]] = {}
-        self._ttl = ttl_s
+        self.ttl_s = ttl_s  # a reload sets it for the entries stored from then on
         self._max = max_entries
         self._due: list[tuple[float, int, str, Hashable, int]] = []  # (back by, seq, ...)
         self._seq = 0
@@ -121,7 +121,7 @@ class RetryMemory:
 
     @property
     def enabled(self) -> bool:
-        return self._ttl > 0 and self._max > 0
+        return self.ttl_s > 0 and self._max > 0
 
     def recall(
         self, key: Hashable, now: float, tenant: str = "default", said: bool = True
@@ -177,7 +177,7 @@ class RetryMemory:
         # A client that honours Retry-After is back by then; its own rounding (whole
         # seconds), backoff and jitter are what the grace allows for.
         back_by = now + 2.0 * retry_after + _GRACE_S
-        expires = now + self._ttl if said else min(now + self._ttl, back_by)
+        expires = now + self.ttl_s if said else min(now + self.ttl_s, back_by)
         # Awaited, what comes of it teaches the retry budget: unless a client that says
         # nothing left on its own (module docstring).
         awaited: bool | None = False if said or retry_after > 0 else None

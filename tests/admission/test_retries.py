@@ -166,3 +166,19 @@ def test_a_client_that_says_nothing_is_recalled_only_while_due_back() -> None:
     # The plain one came back once, then not: the retry budget learned both outcomes.
     plain = next(r for r in mem.budget.readings() if r.tenant == "default")
     assert (plain.came_back, plain.gave_up) == (1, 1)
+
+
+def test_a_reload_sets_how_long_a_request_left_unserved_is_remembered() -> None:
+    ctrl = AdmissionController(AdmissionConfig(retry_memory_s=60.0), default_profile(seed=1))
+    body = b'{"model":"m","messages":[]}'
+
+    def attempt(rid: str, now: float) -> AdmissionRequest:
+        req = AdmissionRequest(rid, "m", prompt_tokens=10, expected_output=10, max_tokens=10)
+        ctrl.arrived(req, identify("t", "m", body, retry_count=1), now, True)
+        return req
+
+    ctrl.left_unanswered(attempt("a", 0.0), now=1.0)
+    assert attempt("b", 30.0).arrival == 0.0  # its retry keeps its first arrival
+    ctrl.reconfigure(AdmissionConfig(retry_memory_s=10.0), None, now=31.0)
+    ctrl.left_unanswered(attempt("c", 40.0), now=41.0)
+    assert attempt("d", 55.0).arrival == 55.0  # 14 s later: forgotten under the new 10 s
