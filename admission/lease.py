@@ -53,6 +53,10 @@ class Lease:
 class RenewResult:
     processes: int  # processes alive (heartbeat within the TTL), this one included
     leases: list[Lease]
+    # The backend still held this process's heartbeat from its last renewal: False on a
+    # first renewal, and where the backend lost its records since (a Redis restarted
+    # empty, a failover to a replica that had not received them).
+    known: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ carry the same file everywhere:
 - ``KVGATE_REDIS_URL``: ``redis://`` or ``rediss://`` (TLS) URL of the shared-state Redis
   (``state.redis_url``)
 - ``KVGATE_REDIS_PASSWORD``: the Redis password (kept out of the file and the URL)
+- ``KVGATE_REDIS_SENTINEL_PASSWORD``: the sentinels' password (``state.redis_sentinel``)
 """
 
 from __future__ import annotations
@@ -202,6 +203,20 @@ class LoggingConfig(_Strict):
     access_log: bool = True
 
 
+class SentinelConfig(_Strict):
+    """A Redis whose primary Redis Sentinel watches: kvgate asks the sentinels where the
+    primary ``master`` is, and again after a failover, so the gateways follow a promoted
+    replica on their own."""
+
+    # host:port of each sentinel; one answering is enough.
+    addresses: Annotated[list[Annotated[str, Field(pattern=r"^[^:\s]+:\d+$")]], Field(min_length=1)]
+    master: Annotated[str, Field(min_length=1)]  # the name the sentinels monitor it by
+    db: Annotated[int, Field(ge=0)] = 0
+    # The sentinels' own password, if they have one (set from KVGATE_REDIS_SENTINEL_PASSWORD);
+    # the primary's is ``redis_password``.
+    password: str | None = Field(default=None, repr=False)
+
+
 class StateConfig(_Strict):
     """Where several gateway processes keep what they share (gateway/state): the
     per-replica pool and running-limit leases and the learned limits.
@@ -217,6 +232,8 @@ class StateConfig(_Strict):
 
     backend: Literal["memory", "redis"] = "memory"
     redis_url: Annotated[str, Field(pattern=r"^(redis|rediss|unix)://")] | None = None
+    # Or a primary that Redis Sentinel fails over, instead of ``redis_url``.
+    redis_sentinel: SentinelConfig | None = None
     # Set from KVGATE_REDIS_PASSWORD; a password in the URL works too but lands in files.
     redis_password: str | None = Field(default=None, repr=False)
     key_prefix: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")] = "kvgate"
@@ -228,8 +245,13 @@ class StateConfig(_Strict):
 
     @model_validator(mode="after")
     def _coherent(self) -> StateConfig:
-        if self.backend == "redis" and not self.redis_url:
-            raise ValueError("redis_url: required with backend redis (or KVGATE_REDIS_URL)")
+        if self.backend == "redis" and not (self.redis_url or self.redis_sentinel):
+            raise ValueError(
+                "redis_url: required with backend redis (or KVGATE_REDIS_URL), "
+                "unless redis_sentinel names the sentinels"
+            )
+        if self.redis_url and self.redis_sentinel:
+            raise ValueError("redis_sentinel: give it or redis_url, not both")
         if self.renew_interval_s * 2 > self.lease_ttl_s:
             raise ValueError(
                 f"renew_interval_s: {self.renew_interval_s} must be at most half of "
@@ -408,6 +430,8 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> None:
         state["redis_url"] = url
     if password := env.get("KVGATE_REDIS_PASSWORD"):
         state["redis_password"] = password
+    if (password := env.get("KVGATE_REDIS_SENTINEL_PASSWORD")) and state.get("redis_sentinel"):
+        state["redis_sentinel"] = {**state["redis_sentinel"], "password": password}
     if state:
         data["state"] = state
     if level := env.get("KVGATE_LOG_LEVEL"):

@@ -3,12 +3,16 @@
 -- ARGV[1]: holder; ARGV[2]: TTL in ms; then (total, want, used) per resource.
 -- A lease record is "granted want used expires_ms"; time is the Redis server's, so the
 -- hosts' clocks do not matter. Returns {processes, granted, holders, others_used, rate,
--- ...}.
+-- ..., known}: known is 1 when the holder's heartbeat from its last renewal was still
+-- there (0 on its first, or after this Redis lost it: a restart, a failover).
 local holder = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local exp = now + ttl
+local before = tonumber(redis.call('ZSCORE', KEYS[1], holder))
+local known = 0
+if before ~= nil and before > now then known = 1 end
 redis.call('ZADD', KEYS[1], exp, holder)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('PEXPIRE', KEYS[1], ttl * 2)
@@ -67,4 +71,5 @@ for i = 2, #KEYS do
   out[#out + 1] = used_sum
   out[#out + 1] = rate
 end
+out[#out + 1] = known
 return out

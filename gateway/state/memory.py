@@ -7,6 +7,7 @@ between gateways in one process to exercise the policy without a server.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -45,6 +46,7 @@ class MemoryBackend(StateBackend):
         self, holder: str, requests: Sequence[LeaseRequest], ttl_s: float
     ) -> RenewResult:
         now = self._clock()
+        known = self._procs.get(holder, -math.inf) > now
         self._procs[holder] = now + ttl_s
         for h in [h for h, exp in self._procs.items() if exp <= now]:
             del self._procs[h]
@@ -60,7 +62,7 @@ class MemoryBackend(StateBackend):
             )
             records[holder] = [granted, max(0, req.want), max(0, req.used), now + ttl_s]
             leases.append(Lease(req.resource, granted, n, others_used, rate))
-        return RenewResult(len(self._procs), leases)
+        return RenewResult(len(self._procs), leases, known)
 
     async def release(self, holder: str, resources: Sequence[str] | None = None) -> None:
         names = list(self._leases) if resources is None else resources

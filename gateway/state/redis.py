@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -32,6 +33,7 @@ from admission.lease import (
     SharedLimit,
     SharedPatience,
 )
+from gateway.config import SentinelConfig
 from gateway.state.backend import StateBackend, StateUnavailable
 
 _LEASE_LUA = (Path(__file__).parent / "lease.lua").read_text(encoding="utf-8")
@@ -50,31 +52,54 @@ return out
 """
 
 
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
+
+
 class RedisBackend(StateBackend):
     name = "redis"
 
     def __init__(
         self,
-        url: str,
+        url: str | None = None,
         *,
+        sentinel: SentinelConfig | None = None,
         password: str | None = None,
         prefix: str = "kvgate",
         timeout_s: float = 1.0,
     ) -> None:
-        self.url = url
+        """One Redis at `url`, or the primary that `sentinel`'s sentinels name."""
         self.prefix = prefix
         self._tag = "{" + prefix + "}"
-        self._r = aioredis.from_url(
-            url,
-            password=password,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
+        self._sentinel_pool: SentinelConnectionPool | None = None
+        options: dict[str, Any] = {
+            "password": password,
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
             # One immediate retry of a connection error only: a pooled connection to a
-            # Redis that restarted is stale and fails once on first use. Never of a
-            # timeout, which the round trip's bound is for.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            decode_responses=True,
-        )
+            # Redis that restarted (or to a primary that failed over) is stale and fails
+            # once on first use. Never of a timeout, which the round trip's bound is for.
+            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            "decode_responses": True,
+        }
+        if sentinel is not None:
+            # Each new connection asks the sentinels where the primary is now; a demoted
+            # primary's READONLY answer drops the connection (redis-py's Sentinel pool).
+            sentinels = Sentinel(
+                [_host_port(a) for a in sentinel.addresses],
+                sentinel_kwargs={
+                    "password": sentinel.password,
+                    "socket_timeout": timeout_s,
+                    "socket_connect_timeout": timeout_s,
+                },
+            )
+            self._r = sentinels.master_for(sentinel.master, db=sentinel.db, **options)
+            self._sentinel_pool = cast(SentinelConnectionPool, self._r.connection_pool)
+        else:
+            assert url is not None, "a Redis URL or a sentinel configuration"
+            self._r = aioredis.from_url(url, **options)
+        self._primary: object = None  # where Sentinel last said the primary is
         self._lease = self._r.register_script(_LEASE_LUA)
         self._publish = self._r.register_script(_PUBLISH_LUA)
         self._holders = self._r.register_script(_HOLDERS_LUA)
@@ -112,7 +137,14 @@ class RedisBackend(StateBackend):
             )
             for i, r in enumerate(requests)
         ]
-        return RenewResult(int(out[0]), leases)
+        known = int(out[-1]) == 1
+        primary = self._sentinel_pool.master_address if self._sentinel_pool else None
+        if primary != self._primary:
+            # Sentinel moved the primary: what it had not replicated is gone, and other
+            # processes' records there may be a renewal old. Rebuild as after a loss.
+            known = known and self._primary is None
+            self._primary = primary
+        return RenewResult(int(out[0]), leases, known=known)
 
     async def release(self, holder: str, resources: Sequence[str] | None = None) -> None:
         try:

@@ -55,7 +55,11 @@ Reconnect
     every process seen before the outage has re-registered (or a TTL has passed: the
     missing ones are dead, or cut off and within their own 1/N), a slice stays within
     the fail-open 1/N: a process that reconnects first must not take what the others
-    still run on.
+    still run on. The same when a renewal finds that the backend lost this process's
+    heartbeat (restarted empty between two renewals) or Sentinel names another primary
+    (a failover: the promoted replica lacks what was not yet replicated, and others'
+    records there may be a renewal old), for a whole TTL: counting the processes there
+    proves nothing.
 
 Shutdown
     The loop stops and the process returns its slices at once (best effort: if Redis is
@@ -86,6 +90,9 @@ log = logging.getLogger("kvgate.state")
 _DEMAND_CHECK_S = 0.05  # how soon a renewal follows requests queueing behind a slice
 TENANT_UNITS = 10_000  # a tenant's budget in lease units (a fraction in 1/10,000)
 _TENANT_GROWTH = 0.25  # what a tenant lease asks beyond what is in use, of its fraction
+
+
+_NEVER = 1 << 30  # a process count no rebuild reaches: it lasts its whole TTL
 
 
 def tenant_usage(st: TenantState, now: float) -> float:
@@ -127,9 +134,9 @@ def make_backend(config: StateConfig) -> StateBackend | None:
         return None
     from gateway.state.redis import RedisBackend
 
-    assert config.redis_url is not None  # the config validator requires it
     return RedisBackend(
         config.redis_url,
+        sentinel=config.redis_sentinel,
         password=config.redis_password,
         prefix=config.key_prefix,
         timeout_s=config.timeout_s,
@@ -323,9 +330,21 @@ class StateSync:
         self._reported.clear()
         leases = {lease.resource: lease for lease in result.leases}
         now = self._loop.time()
+        forgotten = self.up and self._ever_up and not result.known
+        if forgotten:
+            log.warning(
+                "state: backend %s had lost this process's records (a restart or a "
+                "failover); leases re-registered from local holdings",
+                self.backend.name,
+            )
         if not self.up and self._ever_up:  # back after failed renewals: rebuild
             self._rebuild_until = now + self.config.lease_ttl_s
             self._rebuild_n = max(self.processes, self.workers_hint)
+        if forgotten:
+            # Others' heartbeats may have survived with records a renewal old: counting
+            # them proves nothing, so the slices stay within 1/N for the whole TTL.
+            self._rebuild_until = now + self.config.lease_ttl_s
+            self._rebuild_n = _NEVER
         rebuilding = now < self._rebuild_until and result.processes < self._rebuild_n
         n = max(self._rebuild_n, 1)
         for d in demands:

@@ -39,7 +39,7 @@ class Node:
 
 
 def config(
-    redis_url: str, prefix: str, replicas: list[dict[str, Any]], **state: Any
+    redis_url: str | None, prefix: str, replicas: list[dict[str, Any]], **state: Any
 ) -> dict[str, Any]:
     return {
         "listen": {"host": "127.0.0.1", "port": 0},

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -25,8 +25,14 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server this test owns: started on a port, stopped and restarted by PID."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, args: Sequence[str] = (), conf: Path | None = None
+    ) -> None:
+        """`args`: more options (``--replicaof``); `conf`: a config file to start from (a
+        sentinel's, which it rewrites as it learns)."""
         self.port = port or free_port()
+        self.args = list(args)
+        self.conf = conf
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -39,6 +45,7 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [
                 exe,
+                *([str(self.conf)] if self.conf else []),
                 "--port",
                 str(self.port),
                 "--bind",
@@ -47,6 +54,7 @@ class RedisServer:
                 "",
                 "--appendonly",
                 "no",
+                *self.args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -58,6 +66,13 @@ class RedisServer:
                     return
             time.sleep(0.05)
         raise RuntimeError(f"redis-server did not listen on {self.port}")
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing flushed or handed over."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.proc = None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -51,3 +51,30 @@ def test_environment_overrides_and_the_password_stays_out_of_repr() -> None:
     assert c.state.redis_url == "rediss://prod.example:6380/1"
     assert c.state.redis_password == "s3cret-pass"
     assert "s3cret-pass" not in repr(c.state) and "s3cret-pass" not in repr(c)
+
+
+SENTINEL = {"addresses": ["10.0.0.1:26379", "sentinel-2:26379"], "master": "kvgate"}
+
+
+def test_a_sentinel_stands_for_the_url_and_takes_its_password_from_the_environment() -> None:
+    state = {"backend": "redis", "redis_sentinel": SENTINEL}
+    env = {"KVGATE_REDIS_SENTINEL_PASSWORD": "s3", "KVGATE_REDIS_PASSWORD": "p4"}
+    c = config_from_mapping({"state": state}, env=env).state
+    assert c.redis_url is None and c.redis_sentinel is not None
+    assert c.redis_sentinel.master == "kvgate" and c.redis_sentinel.db == 0
+    assert (c.redis_sentinel.password, c.redis_password) == ("s3", "p4")
+    assert "s3" not in repr(c)
+
+
+@pytest.mark.parametrize(
+    "state,error",
+    [
+        ({"redis_url": "redis://r:6379/0", "redis_sentinel": SENTINEL}, "not both"),
+        ({"redis_sentinel": {**SENTINEL, "addresses": []}}, "redis_sentinel.addresses"),
+        ({"redis_sentinel": {**SENTINEL, "addresses": ["no-port"]}}, "redis_sentinel.addresses"),
+        ({"redis_sentinel": {"addresses": SENTINEL["addresses"]}}, "redis_sentinel.master"),
+    ],
+)
+def test_a_sentinel_configuration_is_checked(state: dict, error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        config_from_mapping({"state": {"backend": "redis", **state}}, env={})

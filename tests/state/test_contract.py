@@ -279,3 +279,13 @@ async def test_a_stored_response_is_shared_until_it_expires(rig: Rig) -> None:
     await rig.advance(TTL + 0.05)
     assert await b.response("resp_1") is None
     assert await b.response("resp_2") == ("r3", 5)
+
+
+async def test_a_renewal_says_whether_the_backend_still_knew_its_holder(rig: Rig) -> None:
+    b = rig.backend
+    assert not (await b.renew("a", req(1000, 300), TTL)).known  # a first renewal
+    assert (await b.renew("a", req(1000, 300), TTL)).known
+    await rig.advance(TTL * 1.5)  # its heartbeat lapsed: the backend may have lost it
+    assert not (await b.renew("a", req(1000, 300), TTL)).known
+    await b.release("a")
+    assert not (await b.renew("a", req(1000, 300), TTL)).known  # released: forgotten

@@ -593,3 +593,41 @@ async def test_a_restarted_redis_costs_no_failed_renewal(prefix: str) -> None:
     finally:
         await backend.close()
         server.stop()
+
+
+async def test_a_redis_that_restarted_between_two_renewals_is_rebuilt_within_one_nth(
+    prefix: str,
+) -> None:
+    """No renewal failed, so nothing said 'outage': the first process back on the empty
+    Redis saw no other holder and took the whole pool while p0 still ran 350 of it."""
+    server = RedisServer()
+    server.start()
+    try:
+        backends = [RedisBackend(server.url, prefix=prefix, timeout_s=0.3) for _ in range(3)]
+        cs = [ctrl() for _ in range(3)]
+        syncs = [sync(b, c, f"p{i}") for i, (b, c) in enumerate(zip(backends, cs, strict=True))]
+        for _ in range(2):
+            for s in syncs:
+                await s.renew()
+        assert isinstance(syncs[0].door.submit(request("busy", 150, 150), 0.0), Admit)
+        more = await queue(syncs[0], request("more", 200, 200))
+        for _ in range(2):
+            for s in syncs:
+                await s.renew()
+        assert isinstance((await more)[0], Admit)
+        server.stop()
+        server.start()  # empty, and back before any renewal noticed
+        for s in reversed(syncs):  # the idle ones first
+            await s.renew()
+        assert all(s.up and s.errors == 0 for s in syncs)
+        got = shares(*cs)
+        assert all(g is not None and g <= POOL // 3 for g in got), got
+        assert cs[0].report.reserved_tokens("r1") + sum(g or 0 for g in got[1:]) <= POOL
+        held = await backends[1].holders("pool:r1")
+        assert sorted(held) == ["p0", "p1", "p2"]
+        for rid in ("busy", "more"):
+            syncs[0].door.release(rid)
+        for b in backends:
+            await b.close()
+    finally:
+        server.stop()
