@@ -34,7 +34,10 @@ class Sentinels:
 
     def __init__(self, folder: Path) -> None:
         self.primary = RedisServer()
-        self.replica = RedisServer(args=["--replicaof", "127.0.0.1", str(self.primary.port)])
+        # A replica's full sync goes through an RDB file in its --dir: the test's folder.
+        self.replica = RedisServer(
+            args=["--replicaof", "127.0.0.1", str(self.primary.port), "--dir", str(folder)]
+        )
         self.sentinels = []
         for i in range(3):
             conf = folder / f"sentinel{i}.conf"  # a sentinel rewrites its file as it learns
