@@ -232,6 +232,8 @@ class StateConfig(_Strict):
 
     backend: Literal["memory", "redis"] = "memory"
     redis_url: Annotated[str, Field(pattern=r"^(redis|rediss|unix)://")] | None = None
+    # A Redis Cluster: ``redis_url`` names one of its nodes (a prefix's keys share a slot).
+    redis_cluster: bool = False
     # Or a primary that Redis Sentinel fails over, instead of ``redis_url``.
     redis_sentinel: SentinelConfig | None = None
     # Set from KVGATE_REDIS_PASSWORD; a password in the URL works too but lands in files.
@@ -252,6 +254,8 @@ class StateConfig(_Strict):
             )
         if self.redis_url and self.redis_sentinel:
             raise ValueError("redis_sentinel: give it or redis_url, not both")
+        if self.redis_cluster and not self.redis_url:
+            raise ValueError("redis_cluster: needs redis_url, one node of the cluster")
         if self.renew_interval_s * 2 > self.lease_ttl_s:
             raise ValueError(
                 f"renew_interval_s: {self.renew_interval_s} must be at most half of "

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
@@ -65,11 +66,13 @@ class RedisBackend(StateBackend):
         url: str | None = None,
         *,
         sentinel: SentinelConfig | None = None,
+        cluster: bool = False,
         password: str | None = None,
         prefix: str = "kvgate",
         timeout_s: float = 1.0,
     ) -> None:
-        """One Redis at `url`, or the primary that `sentinel`'s sentinels name."""
+        """One Redis at `url`, a Redis Cluster that `url` is a node of (`cluster`), or the
+        primary that `sentinel`'s sentinels name."""
         self.prefix = prefix
         self._tag = "{" + prefix + "}"
         self._sentinel_pool: SentinelConnectionPool | None = None
@@ -96,6 +99,11 @@ class RedisBackend(StateBackend):
             )
             self._r = sentinels.master_for(sentinel.master, db=sentinel.db, **options)
             self._sentinel_pool = cast(SentinelConnectionPool, self._r.connection_pool)
+        elif cluster:
+            # Asks the node for the slot map and sends each command to its slot's node:
+            # a prefix's keys share one hash tag, so a script's keys are on one node.
+            assert url is not None, "a node of the cluster"
+            self._r = RedisCluster.from_url(url, **options)
         else:
             assert url is not None, "a Redis URL or a sentinel configuration"
             self._r = aioredis.from_url(url, **options)

@@ -137,6 +137,7 @@ def make_backend(config: StateConfig) -> StateBackend | None:
     return RedisBackend(
         config.redis_url,
         sentinel=config.redis_sentinel,
+        cluster=config.redis_cluster,
         password=config.redis_password,
         prefix=config.key_prefix,
         timeout_s=config.timeout_s,

@@ -116,3 +116,60 @@ def prefix() -> str:
 
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+class RedisClusterOfThree:
+    """Three redis-server nodes in cluster mode, their slots split by ``redis-cli --cluster
+    create``; stopped by PID."""
+
+    def __init__(self, folder: Path) -> None:
+        self.nodes = [
+            RedisServer(
+                args=["--cluster-enabled", "yes", "--dir", str(folder)]
+                + ["--cluster-config-file", f"nodes-{i}.conf", "--cluster-node-timeout", "2000"]
+            )
+            for i in range(3)
+        ]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self) -> None:
+        cli = shutil.which("redis-cli")
+        assert cli, "redis-cli is required (scripts/test.sh installs it)"
+        for n in self.nodes:
+            n.start()
+        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            info = subprocess.run(
+                [cli, "-p", str(self.nodes[0].port), "cluster", "info"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout
+            if "cluster_state:ok" in info:
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterOfThree]:
+    cluster = RedisClusterOfThree(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -73,6 +73,7 @@ def test_a_sentinel_stands_for_the_url_and_takes_its_password_from_the_environme
         ({"redis_sentinel": {**SENTINEL, "addresses": []}}, "redis_sentinel.addresses"),
         ({"redis_sentinel": {**SENTINEL, "addresses": ["no-port"]}}, "redis_sentinel.addresses"),
         ({"redis_sentinel": {"addresses": SENTINEL["addresses"]}}, "redis_sentinel.master"),
+        ({"redis_sentinel": SENTINEL, "redis_cluster": True}, "redis_cluster: needs redis_url"),
     ],
 )
 def test_a_sentinel_configuration_is_checked(state: dict, error: str) -> None:

@@ -1,5 +1,6 @@
 """One contract, two backends: the lease arithmetic, TTL expiry, release, heartbeats and
-shared limits behave the same on `MemoryBackend` and on a real Redis (`RedisBackend`).
+shared limits behave the same on `MemoryBackend`, on a real Redis (`RedisBackend`) and on
+a real Redis Cluster of three nodes.
 
 Expiry is driven by each backend's clock: the memory backend's is advanced by hand, the
 Redis server's is real, so the Redis runs use a short TTL and wait for the condition."""
@@ -9,8 +10,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
+import redis
 
 from admission.lease import grant
 from gateway.state import LeaseRequest, MemoryBackend, StateBackend, StateUnavailable
@@ -23,7 +26,7 @@ class Rig:
     advance: Callable[[float], Awaitable[None]]  # let at least this much backend time pass
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def rig(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Rig]:
     if request.param == "memory":
         clock = [1000.0]
@@ -33,8 +36,11 @@ async def rig(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Rig]
 
         yield Rig(MemoryBackend(clock=lambda: clock[0]), advance_mem)
         return
-    url = request.getfixturevalue("redis_url")
-    backend = RedisBackend(url, prefix=prefix)
+    if request.param == "cluster":  # three nodes; the prefix's slot on any of them
+        url = request.getfixturevalue("redis_cluster").url
+        backend = RedisBackend(url, cluster=True, prefix=prefix)
+    else:
+        backend = RedisBackend(request.getfixturevalue("redis_url"), prefix=prefix)
 
     async def advance_real(s: float) -> None:
         await asyncio.sleep(s)
@@ -289,3 +295,30 @@ async def test_a_renewal_says_whether_the_backend_still_knew_its_holder(rig: Rig
     assert not (await b.renew("a", req(1000, 300), TTL)).known
     await b.release("a")
     assert not (await b.renew("a", req(1000, 300), TTL)).known  # released: forgotten
+
+
+async def test_a_cluster_node_sends_each_prefix_to_its_slots_node(redis_cluster: Any) -> None:
+    # A prefix whose hash slot lives on another node than the one kvgate is given: that
+    # node answers its keys with MOVED, and the backend follows.
+    given = redis.Redis(port=redis_cluster.nodes[0].port)
+    try:
+        for i in range(100):
+            prefix = f"kvgate-slot-{i}"
+            try:
+                given.get("{" + prefix + "}:probe")
+            except redis.exceptions.ResponseError as e:
+                assert str(e).startswith("MOVED") or type(e).__name__ == "MovedError"
+                break
+        else:
+            raise AssertionError("every prefix's slot on the given node")
+    finally:
+        given.close()
+    b = RedisBackend(redis_cluster.url, cluster=True, prefix=prefix)
+    try:
+        r = await b.renew("a", req(1000, 300), 10)
+        assert r.leases[0].granted == 1000 and not r.known
+        assert set(await b.holders("pool:r0")) == {"a"}
+        await b.release("a")
+        assert await b.holders("pool:r0") == {}
+    finally:
+        await b.close()
