@@ -96,7 +96,9 @@ class DrainMeter:
         if clock <= 0.0:
             return 0.0, 0.0
         decay = math.exp(-(clock - self._clock_at_acc) / self._tau)
-        window = self._tau * (1.0 - math.exp(-clock / self._tau))
+        # expm1: 1 - exp(-x) rounds to 0 for a busy clock of a few femtoseconds (two loop
+        # times a float's last bit apart), and the rates divided by zero.
+        window = -self._tau * math.expm1(-clock / self._tau)
         tokens, reqs = self._tokens * decay / window, self._reqs * decay / window
         if self._hold is not None and running > 0:
             hold = max(self._hold, running * (now - self._released_at))

@@ -6,6 +6,8 @@ then seed 001's card and the real vLLM's shape in virtual time (bench/vtime.py).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from admission.learned.drain import DrainMeter
@@ -133,3 +135,13 @@ def test_the_sdk_at_32_with_a_timeout_under_a_second_completes_every_request(
     )
     assert report.completed == len(items), (report.timed_out, report.failed)
     assert report.wall_s * speedup <= 1.15 * best
+
+
+def test_a_busy_time_of_a_floats_last_bit_has_a_rate_not_a_division_by_zero() -> None:
+    # Two loop times a float's last bit apart: the busy clock is femtoseconds, and
+    # 1 - exp(-clock / tau) rounded to 0 (a fleet in virtual time crashed on it).
+    meter = DrainMeter(20.0)
+    meter.set_busy(True, 1.0)
+    meter.record(200, 1.0, held_s=2.0)
+    tokens, reqs = meter.rates(1.0000000000000002)
+    assert tokens > 0 and reqs > 0 and math.isfinite(tokens)
