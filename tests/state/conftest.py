@@ -127,6 +127,9 @@ class RedisClusterOfThree:
             RedisServer(
                 args=["--cluster-enabled", "yes", "--dir", str(folder)]
                 + ["--cluster-config-file", f"nodes-{i}.conf", "--cluster-node-timeout", "2000"]
+                # The bus port: by default the port + 10,000, past 65,535 for a free port
+                # drawn from the top of the ephemeral range.
+                + ["--cluster-port", str(free_port())]
             )
             for i in range(3)
         ]
