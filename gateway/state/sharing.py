@@ -164,7 +164,10 @@ class StateSync:
         workers_hint: int = 1,
         tenants: TenantLimiter | None = None,
         set_tenant_share: Callable[[str, float, float], None] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
+        """`loop`: the one whose clock it reads (virtual time passes its own:
+        bench/fleet_vt.py); else the running loop."""
         self.config = config
         self.tenants = tenants
         # Applies a tenant fraction (GatewayState.set_tenant_share: the limiter, then a
@@ -185,7 +188,7 @@ class StateSync:
         self._patience = PatienceSync(backend, door)  # client patience
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop or asyncio.get_running_loop()
         self._last = -math.inf
         # After an outage: until when (and until how many processes re-registered) the
         # slices stay within the fail-open 1/N (module docstring, Reconnect).
@@ -243,14 +246,24 @@ class StateSync:
             outcome=shed("state_unavailable"),
         )
 
+    @property
+    def tick_s(self) -> float:
+        """How often the loop asks `renewal_due`."""
+        return min(self.config.renew_interval_s, _DEMAND_CHECK_S)
+
+    def renewal_due(self, now: float) -> bool | None:
+        """Whether to renew at `now`: None, not yet; True, the interval's round (client
+        patience too); False, a round that requests queued behind a slice bring early."""
+        due = now - self._last >= self.config.renew_interval_s
+        if due or (self.report.queue_depth() > 0 and now - self._last >= _DEMAND_CHECK_S):
+            return due
+        return None
+
     async def _run(self) -> None:
-        interval = self.config.renew_interval_s
         while not self._stopped:
-            await asyncio.sleep(min(interval, _DEMAND_CHECK_S))
-            now = self._loop.time()
-            queued = self.report.queue_depth() > 0
-            due = now - self._last >= interval
-            if due or (queued and now - self._last >= _DEMAND_CHECK_S):
+            await asyncio.sleep(self.tick_s)
+            due = self.renewal_due(self._loop.time())
+            if due is not None:
                 try:
                     await self.renew(patience=due)
                 except Exception:  # a bug here must not stop the leases for good
