@@ -30,12 +30,13 @@ that no longer meet them, holds overdue) and the settling they and time allow;
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from admission.config import AdmissionConfig
 from admission.learned.patience import Budget, ClientEnd, ClientPatience
 from admission.learning import Learning
+from admission.lease import PoolShare
 from admission.ledger import Ledger, Reservation
 from admission.placement import Placement
 from admission.refusals import refuse_or_clamp, unknown_model
@@ -190,22 +191,31 @@ class AdmissionController:
         others_running: int = 0,
         others_tokens: int = 0,
     ) -> Events:
-        """Cap `replica`'s effective pool at the `tokens` this process leased (None: no
+        """One replica's share (`set_pool_shares`)."""
+        share = PoolShare(replica, tokens, running, others_running, others_tokens)
+        return self.set_pool_shares([share], now)
+
+    def set_pool_shares(self, shares: Sequence[PoolShare], now: float) -> Events:
+        """Cap each replica's effective pool at the `tokens` this process leased (None: no
         cap) and its running limit at `running` (None: no cap), when several gateway
-        processes share the replica (gateway/state). `others_running` and `others_tokens`
+        processes share the replicas (gateway/state). `others_running` and `others_tokens`
         are what the other processes hold there, so the learned limit judges the
-        replica's whole load and the pool check its whole KV. Reservations above a shrunk share stay until released; nothing more is
-        admitted there meanwhile. Returns requests admitted because the share grew."""
+        replica's whole load and the pool check its whole KV. Reservations above a shrunk
+        share stay until released; nothing more is admitted there meanwhile. The queue
+        settles once, after all of them (a renewal's shares arrive together: settling
+        after each placed the queue once per replica). Returns requests admitted because
+        a share grew."""
         self._saw(now)
-        rep = self._ledger.replicas.get(replica)
-        if rep is None:
-            return []
-        rep.share_tokens = None if tokens is None else max(0, tokens)
-        rep.share_running = None if running is None else max(0, running)
-        rep.others_reserved = max(0, others_tokens)
-        if rep.limit is not None:
-            rep.limit.others = max(0, others_running)
-        self._views.replica_changed(rep)  # its free room and headroom moved: orders follow
+        for share in shares:
+            rep = self._ledger.replicas.get(share.replica)
+            if rep is None:
+                continue
+            rep.share_tokens = None if share.tokens is None else max(0, share.tokens)
+            rep.share_running = None if share.running is None else max(0, share.running)
+            rep.others_reserved = max(0, share.others_tokens)
+            if rep.limit is not None:
+                rep.limit.others = max(0, share.others_running)
+            self._views.replica_changed(rep)  # its free room and headroom moved
         return self._settle(now)
 
     def adopt_limit(self, replica: str, value: float, reason: str, now: float) -> Events:

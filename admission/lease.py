@@ -60,6 +60,18 @@ class RenewResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolShare:
+    """What this process may hold of a replica when several share it: `tokens` of its
+    pool and `running` requests (None: no cap), and what the others hold there."""
+
+    replica: str
+    tokens: int | None
+    running: int | None = None
+    others_running: int = 0
+    others_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class HolderRecord:
     granted: int
     want: int

@@ -21,12 +21,13 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.learned.limitlog import LimitHistory
 from admission.learned.patience import Budget, ClientEnd
+from admission.lease import PoolShare
 from admission.report import AdmissionReport
 from admission.retries import RetryIdentity
 from admission.settling import TenantLimits
@@ -277,26 +278,9 @@ class AdmissionDoor:
     def set_ejected(self, name: str, ejected: bool, now: float | None = None) -> None:
         self._resolve(self._controller.set_ejected(name, ejected, self._time(now)))
 
-    def set_pool_share(
-        self,
-        replica: str,
-        tokens: int | None,
-        now: float | None = None,
-        *,
-        running: int | None = None,
-        others_running: int = 0,
-        others_tokens: int = 0,
-    ) -> None:
-        self._resolve(
-            self._controller.set_pool_share(
-                replica,
-                tokens,
-                self._time(now),
-                running=running,
-                others_running=others_running,
-                others_tokens=others_tokens,
-            )
-        )
+    def set_pool_shares(self, shares: Sequence[PoolShare], now: float | None = None) -> None:
+        """This process's leased shares of the replicas (`AdmissionController.set_pool_shares`)."""
+        self._resolve(self._controller.set_pool_shares(shares, self._time(now)))
 
     def adopt_limit(
         self, replica: str, value: float, reason: str, now: float | None = None

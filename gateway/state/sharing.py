@@ -3,7 +3,7 @@
 Several gateway processes (``--workers N``, or several hosts on one Redis) front the
 same replicas. Each holds a lease on a slice of every replica's effective KV pool and of
 its running limit, and the admission controller admits from the slice
-(`AdmissionController.set_pool_share`): the request path never waits on Redis.
+(`AdmissionController.set_pool_shares`): the request path never waits on Redis.
 
 Renewal
     Every ``renew_interval_s``, and within 50 ms when requests queue here (demand this
@@ -76,6 +76,7 @@ import os
 import socket
 from collections.abc import Callable
 
+from admission.lease import PoolShare
 from admission.report import PoolDemand
 from admission.tenants import Gcra, TenantLimiter, TenantState
 from gateway.config import StateConfig
@@ -361,6 +362,7 @@ class StateSync:
             self._rebuild_n = _NEVER
         rebuilding = now < self._rebuild_until and result.processes < self._rebuild_n
         n = max(self._rebuild_n, 1)
+        shares: list[PoolShare] = []
         for d in demands:
             pool = leases.get(f"pool:{d.replica}")
             run = leases.get(f"run:{d.replica}")
@@ -375,14 +377,16 @@ class StateSync:
                 if running is not None and d.running_limit is not None:
                     running = min(running, max(1, d.running_limit // n))
             self._granted[d.replica] = (tokens, running)
-            self.door.set_pool_share(
-                d.replica,
-                tokens,
-                now,
-                running=running,
-                others_running=run.others_used if run is not None else 0,
-                others_tokens=pool.others_used if pool is not None else 0,
+            shares.append(
+                PoolShare(
+                    d.replica,
+                    tokens,
+                    running,
+                    others_running=run.others_used if run is not None else 0,
+                    others_tokens=pool.others_used if pool is not None else 0,
+                )
             )
+        self.door.set_pool_shares(shares, now)
         for st in tenants:
             for kind, g in (("requests", st.rpm), ("tokens", st.tpm)):
                 if g is not None and (spent_lease := leases.get(f"spent:{st.name}:{kind}")):
@@ -467,6 +471,7 @@ class StateSync:
             )
         if policy != "fail-open":
             return
+        shares: list[PoolShare] = []
         for d in self._demands():
             tokens, run = self._granted.get(d.replica, (None, None))
             pool = d.effective // n
@@ -482,7 +487,8 @@ class StateSync:
                 # it reported, and may have granted the rest of the slice to the others.
                 pool = min(pool, low[0])
                 running = None if running is None else min(running, low[1])
-            self.door.set_pool_share(d.replica, pool, now, running=running)
+            shares.append(PoolShare(d.replica, pool, running))
+        self.door.set_pool_shares(shares, now)
         for st in self._tenant_states():
             fraction = 1.0 / n
             if self._ever_up:
