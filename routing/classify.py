@@ -30,6 +30,9 @@ AGENTIC_TURNS = 8
 CODE_SIGNALS_NEEDED = 2
 SCAN_CHARS = 8192
 
+# The last alternative, a line ending in ``;`` or ``{``, is ``.*[;{]\s*$`` (the same
+# matches, in the same order of preference) with each run between those characters taken
+# whole: ``.*`` backtracked over every character of every line, most of the scan's cost.
 _CODE_LINE = re.compile(
     r"""^[ \t]*(?:
         def\ \w+\s*\( | class\ \w+[\s:(] | (?:from\ [\w.]+\ )?import\ [\w.]+ |
@@ -38,7 +41,7 @@ _CODE_LINE = re.compile(
         fn\ \w+\s*[(<] | func\ \w+\s*\( | package\ \w+ | \#!/ |
         (?:SELECT|INSERT|UPDATE|DELETE)\ .+\ (?:FROM|INTO|SET)\ |
         Traceback\ \(most\ recent\ call\ last\) | at\ [\w.$]+\([\w.]+:\d+\) |
-        .*[;{]\s*$
+        (?:[^\n;{]*+[;{])+\s*$
     )""",
     re.VERBOSE | re.MULTILINE,
 )

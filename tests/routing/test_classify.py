@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import re
 
-from routing.classify import classify_workload, looks_like_code
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from routing.classify import _CODE_LINE, classify_workload, looks_like_code
 
 
 @pytest.mark.parametrize("header", ["coding", "AGENTIC", " chat "])
@@ -53,3 +57,19 @@ def test_tenant_default_between_header_and_heuristic() -> None:
     # An unknown or missing default falls through to the heuristic.
     assert classify_workload(None, code, tenant_default="batch") == "coding"
     assert classify_workload("nonsense", code, tenant_default=None) == "coding"
+
+
+# The line-ending alternative as first written; the compiled one takes each run between
+# ``;``/``{`` whole (possessive) for speed and must find exactly the same matches.
+_BACKTRACKING = _CODE_LINE.pattern.replace(r"(?:[^\n;{]*+[;{])+\s*$", r".*[;{]\s*$")
+_PIECES = [";", "{", "}", "\n", " ", "\t", "\r", "\x0b", "\u2028", "x", "(", ":", "=", "```"]
+_PIECES += ["def f(", "class A:", "import os", "#include <x>", "let b=", "SELECT a FROM b "]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=40).map("".join))
+def test_code_lines_match_as_the_backtracking_pattern_does(text: str) -> None:
+    reference = re.compile(_BACKTRACKING, re.VERBOSE | re.MULTILINE)
+    assert _BACKTRACKING != _CODE_LINE.pattern
+    spans = [m.span() for m in _CODE_LINE.finditer(text)]
+    assert spans == [m.span() for m in reference.finditer(text)]
