@@ -331,6 +331,8 @@ def run_cell(
             _, _, w, rid, attempt = heapq.heappop(retries)
             send(w, f"{rid}.{attempt}", attempt)
             continue
+        if i >= len(work) or nxt != work[i].at:
+            continue  # a queued request's deadline: the doors' expiries above were it
         w = work[i]
         i += 1
         send(w, f"q{i}")
