@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import pytest
@@ -259,3 +259,20 @@ async def lease_records(redis_url: str, prefix: str, resource: str) -> dict[str,
         return await b.holders(resource)
     finally:
         await b.close()
+
+
+class Sampler:
+    """A background task sampling something until the ``with`` block ends (`_run`)."""
+
+    _task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()

@@ -34,6 +34,7 @@ from tests.state.cluster import (
     Load,
     Node,
     RpmPress,
+    Sampler,
     admin_state,
     all_see,
     child_env,
@@ -71,7 +72,7 @@ async def nodes() -> AsyncIterator[list[Node]]:
     await asyncio.gather(*(stop(n) for n in made))
 
 
-class Watch:
+class Watch(Sampler):
     """Samples the engine and the lease records until stopped; records the worst seen."""
 
     def __init__(self, srv: Any, backend: RedisBackend | None) -> None:
@@ -81,7 +82,6 @@ class Watch:
         self.max_pool_held = 0
         self.max_run_held = 0
         self.samples = 0
-        self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
         from gateway.state import StateUnavailable
@@ -102,14 +102,6 @@ class Watch:
                     )
             self.samples += 1
             await asyncio.sleep(0.005)
-
-    def __enter__(self) -> Watch:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
 
 
 async def settled(s: aiohttp.ClientSession, nodes: list[Node], srv: Any) -> None:

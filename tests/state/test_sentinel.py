@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from gateway.state.redis import RedisBackend
 from tests.gateway.conftest import wait_for
-from tests.state.cluster import Load, Node, admin_state, config, start_all
+from tests.state.cluster import Load, Node, Sampler, admin_state, config, start_all
 from tests.state.conftest import RedisServer
 from tests.state.test_processes import CAP, EFFECTIVE, Watch, nodes, replica, replicas, settled
 
@@ -99,14 +99,13 @@ class Sentinels:
             s.stop()
 
 
-class Reserved:
+class Reserved(Sampler):
     """Samples what the processes hold reserved on r0, summed, until stopped."""
 
     def __init__(self, s: aiohttp.ClientSession, nodes: list[Node]) -> None:
         self.s, self.nodes = s, nodes
         self.max_sum = 0
         self.samples = 0
-        self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
         while True:
@@ -115,14 +114,6 @@ class Reserved:
             self.max_sum = max(self.max_sum, held)
             self.samples += 1
             await asyncio.sleep(0.01)
-
-    def __enter__(self) -> Reserved:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
 
 
 @pytest.fixture

@@ -200,24 +200,32 @@ async def test_learned_patience_is_shared_and_outlives_the_process(
     assert (seen.patience_s, seen.shared, seen.observed) == (None, False, 10)
 
 
+async def three_with_one_busy(
+    server: RedisServer, prefix: str
+) -> tuple[list[RedisBackend], list[AdmissionController], list[StateSync]]:
+    """Three processes on `server`'s Redis, p0 running 350 of the pool (two requests, the
+    second admitted once a renewal grew its slice)."""
+    backends = [RedisBackend(server.url, prefix=prefix, timeout_s=0.3) for _ in range(3)]
+    cs = [ctrl() for _ in range(3)]
+    syncs = [sync(b, c, f"p{i}") for i, (b, c) in enumerate(zip(backends, cs, strict=True))]
+    for _ in range(2):
+        for s in syncs:
+            await s.renew()
+    assert all(s.up and s.processes == 3 for s in syncs)
+    assert isinstance(syncs[0].door.submit(request("busy", 150, 150), 0.0), Admit)
+    more = await queue(syncs[0], request("more", 200, 200))
+    for _ in range(2):
+        for s in syncs:
+            await s.renew()
+    assert isinstance((await more)[0], Admit)
+    return backends, cs, syncs
+
+
 async def test_fail_open_cuts_each_slice_to_one_nth(prefix: str) -> None:
     server = RedisServer()
     server.start()
     try:
-        backends = [RedisBackend(server.url, prefix=prefix, timeout_s=0.3) for _ in range(3)]
-        cs = [ctrl() for _ in range(3)]
-        syncs = [sync(b, c, f"p{i}") for i, (b, c) in enumerate(zip(backends, cs, strict=True))]
-        for _ in range(2):
-            for s in syncs:
-                await s.renew()
-        assert all(s.up and s.processes == 3 for s in syncs)
-        # p0 is busy and holds most of the pool.
-        assert isinstance(syncs[0].door.submit(request("busy", 150, 150), 0.0), Admit)
-        more = await queue(syncs[0], request("more", 200, 200))
-        for _ in range(2):
-            for s in syncs:
-                await s.renew()
-        assert isinstance((await more)[0], Admit)
+        backends, cs, syncs = await three_with_one_busy(server, prefix)  # p0 holds most
         server.stop()
         for s in syncs:
             await s.renew()
@@ -603,18 +611,7 @@ async def test_a_redis_that_restarted_between_two_renewals_is_rebuilt_within_one
     server = RedisServer()
     server.start()
     try:
-        backends = [RedisBackend(server.url, prefix=prefix, timeout_s=0.3) for _ in range(3)]
-        cs = [ctrl() for _ in range(3)]
-        syncs = [sync(b, c, f"p{i}") for i, (b, c) in enumerate(zip(backends, cs, strict=True))]
-        for _ in range(2):
-            for s in syncs:
-                await s.renew()
-        assert isinstance(syncs[0].door.submit(request("busy", 150, 150), 0.0), Admit)
-        more = await queue(syncs[0], request("more", 200, 200))
-        for _ in range(2):
-            for s in syncs:
-                await s.renew()
-        assert isinstance((await more)[0], Admit)
+        backends, cs, syncs = await three_with_one_busy(server, prefix)
         server.stop()
         server.start()  # empty, and back before any renewal noticed
         for s in reversed(syncs):  # the idle ones first
