@@ -41,6 +41,7 @@ class PoolDemand:
     running_limit: int | None  # the learned limit within the cap (None: unbounded)
     share_tokens: int | None
     share_running: int | None
+    models: tuple[str, ...] = ()
 
 
 class AdmissionReport:
@@ -188,6 +189,7 @@ class AdmissionReport:
             running_limit=limit,
             share_tokens=rep.share_tokens,
             share_running=rep.share_running,
+            models=tuple(sorted(rep.models)),
         )
 
     def fit_limits(self, model: str) -> tuple[FitLimits, ...]:
@@ -256,6 +258,10 @@ class AdmissionReport:
         return out
 
     # ------------------------------------------------------------------ queue
+    def queued_tokens(self, model: str) -> int:
+        """What the requests queued for `model` need, in tokens."""
+        return self._queue.tokens.get(model, 0)
+
     def queue_depth(self, model: str | None = None) -> int:
         if model is not None:
             return self._queue.per_model.get(model, 0)

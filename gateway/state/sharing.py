@@ -74,6 +74,7 @@ import logging
 import math
 import os
 import socket
+import zlib
 from collections.abc import Callable
 
 from admission.lease import PoolShare
@@ -201,6 +202,7 @@ class StateSync:
         self._ok_sent_at = -math.inf
         self._reported: dict[str, tuple[int, int]] = {}
         self._granted: dict[str, tuple[int | None, int | None]] = {}  # the last good slices
+        self._others_used: dict[str, int] = {}  # per replica, the others' use last seen
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -279,6 +281,31 @@ class StateSync:
                 out.append(d)
         return out
 
+    def _asks(self, demands: list[PoolDemand]) -> dict[str, int]:
+        """How much of its queue this process asks of each replica, beyond what it holds.
+
+        Asking every replica for the whole queue made every process with a queue want
+        every pool whole: the pools were split evenly among them, in slices smaller than
+        the requests once there were ten (bench/fleet_vt.py). The queue is spread instead,
+        each model's over its replicas in an order of this process's own (so processes
+        ask different replicas first): first within the room the last renewal showed
+        free, then, for what is left, up to each pool (a claim on a fair share of a busy
+        replica, so a process behind a busy one still gets its turn)."""
+        left = {m: self.report.queued_tokens(m) for d in demands for m in d.models}
+        asks = {d.replica: 0 for d in demands}
+        order = sorted(demands, key=lambda d: zlib.crc32(f"{self.holder}/{d.replica}".encode()))
+        for free_only in (True, False):
+            for d in order:
+                room = d.effective - d.reserved - asks[d.replica]
+                if free_only:
+                    room -= self._others_used.get(d.replica, 0)
+                for m in d.models:
+                    take = min(left[m], max(0, room))
+                    asks[d.replica] += take
+                    left[m] -= take
+                    room -= take
+        return asks
+
     async def renew(self, patience: bool = True) -> None:
         """One round; `patience`: client patience too (the interval's rounds, not the ones
         demand brings between them)."""
@@ -291,11 +318,12 @@ class StateSync:
             if patience:
                 await self._patience.sync(sent_at)
             demands = self._demands()
+            asks = self._asks(demands)
             requests: list[LeaseRequest] = []
             for d in demands:
                 requests.append(
                     LeaseRequest(
-                        f"pool:{d.replica}", d.effective, d.reserved + d.queued_tokens, d.reserved
+                        f"pool:{d.replica}", d.effective, d.reserved + asks[d.replica], d.reserved
                     )
                 )
                 if d.running_limit is not None:
@@ -366,6 +394,8 @@ class StateSync:
         for d in demands:
             pool = leases.get(f"pool:{d.replica}")
             run = leases.get(f"run:{d.replica}")
+            if pool is not None:
+                self._others_used[d.replica] = pool.others_used
             tokens = pool.granted if pool is not None else None
             running = run.granted if run is not None else None
             if run is not None and run.holders == 1 and not rebuilding:

@@ -628,3 +628,32 @@ async def test_a_redis_that_restarted_between_two_renewals_is_rebuilt_within_one
             await b.close()
     finally:
         server.stop()
+
+
+async def test_queues_are_asked_of_some_replicas_not_split_over_all() -> None:
+    """Four processes, eight replicas of 1,000 tokens, one request of 400 queued in each.
+    Each asked every replica for its whole queue: every pool went four ways, in slices of
+    250 that held no request, and nothing started (bench/fleet_vt.py at ten gateways)."""
+    backend = MemoryBackend()
+    cs = []
+    for _ in range(4):
+        c = AdmissionController(
+            AdmissionConfig(headroom=0.0, learn_limit=False), default_profile(seed=3), seed=3
+        )
+        for k in range(8):
+            c.upsert_replica(replica(f"r{k}", 1000, max_running=10), 0.0)
+        cs.append(c)
+    syncs = [sync(backend, c, f"p{i}") for i, c in enumerate(cs)]
+    for _ in range(2):  # idle: each holds a quarter of every pool
+        for s in syncs:
+            await s.renew()
+    assert shares(*cs) == [250] * 4
+    waiting = [await queue(s, request(f"q{i}", 300, 100)) for i, s in enumerate(syncs)]
+    for _ in range(3):  # the others' slices there shrink as each renews
+        for s in syncs:
+            await s.renew()
+    await asyncio.sleep(0)  # the admitted requests' handlers take their verdicts
+    verdicts = [t.result()[0] if t.done() else None for t in waiting]
+    assert all(isinstance(v, Admit) for v in verdicts), verdicts
+    for i, s in enumerate(syncs):
+        s.door.release(f"q{i}")
