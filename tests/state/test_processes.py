@@ -121,6 +121,28 @@ async def settled(s: aiohttp.ClientSession, nodes: list[Node], srv: Any) -> None
     raise AssertionError("capacity still held after the load ended")
 
 
+async def re_registered(
+    s: aiohttp.ClientSession, nodes: list[Node], redis_url: str, prefix: str
+) -> None:
+    """Every process is up again with one record of r0's pool in the Redis at
+    `redis_url` (no double counting), nothing in use, the grants within the pool."""
+    backend = RedisBackend(redis_url, prefix=prefix)
+    try:
+        for _ in range(100):
+            states = [await admin_state(s, n) for n in nodes]
+            pool = await backend.holders("pool:r0")
+            settled_pool = len(pool) == len(nodes) and all(h.used == 0 for h in pool.values())
+            if all(st["up"] for st in states) and settled_pool:
+                break
+            await asyncio.sleep(0.05)
+        assert all(st["up"] for st in states)
+        assert sorted(pool) == sorted(st["holder"] for st in states)
+        assert all(h.used == 0 for h in pool.values())
+        assert sum(h.granted for h in pool.values()) <= EFFECTIVE
+    finally:
+        await backend.close()
+
+
 async def test_three_processes_share_one_replica_within_its_pool_and_cap(
     tmp_path: Path, redis_url: str, prefix: str, replica: Any, nodes: list[Node]
 ) -> None:
@@ -233,25 +255,7 @@ async def test_redis_stopped_and_restarted_mid_load_fail_open(
         assert all(code in (200, 503) for code in load.statuses), load.statuses
         assert load.statuses.get(200, 0) >= 200
         await settled(s, nodes, replica)
-        backend = RedisBackend(own_redis.url, prefix=prefix)
-        try:
-            for _ in range(100):
-                states = [await admin_state(s, n) for n in nodes]
-                pool = await backend.holders("pool:r0")
-                if (
-                    all(st["up"] for st in states)
-                    and len(pool) == 3
-                    and all(h.used == 0 for h in pool.values())
-                ):
-                    break
-                await asyncio.sleep(0.05)
-            assert all(st["up"] for st in states)
-            # One record per process (no double counting), nothing left in use.
-            assert sorted(pool) == sorted(st["holder"] for st in states)
-            assert all(h.used == 0 for h in pool.values())
-            assert sum(h.granted for h in pool.values()) <= EFFECTIVE
-        finally:
-            await backend.close()
+        await re_registered(s, nodes, own_redis.url, prefix)
         # Each process logged the outage and the return once.
         for n in nodes:
             text = n.log.read_text()

@@ -16,11 +16,19 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.state.redis import RedisBackend
 from tests.gateway.conftest import wait_for
 from tests.state.cluster import Load, Node, Sampler, admin_state, config, start_all
 from tests.state.conftest import RedisServer
-from tests.state.test_processes import CAP, EFFECTIVE, Watch, nodes, replica, replicas, settled
+from tests.state.test_processes import (
+    CAP,
+    EFFECTIVE,
+    Watch,
+    nodes,
+    re_registered,
+    replica,
+    replicas,
+    settled,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -157,21 +165,7 @@ async def test_a_primary_killed_under_load_fails_over_and_nothing_is_lost(
         assert load.statuses.get(200, 0) >= 200
         await settled(s, nodes, replica)
         # Every process renews on the promoted primary: one record each, within the pool.
-        backend = RedisBackend(f"redis://127.0.0.1:{promoted}/0", prefix=prefix)
-        try:
-            for _ in range(100):
-                states = [await admin_state(s, n) for n in nodes]
-                pool = await backend.holders("pool:r0")
-                settled_pool = len(pool) == 3 and all(h.used == 0 for h in pool.values())
-                if all(st["up"] for st in states) and settled_pool:
-                    break
-                await asyncio.sleep(0.05)
-            assert all(st["up"] for st in states)
-            assert sorted(pool) == sorted(st["holder"] for st in states)
-            assert all(h.used == 0 for h in pool.values())
-            assert sum(h.granted for h in pool.values()) <= EFFECTIVE
-        finally:
-            await backend.close()
+        await re_registered(s, nodes, f"redis://127.0.0.1:{promoted}/0", prefix)
         for n in nodes:  # each saw the primary go, and found the new one on its own
             text = n.log.read_text()
             assert "unreachable" in text or "had lost" in text, text[-2000:]
