@@ -203,6 +203,7 @@ class StateSync:
         self._reported: dict[str, tuple[int, int]] = {}
         self._granted: dict[str, tuple[int | None, int | None]] = {}  # the last good slices
         self._others_used: dict[str, int] = {}  # per replica, the others' use last seen
+        self._ranks: dict[str, int] = {}  # per replica, its `_rank` (fixed per holder)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -281,6 +282,13 @@ class StateSync:
                 out.append(d)
         return out
 
+    def _rank(self, replica: str) -> int:
+        """`replica`'s place in this process's own order of replicas (`_asks`)."""
+        rank = self._ranks.get(replica)
+        if rank is None:
+            rank = self._ranks[replica] = zlib.crc32(f"{self.holder}/{replica}".encode())
+        return rank
+
     def _asks(self, demands: list[PoolDemand]) -> dict[str, int]:
         """How much of its queue this process asks of each replica, beyond what it holds.
 
@@ -293,7 +301,7 @@ class StateSync:
         replica, so a process behind a busy one still gets its turn)."""
         left = {m: self.report.queued_tokens(m) for d in demands for m in d.models}
         asks = {d.replica: 0 for d in demands}
-        order = sorted(demands, key=lambda d: zlib.crc32(f"{self.holder}/{d.replica}".encode()))
+        order = sorted(demands, key=lambda d: self._rank(d.replica))
         for free_only in (True, False):
             for d in order:
                 room = d.effective - d.reserved - asks[d.replica]

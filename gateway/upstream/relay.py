@@ -267,11 +267,7 @@ class Relay:
                 },
             )
         finally:
-            if up is not None:
-                if done:
-                    up.release()
-                else:
-                    up.close()
+            _hand_back(up, done)
 
     async def _stream(
         self,
@@ -338,13 +334,7 @@ class Relay:
             return await self._finish(request, ctx, s, ended, failure)
         finally:
             wd.close()
-            if s.up is not None:
-                if s.clean:
-                    s.up.release()
-                else:
-                    # Closing the connection is how an engine learns to abort the request
-                    # (vLLM and SGLang abort on client disconnect) and free its KV blocks.
-                    s.up.close()
+            _hand_back(s.up, s.clean)
 
     async def _pump(
         self,
@@ -499,3 +489,15 @@ class Relay:
         ctx.status = 200
         ctx.client_stream = resp
         return resp
+
+
+def _hand_back(up: aiohttp.ClientResponse | None, done: bool) -> None:
+    """Return an engine connection whose answer was read to its end to the pool; close
+    any other: closing is how an engine learns to abort the request (vLLM and SGLang
+    abort on client disconnect) and free its KV blocks."""
+    if up is None:
+        return
+    if done:
+        up.release()
+    else:
+        up.close()
