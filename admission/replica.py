@@ -173,6 +173,14 @@ class Replica:
             return min(self.effective, self.share_tokens) - self.reserved
         return self.effective - self.reserved
 
+    @property
+    def room_beyond_slice(self) -> int:
+        """What the whole pool has free beyond every process's holdings, when this
+        process holds a slice of it (0 otherwise)."""
+        if self.share_tokens is None:
+            return 0
+        return self.effective - self.reserved - self.others_reserved
+
     def need(self, raw_tokens: int) -> int:
         return round_up(raw_tokens, self.block_size)
 

@@ -124,7 +124,10 @@ class Shedding:
         reps = [r for r in self._views.serving(model) if r.usable]
         if not reps:
             return None
-        frees = [max(0, r.free) for r in reps]
+        # A slice of a shared pool (gateway/state) grows at the next renewal into the room
+        # the pool has beyond what every process holds: judging a wait by the slice alone
+        # shed requests the fleet had room for.
+        frees = [max(0, r.free, r.room_beyond_slice) for r in reps]
         slots: int | None = None
         allowed = [r.allowed for r in reps]
         if all(a is not None for a in allowed):

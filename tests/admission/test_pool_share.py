@@ -11,7 +11,7 @@ from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.learned.limit import LimitSettings, RunningLimit
 from admission.lease import PoolShare
-from admission.types import Admit, Queued
+from admission.types import Admit, Queued, Shed
 from routing.scheduler import default_profile
 from tests.admission.helpers import controller, replica, request
 
@@ -133,3 +133,34 @@ def test_a_renewals_shares_settle_the_queue_once(monkeypatch: pytest.MonkeyPatch
     assert settles == [1.0]
     demands = [c.report.pool_demand(f"r{k}") for k in range(50)]
     assert all(d is not None and d.share_tokens == 500 for d in demands)
+
+
+def _drained(c: AdmissionController, upto: float) -> float:
+    """Requests of 100 tokens, one every 0.1 s, each served in 0.1 s: a drain history
+    (about 1,000 tokens/s) that wait estimates divide by. Returns the time after."""
+    t = 0.0
+    k = 0
+    while t < upto:
+        assert isinstance(c.submit(request(f"d{k}", 50, 50), t).verdict, Admit)
+        c.release(f"d{k}", t + 0.1)
+        t += 0.1
+        k += 1
+    return t
+
+
+@pytest.mark.parametrize(("others", "queued"), [(300, True), (800, False)])
+def test_a_wait_counts_the_room_a_renewal_brings_into_the_slice(others: int, queued: bool) -> None:
+    """A slice grows at the next renewal into what the pool has beyond every process's
+    holdings. With that room there, a request larger than this process's full slice is
+    queued (its queue asks for the room), not shed for a deadline its slice alone could
+    not meet; with the pool held by the others, the wait is what its own drain frees,
+    and a deadline that wait misses is shed at once."""
+    c = controller()
+    c.upsert_replica(replica("r1", 1000), 0.0)
+    now = _drained(c, 2.0)
+    c.set_pool_share("r1", 200, now, others_tokens=others)
+    assert isinstance(c.submit(request("held", 100, 100), now).verdict, Admit)
+    late = c.submit(request("big", 200, 200, deadline=now + 0.1), now).verdict
+    assert isinstance(late, Queued) is queued
+    if not queued:
+        assert isinstance(late, Shed) and late.reason == "deadline"
