@@ -203,6 +203,7 @@ class StateSync:
         self._reported: dict[str, tuple[int, int]] = {}
         self._granted: dict[str, tuple[int | None, int | None]] = {}  # the last good slices
         self._others_used: dict[str, int] = {}  # per replica, the others' use last seen
+        self._others_running: dict[str, int] = {}  # and the requests they run there
         self._ranks: dict[str, int] = {}  # per replica, its `_rank` (fixed per holder)
 
     # ---------------------------------------------------------------- lifecycle
@@ -289,29 +290,47 @@ class StateSync:
             rank = self._ranks[replica] = zlib.crc32(f"{self.holder}/{replica}".encode())
         return rank
 
-    def _asks(self, demands: list[PoolDemand]) -> dict[str, int]:
-        """How much of its queue this process asks of each replica, beyond what it holds.
+    def _asks(self, demands: list[PoolDemand]) -> dict[str, tuple[int, int]]:
+        """How much of its queue this process asks of each replica beyond what it holds:
+        (tokens of the pool, requests of the running limit).
 
         Asking every replica for the whole queue made every process with a queue want
         every pool whole: the pools were split evenly among them, in slices smaller than
-        the requests once there were ten (bench/fleet_vt.py). The queue is spread instead,
-        each model's over its replicas in an order of this process's own (so processes
-        ask different replicas first): first within the room the last renewal showed
-        free, then, for what is left, up to each pool (a claim on a fair share of a busy
-        replica, so a process behind a busy one still gets its turn)."""
-        left = {m: self.report.queued_tokens(m) for d in demands for m in d.models}
-        asks = {d.replica: 0 for d in demands}
+        the requests once there were ten (bench/fleet_vt.py); the running limit the same
+        way, in slices of none, on other replicas than those whose pool a process was
+        granted. The queue is spread instead, each model's over its replicas in an order
+        of this process's own (so processes ask different replicas first): first within
+        the room the last renewal showed free (in the pool, and in the running limit at
+        the queue's mean request size), then, for what is left, up to each pool and limit
+        (a claim on a fair share of a busy replica, so a process behind a busy one still
+        gets its turn). A replica is asked for as many requests as the tokens asked of it
+        hold: a request needs both on one replica."""
+        models = {m for d in demands for m in d.models}
+        count = {m: self.report.queue_depth(m) for m in models}
+        tokens = {m: self.report.queued_tokens(m) for m in models}
+        mean = {m: tokens[m] / count[m] for m in models if count[m]}
+        asks = {d.replica: (0, 0) for d in demands}
         order = sorted(demands, key=lambda d: self._rank(d.replica))
         for free_only in (True, False):
             for d in order:
-                room = d.effective - d.reserved - asks[d.replica]
+                asked, n = asks[d.replica]
+                room = d.effective - d.reserved - asked
+                slots = math.inf if d.running_limit is None else d.running_limit - d.running - n
                 if free_only:
                     room -= self._others_used.get(d.replica, 0)
+                    slots -= self._others_running.get(d.replica, 0)
                 for m in d.models:
-                    take = min(left[m], max(0, room))
-                    asks[d.replica] += take
-                    left[m] -= take
+                    if tokens[m] <= 0 or room <= 0 or slots <= 0:
+                        continue
+                    take = int(min(tokens[m], room, slots * mean[m]))
+                    k = min(count[m], max(1, math.ceil(take / mean[m])))  # the requests it holds
+                    asked += take
+                    n += k
+                    tokens[m] -= take
+                    count[m] -= k
                     room -= take
+                    slots -= k
+                asks[d.replica] = (asked, n)
         return asks
 
     async def renew(self, patience: bool = True) -> None:
@@ -331,13 +350,19 @@ class StateSync:
             for d in demands:
                 requests.append(
                     LeaseRequest(
-                        f"pool:{d.replica}", d.effective, d.reserved + asks[d.replica], d.reserved
+                        f"pool:{d.replica}",
+                        d.effective,
+                        d.reserved + asks[d.replica][0],
+                        d.reserved,
                     )
                 )
                 if d.running_limit is not None:
                     requests.append(
                         LeaseRequest(
-                            f"run:{d.replica}", d.running_limit, d.running + d.queued, d.running
+                            f"run:{d.replica}",
+                            d.running_limit,
+                            d.running + asks[d.replica][1],
+                            d.running,
                         )
                     )
             tenants = self._tenant_states()
@@ -404,6 +429,8 @@ class StateSync:
             run = leases.get(f"run:{d.replica}")
             if pool is not None:
                 self._others_used[d.replica] = pool.others_used
+            if run is not None:
+                self._others_running[d.replica] = run.others_used
             tokens = pool.granted if pool is not None else None
             running = run.granted if run is not None else None
             if run is not None and run.holders == 1 and not rebuilding:

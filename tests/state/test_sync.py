@@ -657,3 +657,34 @@ async def test_queues_are_asked_of_some_replicas_not_split_over_all() -> None:
     assert all(isinstance(v, Admit) for v in verdicts), verdicts
     for i, s in enumerate(syncs):
         s.door.release(f"q{i}")
+
+
+async def test_a_running_limit_smaller_than_the_processes_is_asked_where_the_queue_is() -> None:
+    """Four processes, eight replicas of 1,000 tokens running at most two each, one
+    request of 400 queued in each process. Each asked every replica for a running slot
+    per queued request while it asked its tokens of some: every limit went to the same
+    two processes by the grant's tie order, and the other two held pool slices where they
+    had no slot and started nothing (bench/fleet_vt.py with engines at twenty gateways).
+    Asked where its tokens are asked, each process starts its request."""
+    backend = MemoryBackend()
+    cs = []
+    for _ in range(4):
+        c = AdmissionController(
+            AdmissionConfig(headroom=0.0, learn_limit=False), default_profile(seed=3), seed=3
+        )
+        for k in range(8):
+            c.upsert_replica(replica(f"r{k}", 1000, max_running=2), 0.0)
+        cs.append(c)
+    syncs = [sync(backend, c, f"p{i}") for i, c in enumerate(cs)]
+    for _ in range(2):  # idle: two slots four ways, none each
+        for s in syncs:
+            await s.renew()
+    waiting = [await queue(s, request(f"q{i}", 300, 100)) for i, s in enumerate(syncs)]
+    for _ in range(3):
+        for s in syncs:
+            await s.renew()
+    await asyncio.sleep(0)
+    verdicts = [t.result()[0] if t.done() else None for t in waiting]
+    assert all(isinstance(v, Admit) for v in verdicts), verdicts
+    for i, s in enumerate(syncs):
+        s.door.release(f"q{i}")
