@@ -213,6 +213,7 @@ class AdmissionController:
             rep.share_tokens = None if share.tokens is None else max(0, share.tokens)
             rep.share_running = None if share.running is None else max(0, share.running)
             rep.others_reserved = max(0, share.others_tokens)
+            rep.others_running = max(0, share.others_running)
             if rep.limit is not None:
                 rep.limit.others = max(0, share.others_running)
             self._views.replica_changed(rep)  # its free room and headroom moved

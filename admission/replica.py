@@ -96,6 +96,7 @@ class Replica:
     # What the other processes reserve on the replica (their lease use at the last
     # renewal): the engine's KV usage is the whole fleet's, so the pool check counts it.
     others_reserved: int = 0
+    others_running: int = 0  # and the requests they run there
     # What the fit rules read of this replica (`admission.fit`), rebuilt by `refresh`,
     # the only place its fields change.
     fit: FitLimits = field(default_factory=lambda: FitLimits(None, None))
@@ -180,6 +181,17 @@ class Replica:
         if self.share_tokens is None:
             return 0
         return self.effective - self.reserved - self.others_reserved
+
+    @property
+    def slots_beyond_slice(self) -> int:
+        """Likewise the requests the replica's running limit has room for beyond what
+        every process runs there, when this process holds a slice of it (0 otherwise)."""
+        if self.share_running is None:
+            return 0
+        whole = self.cap if self.limit is None else self.limit.allowed(self.cap)
+        if whole is None:
+            return 0
+        return whole - self.running - self.others_running
 
     def need(self, raw_tokens: int) -> int:
         return round_up(raw_tokens, self.block_size)

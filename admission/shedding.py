@@ -124,14 +124,17 @@ class Shedding:
         reps = [r for r in self._views.serving(model) if r.usable]
         if not reps:
             return None
-        # A slice of a shared pool (gateway/state) grows at the next renewal into the room
-        # the pool has beyond what every process holds: judging a wait by the slice alone
-        # shed requests the fleet had room for.
+        # A slice of a shared pool or running limit (gateway/state) grows at the next
+        # renewal into the room the replica has beyond what every process holds there:
+        # judging a wait by the slice alone shed requests the fleet had room for.
         frees = [max(0, r.free, r.room_beyond_slice) for r in reps]
         slots: int | None = None
         allowed = [r.allowed for r in reps]
         if all(a is not None for a in allowed):
-            slots = sum(max(0, (a or 0) - r.running) for a, r in zip(allowed, reps, strict=True))
+            slots = sum(
+                max(0, (a or 0) - r.running, r.slots_beyond_slice)
+                for a, r in zip(allowed, reps, strict=True)
+            )
         return WaitContext(
             rates[0],
             rates[1],

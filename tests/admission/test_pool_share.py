@@ -164,3 +164,22 @@ def test_a_wait_counts_the_room_a_renewal_brings_into_the_slice(others: int, que
     assert isinstance(late, Queued) is queued
     if not queued:
         assert isinstance(late, Shed) and late.reason == "deadline"
+
+
+@pytest.mark.parametrize(("others", "queued"), [(1, True), (3, False)])
+def test_a_wait_counts_the_running_room_a_renewal_brings_into_the_slice(
+    others: int, queued: bool
+) -> None:
+    """The same for a slice of the running limit: with the replica's cap of four running
+    one here and `others` elsewhere, a request past this process's slice of one is
+    queued while the cap has room (its queue asks for it), shed for its deadline when the
+    others run the rest."""
+    c = controller()
+    c.upsert_replica(replica("r1", 100_000, max_running=4), 0.0)
+    now = _drained(c, 2.0)
+    c.set_pool_share("r1", None, now, running=1, others_running=others)
+    assert isinstance(c.submit(request("held", 100, 100), now).verdict, Admit)
+    late = c.submit(request("next", 100, 100, deadline=now + 0.01), now).verdict
+    assert isinstance(late, Queued) is queued
+    if not queued:
+        assert isinstance(late, Shed) and late.reason == "deadline"
