@@ -27,19 +27,32 @@ of the run (its requests in flight and queued die with it, and their clients sen
 again through the balancer with what is left of their timeouts; its leases stay until
 their TTL) and a new process takes its place 5 s later.
 
+With ``--engines PROFILE`` the replicas are enginesim's engines instead (`EngineCore`,
+what `enginesim serve` runs, stepped on this clock at ``--speed`` times it) and the
+requests seed 001's (`seed2_workload`, prompts as token ids) at ``--load`` of the fleet's
+best requests/s, each stating seed 001's 45 s (engine seconds) as its timeout: the cells
+of bench/fleet_real.py, which runs the same on real processes. The gateways then run the
+configuration a new user writes (the learned running limit on), fed what the gateway
+feeds it: each engine's counters at every discovery round (``refresh_interval_s``, 2 s,
+staggered over the gateways) and every completion, a client that gave up at its timeout
+as a failure (gateway/accounting.py); a client that gives up has its request aborted in
+the engine. Preemptions are counted.
+
 Reported per cell (gateways x replicas): goodput (requests served in their timeout, of
 those offered) and its ratio to one gateway on the same arrivals; the pool left idle
 while requests waited (the mean free share of the fleet's pool over the instants a
 request was queued, against one gateway's); the most any replica was overcommitted
 (what all gateways held on it past its pool; target never); the wait from a request's
-first arrival to its admission (p50, p90); requests lost (refused, or
+first arrival to its admission (p50, p90), and a served one's from first arrival to its
+end (p50, p90); requests lost (refused, or
 shed past their retries or timeout); backend round trips and lease records written per second (one
 renewal is one script call: one Redis round trip); one decision's cost (``submit``,
 wall clock, p50 and p99). The requests a kill made their clients send again are counted
 apart.
 
     PYTHONPATH=. .venv/bin/python bench/fleet_vt.py [--gateways 1 2 5 10 20] \\
-        [--replicas 10 100 1000] [--seconds 30] [--load 0.8] [--seed 1]
+        [--replicas 10 100 1000] [--seconds 30] [--load 0.8] [--seed 1] \\
+        [--engines seed2-8b-16gb [--speed 5]]
 """
 
 from __future__ import annotations
@@ -58,8 +71,13 @@ from pathlib import Path
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.types import AdmissionRequest, Admit, Queued, Shed
+from admission.types import AdmissionRequest, Admit, Completion, Queued, Shed
 from bench.vtime import VirtualLoop
+from enginesim.core import EngineCore
+from enginesim.profiles import load_profile
+from enginesim.simulate import run_closed_loop
+from enginesim.types import EventKind, SimRequest, StepResult
+from enginesim.workloads import seed2_workload
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
 from gateway.state import MemoryBackend
@@ -77,6 +95,7 @@ RESTART_AFTER_S = 5.0
 SDK_RETRIES = 2  # the openai SDKs' default max_retries
 SAMPLE_S = 0.1
 STATE = StateConfig(backend="memory", lease_ttl_s=3.0, renew_interval_s=0.5)
+REFRESH_S = 2.0  # replicas.refresh_interval_s's default: a gateway's discovery rounds
 TICK_S = 0.05  # StateSync.tick_s with these settings: the lease loop's wake-ups
 
 
@@ -85,10 +104,48 @@ class Work:
     at: float
     prompt: int
     output: int
+    ids: list[int] | None = None  # the prompt's tokens, for an engine
 
     @property
     def service_s(self) -> float:
         return self.prompt / PREFILL_TPS + self.output * TPOT_S
+
+
+@dataclass(frozen=True)
+class Engines:
+    """Replicas that are enginesim engines (`EngineCore`, what `enginesim serve` runs)
+    of `profile`, their clocks `speed` times the gateways': bench/fleet_real.py's
+    replicas, for its cells' virtual-time counterpart. The requests are then seed 001's
+    (`seed2_workload`), stating seed 001's client timeout in the engine's seconds."""
+
+    profile: str = "seed2-8b-16gb"
+    speed: float = 5.0
+    timeout_s: float = 45.0  # engine seconds: seed 001's client (kvgate_demo.demo)
+
+    def capacity_rps(self, seed: int) -> float:
+        """One replica's best requests/s on these requests, in the engine's seconds."""
+        items = seed2_workload(200, seed=seed + 1000)
+        best = 0.0
+        for c in (4, 8, 12, 16, 24):
+            r = run_closed_loop(self.profile, items, c, self.timeout_s)
+            best = max(best, r.completed / r.wall_time)
+        return best
+
+    def workload(self, seconds: float, replicas: int, load: float, seed: int) -> list[Work]:
+        """Poisson arrivals (gateway seconds) at `load` of the fleet's best requests/s."""
+        rate = load * self.capacity_rps(seed) * self.speed * replicas
+        rng = random.Random(seed)
+        at, t = [], 0.0
+        while True:
+            t += rng.expovariate(rate)
+            if t >= seconds:
+                break
+            at.append(t)
+        items = seed2_workload(len(at), seed=seed)
+        return [
+            Work(t, len(it.prompt_token_ids), it.output_tokens, it.prompt_token_ids)
+            for t, it in zip(at, items, strict=True)
+        ]
 
 
 def workload(seconds: float, capacity: int, load: float, rng: random.Random) -> list[Work]:
@@ -131,6 +188,10 @@ class Result:
     decision_us_p50: float
     decision_us_p99: float
     wall_s: float
+    preemptions: int = 0
+    latency_p50_s: float = 0.0
+    latency_p90_s: float = 0.0
+    lost_by: dict[str, int] = field(default_factory=dict)
     goodput_vs_one: float | None = None
     idle_vs_one: float | None = None
 
@@ -149,36 +210,92 @@ def _finish(coro: object) -> None:
 
 
 def run_cell(
-    n_gw: int, n_rep: int, seconds: float, load: float, seed: int, kill: bool = True
+    n_gw: int,
+    n_rep: int,
+    seconds: float,
+    load: float,
+    seed: int,
+    kill: bool = True,
+    engines: Engines | None = None,
 ) -> Result:
     rng = random.Random(seed)
-    pools = {f"r{k}": SMALL_POOL * (2 if k % 2 else 1) for k in range(n_rep)}
-    work = workload(seconds, sum(pools.values()), load, rng)
+    cores: dict[str, EngineCore] = {}
+    if engines is None:
+        pools = {f"r{k}": SMALL_POOL * (2 if k % 2 else 1) for k in range(n_rep)}
+        max_running = MAX_RUNNING
+        work = workload(seconds, sum(pools.values()), load, rng)
+        timeout = TIMEOUT_S
+    else:
+        profile = load_profile(engines.profile)
+        cores = {f"r{k}": EngineCore(profile, seed=k) for k in range(n_rep)}
+        pools = {r: (c.num_gpu_blocks - c.null_blocks) * c.block_size for r, c in cores.items()}
+        max_running = profile.max_num_seqs
+        work = engines.workload(seconds, n_rep, load, seed)
+        timeout = engines.timeout_s / engines.speed
     clock = [0.0]
     loop = VirtualLoop(lambda: clock[0])
     backend = MemoryBackend(clock=lambda: clock[0])
     renew_calls, records = 0, 0
-    config = AdmissionConfig(learn_limit=False)
+    # With engines, the configuration a new user writes (the learned limit on), fed what
+    # the gateway feeds it: the engines' counters each discovery round, and completions.
+    config = AdmissionConfig(learn_limit=False) if engines is None else AdmissionConfig()
+
+    def probe(door: AdmissionDoor) -> None:
+        """A discovery round: what the vLLM adapter reads of each engine."""
+        for rep, core in cores.items():
+            st = core.stats()
+            state = ReplicaState(
+                rep,
+                "",
+                ready=True,
+                models=[MODEL],
+                capacity_tokens=pools[rep],
+                shares_prefix=True,
+                engine_running=st.num_running,
+                engine_waiting=st.num_waiting,
+                kv_usage=st.kv_usage,
+                preemptions_total=float(st.num_preemptions),
+            )
+            door.upsert_replica(state)
 
     def new_gateway(name: str) -> Gateway:
-        door = AdmissionDoor(AdmissionController(config, default_profile(seed=seed)), loop)
-        for rep, pool in pools.items():
+        # Seeded: its Retry-After jitter is random, and a cell is exact for its seed.
+        ctrl = AdmissionController(config, default_profile(seed=seed), seed=seed + len(gws))
+        door = AdmissionDoor(ctrl, loop)
+        if engines is not None:
+            probe(door)
+        for rep, pool in pools.items() if engines is None else ():
             state = ReplicaState(
-                rep, "", ready=True, models=[MODEL], capacity_tokens=pool, max_running=MAX_RUNNING
+                rep, "", ready=True, models=[MODEL], capacity_tokens=pool, max_running=max_running
             )
-            door.upsert_replica(state, pinned_capacity=pool, max_running=MAX_RUNNING)
+            door.upsert_replica(state, pinned_capacity=pool, max_running=max_running)
         sync = None
         if n_gw > 1:
             sync = StateSync(STATE, backend, door, holder=name, workers_hint=n_gw, loop=loop)
         return Gateway(door, sync)
 
-    gws = [new_gateway(f"g{i}") for i in range(n_gw)]
+    gws: list[Gateway] = []
+    gws.extend(new_gateway(f"g{i}") for i in range(n_gw))
     held = dict.fromkeys(pools, 0)  # what all gateways hold on each replica, as it is
     ends: list[tuple[float, int, str, int]] = []  # (end, seq, rid, gateway)
+    # Engines: the step each is running (its end on the gateways' clock), and the
+    # instants admitted requests' clients give up on them.
+    stepping: dict[str, StepResult] = {}
+    steps: list[tuple[float, int, str]] = []  # (end, seq, replica)
+    give_ups: list[tuple[float, int, str, int]] = []  # (deadline, seq, rid, gateway)
+    owner: dict[str, int] = {}  # rid -> gateway, while an engine has it
+    admitted_at: dict[str, float] = {}
+    probes: list[tuple[float, int]] = []  # (when, gateway): its next discovery round
+    if engines is not None:
+        probes = [(REFRESH_S * (g + 1) / n_gw, g) for g in range(n_gw)]
+        heapq.heapify(probes)
+    preemptions = 0
+    lost_by: dict[str, int] = {}  # why: a shed's reason, or its client's timeout
     retries: list[tuple[float, int, Work, str, int]] = []  # (when, seq, work, rid, attempt)
     served = lost = killed = 0
     decisions: list[float] = []
     waits: list[float] = []  # from a request's first arrival to its admission
+    latencies: list[float] = []  # from a served request's first arrival to its end
     free_when_waiting: list[float] = []
     max_over = 0
     total_pool = sum(pools.values())
@@ -191,18 +308,68 @@ def run_cell(
         held[verdict.replica] += verdict.reserved_tokens
         max_over = max(max_over, held[verdict.replica] - pools[verdict.replica])
         seq += 1
-        heapq.heappush(ends, (clock[0] + w.service_s, seq, rid, g))
+        if engines is None:
+            heapq.heappush(ends, (clock[0] + w.service_s, seq, rid, g))
+            return
+        assert w.ids is not None
+        core = cores[verdict.replica]
+        core.add_request(
+            SimRequest(rid, w.ids, w.output, ignore_eos=True), clock[0] * engines.speed
+        )
+        owner[rid] = g
+        admitted_at[rid] = clock[0]
+        heapq.heappush(give_ups, (w.at + timeout, seq, rid, g))
+        kick(verdict.replica)
+
+    def kick(rep: str) -> None:
+        """Start the replica's next step if it is idle and has work."""
+        nonlocal seq
+        assert engines is not None
+        if rep in stepping or not cores[rep].has_work():
+            return
+        res = cores[rep].step(clock[0] * engines.speed)
+        if res.duration == 0.0:
+            return  # nothing it can schedule until something ends
+        stepping[rep] = res
+        seq += 1
+        heapq.heappush(steps, (clock[0] + res.duration / engines.speed, seq, rep))
+
+    def ended(rid: str, g: int, in_time: bool) -> None:
+        """An admitted request's end: served, or its client gave up at its deadline."""
+        nonlocal served, lost
+        gw = gws[g]
+        rep, tokens, w = gw.inflight.pop(rid)
+        held[rep] -= tokens
+        owner.pop(rid, None)
+        service = clock[0] - admitted_at.pop(rid)
+        if in_time:
+            served += 1
+            latencies.append(clock[0] - w.at)
+            done = Completion(True, service, None, None, w.prompt, w.output, timeout)
+        else:
+            lost += 1
+            lost_by["timeout"] = lost_by.get("timeout", 0) + 1
+            cores[rep].abort(rid, clock[0] * engines.speed if engines else clock[0])
+            # The client left at the timeout it stated: the replica failed it
+            # (gateway/accounting.py's `completion`).
+            done = Completion(False, service, latency_budget=timeout)
+            kick(rep)
+        gw.door.release(rid, done)
+        settle()
 
     def shed(w: Work, rid: str, verdict: object, attempt: int) -> None:
         """A shed client comes back after its Retry-After, as the openai SDKs do (twice),
         while its timeout allows; a refusal, or a shed past that, is a request lost."""
         nonlocal lost, seq
         after = verdict.retry_after if isinstance(verdict, Shed) else math.inf
-        if attempt < SDK_RETRIES and clock[0] + after < w.at + TIMEOUT_S:
+        if attempt < SDK_RETRIES and clock[0] + after < w.at + timeout:
             seq += 1
             heapq.heappush(retries, (clock[0] + after, seq, w, rid, attempt + 1))
         else:
             lost += 1
+            why = verdict.reason if isinstance(verdict, Shed) else type(verdict).__name__
+            why += "" if attempt < SDK_RETRIES else " (last retry)"
+            lost_by[why] = lost_by.get(why, 0) + 1
 
     def send(w: Work, rid: str, attempt: int = 0) -> None:
         """One attempt through a live gateway the balancer picks (by this moment's
@@ -217,8 +384,8 @@ def run_cell(
             expected_output=w.output,
             max_tokens=w.output,
             arrival=w.at,
-            deadline=w.at + TIMEOUT_S,
-            latency_budget=TIMEOUT_S,
+            deadline=w.at + timeout,
+            latency_budget=timeout,
         )
         t0 = time.perf_counter()
         verdict = gws[g].door.submit(req)
@@ -273,6 +440,9 @@ def run_cell(
             work[i].at if i < len(work) else math.inf,
             retries[0][0] if retries else math.inf,
             ends[0][0] if ends else math.inf,
+            steps[0][0] if steps else math.inf,
+            probes[0][0] if probes else math.inf,
+            give_ups[0][0] if give_ups else math.inf,
             next_renew if n_gw > 1 else math.inf,
             next_sample,
             kill_at,
@@ -290,8 +460,12 @@ def run_cell(
             # Its clients' connections drop: the engines abort their requests, and each
             # client sends its request again through the balancer, to a live gateway.
             again = [w for _, _, w in gw.inflight.values()] + list(gw.queued.values())
-            for rep, tokens, _ in gw.inflight.values():
+            for rid, (rep, tokens, _) in gw.inflight.items():
                 held[rep] -= tokens
+                if rid in owner:
+                    cores[rep].abort(rid, clock[0])
+                    owner.pop(rid)
+                    kick(rep)
             gw.inflight.clear()
             killed += len(again)
             kill_at = math.inf
@@ -313,17 +487,41 @@ def run_cell(
                 free_when_waiting.append(1 - sum(held.values()) / total_pool)
             next_sample += SAMPLE_S
             waiting = any(gw.alive and gw.door.report.queue_depth() for gw in gws)
-            if i >= len(work) and not ends and not waiting and not retries:
+            if i >= len(work) and not ends and not waiting and not retries and not owner:
+                probes.clear()
                 break
+            continue
+        if steps and nxt == steps[0][0]:
+            _, _, rep = heapq.heappop(steps)
+            res = stepping.pop(rep)
+            for ev in res.events:
+                if ev.kind is EventKind.PREEMPTED:
+                    preemptions += 1
+                elif ev.kind is EventKind.FINISHED and ev.request_id in owner:
+                    ended(ev.request_id, owner[ev.request_id], True)
+            kick(rep)
+            continue
+        if probes and nxt == probes[0][0]:
+            _, g = heapq.heappop(probes)
+            if gws[g].alive:
+                probe(gws[g].door)
+                settle()
+            heapq.heappush(probes, (nxt + REFRESH_S, g))
+            continue
+        if give_ups and nxt == give_ups[0][0]:
+            _, _, rid, g = heapq.heappop(give_ups)
+            if rid in owner and owner[rid] == g and rid in gws[g].inflight:
+                ended(rid, g, False)
             continue
         if ends and nxt == ends[0][0]:
             _, _, rid, g = heapq.heappop(ends)
             gw = gws[g]
             if rid not in gw.inflight:
                 continue  # died with its gateway
-            rep, tokens, _ = gw.inflight.pop(rid)
+            rep, tokens, w = gw.inflight.pop(rid)
             held[rep] -= tokens
             served += 1
+            latencies.append(clock[0] - w.at)
             gw.door.release(rid)
             settle()
             continue
@@ -356,6 +554,10 @@ def run_cell(
         decision_us_p50=1e6 * decisions[len(decisions) // 2],
         decision_us_p99=1e6 * decisions[int(len(decisions) * 0.99)],
         wall_s=wall,
+        preemptions=preemptions,
+        latency_p50_s=_quantile(latencies, 0.5),
+        latency_p90_s=_quantile(latencies, 0.9),
+        lost_by=lost_by,
     )
 
 
@@ -367,13 +569,21 @@ def main() -> int:
     ap.add_argument("--load", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-kill", action="store_true", help="no gateway is killed")
+    ap.add_argument(
+        "--engines",
+        metavar="PROFILE",
+        help="replicas are enginesim engines of this profile on seed 001's requests "
+        "(bench/fleet_real.py's cells)",
+    )
+    ap.add_argument("--speed", type=float, default=5.0, help="with --engines: their clock")
     ap.add_argument("--out", default="bench/results/fleet_vt.json")
     args = ap.parse_args()
     results: list[Result] = []
     for n_rep in args.replicas:
         one: Result | None = None
         for n_gw in sorted(set(args.gateways) | {1}):
-            r = run_cell(n_gw, n_rep, args.seconds, args.load, args.seed, not args.no_kill)
+            engines = Engines(args.engines, args.speed) if args.engines else None
+            r = run_cell(n_gw, n_rep, args.seconds, args.load, args.seed, not args.no_kill, engines)
             if n_gw == 1:
                 one = r
             assert one is not None
@@ -387,9 +597,12 @@ def main() -> int:
                 f"({r.goodput_vs_one:.3f}x one), idle while waiting "
                 f"{r.idle_while_waiting:.3f} (one: {one.idle_while_waiting:.3f}), "
                 f"wait p50/p90 {r.wait_p50_s:.2f}/{r.wait_p90_s:.2f} s, "
-                f"overcommit {r.max_overcommit_tokens}, lost {r.lost}, killed {r.killed}, "
+                f"latency p50/p90 {r.latency_p50_s:.2f}/{r.latency_p90_s:.2f} s, "
+                f"overcommit {r.max_overcommit_tokens}, lost {r.lost} {r.lost_by or ''}, "
+                f"killed {r.killed}, "
                 f"{r.round_trips_per_s:.0f} round trips/s, {r.records_per_s:.0f} records/s, "
-                f"submit p50/p99 {r.decision_us_p50:.0f}/{r.decision_us_p99:.0f} us "
+                f"submit p50/p99 {r.decision_us_p50:.0f}/{r.decision_us_p99:.0f} us, "
+                f"preemptions {r.preemptions} "
                 f"[{r.wall_s:.0f} s]",
                 flush=True,
             )
