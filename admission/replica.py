@@ -175,17 +175,9 @@ class Replica:
         return self.effective - self.reserved
 
     @property
-    def room_beyond_slice(self) -> int:
-        """What the whole pool has free beyond every process's holdings, when this
-        process holds a slice of it (0 otherwise)."""
-        if self.share_tokens is None:
-            return 0
-        return self.effective - self.reserved - self.others_reserved
-
-    @property
     def slots_beyond_slice(self) -> int:
-        """Likewise the requests the replica's running limit has room for beyond what
-        every process runs there, when this process holds a slice of it (0 otherwise)."""
+        """The requests the replica's running limit has room for beyond what every
+        process runs there, when this process holds a slice of it (0 otherwise)."""
         if self.share_running is None:
             return 0
         whole = self.cap if self.limit is None else self.limit.allowed(self.cap)

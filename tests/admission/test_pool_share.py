@@ -148,32 +148,15 @@ def _drained(c: AdmissionController, upto: float) -> float:
     return t
 
 
-@pytest.mark.parametrize(("others", "queued"), [(300, True), (800, False)])
-def test_a_wait_counts_the_room_a_renewal_brings_into_the_slice(others: int, queued: bool) -> None:
-    """A slice grows at the next renewal into what the pool has beyond every process's
-    holdings. With that room there, a request larger than this process's full slice is
-    queued (its queue asks for the room), not shed for a deadline its slice alone could
-    not meet; with the pool held by the others, the wait is what its own drain frees,
-    and a deadline that wait misses is shed at once."""
-    c = controller()
-    c.upsert_replica(replica("r1", 1000), 0.0)
-    now = _drained(c, 2.0)
-    c.set_pool_share("r1", 200, now, others_tokens=others)
-    assert isinstance(c.submit(request("held", 100, 100), now).verdict, Admit)
-    late = c.submit(request("big", 200, 200, deadline=now + 0.1), now).verdict
-    assert isinstance(late, Queued) is queued
-    if not queued:
-        assert isinstance(late, Shed) and late.reason == "deadline"
-
-
 @pytest.mark.parametrize(("others", "queued"), [(1, True), (3, False)])
 def test_a_wait_counts_the_running_room_a_renewal_brings_into_the_slice(
     others: int, queued: bool
 ) -> None:
-    """The same for a slice of the running limit: with the replica's cap of four running
-    one here and `others` elsewhere, a request past this process's slice of one is
-    queued while the cap has room (its queue asks for it), shed for its deadline when the
-    others run the rest."""
+    """A slice of a shared running limit grows at the next renewal into what the limit
+    has beyond what every process runs: with the replica's cap of four running one here
+    and `others` elsewhere, a request past this process's slice of one is queued while
+    the cap has room (its queue asks for it), not shed for a deadline its slice alone
+    could not meet; it is shed for its deadline when the others run the rest."""
     c = controller()
     c.upsert_replica(replica("r1", 100_000, max_running=4), 0.0)
     now = _drained(c, 2.0)
