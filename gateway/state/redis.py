@@ -1,8 +1,9 @@
 """The Redis backend (redis-py asyncio): leases and limits shared by every gateway
 process that uses the same Redis and key prefix.
 
-One renewal is one round trip: a Lua script (``lease.lua``) heartbeats the process and
-re-leases all its resources atomically, on the Redis server's clock. Keys share one hash
+One Lua script (``lease.lua``) heartbeats the process and re-leases all its resources
+atomically, on the Redis server's clock: one round trip, beside the reads of the shared
+limits (every round) and patiences (every interval's) that a renewal makes first. Keys share one hash
 tag (``{prefix}``) so the scripts also run on a Redis Cluster. Scripts are sent by SHA
 and reloaded by redis-py when a restarted server has forgotten them.
 

@@ -7,7 +7,7 @@ its running limit, and the admission controller admits from the slice
 
 Renewal
     Every ``renew_interval_s``, and within 50 ms when requests queue here (demand this
-    process's slice cannot meet), one round trip renews every lease: each asks for what
+    process's slice cannot meet), one script renews every lease: each asks for what
     the process holds and has queued, and reports what it holds (its *truth*); the
     backend's arithmetic (admission/lease.py) decides the slice. Learned running
     limits are shared first: a limit this process changed is published, one another
@@ -191,7 +191,8 @@ class StateSync:
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
         self._loop = loop or asyncio.get_running_loop()
-        self._last = -math.inf
+        self._last = -math.inf  # the last round's start
+        self._last_round = -math.inf  # the last interval round's (client patience too)
         # After an outage: until when (and until how many processes re-registered) the
         # slices stay within the fail-open 1/N (module docstring, Reconnect).
         self._rebuild_until = -math.inf
@@ -259,7 +260,10 @@ class StateSync:
     def renewal_due(self, now: float) -> bool | None:
         """Whether to renew at `now`: None, not yet; True, the interval's round (client
         patience too); False, a round that requests queued behind a slice bring early."""
-        due = now - self._last >= self.config.renew_interval_s
+        # The interval's rounds are timed from the last of them, not from the last round:
+        # early rounds every 50 ms while a queue stands never let an interval pass, and
+        # client patience went unshared under the overload it is learned in.
+        due = now - self._last_round >= self.config.renew_interval_s
         if due or (self.report.queue_depth() > 0 and now - self._last >= _DEMAND_CHECK_S):
             return due
         return None
@@ -339,6 +343,8 @@ class StateSync:
         if self._stopped:  # a renewal after the release would lease the slices again
             return
         sent_at = self._last = self._loop.time()
+        if patience:
+            self._last_round = sent_at
         demands: list[PoolDemand] = []
         try:
             await self._sync_limits()

@@ -688,3 +688,43 @@ async def test_a_running_limit_smaller_than_the_processes_is_asked_where_the_que
     assert all(isinstance(v, Admit) for v in verdicts), verdicts
     for i, s in enumerate(syncs):
         s.door.release(f"q{i}")
+
+
+class _Clock:
+    """A loop whose time is set by the test (StateSync reads only `time`)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+
+async def test_patience_is_shared_once_an_interval_while_a_queue_stands() -> None:
+    """A standing queue brings a renewal every 50 ms; the interval's rounds (which share
+    client patience) still come every interval. Timed from the last round of any kind,
+    no interval ever passed and patience went unshared under overload."""
+    c = ctrl()
+    clock = _Clock()
+    s = StateSync(
+        StateConfig(lease_ttl_s=5.0, renew_interval_s=0.5),
+        MemoryBackend(clock=clock.time),
+        AdmissionDoor(c),
+        holder="p",
+        loop=clock,  # type: ignore[arg-type]
+    )
+    assert isinstance(c.submit(request("big", 800, 100), 0.0).verdict, Admit)
+    c.submit(request("waits", 800, 100), 0.0)
+    assert c.report.queue_depth() == 1
+    rounds: list[tuple[float, bool]] = []
+    for k in range(41):  # two seconds of the loop's 50 ms ticks
+        clock.now = k * 0.05
+        due = s.renewal_due(clock.now)
+        if due is not None:
+            await s.renew(patience=due)
+            rounds.append((clock.now, due))
+    interval = [round(t, 2) for t, due in rounds if due]
+    assert interval == [0.0, 0.5, 1.0, 1.5, 2.0]
+    assert len(rounds) - len(interval) >= 20  # and the early ones between them
+    c.release("big", 2.0)
+    c.release("waits", 2.0)
