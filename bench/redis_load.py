@@ -62,9 +62,11 @@ asked of Redis, and says nothing of Redis.
 
     PYTHONPATH=. .venv/bin/python bench/redis_load.py [--gateways 1 5 10 20] \\
         [--replicas 10 100 1000] [--seconds 10] [--interval 0.5] \\
-        [--demand idle busy queued] [--load 0.5] [--out bench/results/redis_load.json]
+        [--demand idle busy queued] [--load 0.5] [--out bench/results/redis_load.json] \\
+        [--append]
 
-Writes the cells to ``--out`` (JSON) and prints a Markdown table, one row per cell.
+Writes the cells to ``--out`` (JSON: one entry per run, ``--append`` adds one) and prints
+a Markdown table, one row per cell.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -108,6 +111,26 @@ MAX_RUNNING = 64
 PROMPT, OUTPUT = 3_500, 500  # one request's need: 4,000 tokens
 OVERSUBSCRIBED = 1.2  # the queued demand, of the fleet's pool
 LAG_TICK_S = 0.01  # the event-loop lag probe's sleep
+SUBMIT_BATCH = 20  # requests submitted between two yields to the event loop
+PING_EVERY_S = 0.005  # the PING probe's pace
+
+# Another process, so that what it sees is Redis's delay, not this event loop's: PINGs
+# on one connection over `seconds`, then their round trips (seconds) as JSON on stdout.
+_PROBE = """
+import json, socket, sys, time
+port, seconds, every = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+s = socket.create_connection(("127.0.0.1", port))
+rtts, end = [], time.perf_counter() + seconds
+while time.perf_counter() < end:
+    t0 = time.perf_counter()
+    s.sendall(b"PING\\r\\n")
+    buf = b""
+    while not buf.endswith(b"\\r\\n"):
+        buf += s.recv(64)
+    rtts.append(time.perf_counter() - t0)
+    time.sleep(every)
+print(json.dumps(rtts))
+"""
 
 
 # ------------------------------------------------------------------ the Redis server
@@ -325,7 +348,11 @@ class Cell:
     redis_evalsha_per_s: float
     redis_eval_calls: int  # EVAL (a script the server had not cached: redis-py resends)
     redis_script_us_per_call: float  # the lease script's own time on the server
+    redis_script_us_p99: float  # INFO latencystats
     redis_hgetall_per_s: float
+    ping_ms_p50: float  # a PING from another process, every 5 ms: Redis's queue
+    ping_ms_p99: float
+    ping_ms_max: float
     redis_commands: dict[str, int]
     used_memory_mb: float
     records_memory_mb: float  # what the cell's records added (used_memory's delta)
@@ -337,6 +364,7 @@ class Cell:
     lease_keys: int  # lease hashes under the cell's prefix at its end
     holders_per_key_min: int
     setup_s: float
+    setup_errors: int  # renewals failed before the window (all gateways)
 
 
 def _q(xs: Sequence[float], q: float) -> float:
@@ -344,6 +372,18 @@ def _q(xs: Sequence[float], q: float) -> float:
         return 0.0
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+def _p99(stat: Any) -> float:
+    """p99 of an INFO latencystats entry (redis-py parses ``p50=..,p99=..`` into a dict,
+    or leaves the text)."""
+    if isinstance(stat, dict):
+        return float(stat.get("p99", 0.0))
+    for part in str(stat).split(","):
+        key, _, value = part.partition("=")
+        if key == "p99":
+            return float(value)
+    return 0.0
 
 
 # ------------------------------------------------------------------ one cell
@@ -370,10 +410,13 @@ def _new_gateway(
     return Gateway(name, door, backend, sync)
 
 
-def _submit(gw: Gateway, k: int) -> None:
-    """Submit `k` requests of 4,000 tokens to `gw` (no deadline: a queued one waits)."""
-    now = gw.door.now()
-    for _ in range(k):
+async def _submit(gw: Gateway, k: int) -> None:
+    """Submit `k` requests of 4,000 tokens to `gw` (no deadline: a queued one waits), a
+    few at a time, so the lease loops run between them (as they do between arrivals)."""
+    for i in range(k):
+        if i % SUBMIT_BATCH == 0:
+            await asyncio.sleep(0)
+        now = gw.door.now()
         rid = f"{gw.name}-{uuid.uuid4().hex[:10]}"
         req = AdmissionRequest(
             rid,
@@ -450,7 +493,7 @@ async def run_cell(
             per_gw = math.ceil(fill * sum(pools.values()) / (PROMPT + OUTPUT) / n_gw)
             for _ in range(3):  # in rounds, so renewals grant the slices between them
                 for gw in gws:
-                    _submit(gw, math.ceil(per_gw / 3))
+                    await _submit(gw, math.ceil(per_gw / 3))
                 await asyncio.sleep(2 * interval)
         await asyncio.sleep(settle_s if settle_s is not None else 2 * interval + 0.2)
         if demand == "busy":  # no queue stands: renewals at the interval
@@ -463,6 +506,12 @@ async def run_cell(
         setup_s = time.perf_counter() - t_setup
 
         # ---- the measured window
+        setup_errors = sum(gw.sync.errors for gw in gws)
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        probe = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _PROBE, str(port), str(seconds), str(PING_EVERY_S),
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
         await admin.config_resetstat()
         cpu0 = _cpu(await _info(admin, "cpu"))
         p0 = time.process_time()
@@ -493,6 +542,17 @@ async def run_cell(
         client_cpu = (time.process_time() - p0) / wall
         redis_cpu = (_cpu(await _info(admin, "cpu")) - cpu0) / wall
         stats = await _info(admin, "commandstats")
+        script_lat = (await _info(admin, "latencystats")).get(
+            "latency_percentiles_usec_evalsha", {}
+        )
+        try:
+            async with asyncio.timeout(seconds + 30):
+                out, _ = await probe.communicate()
+        finally:
+            if probe.returncode is None:
+                probe.kill()
+                await probe.wait()
+        pings = json.loads(out) if out else []
         mem1 = int((await _info(admin, "memory"))["used_memory"])
         lease_keys = await _keys(admin, "{" + prefix + "}:lease:*")
         holders = [int(await admin.hlen(k)) for k in lease_keys[:200]]
@@ -559,7 +619,11 @@ async def run_cell(
         redis_evalsha_per_s=calls.get("evalsha", 0) / wall,
         redis_eval_calls=calls.get("eval", 0),
         redis_script_us_per_call=script_us,
+        redis_script_us_p99=_p99(script_lat),
         redis_hgetall_per_s=calls.get("hgetall", 0) / wall,
+        ping_ms_p50=1e3 * _q(pings, 0.5),
+        ping_ms_p99=1e3 * _q(pings, 0.99),
+        ping_ms_max=1e3 * max(pings, default=0.0),
         redis_commands=calls,
         used_memory_mb=mem1 / 2**20,
         records_memory_mb=(mem1 - mem0) / 2**20,
@@ -571,14 +635,17 @@ async def run_cell(
         lease_keys=len(lease_keys),
         holders_per_key_min=min(holders, default=0),
         setup_s=setup_s,
+        setup_errors=setup_errors,
     )
 
 
 # ------------------------------------------------------------------ report
 HEADER = (
-    "| G | R | interval s | demand | held / queued per gw | renewals/s issued / done | errors | round trips/s "
+    "| G | R | interval s | demand | held / queued per gw | renewals/s issued / done "
+    "| errors (setup) | round trips/s "
     "| records/s | renewal ms p50 / p99 | of it Redis wait ms p50 / p99 "
-    "| lease script RTT ms p50 / p99 | Python ms p50 / p99 | script on server us "
+    "| lease script RTT ms p50 / p99 | Python ms p50 / p99 | script on server ms mean / p99 "
+    "| PING ms p50 / p99 / max "
     "| Redis CPU (cores) | client CPU (cores) | loop lag p99 ms "
     "| over interval / late gaps | max gap s | lease keys (MB) | used_memory MB |"
 )
@@ -588,13 +655,15 @@ def row(c: Cell) -> str:
     return (
         f"| {c.gateways} | {c.replicas} | {c.interval_s:g} | {c.demand} "
         f"| {c.held_requests / c.gateways:.0f} / {c.queue_depth_mean:.0f} "
-        f"| {c.issued_per_s:.1f} / {c.completed_per_s:.1f} | {c.renewal_errors} "
+        f"| {c.issued_per_s:.1f} / {c.completed_per_s:.1f} "
+        f"| {c.renewal_errors} ({c.setup_errors}) "
         f"| {c.round_trips_per_s:.0f} | {c.records_per_s:,.0f} "
         f"| {c.renew_ms_p50:.1f} / {c.renew_ms_p99:.1f} "
         f"| {c.backend_ms_p50:.1f} / {c.backend_ms_p99:.1f} "
         f"| {c.lease_rtt_ms_p50:.1f} / {c.lease_rtt_ms_p99:.1f} "
         f"| {c.python_ms_p50:.1f} / {c.python_ms_p99:.1f} "
-        f"| {c.redis_script_us_per_call:,.0f} "
+        f"| {c.redis_script_us_per_call / 1e3:.1f} / {c.redis_script_us_p99 / 1e3:.1f} "
+        f"| {c.ping_ms_p50:.2f} / {c.ping_ms_p99:.1f} / {c.ping_ms_max:.0f} "
         f"| {c.redis_cpu_core:.2f} | {c.client_cpu_core:.2f} | {c.loop_lag_ms_p99:.1f} "
         f"| {c.over_interval} / {c.late_gaps} | {c.max_gap_s:.2f} "
         f"| {c.lease_keys} ({c.lease_keys_mb:.1f}) | {c.used_memory_mb:.1f} |"
@@ -633,7 +702,12 @@ def main() -> int:
     ap.add_argument("--load", type=float, default=0.5, help="busy: held, of the pool")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="bench/results/redis_load.json")
+    ap.add_argument(
+        "--append", action="store_true", help="add this run to --out's runs, not replace them"
+    )
     args = ap.parse_args()
+    # A SIGTERM ends the run as ^C does: through the `finally`s that stop the server.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         import uvloop
 
@@ -651,9 +725,10 @@ def main() -> int:
         "python": platform.python_version(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    Path(args.out).write_text(
-        json.dumps({"meta": meta, "cells": [asdict(c) for c in cells]}, indent=1) + "\n"
-    )
+    out = Path(args.out)
+    runs = json.loads(out.read_text())["runs"] if args.append and out.exists() else []
+    runs.append({"meta": meta, "cells": [asdict(c) for c in cells]})
+    out.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     print(table(cells))
     return 0
 
