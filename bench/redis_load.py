@@ -56,9 +56,10 @@ Measured per cell over ``--seconds`` (after the slices settled):
 - the lease hashes in Redis under the cell's prefix (2 x R expected, each with G
   holders).
 
-The machine has 2 cores and the client and Redis share them; a real deployment spreads
-the G gateways over G processes (and hosts), so a saturated client here bounds what is
-asked of Redis, and says nothing of Redis.
+The machine has 2 cores and the client and Redis share them (and with whatever else runs
+there: the machine's busy cores over the window, less the two, are reported as others'
+CPU); a real deployment spreads the G gateways over G processes (and hosts), so a
+saturated client here bounds what is asked of Redis, and says nothing of Redis.
 
     PYTHONPATH=. .venv/bin/python bench/redis_load.py [--gateways 1 5 10 20] \\
         [--replicas 10 100 1000] [--seconds 10] [--interval 0.5] \\
@@ -358,6 +359,8 @@ class Cell:
     records_memory_mb: float  # what the cell's records added (used_memory's delta)
     lease_keys_mb: float  # MEMORY USAGE of the lease hashes (a sample of 200, scaled)
     client_cpu_core: float
+    machine_cpu_cores: float  # the whole machine's busy cores over the window
+    others_cpu_cores: float  # of which neither the client nor Redis (other jobs, probe)
     loop_lag_ms_p99: float
     queue_depth_mean: float  # per gateway, sampled
     held_requests: int  # admitted and held at the window's end, all gateways
@@ -446,6 +449,18 @@ async def _info(r: aioredis.Redis, section: str) -> dict[str, Any]:
     return out
 
 
+def _machine_busy_s() -> float:
+    """CPU seconds every core of this machine spent busy so far (/proc/stat; 0 where
+    there is none): over a window, less the client's and Redis's, what others ran."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return 0.0
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu(info: dict[str, Any]) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
@@ -515,6 +530,7 @@ async def run_cell(
         await admin.config_resetstat()
         cpu0 = _cpu(await _info(admin, "cpu"))
         p0 = time.process_time()
+        m0 = _machine_busy_s()
         w0 = time.perf_counter()
         t0 = loop.time()
         for gw in gws:
@@ -541,6 +557,7 @@ async def run_cell(
                 trips[name] = trips.get(name, 0) + n - c0.get(name, 0)
         client_cpu = (time.process_time() - p0) / wall
         redis_cpu = (_cpu(await _info(admin, "cpu")) - cpu0) / wall
+        machine_cpu = (_machine_busy_s() - m0) / wall
         stats = await _info(admin, "commandstats")
         script_lat = (await _info(admin, "latencystats")).get(
             "latency_percentiles_usec_evalsha", {}
@@ -629,6 +646,8 @@ async def run_cell(
         records_memory_mb=(mem1 - mem0) / 2**20,
         lease_keys_mb=keys_bytes / 2**20,
         client_cpu_core=client_cpu,
+        machine_cpu_cores=machine_cpu,
+        others_cpu_cores=max(0.0, machine_cpu - client_cpu - redis_cpu),
         loop_lag_ms_p99=1e3 * _q(lags, 0.99),
         queue_depth_mean=statistics.fmean(depths) if depths else 0.0,
         held_requests=held,
@@ -646,7 +665,7 @@ HEADER = (
     "| records/s | renewal ms p50 / p99 | of it Redis wait ms p50 / p99 "
     "| lease script RTT ms p50 / p99 | Python ms p50 / p99 | script on server ms mean / p99 "
     "| PING ms p50 / p99 / max "
-    "| Redis CPU (cores) | client CPU (cores) | loop lag p99 ms "
+    "| Redis CPU (cores) | client CPU (cores) | others' CPU (cores) | loop lag p99 ms "
     "| over interval / late gaps | max gap s | lease keys (MB) | used_memory MB |"
 )
 
@@ -664,7 +683,8 @@ def row(c: Cell) -> str:
         f"| {c.python_ms_p50:.1f} / {c.python_ms_p99:.1f} "
         f"| {c.redis_script_us_per_call / 1e3:.1f} / {c.redis_script_us_p99 / 1e3:.1f} "
         f"| {c.ping_ms_p50:.2f} / {c.ping_ms_p99:.1f} / {c.ping_ms_max:.0f} "
-        f"| {c.redis_cpu_core:.2f} | {c.client_cpu_core:.2f} | {c.loop_lag_ms_p99:.1f} "
+        f"| {c.redis_cpu_core:.2f} | {c.client_cpu_core:.2f} | {c.others_cpu_cores:.2f} "
+        f"| {c.loop_lag_ms_p99:.1f} "
         f"| {c.over_interval} / {c.late_gaps} | {c.max_gap_s:.2f} "
         f"| {c.lease_keys} ({c.lease_keys_mb:.1f}) | {c.used_memory_mb:.1f} |"
     )
