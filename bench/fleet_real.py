@@ -14,7 +14,8 @@ The rig, all on this machine:
   (`enginesim.workloads.seed2_workload`, a new draw per ``--seed``) arriving open-loop
   (Poisson) at ``--load`` of the fleet's capacity, that capacity being one replica's
   best requests/s on these requests (found in the engine's own virtual time,
-  `enginesim.simulate.run_closed_loop` at concurrency 4-24) times the replicas. Each
+  `enginesim.simulate.run_closed_loop` at concurrency 4-24) times the replicas: the
+  arrivals of the virtual-time cell (`bench.fleet_vt.Engines.arrivals`). Each
   request states its timeout as the openai SDKs do (``x-stainless-read-timeout``: 45
   of the engine's seconds, seed 001's client, in wall seconds) and is served or lost
   within it from its first arrival; a 429/503 is retried after its Retry-After, twice at
@@ -65,9 +66,9 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.fleet_vt import Engines  # noqa: E402
 from enginesim.profiles import load_profile  # noqa: E402
-from enginesim.simulate import run_closed_loop  # noqa: E402
-from enginesim.workloads import WorkItem, seed2_workload  # noqa: E402
+from enginesim.workloads import WorkItem  # noqa: E402
 from gateway.state.backend import StateUnavailable  # noqa: E402
 from gateway.state.redis import RedisBackend  # noqa: E402
 from kvgate_demo.demo import (  # noqa: E402
@@ -88,34 +89,10 @@ SNAPSHOT_S = 0.05
 LEASE_SCRIPT_CALLS = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall")
 
 
-def capacity_rps(seed: int) -> float:
-    """One replica's best requests/s on these requests, in the engine's own seconds."""
-    items = seed2_workload(200, seed=seed + 1000)
-    best = 0.0
-    for c in (4, 8, 12, 16, 24):
-        r = run_closed_loop(PROFILE, items, c, DEFAULT_TIMEOUT_S)
-        best = max(best, r.completed / r.wall_time)
-    return best
-
-
 @dataclass
 class Arrival:
     at: float  # wall seconds from the start
     item: WorkItem
-
-
-def arrivals(seconds: float, rate: float, seed: int) -> list[Arrival]:
-    rng = random.Random(seed)
-    out, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= seconds:
-            break
-        out.append(Arrival(t, None))  # type: ignore[arg-type]
-    items = seed2_workload(len(out), seed=seed)
-    for a, it in zip(out, items, strict=True):
-        a.item = it
-    return out
 
 
 def start_redis(workdir: Path) -> Process:
@@ -425,9 +402,11 @@ def table(cells: list[Cell]) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    rate = args.load * capacity_rps(args.seed) * args.speed * args.replicas
-    work = arrivals(args.seconds, rate, args.seed)
-    print(f"{len(work)} arrivals at {rate:.2f}/s over {args.seconds:.0f} s", flush=True)
+    engines = Engines(PROFILE, args.speed, DEFAULT_TIMEOUT_S)
+    timed = engines.arrivals(args.seconds, args.replicas, args.load, args.seed)
+    work = [Arrival(t, item) for t, item in timed]
+    rate = len(work) / args.seconds
+    print(f"{len(work)} arrivals ({rate:.2f}/s) over {args.seconds:.0f} s", flush=True)
     cells: list[Cell] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-fleet-") as tmp:
         workdir = Path(tmp)

@@ -77,7 +77,7 @@ from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
 from enginesim.simulate import run_closed_loop
 from enginesim.types import EventKind, SimRequest, StepResult
-from enginesim.workloads import seed2_workload
+from enginesim.workloads import WorkItem, seed2_workload
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
 from gateway.state import MemoryBackend
@@ -131,8 +131,11 @@ class Engines:
             best = max(best, r.completed / r.wall_time)
         return best
 
-    def workload(self, seconds: float, replicas: int, load: float, seed: int) -> list[Work]:
-        """Poisson arrivals (gateway seconds) at `load` of the fleet's best requests/s."""
+    def arrivals(
+        self, seconds: float, replicas: int, load: float, seed: int
+    ) -> list[tuple[float, WorkItem]]:
+        """Poisson arrival times (gateway seconds) at `load` of the fleet's best
+        requests/s, each with its request (bench/fleet_real.py sends the same)."""
         rate = load * self.capacity_rps(seed) * self.speed * replicas
         rng = random.Random(seed)
         at, t = [], 0.0
@@ -141,10 +144,12 @@ class Engines:
             if t >= seconds:
                 break
             at.append(t)
-        items = seed2_workload(len(at), seed=seed)
+        return list(zip(at, seed2_workload(len(at), seed=seed), strict=True))
+
+    def workload(self, seconds: float, replicas: int, load: float, seed: int) -> list[Work]:
         return [
             Work(t, len(it.prompt_token_ids), it.output_tokens, it.prompt_token_ids)
-            for t, it in zip(at, items, strict=True)
+            for t, it in self.arrivals(seconds, replicas, load, seed)
         ]
 
 
