@@ -66,7 +66,9 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.fleet_vt import Engines  # noqa: E402
+from bench.cpu_share import snapshot  # noqa: E402
+from bench.fleet_vt import Engines, spread  # noqa: E402
+from bench.shared_pool import start_redis  # noqa: E402
 from enginesim.profiles import load_profile  # noqa: E402
 from enginesim.workloads import WorkItem  # noqa: E402
 from gateway.state.backend import StateUnavailable  # noqa: E402
@@ -80,6 +82,7 @@ from kvgate_demo.demo import (  # noqa: E402
     stopping,
     wait_http,
 )
+from loadtests.replay import _retry_after  # noqa: E402
 
 PROFILE = "seed2-8b-16gb"
 ADMIN = "bench-admin"
@@ -93,16 +96,6 @@ LEASE_SCRIPT_CALLS = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall")
 class Arrival:
     at: float  # wall seconds from the start
     item: WorkItem
-
-
-def start_redis(workdir: Path) -> Process:
-    port = free_port()
-    popen = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    return Process("redis", popen, f"redis://127.0.0.1:{port}/0")
 
 
 def config(replicas: list[str], redis_url: str | None, prefix: str, port: int) -> dict[str, Any]:
@@ -129,12 +122,8 @@ def launch_gateway(cfg: dict[str, Any], workdir: Path, name: str) -> Process:
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process (Linux /proc), 0 if it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of a live process so far (bench/cpu_share.py reads /proc), 0 if gone."""
+    return snapshot({"p": [pid]})["p"][0]
 
 
 @dataclass
@@ -175,18 +164,9 @@ class Balancer:
         self.rng = rng
 
     def pick(self, t: float) -> int:
-        w = [1.0 / (i + 1) for i in range(len(self.urls))]
-        if t >= self.seconds / 2:
-            w.reverse()
+        w = spread(len(self.urls), t, self.seconds)
         live = [g for g in range(len(self.urls)) if g not in self.down]
         return self.rng.choices(live, [w[g] for g in live])[0]
-
-
-def _retry_after(headers: Any) -> float:
-    ms = headers.get("retry-after-ms")
-    if ms is not None:
-        return float(ms) / 1000.0
-    return float(headers.get("retry-after", "1"))
 
 
 def _code(raw: bytes) -> str:
@@ -232,7 +212,7 @@ async def one_request(
                     cell.served += 1
                     latencies.append(loop.time() - t0 - a.at)
                     return
-                after = _retry_after(r.headers) if r.status in (429, 503) else math.inf
+                after = _retry_after(r.headers, 1.0) if r.status in (429, 503) else math.inf
                 if attempt < SDK_RETRIES and loop.time() + after < deadline:
                     cell.shed_retries += 1
                     attempt += 1
@@ -321,7 +301,7 @@ async def run_cell(
         pids = {"replicas": [r.popen.pid for r in replicas]}
         if redis is not None:
             pids["redis"] = [redis.popen.pid]
-        cpu0 = {k: sum(cpu_s(p) for p in v) for k, v in pids.items()}
+        cpu0 = {k: cpu for k, (cpu, _) in snapshot(pids).items()}
         gw_cpu = [cpu_s(g.popen.pid) for g in gws]
         client0 = time.process_time()
         stop = asyncio.Event()
@@ -361,7 +341,7 @@ async def run_cell(
         cell.cpu_gateways = (
             sum(cpu_s(g.popen.pid) - c for g, c in zip(gws, gw_cpu, strict=True)) / wall
         )
-        cpu1 = {k: sum(cpu_s(p) for p in v) for k, v in pids.items()}
+        cpu1 = {k: cpu for k, (cpu, _) in snapshot(pids).items()}
         cell.cpu_replicas = (cpu1["replicas"] - cpu0["replicas"]) / wall
         cell.cpu_redis = (cpu1.get("redis", 0.0) - cpu0.get("redis", 0.0)) / wall
         cell.preemptions = sum([await engine_counter(u, "vllm:num_preemptions") for u in urls])
@@ -414,7 +394,7 @@ async def main_async(args: argparse.Namespace) -> int:
             start_replica(PROFILE, args.speed, log=workdir / f"replica-{k}.log")
             for k in range(args.replicas)
         ]
-        redis = start_redis(workdir)
+        redis = start_redis(free_port(), workdir)
         with stopping(redis, *replicas):
             for r in replicas:
                 await wait_http(r.url + "/health", proc=r)

@@ -166,6 +166,13 @@ def workload(seconds: float, capacity: int, load: float, rng: random.Random) -> 
         out.append(Work(t, rng.randint(200, 4_000), rng.randint(20, 400)))
 
 
+def spread(gateways: int, t: float, seconds: float) -> list[float]:
+    """The load balancer's weights at `t`: gateway g in proportion to 1/(g+1), as
+    hashing spreads clients unevenly, turned around at half of `seconds`."""
+    w = [1.0 / (i + 1) for i in range(gateways)]
+    return w if t < seconds / 2 else w[::-1]
+
+
 @dataclass
 class Gateway:
     door: AdmissionDoor
@@ -380,7 +387,7 @@ def run_cell(
         """One attempt through a live gateway the balancer picks (by this moment's
         spread), with the deadline of the request's first arrival."""
         alive = [g for g in range(n_gw) if gws[g].alive]
-        ws = weights(clock[0])
+        ws = spread(n_gw, clock[0], seconds)
         g = rng.choices(alive, [ws[a] for a in alive])[0]
         req = AdmissionRequest(
             rid,
@@ -418,19 +425,17 @@ def run_cell(
 
     def renew_due(force: bool = False) -> None:
         """Each live gateway's lease loop at its tick: a renewal where `renewal_due` says
-        (or `force`: a process's first), client patience left out (no client leaves)."""
+        (or `force`: a process's first), the interval's with client patience, as the
+        loop's task renews (`StateSync._run`)."""
         nonlocal renew_calls, records
         for gw in gws:
             if gw.alive and gw.sync is not None:
-                if force or gw.sync.renewal_due(clock[0]) is not None:
-                    _finish(gw.sync.renew(patience=False))
+                due = True if force else gw.sync.renewal_due(clock[0])
+                if due is not None:
+                    _finish(gw.sync.renew(patience=due))
                     renew_calls += 1
                     records += 2 * n_rep
         settle()
-
-    def weights(t: float) -> list[float]:
-        w = [1.0 / (i + 1) for i in range(n_gw)]
-        return w if t < seconds / 2 else w[::-1]
 
     kill_at = seconds / 3 if n_gw > 1 and kill else math.inf
     restart_at = kill_at + RESTART_AFTER_S
@@ -467,9 +472,10 @@ def run_cell(
             again = [w for _, _, w in gw.inflight.values()] + list(gw.queued.values())
             for rid, (rep, tokens, _) in gw.inflight.items():
                 held[rep] -= tokens
-                if rid in owner:
-                    cores[rep].abort(rid, clock[0])
-                    owner.pop(rid)
+                if owner.pop(rid, None) is not None:
+                    assert engines is not None
+                    cores[rep].abort(rid, clock[0] * engines.speed)
+                    admitted_at.pop(rid, None)
                     kick(rep)
             gw.inflight.clear()
             killed += len(again)

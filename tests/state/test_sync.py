@@ -630,10 +630,10 @@ async def test_a_redis_that_restarted_between_two_renewals_is_rebuilt_within_one
         server.stop()
 
 
-async def test_queues_are_asked_of_some_replicas_not_split_over_all() -> None:
-    """Four processes, eight replicas of 1,000 tokens, one request of 400 queued in each.
-    Each asked every replica for its whole queue: every pool went four ways, in slices of
-    250 that held no request, and nothing started (bench/fleet_vt.py at ten gateways)."""
+def four_processes_on_eight_replicas(
+    max_running: int,
+) -> tuple[list[AdmissionController], list[StateSync]]:
+    """Four processes on one backend, each with eight replicas of 1,000 tokens."""
     backend = MemoryBackend()
     cs = []
     for _ in range(4):
@@ -641,15 +641,16 @@ async def test_queues_are_asked_of_some_replicas_not_split_over_all() -> None:
             AdmissionConfig(headroom=0.0, learn_limit=False), default_profile(seed=3), seed=3
         )
         for k in range(8):
-            c.upsert_replica(replica(f"r{k}", 1000, max_running=10), 0.0)
+            c.upsert_replica(replica(f"r{k}", 1000, max_running=max_running), 0.0)
         cs.append(c)
-    syncs = [sync(backend, c, f"p{i}") for i, c in enumerate(cs)]
-    for _ in range(2):  # idle: each holds a quarter of every pool
-        for s in syncs:
-            await s.renew()
-    assert shares(*cs) == [250] * 4
+    return cs, [sync(backend, c, f"p{i}") for i, c in enumerate(cs)]
+
+
+async def each_starts_one_of_400(syncs: list[StateSync]) -> None:
+    """A request of 400 queued in each process starts within three renewal rounds (the
+    others' slices there shrink as each renews)."""
     waiting = [await queue(s, request(f"q{i}", 300, 100)) for i, s in enumerate(syncs)]
-    for _ in range(3):  # the others' slices there shrink as each renews
+    for _ in range(3):
         for s in syncs:
             await s.renew()
     await asyncio.sleep(0)  # the admitted requests' handlers take their verdicts
@@ -659,6 +660,18 @@ async def test_queues_are_asked_of_some_replicas_not_split_over_all() -> None:
         s.door.release(f"q{i}")
 
 
+async def test_queues_are_asked_of_some_replicas_not_split_over_all() -> None:
+    """Four processes, eight replicas of 1,000 tokens, one request of 400 queued in each.
+    Each asked every replica for its whole queue: every pool went four ways, in slices of
+    250 that held no request, and nothing started (bench/fleet_vt.py at ten gateways)."""
+    cs, syncs = four_processes_on_eight_replicas(max_running=10)
+    for _ in range(2):  # idle: each holds a quarter of every pool
+        for s in syncs:
+            await s.renew()
+    assert shares(*cs) == [250] * 4
+    await each_starts_one_of_400(syncs)
+
+
 async def test_a_running_limit_smaller_than_the_processes_is_asked_where_the_queue_is() -> None:
     """Four processes, eight replicas of 1,000 tokens running at most two each, one
     request of 400 queued in each process. Each asked every replica for a running slot
@@ -666,28 +679,11 @@ async def test_a_running_limit_smaller_than_the_processes_is_asked_where_the_que
     two processes by the grant's tie order, and the other two held pool slices where they
     had no slot and started nothing (bench/fleet_vt.py with engines at twenty gateways).
     Asked where its tokens are asked, each process starts its request."""
-    backend = MemoryBackend()
-    cs = []
-    for _ in range(4):
-        c = AdmissionController(
-            AdmissionConfig(headroom=0.0, learn_limit=False), default_profile(seed=3), seed=3
-        )
-        for k in range(8):
-            c.upsert_replica(replica(f"r{k}", 1000, max_running=2), 0.0)
-        cs.append(c)
-    syncs = [sync(backend, c, f"p{i}") for i, c in enumerate(cs)]
+    cs, syncs = four_processes_on_eight_replicas(max_running=2)
     for _ in range(2):  # idle: two slots four ways, none each
         for s in syncs:
             await s.renew()
-    waiting = [await queue(s, request(f"q{i}", 300, 100)) for i, s in enumerate(syncs)]
-    for _ in range(3):
-        for s in syncs:
-            await s.renew()
-    await asyncio.sleep(0)
-    verdicts = [t.result()[0] if t.done() else None for t in waiting]
-    assert all(isinstance(v, Admit) for v in verdicts), verdicts
-    for i, s in enumerate(syncs):
-        s.door.release(f"q{i}")
+    await each_starts_one_of_400(syncs)
 
 
 class _Clock:
