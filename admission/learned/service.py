@@ -11,11 +11,14 @@ finish in time.
 
 Least squares over the last `size` completions, both slopes kept non-negative (a
 negative slope is a fit to noise: the better of the one-term fits replaces it). A
-prediction adds the ``quantile`` of the residuals, so it is an upper estimate rather than
-a typical one. Each sample carries the load it was served under (requests the replica
-runs at once: `Replica.serving_load`); a prediction for a higher load scales up in
-proportion (the share each request gets shrinks as the batch grows), never down. The
-fit is refreshed lazily, at most once per added sample. Time to first token is the same model fed no output tokens.
+prediction adds the largest residual, so it is an upper estimate rather than a typical
+one. Each sample carries the load it was served under (requests the replica runs at
+once: `Replica.serving_load`); a prediction for a higher load scales up in proportion
+(the share each request gets shrinks as the batch grows), never down. The fit is
+refreshed lazily, at most once per added sample, and in two passes over the samples:
+the plane's sums, then its residuals and the elasticity's sums together (a completion
+pays for one refit, and the gateway's hot path for every completion). Time to first
+token is the same model fed no output tokens.
 """
 
 from __future__ import annotations
@@ -39,30 +42,17 @@ class Plane(NamedTuple):
 class ServiceModel:
     """Service seconds against (prompt, output) tokens, fitted to recent completions."""
 
-    __slots__ = (
-        "_prompts",
-        "_outputs",
-        "_ys",
-        "_loads",
-        "_ran",
-        "_quantile",
-        "_fit",
-        "_margin",
-        "_elasticity",
-        "_stale",
-    )
+    __slots__ = ("_prompts", "_outputs", "_ys", "_loads", "_ran", "_fit", "_margin", "_elasticity")
 
-    def __init__(self, size: int = 64, quantile: float = 1.0) -> None:
+    def __init__(self, size: int = 64) -> None:
         self._prompts: deque[float] = deque(maxlen=size)
         self._outputs: deque[float] = deque(maxlen=size)
         self._ys: deque[float] = deque(maxlen=size)
         self._loads: deque[float] = deque(maxlen=size)
         self._ran: deque[float] = deque(maxlen=size)  # requests running beside it, mean
-        self._quantile = quantile
         self._fit: tuple[Plane, float] | None = None
         self._margin = 0.0
         self._elasticity = 1.0  # in proportion until the samples' loads tell
-        self._stale = False
 
     def __len__(self) -> int:
         return len(self._ys)
@@ -84,7 +74,6 @@ class ServiceModel:
         self._loads.append(max(1.0, load))
         self._ran.append(max(1.0, load if ran is None else ran))
         self._fit = None
-        self._stale = True
 
     def predict(self, prompt: float, output: float = 0.0, load: float = 1.0) -> float:
         """Upper estimate of the service of a request of `prompt` and `output` tokens at
@@ -97,9 +86,7 @@ class ServiceModel:
         samples."""
         if not self._ys:
             return None
-        if self._fit is None:
-            self._fit = self._refit()
-        plane, fitted_load = self._fit
+        plane, fitted_load = self._fit or self._refit()
         scale = max(1.0, load / fitted_load)
         return Plane(plane.base * scale, plane.per_prompt * scale, plane.per_output * scale)
 
@@ -109,12 +96,10 @@ class ServiceModel:
         so this is a low one: an aim it widens is never too wide); 0 without samples."""
         if not self._ys:
             return 0.0
-        if self._fit is None:
-            self._fit = self._refit()
-        (base, a, b), _ = self._fit
+        (base, a, b), _ = self._fit or self._refit()
         typical = max(0.0, base - self._margin + a * prompt + b * output)
         mean = sum(self._ran) / len(self._ran)
-        return typical * (1.0 - self.elasticity() * (1.0 - 1.0 / mean))
+        return typical * (1.0 - self._elasticity * (1.0 - 1.0 / mean))
 
     def elasticity(self) -> float:
         """How service grows with the load, as the share of a proportional growth: 1 where
@@ -124,34 +109,9 @@ class ServiceModel:
         relative service against the plane's against their relative load); 1 until the
         samples were served at loads at least a tenth apart, and the last such fit while
         they are not (a limit that holds still is no evidence against it)."""
-        if self._stale and self._ys:
-            self._stale = False
-            fitted = self._fit_elasticity()
-            if fitted is not None:
-                self._elasticity = fitted
+        if self._fit is None and self._ys:
+            self._refit()
         return self._elasticity
-
-    def _fit_elasticity(self) -> float | None:
-        if self._fit is None:
-            self._fit = self._refit()
-        (base, a, b), _ = self._fit
-        base -= self._margin
-        mean = sum(self._ran) / len(self._ran)
-        xs: list[float] = []
-        es: list[float] = []
-        for p, o, y, ran in zip(self._prompts, self._outputs, self._ys, self._ran, strict=True):
-            typical = base + a * p + b * o
-            if typical > 0:
-                xs.append(ran / mean - 1.0)
-                es.append(y / typical - 1.0)
-        n = len(xs)
-        sxx = sum(x * x for x in xs)
-        if n < 3 or sxx < 0.01 * n:  # loads within about a tenth of each other
-            return None
-        k = sum(x * e for x, e in zip(xs, es, strict=True)) / sxx
-        # Its upper estimate (two standard errors): a noisy fit never understates growth.
-        spread = sum((e - k * x) ** 2 for x, e in zip(xs, es, strict=True)) / (n - 2)
-        return min(1.0, max(0.0, k + 2.0 * math.sqrt(spread / sxx)))
 
     def _refit(self) -> tuple[Plane, float]:
         ps, os_, ys = self._prompts, self._outputs, self._ys
@@ -185,8 +145,31 @@ class ServiceModel:
                 options.append((a, b))
         a, b = min(options, key=lambda ab: sse(*ab))
         base = my - a * mp - b * mo
-        residuals = sorted(y - (base + a * p + b * o) for p, o, y in zip(ps, os_, ys, strict=True))
-        idx = min(n - 1, max(0, math.ceil(self._quantile * n) - 1))
-        margin = max(0.0, residuals[idx])
+        # The second pass: the largest residual (the margin), and the elasticity's sums:
+        # x, the load it ran beside relative to the mean; e, its service relative to
+        # the plane's typical one, where that is positive.
+        mean_ran = sum(self._ran) / n
+        worst = -math.inf
+        used = 0
+        sxx = sxe = see = 0.0
+        for p, o, y, ran in zip(ps, os_, ys, self._ran, strict=True):
+            typical = base + a * p + b * o
+            if y - typical > worst:
+                worst = y - typical
+            if typical > 0:
+                x = ran / mean_ran - 1.0
+                e = y / typical - 1.0
+                used += 1
+                sxx += x * x
+                sxe += x * e
+                see += e * e
+        margin = max(0.0, worst)
         self._margin = margin
-        return Plane(base + margin, a, b), sum(self._loads) / n
+        if used >= 3 and sxx >= 0.01 * used:  # else loads within about a tenth of each other
+            k = sxe / sxx
+            # Its upper estimate (two standard errors): a noisy fit never understates
+            # growth. The residuals' squares, sum (e - k x)^2, are see - k sxe.
+            spread = max(0.0, see - k * sxe) / (used - 2)
+            self._elasticity = min(1.0, max(0.0, k + 2.0 * math.sqrt(spread / sxx)))
+        self._fit = (Plane(base + margin, a, b), sum(self._loads) / n)
+        return self._fit

@@ -152,3 +152,43 @@ def test_a_requests_service_alone_is_its_service_less_what_the_load_adds(slope: 
         truth = served(p, o) * (1 - slope * 5 / 6)
         assert truth * (1 - 0.15 * 5 / 6) - 0.05 <= model.alone(p, o) <= truth * 1.05 + 0.01
     assert ServiceModel().alone(1000, 100) == 0.0
+
+
+def _elasticity_two_passes(samples: list[tuple[int, int, float, float]], model: ServiceModel):
+    """The elasticity as its docstring defines it, in the plain two passes: relative load
+    x against relative service e over the plane less its margin, the slope through the
+    origin plus two standard errors of its residuals."""
+    plane = model.plane(1.0)
+    assert plane is not None
+    base = plane.base - model._margin  # the fitted plane less its margin
+    mean = sum(s[3] for s in samples) / len(samples)
+    pairs = []
+    for p, o, y, ran in samples:
+        typical = base + plane.per_prompt * p + plane.per_output * o
+        if typical > 0:
+            pairs.append((ran / mean - 1.0, y / typical - 1.0))
+    sxx = sum(x * x for x, _ in pairs)
+    k = sum(x * e for x, e in pairs) / sxx
+    spread = sum((e - k * x) ** 2 for x, e in pairs) / (len(pairs) - 2)
+    return min(1.0, max(0.0, k + 2.0 * (spread / sxx) ** 0.5))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_one_pass_fit_is_the_two_pass_definition(seed: int) -> None:
+    """The refit takes the margin and the elasticity's sums in one pass (it runs per
+    completion, on the hot path): the same numbers as the definitions, to rounding."""
+    rng = random.Random(seed)
+    model = ServiceModel()
+    samples = []
+    for _ in range(64):
+        p, o, ran = rng.randint(100, 4000), rng.randint(1, 400), rng.uniform(1.0, 24.0)
+        y = served(p, o) * (1 + rng.uniform(0.0, 1.0) * (ran / 8 - 1)) * rng.uniform(0.9, 1.1)
+        model.add(p, o, y, load=ran, ran=ran)
+        samples.append((p, o, y, ran))
+    plane = model.plane(1.0)
+    assert plane is not None
+    worst = max(
+        y - (plane.base + plane.per_prompt * p + plane.per_output * o) for p, o, y, _ in samples
+    )
+    assert abs(worst) < 1e-9  # the margin lifts the plane onto its worst sample
+    assert model.elasticity() == pytest.approx(_elasticity_two_passes(samples, model), rel=1e-9)
