@@ -15,10 +15,12 @@ prediction adds the largest residual, so it is an upper estimate rather than a t
 one. Each sample carries the load it was served under (requests the replica runs at
 once: `Replica.serving_load`); a prediction for a higher load scales up in proportion
 (the share each request gets shrinks as the batch grows), never down. The fit is
-refreshed lazily, at most once per added sample, and in two passes over the samples:
-the plane's sums, then its residuals and the elasticity's sums together (a completion
-pays for one refit, and the gateway's hot path for every completion). Time to first
-token is the same model fed no output tokens.
+refreshed lazily, at most once per added sample (the gateway's hot path pays one per
+completion): the plane's sums slide with the window, kept exact in integers (tokens,
+and seconds in nanoseconds), so a refit reads them in constant time and a column that
+stops varying sums to exactly zero; one pass over the samples then takes the residuals
+and the elasticity's sums together. Time to first token is the same model fed no
+output tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from typing import NamedTuple
+
+_NS = 1_000_000_000  # seconds are summed in integer nanoseconds: exact sums that slide
 
 
 class Plane(NamedTuple):
@@ -42,14 +46,26 @@ class Plane(NamedTuple):
 class ServiceModel:
     """Service seconds against (prompt, output) tokens, fitted to recent completions."""
 
-    __slots__ = ("_prompts", "_outputs", "_ys", "_loads", "_ran", "_fit", "_margin", "_elasticity")
+    __slots__ = (
+        "_prompts",
+        "_outputs",
+        "_ys",
+        "_loads",
+        "_ran",
+        "_sums",
+        "_fit",
+        "_margin",
+        "_elasticity",
+    )
 
     def __init__(self, size: int = 64) -> None:
-        self._prompts: deque[float] = deque(maxlen=size)
-        self._outputs: deque[float] = deque(maxlen=size)
+        self._prompts: deque[int] = deque(maxlen=size)
+        self._outputs: deque[int] = deque(maxlen=size)
         self._ys: deque[float] = deque(maxlen=size)
         self._loads: deque[float] = deque(maxlen=size)
         self._ran: deque[float] = deque(maxlen=size)  # requests running beside it, mean
+        # Over the window, in integers: p, o, y (ns), pp, oo, po, py, oy, yy.
+        self._sums = [0] * 9
         self._fit: tuple[Plane, float] | None = None
         self._margin = 0.0
         self._elasticity = 1.0  # in proportion until the samples' loads tell
@@ -68,12 +84,29 @@ class ServiceModel:
         """One completion: served at `load` (what predictions scale by), beside `ran`
         requests on average while it ran (what the elasticity is fitted to; `load` if
         not given)."""
-        self._prompts.append(prompt)
-        self._outputs.append(output)
-        self._ys.append(seconds)
+        ps, os_, ys = self._prompts, self._outputs, self._ys
+        if len(ys) == ys.maxlen:  # the oldest leaves the window, and its terms the sums
+            self._slide(ps[0], os_[0], round(ys[0] * _NS), -1)
+        p, o = round(prompt), round(output)
+        self._slide(p, o, round(seconds * _NS), 1)
+        ps.append(p)
+        os_.append(o)
+        ys.append(seconds)
         self._loads.append(max(1.0, load))
         self._ran.append(max(1.0, load if ran is None else ran))
         self._fit = None
+
+    def _slide(self, p: int, o: int, y: int, sign: int) -> None:
+        s = self._sums
+        s[0] += sign * p
+        s[1] += sign * o
+        s[2] += sign * y
+        s[3] += sign * p * p
+        s[4] += sign * o * o
+        s[5] += sign * p * o
+        s[6] += sign * p * y
+        s[7] += sign * o * y
+        s[8] += sign * y * y
 
     def predict(self, prompt: float, output: float = 0.0, load: float = 1.0) -> float:
         """Upper estimate of the service of a request of `prompt` and `output` tokens at
@@ -116,16 +149,16 @@ class ServiceModel:
     def _refit(self) -> tuple[Plane, float]:
         ps, os_, ys = self._prompts, self._outputs, self._ys
         n = len(ys)
-        mp, mo, my = sum(ps) / n, sum(os_) / n, sum(ys) / n
-        spp = soo = spo = spy = soy = syy = 0.0
-        for p, o, y in zip(ps, os_, ys, strict=True):
-            dp, do, dy = p - mp, o - mo, y - my
-            spp += dp * dp
-            soo += do * do
-            spo += dp * do
-            spy += dp * dy
-            soy += do * dy
-            syy += dy * dy
+        sp, so, sy, sqp, sqo, spo_, spy_, soy_, sqy = self._sums
+        mp, mo, my = sp / n, so / n, sy / n / _NS
+        # The centred sums, n * sum((u - mean u)(v - mean v)) = n * sum(uv) - sum(u) sum(v),
+        # exact in integers before the one division that makes each a float.
+        spp = (n * sqp - sp * sp) / n
+        soo = (n * sqo - so * so) / n
+        spo = (n * spo_ - sp * so) / n
+        spy = (n * spy_ - sp * sy) / n / _NS
+        soy = (n * soy_ - so * sy) / n / _NS
+        syy = (n * sqy - sy * sy) / n / _NS / _NS
 
         def sse(a: float, b: float) -> float:
             return syy - 2 * a * spy - 2 * b * soy + a * a * spp + 2 * a * b * spo + b * b * soo

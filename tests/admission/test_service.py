@@ -192,3 +192,21 @@ def test_the_one_pass_fit_is_the_two_pass_definition(seed: int) -> None:
     )
     assert abs(worst) < 1e-9  # the margin lifts the plane onto its worst sample
     assert model.elasticity() == pytest.approx(_elasticity_two_passes(samples, model), rel=1e-9)
+
+
+def test_a_column_that_stops_varying_has_no_slope_at_all() -> None:
+    """The plane's sums slide with the window: once the prompts that varied have left it,
+    the prompt's sums are exactly those of one length, and no slope is fitted to the
+    rounding a sliding float sum would leave (a slope of noise over noise)."""
+    rng = random.Random(5)
+    model = ServiceModel()
+    for _ in range(200):
+        p, o = rng.randint(100, 40_000), rng.randint(1, 400)
+        model.add(p, o, served(p, o) * rng.uniform(0.9, 1.1))
+    for _ in range(64):
+        o = rng.randint(1, 400)
+        model.add(3_000, o, served(3_000, o) * rng.uniform(0.9, 1.1))
+    plane = model.plane()
+    assert plane is not None
+    assert plane.per_prompt == 0.0
+    assert plane.per_output == pytest.approx(PER_OUTPUT, rel=0.1)
