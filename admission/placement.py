@@ -21,6 +21,7 @@ from typing import Protocol
 from admission.ledger import Ledger
 from admission.replica import Replica
 from admission.types import AdmissionRequest, Admit
+from admission.views import ModelView
 from routing.types import Router
 
 # `Placement.place`'s answer when replicas fit but routing's filters rejected them all.
@@ -73,6 +74,9 @@ class Placement:
         Routing scores a shortlist (admission/candidates.py): the first
         ``SHORTLIST_PER_ORDER`` fitting replicas by KV headroom and by running headroom,
         plus those routing names (`Router.hints`); only those candidates are refreshed.
+        The KV order is walked only while a replica's free share of the largest pool
+        could hold the request's smallest reservation (`_least_need`): where every
+        slice is full the decision looks at none, not at every replica.
         When routing rejects the whole shortlist and replicas outside it fit, it is asked
         again with all of them. None when nothing fits now; `REJECTED` when replicas fit
         but routing rejected every one of them. Replicas in ``req.avoid`` are blocked
@@ -86,11 +90,19 @@ class Placement:
         reps = ledger.replicas
         fit: dict[str, bool] = {}
         short: list[Replica] = []
-        complete = True  # every replica of the model was examined
+        complete = True  # every replica of the model was examined, or shown not to fit
+        pruned = False  # some were shown not to fit without being examined
+        least = _least_need(view, req)
+        largest = view.largest_pool
         k = SHORTLIST_PER_ORDER
-        for order in (view.order.by_free(), view.order.by_run()):
+        for order, by_free in ((view.order.by_free(), True), (view.order.by_run(), False)):
             got = 0
-            for _, name in order:
+            for key, name in order:
+                if by_free and -key * largest + 1 < least:
+                    # Most free first: none from here on has the tokens it needs (its free
+                    # fraction of the largest pool is less), so none is examined.
+                    pruned = True
+                    break
                 ok = fit.get(name)
                 if ok is None:
                     rep = reps.get(name)
@@ -144,7 +156,7 @@ class Placement:
         if req.prefix_hashes:
             # Only when a replica routing may prefer could not be a candidate (full).
             if complete:
-                full = not all(fit.values())
+                full = pruned or not all(fit.values())
             else:
                 full = any(not fit.get(name, True) for name in hinted)
             if full and self._wait_for_warm(req, rep, fit, now):
@@ -202,3 +214,12 @@ class Placement:
         verdict = "expected_ttft_wait" if t_warm < t_cold else "expected_ttft_cold"
         self.ttft_choices[verdict] = self.ttft_choices.get(verdict, 0) + 1
         return t_warm < t_cold
+
+
+def _least_need(view: ModelView, req: AdmissionRequest) -> int:
+    """A lower bound of what admitting `req` adds to any replica of `view`'s ledger: its
+    smallest reservation over their shapes, or one token where a prefix shared with
+    running requests may count against it (`Ledger.less_shared`)."""
+    if view.shares_prefix and req.prefix_hashes and req.prefix_block_tokens > 0:
+        return 1
+    return max(1, min((r.tokens_for(req) for r in view.usable_shapes), default=1))

@@ -30,6 +30,7 @@ class ModelView:
     service: PredictMax
     dirty: set[str]  # replicas whose predicted lines are to be refreshed
     shares_prefix: bool  # some replica counts shared prefixes (admission.prefixshare)
+    largest_pool: int  # the largest effective pool of its present replicas
 
 
 class ModelViews:
@@ -87,6 +88,7 @@ class ModelViews:
             PredictMax(),
             {r.name for r in present},
             any(r.sharing for r in present),
+            max((r.effective for r in present), default=0),
         )
         for r in present:
             _order(view, r)
