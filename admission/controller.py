@@ -45,7 +45,17 @@ from admission.retries import RETRY_MEMORY_ENTRIES, RetryIdentity, RetryMemory
 from admission.scaling import ScalingSignal
 from admission.settling import Settling, TenantLimits
 from admission.shedding import Shedding
-from admission.types import AdmissionRequest, Admit, Completion, Decision, Events, Shed, Verdict
+from admission.types import (
+    AdmissionRequest,
+    Admit,
+    AttemptEnd,
+    Completion,
+    Decision,
+    Events,
+    RequestEnd,
+    Shed,
+    Verdict,
+)
 from routing.types import ReplicaState, Router
 
 __all__ = ["AdmissionController", "TenantLimits"]
@@ -249,14 +259,22 @@ class AdmissionController:
         elif isinstance(verdict, Shed) and verdict.reason != "shutdown":
             self._retries.unserved(req, now, verdict.retry_after, verdict.budget)
 
-    def left_unanswered(self, req: AdmissionRequest, now: float) -> None:
-        """Its client left before an answer began: remembered as unserved."""
-        self._retries.unserved(req, now)
-
-    def attempt_ended(self, req: AdmissionRequest, attempt: float, left: bool, now: float) -> None:
-        """A client's attempt (arrived at `attempt`) ended: its client `left` before its
-        answer ended, or stayed (admission/learned/toldwait.py reads it)."""
-        self._retries.ended(req, attempt, left, now)
+    def attempt_ended(self, end: AttemptEnd, now: float) -> Events:
+        """A client's attempt ended (`AttemptEnd`): routing corrects its prefix index by
+        the prompt its engine held cached; a client that left before an answer began is
+        remembered as unserved, and one that left or stayed votes on its population's
+        clock (admission/learned/toldwait.py); what it shows of its clients' patience is
+        learned (`client_ended`). Returns what that patience sheds and admits."""
+        req = end.req
+        if end.cached_tokens is not None:
+            self.router.prompt_cached(req.request_id, end.cached_tokens, end.chars_per_token, now)
+        if end.unanswered:
+            self._retries.unserved(req, now)
+        if end.left is not None:
+            self._retries.ended(req, end.arrival, end.left, now)
+        if end.patience is None:
+            return []
+        return self.client_ended(req.tenant, req.model, req.stream, end.patience, now)
 
     def submit(self, req: AdmissionRequest, now: float) -> Decision:
         """Decide one request: Admit now, Queue, Shed (503/429) or Refuse (400/404); with
@@ -329,6 +347,13 @@ class AdmissionController:
         verdict, displaced = self._shedding.judge(entry, now)
         events.extend(displaced)
         return Decision(verdict, events)
+
+    def request_ended(self, end: RequestEnd, now: float) -> Events:
+        """A request's admission given back (`RequestEnd`): `abandon`ed where its engine
+        may still be generating it, else `release`d."""
+        if end.abandoned:
+            return self.abandon(end.request_id, now, end.completion)
+        return self.release(end.request_id, now, end.completion)
 
     def release(self, request_id: str, now: float, completion: Completion | None = None) -> Events:
         """Free the request's reservation, or drop it from the queue; idempotent.

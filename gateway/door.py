@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.learned.limitlog import LimitHistory
-from admission.learned.patience import Budget, ClientEnd
+from admission.learned.patience import Budget
 from admission.lease import PoolShare
 from admission.report import AdmissionReport
 from admission.retries import RetryIdentity
@@ -34,10 +34,11 @@ from admission.settling import TenantLimits
 from admission.types import (
     AdmissionRequest,
     Admit,
-    Completion,
+    AttemptEnd,
     Events,
     Queued,
     Refuse,
+    RequestEnd,
     Shed,
     Verdict,
 )
@@ -145,14 +146,6 @@ class AdmissionDoor:
         """The verdict a client's attempt got (AdmissionController.answered)."""
         self._controller.answered(req, verdict, self._loop.time())
 
-    def left_unanswered(self, req: AdmissionRequest) -> None:
-        """Its client left before an answer began (AdmissionController.left_unanswered)."""
-        self._controller.left_unanswered(req, self._loop.time())
-
-    def attempt_ended(self, req: AdmissionRequest, attempt: float, left: bool) -> None:
-        """A client's attempt ended (AdmissionController.attempt_ended)."""
-        self._controller.attempt_ended(req, attempt, left, self._loop.time())
-
     def submit(self, req: AdmissionRequest, now: float | None = None) -> Verdict:
         """Decide `req` and deliver what the decision settled for others (an entry a
         full queue gave up for it, entries admitted in the same scan). A Queued request
@@ -193,29 +186,21 @@ class AdmissionDoor:
         if request_id is not None:
             self._controller.router.first_token(request_id, self._loop.time())
 
-    def prompt_cached(self, request_id: str | None, cached: int, chars_per_token: float) -> None:
-        """The engine held `cached` tokens of a request's prompt (its usage): routing
-        corrects its prefix index (routing.prefixfeedback). Changes no admission."""
-        if request_id is not None:
-            self._controller.router.prompt_cached(
-                request_id, cached, chars_per_token, self._loop.time()
-            )
+    def attempt_ended(self, end: AttemptEnd) -> None:
+        """A client's attempt ended (`AdmissionController.attempt_ended`): what its client
+        did and what its engine held cached; hand out what a patience learned shorter
+        sheds of the queue."""
+        self._resolve(self._controller.attempt_ended(end, self._loop.time()))
+        if end.patience is not None:
+            self._rearm()  # the queue's deadlines may have come forward
 
-    def release(self, request_id: str, completion: Completion | None = None) -> None:
-        """Free a reservation or queue entry (idempotent) and hand out what that admits."""
-        self._resolve(self._controller.release(request_id, self._loop.time(), completion))
-
-    def abandon(self, request_id: str, completion: Completion | None = None) -> None:
-        """Hold the reservation of a request whose engine may still be generating it
-        (`AdmissionController.abandon`); the expiry task ends the hold at its deadline."""
-        self._resolve(self._controller.abandon(request_id, self._loop.time(), completion))
-        self._rearm()
-
-    def client_ended(self, tenant: str, model: str, stream: bool, end: ClientEnd) -> None:
-        """Teach the patience of clients that state no timeout (admission/learned/patience.py),
-        and hand out what a patience learned shorter sheds of the queue."""
-        self._resolve(self._controller.client_ended(tenant, model, stream, end, self._loop.time()))
-        self._rearm()  # the queue's deadlines may have come forward
+    def request_ended(self, end: RequestEnd) -> None:
+        """Give a request's admission back (`AdmissionController.request_ended`) and hand
+        out what that admits; an abandoned one's hold ends at its deadline, by the expiry
+        task."""
+        self._resolve(self._controller.request_ended(end, self._loop.time()))
+        if end.abandoned:
+            self._rearm()
 
     def adopt_patience(
         self, tenant: str, model: str, stream: bool, budget: Budget | None, now: float | None = None
@@ -312,7 +297,7 @@ class AdmissionDoor:
                 # Its waiter is gone (cancelled in the same loop iteration): give the
                 # reservation straight back so it cannot leak.
                 log.debug("admission for departed request %s returned", v.request_id)
-                self.release(v.request_id)
+                self.request_ended(RequestEnd(v.request_id))
 
     def next_deadline(self) -> float | None:
         """When time next acts on admission (`AdmissionController.next_deadline`)."""
