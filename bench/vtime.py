@@ -376,13 +376,12 @@ def run(
         # says which attempt it sends; a plain one is known when it comes back when told.
         count = retries if send_timeout else None
         ident = identify("default", model, item.request_id.encode(), count)
-        door.arrived(req, ident, send_timeout)
         if not sized_exactly(True, req.expected_output, bound, True):  # as the gateway
             att.estimated = p + req.expected_output
         att.ctx = RequestContext(rid, "chat", "/v1/chat/completions", arrival=now, req=req)
         att.ctx.patience_stated = send_timeout
         att.ctx.admission_id = rid
-        verdict = door.submit(req)
+        verdict = door.submit(req, identity=ident, said=send_timeout)
         if isinstance(verdict, Queued):
             door.expect(rid).add_done_callback(settled)
         handle_verdict(att, verdict)

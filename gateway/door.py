@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
@@ -30,7 +30,6 @@ from admission.learned.patience import Budget
 from admission.lease import PoolShare
 from admission.report import AdmissionReport
 from admission.retries import RetryIdentity
-from admission.settling import TenantLimits
 from admission.types import (
     AdmissionRequest,
     Admit,
@@ -121,15 +120,12 @@ class AdmissionDoor:
     ) -> tuple[Admit | Shed | Refuse, bool]:
         """Submit `req`; if queued, wait for its Admit or Shed.
 
-        `identity`: a client's attempt, and how its retries are known (`arrived`; `said`:
-        its client says which attempt it sends); None: the gateway's own retry of a
+        `identity`, `said`: as `submit` takes them; None: the gateway's own retry of a
         failed attempt, which its client never sees. Returns (verdict, queued).
         Cancellation (client disconnect) propagates; the caller releases in ``finally``,
         which also drops the queue entry.
         """
-        if identity is not None:
-            self.arrived(req, identity, said)
-        verdict = self.submit(req)
+        verdict = self.submit(req, identity=identity, said=said)
         queued = isinstance(verdict, Queued)
         got = await self.wait_queued(req.request_id) if queued else verdict
         assert not isinstance(got, Queued)
@@ -138,19 +134,29 @@ class AdmissionDoor:
         return got, queued
 
     # ---------------------------------------------------------- what clients' attempts do
-    def arrived(self, req: AdmissionRequest, identity: RetryIdentity, said: bool) -> None:
-        """A client's attempt arrives (AdmissionController.arrived)."""
-        self._controller.arrived(req, identity, self._loop.time(), said)
-
     def answered(self, req: AdmissionRequest, verdict: Verdict) -> None:
         """The verdict a client's attempt got (AdmissionController.answered)."""
         self._controller.answered(req, verdict, self._loop.time())
 
-    def submit(self, req: AdmissionRequest, now: float | None = None) -> Verdict:
+    def submit(
+        self,
+        req: AdmissionRequest,
+        now: float | None = None,
+        *,
+        identity: RetryIdentity | None = None,
+        said: bool = False,
+    ) -> Verdict:
         """Decide `req` and deliver what the decision settled for others (an entry a
         full queue gave up for it, entries admitted in the same scan). A Queued request
-        registers its waiter with `expect` before anything else can admit or shed it."""
-        decision = self._controller.submit(req, self._time(now))
+        registers its waiter with `expect` before anything else can admit or shed it.
+
+        `identity`: a client's attempt, told to the retry memory before its decision
+        (`AdmissionController.arrived`; `said`: its client says which attempt it sends);
+        None: the gateway's own retry of a failed attempt, or a caller with no clients."""
+        now = self._time(now)
+        if identity is not None:
+            self._controller.arrived(req, identity, now, said)
+        decision = self._controller.submit(req, now)
         self._resolve(decision.events)
         return decision.verdict
 
@@ -277,9 +283,6 @@ class AdmissionDoor:
         """Reloaded admission settings (and routing policy), from now on."""
         self._resolve(self._controller.reconfigure(config, router, self._loop.time()))
         self._rearm()
-
-    def set_tenants(self, tenants: Callable[[str], TenantLimits | None]) -> None:
-        self._controller.set_tenants(tenants)
 
     def advance(self, now: float | None = None) -> None:
         """Let time act now (expiries, time-driven settling), e.g. after a tenant's share
