@@ -3,7 +3,8 @@
 The controller never reads a clock, sleeps or does IO: every method takes `now`, and the
 gateway shell acts on what it returns. The shell keeps `ReplicaState` current from the
 engine adapters and passes it to `upsert_replica`; it calls `submit` per request, and
-`release` (always, in a ``finally``) when the request ends, whatever the outcome.
+when the request ends, whatever the outcome, tells `attempt_ended` what its client did
+and `request_ended` (always, in a ``finally``) to give its admission back.
 
 Each concern lives in a module of its own, which states its rules:
 
@@ -20,9 +21,9 @@ Each concern lives in a module of its own, which states its rules:
 One output channel, as h11's `Connection`: every call that changes state returns its
 verdict and every event it caused. `submit` returns a `Decision` (its verdict, and the
 `Events` it settled for other requests: entries admitted in the same scan, an entry a
-full queue gave up for it); `release`, `abandon`, `upsert_replica`, `remove_replica`,
-`mark_unready`, `set_ejected`, `set_pool_share`, `adopt_limit` and `advance` return the
-`Events` they caused. `advance(now)` is time acting: expiries (deadlines passed, waits
+full queue gave up for it); `request_ended` (`release`, `abandon`), `attempt_ended`,
+`upsert_replica`, `remove_replica`, `mark_unready`, `set_ejected`, `set_pool_share`,
+`adopt_limit` and `advance` return the `Events` they caused. `advance(now)` is time acting: expiries (deadlines passed, waits
 that no longer meet them, holds overdue) and the settling they and time allow;
 `next_deadline()` says when it is next due. Nothing is kept to hand out later.
 """
