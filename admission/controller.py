@@ -511,6 +511,5 @@ class AdmissionController:
             if learned is not None:
                 res.budget, res.budget_whole = learned.seconds, learned.whole
         self._learning.released(rep, res, completion, now, at_admit)
-        rep.room_stale = True  # the completion refit its service: the room follows
         self._placement.released(res.request_id, res.replica, now)
         self._ledger.forget_if_gone(rep)
