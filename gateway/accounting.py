@@ -110,9 +110,9 @@ def attempt_end(ctx: RequestContext, now: float) -> AttemptEnd:
     """What an ended attempt tells admission of its client and its prompt's cache: left
     before an answer began, left or stayed (`client_left`), its clients' patience
     (`patience_seen`), the prompt tokens its engine held cached (its usage)."""
-    cached = None
+    cached, chars_per_token = None, 0.0
     if ctx.usage_cached is not None and ctx.usage_prompt and ctx.prompt_chars:
-        cached = ctx.usage_cached
+        cached, chars_per_token = ctx.usage_cached, ctx.prompt_chars / ctx.usage_prompt
     return AttemptEnd(
         ctx.req,
         ctx.arrival,
@@ -120,7 +120,7 @@ def attempt_end(ctx: RequestContext, now: float) -> AttemptEnd:
         left=client_left(ctx),
         patience=patience_seen(ctx, now),
         cached_tokens=cached,
-        chars_per_token=ctx.prompt_chars / ctx.usage_prompt if cached is not None else 0.0,
+        chars_per_token=chars_per_token,
     )
 
 
