@@ -23,9 +23,10 @@ verdict and every event it caused. `submit` returns a `Decision` (its verdict, a
 `Events` it settled for other requests: entries admitted in the same scan, an entry a
 full queue gave up for it); `request_ended` (`release`, `abandon`), `attempt_ended`,
 `upsert_replica`, `remove_replica`, `mark_unready`, `set_ejected`, `set_pool_share`,
-`adopt_limit` and `advance` return the `Events` they caused. `advance(now)` is time acting: expiries (deadlines passed, waits
-that no longer meet them, holds overdue) and the settling they and time allow;
-`next_deadline()` says when it is next due. Nothing is kept to hand out later.
+`adopt_limit` and `advance` return the `Events` they caused. `advance(now)` is time
+acting: expiries (deadlines passed, waits that no longer meet them, holds overdue) and
+the settling they and time allow; `next_deadline()` says when it is next due. Nothing
+is kept to hand out later.
 """
 
 from __future__ import annotations

@@ -471,8 +471,9 @@ class Pipeline:
             return resp
 
     def release(self, ctx: RequestContext) -> None:
-        """Free the reservation or queue entry (idempotent; always runs), telling
-        admission what the request measured about its replica. A non-stream request
+        """Tell admission how the attempt ended (what its client did, its prompt's
+        cache: `attempt_end`), then free the reservation or queue entry (idempotent;
+        always runs) with what the request measured about its replica. A non-stream request
         kvgate stopped waiting for while the engine had it (client gone, upstream timeout)
         may still be generating: its reservation is held until the engine's running gauge
         says it stopped, or ``abandoned_hold_s`` passes. A stream needs no hold: closing
