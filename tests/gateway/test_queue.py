@@ -199,6 +199,42 @@ async def test_a_shed_request_that_retries_keeps_its_place(replica, gateway, mem
     assert finished == (["C", "D"] if memory_s else ["D", "C"])
 
 
+@pytest.mark.parametrize("memory_s", [120.0, 0.0])
+async def test_a_request_whose_client_left_while_it_queued_keeps_its_place(
+    replica, gateway, memory_s
+):
+    """C queues and its client leaves before an answer began, D arrives and queues, then C
+    comes back. With retry memory C is admitted as of its first arrival, ahead of D;
+    without, after D."""
+    srv = await replica(speed=1.0)
+    gw = await gateway(srv, max_running=1, admission={"retry_memory_s": memory_s})
+    finished: list[str] = []
+
+    def short(tag: str) -> dict:
+        return {**body(4), "messages": [{"role": "user", "content": tag}]}
+
+    async def run(s: aiohttp.ClientSession, tag: str) -> None:
+        async with s.post(gw.url + "/v1/chat/completions", json=short(tag)) as r:
+            assert r.status == 200, await r.text()
+        finished.append(tag)
+
+    async with aiohttp.ClientSession() as s:
+        big = await s.post(gw.url + "/v1/chat/completions", json=body(1500, stream=True))
+        assert len(await read_events(big, 1)) == 1  # holds the only running slot
+        gone = asyncio.create_task(run(s, "C"))
+        assert await wait_for(lambda: gw.report.queue_depth() == 1)
+        gone.cancel()  # its connection closes: the gateway's handler is cancelled
+        await asyncio.gather(gone, return_exceptions=True)
+        assert await wait_for(lambda: gw.report.queue_depth() == 0)
+        d = asyncio.create_task(run(s, "D"))
+        assert await wait_for(lambda: gw.report.queue_depth() == 1)
+        c = asyncio.create_task(run(s, "C"))
+        assert await wait_for(lambda: gw.report.queue_depth() == 2)
+        big.close()  # frees the slot: the head of the queue goes first
+        await asyncio.gather(c, d)
+    assert finished == (["C", "D"] if memory_s else ["D", "C"])
+
+
 async def test_the_clients_read_timeout_bounds_its_queue_wait(replica, gateway):
     srv = await replica(speed=1.0)
     # The configured queue timeout is long; the client's own (openai SDK) header is not.
