@@ -166,46 +166,13 @@ async def test_reservation_grows_during_stream(replica, gateway, monkeypatch):
 
 
 @pytest.mark.parametrize("memory_s", [120.0, 0.0])
-async def test_a_shed_request_that_retries_keeps_its_place(replica, gateway, memory_s):
-    """C is shed (its queue deadline is 0), D arrives and queues, then C retries. With
-    retry memory C is admitted as of its first arrival, ahead of D; without, after D."""
-    srv = await replica(speed=1.0)
-    gw = await gateway(srv, max_running=1, admission={"retry_memory_s": memory_s})
-    finished: list[str] = []
-
-    def short(tag: str) -> dict:
-        return {**body(4), "messages": [{"role": "user", "content": tag}]}
-
-    async def run(s: aiohttp.ClientSession, tag: str) -> None:
-        async with s.post(gw.url + "/v1/chat/completions", json=short(tag)) as r:
-            assert r.status == 200, await r.text()
-        finished.append(tag)
-
-    async with aiohttp.ClientSession() as s:
-        big = await s.post(gw.url + "/v1/chat/completions", json=body(1500, stream=True))
-        assert len(await read_events(big, 1)) == 1  # holds the only running slot
-        async with s.post(
-            gw.url + "/v1/chat/completions",
-            json=short("C"),
-            headers={"x-kvgate-queue-timeout": "0"},
-        ) as r:
-            assert r.status == 503
-        d = asyncio.create_task(run(s, "D"))
-        assert await wait_for(lambda: gw.report.queue_depth() == 1)
-        c = asyncio.create_task(run(s, "C"))
-        assert await wait_for(lambda: gw.report.queue_depth() == 2)
-        big.close()  # frees the slot: the head of the queue goes first
-        await asyncio.gather(c, d)
-    assert finished == (["C", "D"] if memory_s else ["D", "C"])
-
-
-@pytest.mark.parametrize("memory_s", [120.0, 0.0])
-async def test_a_request_whose_client_left_while_it_queued_keeps_its_place(
-    replica, gateway, memory_s
+@pytest.mark.parametrize("unserved", ["shed", "client_left"])
+async def test_a_request_left_unserved_that_retries_keeps_its_place(
+    replica, gateway, memory_s, unserved
 ):
-    """C queues and its client leaves before an answer began, D arrives and queues, then C
-    comes back. With retry memory C is admitted as of its first arrival, ahead of D;
-    without, after D."""
+    """C is left unserved (shed, its queue deadline 0; or queued, and its client left
+    before an answer began), D arrives and queues, then C retries. With retry memory C
+    is admitted as of its first arrival, ahead of D; without, after D."""
     srv = await replica(speed=1.0)
     gw = await gateway(srv, max_running=1, admission={"retry_memory_s": memory_s})
     finished: list[str] = []
@@ -221,11 +188,19 @@ async def test_a_request_whose_client_left_while_it_queued_keeps_its_place(
     async with aiohttp.ClientSession() as s:
         big = await s.post(gw.url + "/v1/chat/completions", json=body(1500, stream=True))
         assert len(await read_events(big, 1)) == 1  # holds the only running slot
-        gone = asyncio.create_task(run(s, "C"))
-        assert await wait_for(lambda: gw.report.queue_depth() == 1)
-        gone.cancel()  # its connection closes: the gateway's handler is cancelled
-        await asyncio.gather(gone, return_exceptions=True)
-        assert await wait_for(lambda: gw.report.queue_depth() == 0)
+        if unserved == "shed":
+            async with s.post(
+                gw.url + "/v1/chat/completions",
+                json=short("C"),
+                headers={"x-kvgate-queue-timeout": "0"},
+            ) as r:
+                assert r.status == 503
+        else:
+            gone = asyncio.create_task(run(s, "C"))
+            assert await wait_for(lambda: gw.report.queue_depth() == 1)
+            gone.cancel()  # its connection closes: the gateway's handler is cancelled
+            await asyncio.gather(gone, return_exceptions=True)
+            assert await wait_for(lambda: gw.report.queue_depth() == 0)
         d = asyncio.create_task(run(s, "D"))
         assert await wait_for(lambda: gw.report.queue_depth() == 1)
         c = asyncio.create_task(run(s, "C"))
