@@ -3,7 +3,8 @@
 The controller never reads a clock, sleeps or does IO: every method takes `now`, and the
 gateway shell acts on what it returns. The shell keeps `ReplicaState` current from the
 engine adapters and passes it to `upsert_replica`; it calls `submit` per request, and
-`release` (always, in a ``finally``) when the request ends, whatever the outcome.
+when the request ends, whatever the outcome, tells `attempt_ended` what its client did
+and `request_ended` (always, in a ``finally``) to give its admission back.
 
 Each concern lives in a module of its own, which states its rules:
 
@@ -20,11 +21,12 @@ Each concern lives in a module of its own, which states its rules:
 One output channel, as h11's `Connection`: every call that changes state returns its
 verdict and every event it caused. `submit` returns a `Decision` (its verdict, and the
 `Events` it settled for other requests: entries admitted in the same scan, an entry a
-full queue gave up for it); `release`, `abandon`, `upsert_replica`, `remove_replica`,
-`mark_unready`, `set_ejected`, `set_pool_share`, `adopt_limit` and `advance` return the
-`Events` they caused. `advance(now)` is time acting: expiries (deadlines passed, waits
-that no longer meet them, holds overdue) and the settling they and time allow;
-`next_deadline()` says when it is next due. Nothing is kept to hand out later.
+full queue gave up for it); `request_ended` (`release`, `abandon`), `attempt_ended`,
+`upsert_replica`, `remove_replica`, `mark_unready`, `set_ejected`, `set_pool_share`,
+`adopt_limit` and `advance` return the `Events` they caused. `advance(now)` is time
+acting: expiries (deadlines passed, waits that no longer meet them, holds overdue) and
+the settling they and time allow; `next_deadline()` says when it is next due. Nothing
+is kept to hand out later.
 """
 
 from __future__ import annotations
@@ -45,7 +47,17 @@ from admission.retries import RETRY_MEMORY_ENTRIES, RetryIdentity, RetryMemory
 from admission.scaling import ScalingSignal
 from admission.settling import Settling, TenantLimits
 from admission.shedding import Shedding
-from admission.types import AdmissionRequest, Admit, Completion, Decision, Events, Shed, Verdict
+from admission.types import (
+    AdmissionRequest,
+    Admit,
+    AttemptEnd,
+    Completion,
+    Decision,
+    Events,
+    RequestEnd,
+    Shed,
+    Verdict,
+)
 from routing.types import ReplicaState, Router
 
 __all__ = ["AdmissionController", "TenantLimits"]
@@ -249,14 +261,22 @@ class AdmissionController:
         elif isinstance(verdict, Shed) and verdict.reason != "shutdown":
             self._retries.unserved(req, now, verdict.retry_after, verdict.budget)
 
-    def left_unanswered(self, req: AdmissionRequest, now: float) -> None:
-        """Its client left before an answer began: remembered as unserved."""
-        self._retries.unserved(req, now)
-
-    def attempt_ended(self, req: AdmissionRequest, attempt: float, left: bool, now: float) -> None:
-        """A client's attempt (arrived at `attempt`) ended: its client `left` before its
-        answer ended, or stayed (admission/learned/toldwait.py reads it)."""
-        self._retries.ended(req, attempt, left, now)
+    def attempt_ended(self, end: AttemptEnd, now: float) -> Events:
+        """A client's attempt ended (`AttemptEnd`): routing corrects its prefix index by
+        the prompt its engine held cached; a client that left before an answer began is
+        remembered as unserved, and one that left or stayed votes on its population's
+        clock (admission/learned/toldwait.py); what it shows of its clients' patience is
+        learned (`client_ended`). Returns what that patience sheds and admits."""
+        req = end.req
+        if end.cached_tokens is not None:
+            self.router.prompt_cached(req.request_id, end.cached_tokens, end.chars_per_token, now)
+        if end.unanswered:
+            self._retries.unserved(req, now)
+        if end.left is not None:
+            self._retries.ended(req, end.arrival, end.left, now)
+        if end.patience is None:
+            return []
+        return self.client_ended(req.tenant, req.model, req.stream, end.patience, now)
 
     def submit(self, req: AdmissionRequest, now: float) -> Decision:
         """Decide one request: Admit now, Queue, Shed (503/429) or Refuse (400/404); with
@@ -329,6 +349,13 @@ class AdmissionController:
         verdict, displaced = self._shedding.judge(entry, now)
         events.extend(displaced)
         return Decision(verdict, events)
+
+    def request_ended(self, end: RequestEnd, now: float) -> Events:
+        """A request's admission given back (`RequestEnd`): `abandon`ed where its engine
+        may still be generating it, else `release`d."""
+        if end.abandoned:
+            return self.abandon(end.request_id, now, end.completion)
+        return self.release(end.request_id, now, end.completion)
 
     def release(self, request_id: str, now: float, completion: Completion | None = None) -> Events:
         """Free the request's reservation, or drop it from the queue; idempotent.
@@ -485,6 +512,5 @@ class AdmissionController:
             if learned is not None:
                 res.budget, res.budget_whole = learned.seconds, learned.whole
         self._learning.released(rep, res, completion, now, at_admit)
-        rep.room_stale = True  # the completion refit its service: the room follows
         self._placement.released(res.request_id, res.replica, now)
         self._ledger.forget_if_gone(rep)

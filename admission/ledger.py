@@ -265,6 +265,8 @@ class Ledger:
         rep.reserved -= freed
         rep.running -= 1
         self._unbound(res)
+        # The room is recomputed at its next use, after the caller has also refit the
+        # replica's service from this completion.
         rep.room_stale = True
         rep.drain.record(freed, now, now - res.admitted_at)
         rep.drain.set_busy(rep.running > 0, now)

@@ -24,7 +24,7 @@ Reservation size
 
 Effective pool
     The pinned or engine-reported pool, or the smaller pool the engine's own KV usage
-    shows (`Replica.check_pool`): the headroom is kept by the estimated reservations, not
+    shows (admission/poolcheck.py): the headroom is kept by the estimated reservations, not
     carved out of the pool, so a pool of exactly sized requests is packed whole. A pool
     of private slots (llama.cpp per-slot KV, ``ReplicaState.private_slots``) cannot be
     overrun and keeps no headroom. When several gateway processes share the replica, this
@@ -42,11 +42,10 @@ from admission.learned.drain import DrainMeter
 from admission.learned.itl import ItlModel
 from admission.learned.limit import RunningLimit
 from admission.learned.service import ServiceModel
+from admission.poolcheck import PoolCheck
 from admission.prefixshare import SharedPrefixes
 from admission.types import AdmissionRequest
 from routing.types import Candidate, ReplicaState
-
-POOL_MEMORY_S = 300.0  # how long a pool measured smaller than configured is kept
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -78,11 +77,8 @@ class Replica:
     judged_at: float | None = None  # `running_seen_at` of the view held ones were judged by
     effective: int = 0
     signals_at: float = -1.0  # `updated_at` of the engine view last fed to the limit
-    # The pool as the engine's KV usage shows it, when smaller than the configured one:
-    # (bound in tokens, rounds in a row below, time last confirmed).
-    measured_pool: int | None = None
-    below_rounds: int = 0
-    measured_at: float = 0.0
+    # The pool as the engine's KV usage shows it, when smaller than the configured one.
+    pool_check: PoolCheck = field(default_factory=PoolCheck)
     # Service (and time to first token) against tokens, for the deadline of a queued request.
     service: ServiceModel = field(default_factory=ServiceModel)
     ttft: ServiceModel = field(default_factory=ServiceModel)
@@ -259,14 +255,12 @@ class Replica:
             self.prefixes = None  # pins left are released with their reservations
         fresh = state.updated_at != self.signals_at
         if fresh and self.capacity is not None:
-            self.check_pool(state.kv_usage, now)
+            self.pool_check.observe(
+                self.capacity, self.reserved, self.others_reserved, state.kv_usage, now
+            )
         # The whole pool: the headroom is kept by the reservations that rest on estimates,
-        # and by a pool measured from the engine's usage, itself an estimate (an upper
-        # bound: the outputs reserved are not all generated yet).
-        pool = self.capacity or 0
-        if pool and self.measured_pool is not None and self.measured_pool < pool:
-            pool = math.floor(self.measured_pool * (1.0 - config.headroom))
-        self.effective = pool
+        # and by a pool measured from the engine's usage.
+        self.effective = self.pool_check.pool(self.capacity or 0, config.headroom)
         self.fit = FitLimits(
             self.max_model_len,
             None if self.capacity is None else self.effective,
@@ -276,33 +270,6 @@ class Replica:
             config.headroom,
         )
         return fresh
-
-    def check_pool(self, kv_usage: float, now: float) -> None:
-        """Hold the configured pool against the engine's own KV usage.
-
-        The engine holds at most what the gateway fleet reserved there (this process's
-        reservations and what the other processes sharing it reported), so its pool is at
-        most ``reserved / usage``: this process alone would read the others' load as
-        foreign and cut its view of the pool (two processes each cut it to about half).
-        When that bound stays below 90% of the configured pool for two discovery rounds,
-        the pool is overstated (a wrong pin, or other clients on the engine) and the bound
-        is used instead. Without fresh confirmation for
-        ``POOL_MEMORY_S`` the configured pool is trusted again.
-        """
-        assert self.capacity is not None
-        fleet = self.reserved + self.others_reserved
-        if kv_usage >= 0.5 and self.reserved > 0:
-            bound = int(fleet / kv_usage)
-            if bound < 0.9 * self.capacity:
-                self.below_rounds += 1
-                if self.below_rounds >= 2:
-                    known = self.measured_pool
-                    self.measured_pool = bound if known is None else min(known, bound)
-                    self.measured_at = now
-                return
-        self.below_rounds = 0
-        if self.measured_pool is not None and now - self.measured_at > POOL_MEMORY_S:
-            self.measured_pool = None
 
     def predicted_itl(self, running_after: int) -> float | None:
         """The expected inter-token gap with `running_after` running (None: no evidence)."""

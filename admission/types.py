@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from admission.learned.patience import ClientEnd
 from admission.learned.service import Plane
 from routing.types import RouteRequest
 
@@ -99,6 +100,42 @@ class Completion:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     latency_budget: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class AttemptEnd:
+    """How a client's attempt ended, as the gateway saw it: what its client did, for the
+    retry memory (admission/retries.py) and its population's patience
+    (admission/learned/patience.py), and how much of its prompt its engine held cached,
+    for routing's prefix index (routing/prefixfeedback.py). Each part is told only where
+    the attempt says it; `RequestEnd` gives its admission back."""
+
+    req: AdmissionRequest
+    arrival: float  # when this attempt arrived (a retry's `req.arrival` is its first's)
+    # Its client left before an answer began: its retry keeps its place in line.
+    unanswered: bool = False
+    # Its client left before its answer ended (True) or stayed to the end (False); None:
+    # it ended in a way that says neither (refused, cut by shutdown, stopped reading).
+    left: bool | None = None
+    # What it shows of the patience of clients that state no timeout; None: it stated
+    # its timeout, or says nothing of it.
+    patience: ClientEnd | None = None
+    # The prompt tokens its engine held cached (its usage), and the prompt's characters
+    # per token; None: not reported.
+    cached_tokens: int | None = None
+    chars_per_token: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class RequestEnd:
+    """A request's admission is given back: its reservation freed, or its queue entry
+    dropped (idempotent). `completion`: what it measured of its replica (None teaches
+    nothing); `abandoned`: kvgate stopped waiting for it while its engine may still be
+    generating it, so its reservation is held (admission/ledger.py, Abandoned requests)."""
+
+    request_id: str
+    completion: Completion | None = None
+    abandoned: bool = False
 
 
 @dataclass(slots=True, frozen=True)

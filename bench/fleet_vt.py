@@ -71,7 +71,7 @@ from pathlib import Path
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.types import AdmissionRequest, Admit, Completion, Queued, Shed
+from admission.types import AdmissionRequest, Admit, Completion, Queued, RequestEnd, Shed
 from bench.vtime import VirtualLoop
 from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
@@ -366,7 +366,7 @@ def run_cell(
             # (gateway/accounting.py's `completion`).
             done = Completion(False, service, latency_budget=timeout)
             kick(rep)
-        gw.door.release(rid, done)
+        gw.door.request_ended(RequestEnd(rid, done))
         settle()
 
     def shed(w: Work, rid: str, verdict: object, attempt: int) -> None:
@@ -533,7 +533,7 @@ def run_cell(
             held[rep] -= tokens
             served += 1
             latencies.append(clock[0] - w.at)
-            gw.door.release(rid)
+            gw.door.request_ended(RequestEnd(rid))
             settle()
             continue
         if retries and nxt == retries[0][0]:

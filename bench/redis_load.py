@@ -98,7 +98,7 @@ import redis.asyncio as aioredis
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.lease import LeaseRequest, RenewResult, SharedLimit, SharedPatience
-from admission.types import AdmissionRequest, Admit, Queued
+from admission.types import AdmissionRequest, Admit, Queued, RequestEnd
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
 from gateway.state import HolderRecord, StateBackend
@@ -515,7 +515,7 @@ async def run_cell(
             for gw in gws:
                 for rid, fut in list(gw.waiting.items()):
                     gw.door.withdraw(rid)
-                    gw.door.release(rid)
+                    gw.door.request_ended(RequestEnd(rid))
                     fut.cancel()
                 gw.waiting.clear()
         setup_s = time.perf_counter() - t_setup
@@ -582,7 +582,7 @@ async def run_cell(
             with contextlib.suppress(Exception):
                 await gw.sync.stop()  # returns the leases, closes the backend
             for rid in gw.admitted:
-                gw.door.release(rid)
+                gw.door.request_ended(RequestEnd(rid))
             with contextlib.suppress(Exception):
                 await gw.door.stop()
         with contextlib.suppress(Exception):

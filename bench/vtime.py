@@ -38,7 +38,7 @@ from admission.controller import AdmissionController
 from admission.fit import sized_exactly
 from admission.learned.estimate import TokenEstimator
 from admission.retries import identify
-from admission.types import AdmissionRequest, Admit, Completion, Queued, Refuse, Shed
+from admission.types import AdmissionRequest, Admit, Completion, Queued, Refuse, RequestEnd, Shed
 from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
 from enginesim.types import EventKind, SimRequest
@@ -112,7 +112,7 @@ class _Attempt:
     stop_after: int | None = None  # a stopper's: it closes the stream after this many
     estimated: int | None = None  # prompt + output reserved, when the output was a guess
     # The request as the gateway's stages fill it in (gateway/context.py): what its
-    # account stage reads (`gateway.accounting.completion`, `patience_seen`).
+    # account stage reads (`gateway.accounting.completion`, `attempt_end`).
     ctx: RequestContext | None = None
 
 
@@ -246,7 +246,7 @@ def run(
         for a in admits:
             att = live.get(a.request_id)
             if att is None or att.done:
-                door.release(a.request_id)
+                door.request_ended(RequestEnd(a.request_id))
                 continue
             att.admitted_at = now
             if att.ctx is not None:  # as gateway/pipeline.py records an admission
@@ -376,13 +376,12 @@ def run(
         # says which attempt it sends; a plain one is known when it comes back when told.
         count = retries if send_timeout else None
         ident = identify("default", model, item.request_id.encode(), count)
-        door.arrived(req, ident, send_timeout)
         if not sized_exactly(True, req.expected_output, bound, True):  # as the gateway
             att.estimated = p + req.expected_output
         att.ctx = RequestContext(rid, "chat", "/v1/chat/completions", arrival=now, req=req)
         att.ctx.patience_stated = send_timeout
         att.ctx.admission_id = rid
-        verdict = door.submit(req)
+        verdict = door.submit(req, identity=ident, said=send_timeout)
         if isinstance(verdict, Queued):
             door.expect(rid).add_done_callback(settled)
         handle_verdict(att, verdict)
@@ -397,17 +396,15 @@ def run(
 
     def ended(att: _Attempt, outcome: Outcome) -> None:
         """The request ended with `outcome` as the gateway words it: what its account
-        stage tells admission of a client that states no timeout (the gateway's own
-        `gateway.accounting.patience_seen`)."""
+        stage tells admission of its client (the gateway's own
+        `gateway.accounting.attempt_end`)."""
         ctx = att.ctx
         if ctx is None:
             return
         ctx.outcome = outcome
-        if (left := accounting.client_left(ctx)) is not None:
-            door.attempt_ended(ctx.req, ctx.arrival, left)
-        end = accounting.patience_seen(ctx, now)
-        if end is not None:
-            door.client_ended("default", model, stream, end)
+        end = accounting.attempt_end(ctx, now)
+        door.attempt_ended(end)
+        if end.patience is not None:
             loop.drain()
 
     def upsert() -> None:
@@ -471,7 +468,7 @@ def run(
                         engine_freed(att)
                         report.stopped += 1
                         ended(att, CLIENT_DISCONNECT)
-                        door.release(att.rid)
+                        door.request_ended(RequestEnd(att.rid))
                         loop.drain()
                         finish(att)
                         continue
@@ -487,7 +484,7 @@ def run(
                     if att.estimated is not None:
                         used = len(att.item.prompt_token_ids) + ev.completion_tokens
                         est.observe_estimated(model, att.estimated, used)
-                    door.release(att.rid, done)
+                    door.request_ended(RequestEnd(att.rid, done))
                     report.completed += 1
                     engine_freed(att)
                     report.tokens += ev.prompt_tokens + ev.completion_tokens
@@ -529,13 +526,13 @@ def run(
                 live.pop(att.rid, None)
                 # It left before an answer began: the gateway remembers it as unserved.
                 if att.ctx is not None:
-                    door.left_unanswered(att.ctx.req)
+                    att.ctx.left_unanswered = True
                 # What the gateway's account stage makes of a client that left
-                # (gateway/accounting.py, `completion` and `patience_seen`).
+                # (gateway/accounting.py, `completion` and `attempt_end`).
                 ended(att, CLIENT_DISCONNECT)
                 gone = accounting.completion(att.ctx, now) if att.ctx is not None else None
                 door.withdraw(att.rid)  # its handler's waiter is gone, as in the gateway
-                door.release(att.rid, gone)
+                door.request_ended(RequestEnd(att.rid, gone))
                 loop.drain()
                 if (
                     timeout_backoff_s is not None

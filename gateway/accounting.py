@@ -5,7 +5,7 @@ token estimator from the engine's usage, settles the tenant's rate charge (corre
 to the usage, or refunded when the request was never admitted), counts the outcome,
 tokens, latencies and the tenant's SLO attainment, and writes the access line.
 `completion` is what the ended request says about its replica's load, for the learned
-limit (`AdmissionDoor.release`).
+limit (`AdmissionDoor.request_ended`); `attempt_end` what it says of its client.
 
 Latencies are measured on the event loop's clock: TTFT from arrival (what the client
 waited) for metrics and SLOs, from admission (what the replica took) for the learned
@@ -20,7 +20,7 @@ from admission.fit import sized_exactly
 from admission.learned.estimate import TokenEstimator
 from admission.learned.patience import ClientEnd, stream_end
 from admission.tenants import TenantLimiter, TenantState
-from admission.types import Completion
+from admission.types import AttemptEnd, Completion
 from gateway.context import RequestContext
 from gateway.logging import access_log_enabled, log_access
 from gateway.metrics import GatewayMetrics
@@ -104,6 +104,24 @@ def patience_seen(ctx: RequestContext, now: float) -> ClientEnd | None:
     first = None if ctx.first_byte_at is None else ctx.first_byte_at - ctx.arrival
     last = ctx.last_event_at if ctx.last_event_at is not None else ctx.arrival
     return stream_end(waited, left, first, now - last, inter_token_latency(ctx))
+
+
+def attempt_end(ctx: RequestContext, now: float) -> AttemptEnd:
+    """What an ended attempt tells admission of its client and its prompt's cache: left
+    before an answer began, left or stayed (`client_left`), its clients' patience
+    (`patience_seen`), the prompt tokens its engine held cached (its usage)."""
+    cached, chars_per_token = None, 0.0
+    if ctx.usage_cached is not None and ctx.usage_prompt and ctx.prompt_chars:
+        cached, chars_per_token = ctx.usage_cached, ctx.prompt_chars / ctx.usage_prompt
+    return AttemptEnd(
+        ctx.req,
+        ctx.arrival,
+        unanswered=ctx.left_unanswered,
+        left=client_left(ctx),
+        patience=patience_seen(ctx, now),
+        cached_tokens=cached,
+        chars_per_token=chars_per_token,
+    )
 
 
 def _completion_tokens(ctx: RequestContext) -> int:

@@ -98,6 +98,9 @@ class RequestContext:
     # an error event), and whether shutdown cut this request.
     client_stream: Any = None
     cut: bool = False
+    # Its client left before an answer began: its retry keeps its place in line
+    # (admission/retries.py).
+    left_unanswered: bool = False
     # outcome
     status: int = 0
     outcome: Outcome = UNKNOWN

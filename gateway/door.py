@@ -21,23 +21,23 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.learned.limitlog import LimitHistory
-from admission.learned.patience import Budget, ClientEnd
+from admission.learned.patience import Budget
 from admission.lease import PoolShare
 from admission.report import AdmissionReport
 from admission.retries import RetryIdentity
-from admission.settling import TenantLimits
 from admission.types import (
     AdmissionRequest,
     Admit,
-    Completion,
+    AttemptEnd,
     Events,
     Queued,
     Refuse,
+    RequestEnd,
     Shed,
     Verdict,
 )
@@ -120,15 +120,12 @@ class AdmissionDoor:
     ) -> tuple[Admit | Shed | Refuse, bool]:
         """Submit `req`; if queued, wait for its Admit or Shed.
 
-        `identity`: a client's attempt, and how its retries are known (`arrived`; `said`:
-        its client says which attempt it sends); None: the gateway's own retry of a
+        `identity`, `said`: as `submit` takes them; None: the gateway's own retry of a
         failed attempt, which its client never sees. Returns (verdict, queued).
         Cancellation (client disconnect) propagates; the caller releases in ``finally``,
         which also drops the queue entry.
         """
-        if identity is not None:
-            self.arrived(req, identity, said)
-        verdict = self.submit(req)
+        verdict = self.submit(req, identity=identity, said=said)
         queued = isinstance(verdict, Queued)
         got = await self.wait_queued(req.request_id) if queued else verdict
         assert not isinstance(got, Queued)
@@ -137,27 +134,29 @@ class AdmissionDoor:
         return got, queued
 
     # ---------------------------------------------------------- what clients' attempts do
-    def arrived(self, req: AdmissionRequest, identity: RetryIdentity, said: bool) -> None:
-        """A client's attempt arrives (AdmissionController.arrived)."""
-        self._controller.arrived(req, identity, self._loop.time(), said)
-
     def answered(self, req: AdmissionRequest, verdict: Verdict) -> None:
         """The verdict a client's attempt got (AdmissionController.answered)."""
         self._controller.answered(req, verdict, self._loop.time())
 
-    def left_unanswered(self, req: AdmissionRequest) -> None:
-        """Its client left before an answer began (AdmissionController.left_unanswered)."""
-        self._controller.left_unanswered(req, self._loop.time())
-
-    def attempt_ended(self, req: AdmissionRequest, attempt: float, left: bool) -> None:
-        """A client's attempt ended (AdmissionController.attempt_ended)."""
-        self._controller.attempt_ended(req, attempt, left, self._loop.time())
-
-    def submit(self, req: AdmissionRequest, now: float | None = None) -> Verdict:
+    def submit(
+        self,
+        req: AdmissionRequest,
+        now: float | None = None,
+        *,
+        identity: RetryIdentity | None = None,
+        said: bool = False,
+    ) -> Verdict:
         """Decide `req` and deliver what the decision settled for others (an entry a
         full queue gave up for it, entries admitted in the same scan). A Queued request
-        registers its waiter with `expect` before anything else can admit or shed it."""
-        decision = self._controller.submit(req, self._time(now))
+        registers its waiter with `expect` before anything else can admit or shed it.
+
+        `identity`: a client's attempt, told to the retry memory before its decision
+        (`AdmissionController.arrived`; `said`: its client says which attempt it sends);
+        None: the gateway's own retry of a failed attempt, or a caller with no clients."""
+        now = self._time(now)
+        if identity is not None:
+            self._controller.arrived(req, identity, now, said)
+        decision = self._controller.submit(req, now)
         self._resolve(decision.events)
         return decision.verdict
 
@@ -193,29 +192,21 @@ class AdmissionDoor:
         if request_id is not None:
             self._controller.router.first_token(request_id, self._loop.time())
 
-    def prompt_cached(self, request_id: str | None, cached: int, chars_per_token: float) -> None:
-        """The engine held `cached` tokens of a request's prompt (its usage): routing
-        corrects its prefix index (routing.prefixfeedback). Changes no admission."""
-        if request_id is not None:
-            self._controller.router.prompt_cached(
-                request_id, cached, chars_per_token, self._loop.time()
-            )
+    def attempt_ended(self, end: AttemptEnd) -> None:
+        """A client's attempt ended (`AdmissionController.attempt_ended`): what its client
+        did and what its engine held cached; hand out what a patience learned shorter
+        sheds of the queue."""
+        self._resolve(self._controller.attempt_ended(end, self._loop.time()))
+        if end.patience is not None:
+            self._rearm()  # the queue's deadlines may have come forward
 
-    def release(self, request_id: str, completion: Completion | None = None) -> None:
-        """Free a reservation or queue entry (idempotent) and hand out what that admits."""
-        self._resolve(self._controller.release(request_id, self._loop.time(), completion))
-
-    def abandon(self, request_id: str, completion: Completion | None = None) -> None:
-        """Hold the reservation of a request whose engine may still be generating it
-        (`AdmissionController.abandon`); the expiry task ends the hold at its deadline."""
-        self._resolve(self._controller.abandon(request_id, self._loop.time(), completion))
-        self._rearm()
-
-    def client_ended(self, tenant: str, model: str, stream: bool, end: ClientEnd) -> None:
-        """Teach the patience of clients that state no timeout (admission/learned/patience.py),
-        and hand out what a patience learned shorter sheds of the queue."""
-        self._resolve(self._controller.client_ended(tenant, model, stream, end, self._loop.time()))
-        self._rearm()  # the queue's deadlines may have come forward
+    def request_ended(self, end: RequestEnd) -> None:
+        """Give a request's admission back (`AdmissionController.request_ended`) and hand
+        out what that admits; an abandoned one's hold ends at its deadline, by the expiry
+        task."""
+        self._resolve(self._controller.request_ended(end, self._loop.time()))
+        if end.abandoned:
+            self._rearm()
 
     def adopt_patience(
         self, tenant: str, model: str, stream: bool, budget: Budget | None, now: float | None = None
@@ -293,9 +284,6 @@ class AdmissionDoor:
         self._resolve(self._controller.reconfigure(config, router, self._loop.time()))
         self._rearm()
 
-    def set_tenants(self, tenants: Callable[[str], TenantLimits | None]) -> None:
-        self._controller.set_tenants(tenants)
-
     def advance(self, now: float | None = None) -> None:
         """Let time act now (expiries, time-driven settling), e.g. after a tenant's share
         grew; the expiry task does this at every deadline."""
@@ -312,7 +300,7 @@ class AdmissionDoor:
                 # Its waiter is gone (cancelled in the same loop iteration): give the
                 # reservation straight back so it cannot leak.
                 log.debug("admission for departed request %s returned", v.request_id)
-                self.release(v.request_id)
+                self.request_ended(RequestEnd(v.request_id))
 
     def next_deadline(self) -> float | None:
         """When time next acts on admission (`AdmissionController.next_deadline`)."""

@@ -34,8 +34,8 @@ from aiohttp import web
 from admission.learned.estimate import TokenEstimator
 from admission.retries import RetryIdentity
 from admission.tenants import TenantLimiter
-from admission.types import Admit, Refuse, Shed
-from gateway.accounting import Accounting, client_left, completion, patience_seen
+from admission.types import Admit, Refuse, RequestEnd, Shed
+from gateway.accounting import Accounting, attempt_end, completion
 from gateway.apikey import tenant_of
 from gateway.body import loads, read_body
 from gateway.config import GatewayConfig
@@ -212,9 +212,8 @@ class Pipeline:
             # relay's own finally; the reservation by ours.
             ctx.status = 499
             ctx.outcome = CLIENT_DISCONNECT
-            if ctx.first_byte_at is None:
-                # It left before an answer: its retry keeps its place (admission/retries.py).
-                self.door.left_unanswered(ctx.req)
+            # Left before an answer: its retry keeps its place (admission/retries.py).
+            ctx.left_unanswered = ctx.first_byte_at is None
             raise
         except Exception:
             log.exception("unhandled error in request %s", ctx.request_id)
@@ -472,24 +471,18 @@ class Pipeline:
             return resp
 
     def release(self, ctx: RequestContext) -> None:
-        """Free the reservation or queue entry (idempotent; always runs), telling
-        admission what the request measured about its replica. A non-stream request
+        """Tell admission how the attempt ended (what its client did, its prompt's
+        cache: `attempt_end`), then free the reservation or queue entry (idempotent;
+        always runs) with what the request measured about its replica. A non-stream request
         kvgate stopped waiting for while the engine had it (client gone, upstream timeout)
         may still be generating: its reservation is held until the engine's running gauge
         says it stopped, or ``abandoned_hold_s`` passes. A stream needs no hold: closing
         its connection stops the engine at its next write."""
         if ctx.admission_id is None:
             return
-        if ctx.usage_cached is not None and ctx.usage_prompt and ctx.prompt_chars:
-            self.door.prompt_cached(
-                ctx.admission_id, ctx.usage_cached, ctx.prompt_chars / ctx.usage_prompt
-            )
-        if (left := client_left(ctx)) is not None:
-            self.door.attempt_ended(ctx.req, ctx.arrival, left)
-        if (seen := patience_seen(ctx, self._loop.time())) is not None:
-            self.door.client_ended(ctx.req.tenant, ctx.req.model, ctx.req.stream, seen)
-        if ctx.upstream_abandoned and ctx.replica is not None:
+        self.door.attempt_ended(attempt_end(ctx, self._loop.time()))
+        abandoned = ctx.upstream_abandoned and ctx.replica is not None
+        if abandoned:
             ctx.upstream_abandoned = False
-            self.door.abandon(ctx.admission_id, completion(ctx, self._loop.time()))
-        else:
-            self.door.release(ctx.admission_id, completion(ctx, self._loop.time()))
+        done = completion(ctx, self._loop.time())
+        self.door.request_ended(RequestEnd(ctx.admission_id, done, abandoned))

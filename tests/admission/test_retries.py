@@ -5,7 +5,7 @@ from __future__ import annotations
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
 from admission.retries import RetryMemory, identify
-from admission.types import AdmissionRequest, Admit, Queued
+from admission.types import AdmissionRequest, Admit, AttemptEnd, Queued
 from routing.scheduler import default_profile
 from routing.types import ReplicaState
 
@@ -177,8 +177,8 @@ def test_a_reload_sets_how_long_a_request_left_unserved_is_remembered() -> None:
         ctrl.arrived(req, identify("t", "m", body, retry_count=1), now, True)
         return req
 
-    ctrl.left_unanswered(attempt("a", 0.0), now=1.0)
+    ctrl.attempt_ended(AttemptEnd(attempt("a", 0.0), 0.0, unanswered=True), now=1.0)
     assert attempt("b", 30.0).arrival == 0.0  # its retry keeps its first arrival
     ctrl.reconfigure(AdmissionConfig(retry_memory_s=10.0), None, now=31.0)
-    ctrl.left_unanswered(attempt("c", 40.0), now=41.0)
+    ctrl.attempt_ended(AttemptEnd(attempt("c", 40.0), 40.0, unanswered=True), now=41.0)
     assert attempt("d", 55.0).arrival == 55.0  # 14 s later: forgotten under the new 10 s

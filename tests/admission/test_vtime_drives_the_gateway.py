@@ -104,9 +104,9 @@ def test_virtual_time_takes_retries_in_as_the_gateway_does(monkeypatch: pytest.M
 def test_virtual_time_admits_through_the_gateways_door(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every attempt is decided by the door's `submit`, every queued one waits on a waiter
     the door registered and resolved (a shed or an admission), and every end is the
-    door's `release`: the controller is reached only through it, as in the gateway."""
+    door's `request_ended`: the controller is reached only through it, as in the gateway."""
     calls = count_calls(
-        monkeypatch, AdmissionDoor, ("submit", "expect", "release", "withdraw", "_resolve")
+        monkeypatch, AdmissionDoor, ("submit", "expect", "request_ended", "withdraw", "_resolve")
     )
     items = seed2_workload(60, seed=5)
     report = run("seed2-8b-16gb", items, concurrency=64, timeout_s=10.0, max_retries=2)
@@ -115,5 +115,5 @@ def test_virtual_time_admits_through_the_gateways_door(monkeypatch: pytest.Monke
     assert calls["submit"] == len(items) + report.retries  # every attempt
     assert 0 < calls["expect"] <= calls["submit"]  # the queued ones wait on the door
     assert calls["withdraw"] == report.timed_out  # a client gone takes its waiter along
-    assert calls["release"] >= report.completed + report.timed_out
-    assert calls["_resolve"] >= calls["release"]  # what each call settled went out
+    assert calls["request_ended"] >= report.completed + report.timed_out
+    assert calls["_resolve"] >= calls["request_ended"]  # what each call settled went out

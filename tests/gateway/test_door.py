@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from admission.types import AdmissionRequest, Admit, Queued, Shed
+from admission.types import AdmissionRequest, Admit, Queued, RequestEnd, Shed
 from gateway.door import AdmissionDoor
 from tests.admission.helpers import controller, replica, request
 
@@ -24,11 +24,11 @@ async def test_an_admission_between_queueing_and_waiting_reaches_its_waiter() ->
     assert isinstance(door.submit(request("holder", 100, 100), 0.0), Admit)
     assert isinstance(door.submit(request("retry", 100, 100), 0.0), Queued)
     waiter = door.expect("retry")
-    door.release("holder")  # frees the room: the controller admits "retry" here
+    door.request_ended(RequestEnd("holder"))  # frees the room: the controller admits "retry" here
     verdict = await door.wait_queued("retry", waiter)
     assert isinstance(verdict, Admit) and verdict.replica == "r1"
     assert door.report.reserved_tokens() == 200  # held by the retry, not given back
-    door.release("retry")
+    door.request_ended(RequestEnd("retry"))
     assert door.report.reserved_tokens() == 0 and door.report.queue_depth() == 0
 
 
@@ -39,7 +39,7 @@ async def test_without_a_waiter_an_admission_is_given_back() -> None:
     door.upsert_replica(replica("r1", 200), 0.0)
     assert isinstance(door.submit(request("holder", 100, 100), 0.0), Admit)
     assert isinstance(door.submit(request("gone", 100, 100), 0.0), Queued)
-    door.release("holder")
+    door.request_ended(RequestEnd("holder"))
     assert door.report.reserved_tokens() == 0 and door.report.queue_depth() == 0
 
 
@@ -61,8 +61,8 @@ async def test_a_displaced_entry_is_answered_by_the_submit_that_displaced_it() -
     assert waiter.done()
     shed = await door.wait_queued("a-2", waiter)
     assert isinstance(shed, Shed) and shed.reason == "queue_full"
-    door.release("a-0")  # admits a-1, whose waiter left: the door gives it back
-    door.release("b-1")  # leaves the queue
+    door.request_ended(RequestEnd("a-0"))  # admits a-1, whose waiter left: the door gives it back
+    door.request_ended(RequestEnd("b-1"))  # leaves the queue
     assert door.report.reserved_tokens() == 0 and door.report.queue_depth() == 0
 
 

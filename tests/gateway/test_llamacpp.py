@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from admission.types import Completion
+from admission.types import Completion, RequestEnd
 from tests.gateway.conftest import wait_for
 
 MODEL = "tiny-llama"
@@ -174,13 +174,13 @@ async def test_error_event_is_an_upstream_error_everywhere(llama, gateway, monke
     )
     told: list[Completion | None] = []
     door = gw.state.door
-    release = door.release
+    request_ended = door.request_ended
 
-    def spy(request_id: str, completion: Completion | None = None) -> None:
-        told.append(completion)
-        release(request_id, completion)
+    def spy(end: RequestEnd) -> None:
+        told.append(end.completion)
+        request_ended(end)
 
-    monkeypatch.setattr(door, "release", spy)
+    monkeypatch.setattr(door, "request_ended", spy)
     results = await asyncio.gather(
         *(stream_events(gw.url + "/v1/chat/completions", b) for b in pressure(4))
     )

@@ -166,9 +166,13 @@ async def test_reservation_grows_during_stream(replica, gateway, monkeypatch):
 
 
 @pytest.mark.parametrize("memory_s", [120.0, 0.0])
-async def test_a_shed_request_that_retries_keeps_its_place(replica, gateway, memory_s):
-    """C is shed (its queue deadline is 0), D arrives and queues, then C retries. With
-    retry memory C is admitted as of its first arrival, ahead of D; without, after D."""
+@pytest.mark.parametrize("unserved", ["shed", "client_left"])
+async def test_a_request_left_unserved_that_retries_keeps_its_place(
+    replica, gateway, memory_s, unserved
+):
+    """C is left unserved (shed, its queue deadline 0; or queued, and its client left
+    before an answer began), D arrives and queues, then C retries. With retry memory C
+    is admitted as of its first arrival, ahead of D; without, after D."""
     srv = await replica(speed=1.0)
     gw = await gateway(srv, max_running=1, admission={"retry_memory_s": memory_s})
     finished: list[str] = []
@@ -184,12 +188,19 @@ async def test_a_shed_request_that_retries_keeps_its_place(replica, gateway, mem
     async with aiohttp.ClientSession() as s:
         big = await s.post(gw.url + "/v1/chat/completions", json=body(1500, stream=True))
         assert len(await read_events(big, 1)) == 1  # holds the only running slot
-        async with s.post(
-            gw.url + "/v1/chat/completions",
-            json=short("C"),
-            headers={"x-kvgate-queue-timeout": "0"},
-        ) as r:
-            assert r.status == 503
+        if unserved == "shed":
+            async with s.post(
+                gw.url + "/v1/chat/completions",
+                json=short("C"),
+                headers={"x-kvgate-queue-timeout": "0"},
+            ) as r:
+                assert r.status == 503
+        else:
+            gone = asyncio.create_task(run(s, "C"))
+            assert await wait_for(lambda: gw.report.queue_depth() == 1)
+            gone.cancel()  # its connection closes: the gateway's handler is cancelled
+            await asyncio.gather(gone, return_exceptions=True)
+            assert await wait_for(lambda: gw.report.queue_depth() == 0)
         d = asyncio.create_task(run(s, "D"))
         assert await wait_for(lambda: gw.report.queue_depth() == 1)
         c = asyncio.create_task(run(s, "C"))

@@ -17,7 +17,7 @@ from admission.controller import AdmissionController
 from admission.learned.patience import ClientEnd
 from admission.lease import HolderRecord, LeaseRequest, RenewResult, SharedLimit, SharedPatience
 from admission.tenants import TenantConfig, TenantLimiter
-from admission.types import AdmissionRequest, Admit, Shed
+from admission.types import AdmissionRequest, Admit, AttemptEnd, RequestEnd, Shed
 from gateway.config import StateConfig
 from gateway.door import AdmissionDoor
 from gateway.state import MemoryBackend, StateBackend, StateUnavailable
@@ -106,13 +106,13 @@ async def test_slices_follow_demand_and_never_sum_past_the_pool(backend: StateBa
         assert sum(s or 0 for s in shares(a, b)) <= POOL
     assert not z.done()
     # ...and once they end, the slices rebalance within a renewal each.
-    sa.door.release("x")
-    sa.door.release("y")
+    sa.door.request_ended(RequestEnd("x"))
+    sa.door.request_ended(RequestEnd("y"))
     for s in (sa, sb):
         await s.renew()
     assert isinstance((await z)[0], Admit)
     assert sum(s or 0 for s in shares(a, b)) <= POOL
-    sb.door.release("z")
+    sb.door.request_ended(RequestEnd("z"))
 
 
 async def test_learned_limits_are_shared(backend: StateBackend) -> None:
@@ -143,8 +143,9 @@ async def test_learned_limits_are_shared(backend: StateBackend) -> None:
 def leave_at(s: StateSync, waited: float, n: int = 3) -> None:
     """`n` clients that stated no timeout, of tenant "default" and model "m", left
     together after `waited` seconds (one configured timeout: admission/learned/patience.py)."""
-    for _ in range(n):
-        s.door.client_ended("default", "m", False, ClientEnd(waited, True))
+    for i in range(n):
+        gone = AttemptEnd(request(f"gone{i}"), 0.0, patience=ClientEnd(waited, True))
+        s.door.attempt_ended(gone)
 
 
 @pytest.mark.slow  # a queued request shed by a learned patience, in real time
@@ -194,8 +195,9 @@ async def test_learned_patience_is_shared_and_outlives_the_process(
 
     # b's own clients are seen staying far past the fleet's 2 s: b drops it, as it
     # would drop a budget it had learned itself.
-    for _ in range(10):
-        sb.door.client_ended("default", "m", False, ClientEnd(20.0, False))
+    for i in range(10):
+        stayed = AttemptEnd(request(f"stayed{i}"), 0.0, patience=ClientEnd(20.0, False))
+        sb.door.attempt_ended(stayed)
     (seen,) = b.report.patience_readings()
     assert (seen.patience_s, seen.shared, seen.observed) == (None, False, 10)
 
@@ -238,7 +240,7 @@ async def test_fail_open_cuts_each_slice_to_one_nth(prefix: str) -> None:
         late = await queue(syncs[0], request("late", 10, 10))
         # Redis returns empty: leases are rebuilt from each process's holdings.
         server.start()
-        syncs[0].door.release("busy")
+        syncs[0].door.request_ended(RequestEnd("busy"))
         for _ in range(2):
             for s in syncs:
                 await s.renew()
@@ -250,7 +252,7 @@ async def test_fail_open_cuts_each_slice_to_one_nth(prefix: str) -> None:
         assert sum(max(h.granted, h.used) for h in held.values()) <= POOL
         assert isinstance((await late)[0], Admit)
         for rid in ("more", "late"):
-            syncs[0].door.release(rid)
+            syncs[0].door.request_ended(RequestEnd(rid))
         for b in backends:
             await b.close()
     finally:
@@ -357,7 +359,7 @@ async def test_a_tenant_concurrency_in_use_draws_its_fraction(backend: StateBack
     assert got[0] is not None and got[1] is not None
     assert got[0] > 4 and got[0] + got[1] <= 8, got
     for i in range(4):
-        syncs[0].door.release(f"a{i}")
+        syncs[0].door.request_ended(RequestEnd(f"a{i}"))
 
 
 async def test_a_request_larger_than_an_idle_split_grows_its_share(backend: StateBackend) -> None:
@@ -548,11 +550,11 @@ async def test_a_late_renewal_lets_nothing_past_the_running_cap(
         # Its answers come back: the request is admitted once the busy one's slice frees.
         backends[1].late = False
         for i in range(10):
-            syncs[0].door.release(f"b{i}")
+            syncs[0].door.request_ended(RequestEnd(f"b{i}"))
         for s in (syncs[0], syncs[1], syncs[0], syncs[1]):
             await s.renew()
         assert syncs[1].up and isinstance((await waiting)[0], Admit)
-        syncs[1].door.release("late")
+        syncs[1].door.request_ended(RequestEnd("late"))
     finally:
         for s in syncs:
             await s.stop()
@@ -623,7 +625,7 @@ async def test_a_redis_that_restarted_between_two_renewals_is_rebuilt_within_one
         held = await backends[1].holders("pool:r1")
         assert sorted(held) == ["p0", "p1", "p2"]
         for rid in ("busy", "more"):
-            syncs[0].door.release(rid)
+            syncs[0].door.request_ended(RequestEnd(rid))
         for b in backends:
             await b.close()
     finally:
@@ -657,7 +659,7 @@ async def each_starts_one_of_400(syncs: list[StateSync]) -> None:
     verdicts = [t.result()[0] if t.done() else None for t in waiting]
     assert all(isinstance(v, Admit) for v in verdicts), verdicts
     for i, s in enumerate(syncs):
-        s.door.release(f"q{i}")
+        s.door.request_ended(RequestEnd(f"q{i}"))
 
 
 async def test_queues_are_asked_of_some_replicas_not_split_over_all() -> None:
