@@ -15,7 +15,6 @@ for that request alone, wherever it is placed from.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import Protocol
 
 from admission.ledger import Ledger
@@ -61,12 +60,18 @@ class Placement:
         """Tell routing a request it placed has ended."""
         self.router.released(request_id, replica, now)
 
-    def candidate_names(self, req: AdmissionRequest) -> Iterable[str]:
-        """Usable replicas `req` could ever run on (none that it avoids)."""
-        avoid = req.avoid
-        for rep in self._ledger.views.serving(req.model):
-            if rep.usable and rep.can_ever_fit(req) and not (avoid and rep.name in avoid):
-                yield rep.name
+    def candidate_names(self, req: AdmissionRequest) -> set[str]:
+        """Usable replicas `req` could ever run on (none that it avoids): the replicas of
+        each shape it fits, as the view groups them (a fit is a shape's, so a queue
+        entry that fits nowhere now costs a look per shape, not per replica)."""
+        view = self._ledger.views.view(req.model)
+        names: set[str] = set()
+        for rep, group in zip(view.usable_shapes, view.usable_names, strict=True):
+            if rep.can_ever_fit(req):
+                names.update(group)
+        if req.avoid:
+            names -= req.avoid
+        return names
 
     def place(self, entry: Placeable, blocked: set[str], now: float) -> Admit | object | None:
         """Admit `entry` to a non-blocked replica that fits it now, chosen by routing.

@@ -25,6 +25,7 @@ class ModelView:
     present: list[Replica]
     known_shapes: list[Replica]  # one present replica per shape, with a known limit
     usable_shapes: list[Replica]  # one usable replica per shape
+    usable_names: list[frozenset[str]]  # the usable replicas of each of those shapes
     order: HeadroomIndex
     ttft: PredictMax
     service: PredictMax
@@ -73,16 +74,19 @@ class ModelViews:
         present = [r for r in self.serving(model) if r.present]
         known: dict[tuple[object, ...], Replica] = {}
         usable: dict[tuple[object, ...], Replica] = {}
+        names: dict[tuple[object, ...], set[str]] = {}
         for r in present:
             shape = r.shape()
             if r.capacity is not None or r.max_model_len is not None:
                 known.setdefault(shape, r)
             if r.usable:
                 usable.setdefault(shape, r)
+                names.setdefault(shape, set()).add(r.name)
         view = ModelView(
             present,
             list(known.values()),
             list(usable.values()),
+            [frozenset(names[shape]) for shape in usable],
             HeadroomIndex(),
             PredictMax(),
             PredictMax(),
