@@ -47,7 +47,14 @@ class AdmissionConfig(BaseModel):
             "(admission/learned/margin.py); one of known size keeps none."
         ),
     )
-    queue_max_per_model: int = Field(256, ge=0, description="Bounded queue length per model.")
+    queue_max_per_model: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Bounded queue length per model. Unset (the default): as many requests as the "
+            "model's replicas run at once, at least 256 (admission/shedding.py)."
+        ),
+    )
     queue_timeout_s: float | None = Field(
         None,
         gt=0.0,

@@ -48,6 +48,9 @@ MIN_DRAIN_SAMPLES = 4
 # estimate from; a client that stated its timeout, or whose patience was learned, is
 # told at most half of that instead.
 COLD_RETRY_AFTER_S = 5.0
+# The least a model's queue holds when `queue_max_per_model` is unset: the bound before
+# it followed the replicas, kept so that a model with a few replicas queues as before.
+QUEUE_FLOOR = 256
 
 
 @dataclass(slots=True, frozen=True)
@@ -146,6 +149,35 @@ class Shedding:
             max(frees),
             slots,
         )
+
+    def queue_bound(self, model: str) -> int:
+        """The most requests of `model` its queue holds with `queue_max_per_model` unset:
+        as many as its replicas run at once, and at least `QUEUE_FLOOR`.
+
+        The bound is a memory guard; deadlines decide who waits (a request that cannot
+        start in time is shed on its estimate, not on the queue's length). A fixed bound
+        refused requests that had time to wait in front of many replicas: a dead
+        gateway's slices, held until their TTL, stood a thousand replicas' worth of
+        arrivals in the survivors' queues, and clients' last retries were refused by a
+        full queue while their deadlines allowed (bench/fleet_vt.py). A replica runs at
+        once its running limit (learned, within its cap; the whole replica's, not this
+        process's slice: the slice grows as others' shrink), or fewer where its pool
+        binds first, at the mean reservation of what this process runs on the model."""
+        reps = self._views.serving(model)
+        running = sum(r.running for r in reps)
+        reserved = sum(r.reserved for r in reps)
+        total = 0
+        for r in reps:
+            if not r.usable:
+                continue
+            bounds = []
+            whole = r.cap if r.limit is None else r.limit.allowed(r.cap)
+            if whole is not None:
+                bounds.append(whole)
+            if running > 0 and reserved > 0:
+                bounds.append(r.effective * running // reserved)
+            total += min(bounds) if bounds else 0
+        return max(QUEUE_FLOOR, total)
 
     def _backlog_wait(
         self, model: str, raw: int, now: float, tokens: int, count: int
@@ -275,6 +307,9 @@ class Shedding:
             return replace(shed, reason=reason, status=429), []
         displaced: list[Shed] = []
         limit = self.config.queue_max_per_model
+        if limit is None:
+            # Walks the model's replicas: only where the floor is reached.
+            limit = QUEUE_FLOOR if model_depth < QUEUE_FLOOR else self.queue_bound(model)
         if model_depth >= limit:
             victim = q.queue.victim(entry, limit)
             if victim is not None:

@@ -276,6 +276,39 @@ def test_queue_full_sheds_with_retry_after_from_drain_rate() -> None:
     assert ctrl.report.retry_after("m", 200, now) == pytest.approx(expected * 800 / 600)
 
 
+def _queue_room(ctrl: AdmissionController, replicas: int, pool: int, cap: int) -> int:
+    """Fill `replicas` replicas of pool `pool` and running cap `cap` with 200-token
+    requests, then queue more until one is shed: the requests the queue held."""
+    for k in range(replicas):
+        ctrl.upsert_replica(replica(f"r{k}", pool, max_running=cap), 0.0)
+    i = 0
+    while isinstance(ctrl.submit(request(f"run{i}", 100, 100), 0.0).verdict, Admit):
+        i += 1
+    queued = 1  # the first refused to run queued
+    while True:
+        verdict = ctrl.submit(request(f"q{queued}", 100, 100), 0.0).verdict
+        if isinstance(verdict, Shed):
+            assert verdict.reason == "queue_full"
+            return queued
+        assert isinstance(verdict, Queued)
+        queued += 1
+
+
+def test_unset_queue_bound_follows_what_the_replicas_run() -> None:
+    """With `queue_max_per_model` unset a model's queue holds as many requests as its
+    replicas run at once: each its running cap, or fewer where its pool binds first at
+    the mean reservation; at least 256 (the fixed bound before, which refused requests
+    whose deadlines allowed them to wait in front of many replicas). A setting wins."""
+    # Eight replicas running 64 each (their pools hold 500 of these): 512.
+    assert _queue_room(controller(), 8, 100_000, 64) == 512
+    # Forty whose 2,000-token pools hold ten 200-token requests each under a cap of 64.
+    assert _queue_room(controller(), 40, 2_000, 64) == 400
+    # One replica: the floor, as the fixed bound was.
+    assert _queue_room(controller(), 1, 100_000, 64) == 256
+    # A setting wins, in front of many replicas too.
+    assert _queue_room(controller(queue_max_per_model=256), 8, 100_000, 64) == 256
+
+
 def test_retry_after_is_clamped() -> None:
     ctrl = controller(queue_max_per_model=0, max_retry_after_s=3.0)
     ctrl.upsert_replica(replica(capacity=1000), 0.0)
