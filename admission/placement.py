@@ -97,13 +97,13 @@ class Placement:
         short: list[Replica] = []
         complete = True  # every replica of the model was examined, or shown not to fit
         pruned = False  # some were shown not to fit without being examined
-        least = _least_need(view, req)
+        least = 0  # `_least_need`, taken at the first replica of the KV order that does not fit
         largest = view.largest_pool
         k = SHORTLIST_PER_ORDER
         for order, by_free in ((view.order.by_free(), True), (view.order.by_run(), False)):
             got = 0
             for key, name in order:
-                if by_free and -key * largest + 1 < least:
+                if by_free and least and -key * largest + 1 < least:
                     # Most free first: none from here on has the tokens it needs (its free
                     # fraction of the largest pool is less), so none is examined.
                     pruned = True
@@ -120,6 +120,8 @@ class Placement:
                     if got >= k:
                         complete = False
                         break
+                elif by_free and not least:
+                    least = _least_need(view, req)  # only once a replica falls short
             if complete:
                 break  # the first order was walked to its end: nothing else fits
         # Routing reads the request itself (it is a RouteRequest), set for this decision.

@@ -55,6 +55,7 @@ class ServiceModel:
         "_sums",
         "_fit",
         "_margin",
+        "_mean_ran",
         "_elasticity",
     )
 
@@ -68,6 +69,7 @@ class ServiceModel:
         self._sums = [0] * 9
         self._fit: tuple[Plane, float] | None = None
         self._margin = 0.0
+        self._mean_ran = 1.0  # the mean of `_ran`, as of the fit
         self._elasticity = 1.0  # in proportion until the samples' loads tell
 
     def __len__(self) -> int:
@@ -131,8 +133,7 @@ class ServiceModel:
             return 0.0
         (base, a, b), _ = self._fit or self._refit()
         typical = max(0.0, base - self._margin + a * prompt + b * output)
-        mean = sum(self._ran) / len(self._ran)
-        return typical * (1.0 - self._elasticity * (1.0 - 1.0 / mean))
+        return typical * (1.0 - self._elasticity * (1.0 - 1.0 / self._mean_ran))
 
     def elasticity(self) -> float:
         """How service grows with the load, as the share of a proportional growth: 1 where
@@ -181,7 +182,7 @@ class ServiceModel:
         # The second pass: the largest residual (the margin), and the elasticity's sums:
         # x, the load it ran beside relative to the mean; e, its service relative to
         # the plane's typical one, where that is positive.
-        mean_ran = sum(self._ran) / n
+        mean_ran = self._mean_ran = sum(self._ran) / n
         worst = -math.inf
         used = 0
         sxx = sxe = see = 0.0
