@@ -181,6 +181,15 @@ class Replica:
             return 0
         return whole - self.running - self.others_running
 
+    @property
+    def room_beyond_slice(self) -> int:
+        """What the whole pool has free beyond what every process reserves there, when
+        this process holds a slice of it (0 otherwise). A dead process's reservations
+        stay counted until its lease's TTL: no renewal brings them sooner."""
+        if self.share_tokens is None:
+            return 0
+        return self.effective - self.reserved - self.others_reserved
+
     def need(self, raw_tokens: int) -> int:
         return round_up(raw_tokens, self.block_size)
 

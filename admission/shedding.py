@@ -127,13 +127,11 @@ class Shedding:
         reps = [r for r in self._views.serving(model) if r.usable]
         if not reps:
             return None
-        frees = [max(0, r.free) for r in reps]
-        # A slice of a shared running limit (gateway/state) grows at the next renewal
-        # into the room the limit has beyond what every process runs there: judging a
-        # wait by the slice alone shed requests the fleet had room for. The pool's room
-        # beyond the slice is not counted: it holds a dead process's slice until its TTL,
-        # which no renewal brings, and at a thousand replicas counting it queued
-        # requests until the queue overflowed (bench/fleet_vt.py).
+        # A slice of a shared pool or running limit (gateway/state) grows at the next
+        # renewal into the room the whole has beyond what every process holds or runs
+        # there: judging a wait by the slice alone shed requests, for deadlines they
+        # would have met, that the fleet had room for (bench/fleet_vt.py, 20 gateways).
+        frees = [max(0, r.free, r.room_beyond_slice) for r in reps]
         slots: int | None = None
         allowed = [r.allowed for r in reps]
         if all(a is not None for a in allowed):

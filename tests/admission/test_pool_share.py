@@ -166,3 +166,23 @@ def test_a_wait_counts_the_running_room_a_renewal_brings_into_the_slice(
     assert isinstance(late, Queued) is queued
     if not queued:
         assert isinstance(late, Shed) and late.reason == "deadline"
+
+
+@pytest.mark.parametrize(("others", "queued"), [(300, True), (800, False)])
+def test_a_wait_counts_the_pool_room_a_renewal_brings_into_the_slice(
+    others: int, queued: bool
+) -> None:
+    """A slice of a shared pool grows at the next renewal into what the pool has beyond
+    every process's reservations. With that room there, a request larger than what this
+    process's slice has free is queued (its queue asks for the room), not shed for a
+    deadline its slice alone could not meet; with the pool reserved by the others, the
+    wait is what its own drain frees, and a deadline that wait misses is shed at once."""
+    c = controller()
+    c.upsert_replica(replica("r1", 1000), 0.0)
+    now = _drained(c, 2.0)
+    c.set_pool_share("r1", 200, now, others_tokens=others)
+    assert isinstance(c.submit(request("held", 100, 100), now).verdict, Admit)
+    late = c.submit(request("big", 200, 200, deadline=now + 0.1), now).verdict
+    assert isinstance(late, Queued) is queued
+    if not queued:
+        assert isinstance(late, Shed) and late.reason == "deadline"
