@@ -211,10 +211,15 @@ def one_run(
             assert isinstance(verdict, Admit), verdict
             running.append(req.request_id)
             if len(running) > in_flight:  # the oldest leaves (at once with 0 in flight)
+                counted = toggle is not None and with_release and d >= 0
+                if counted:
+                    toggle()
                 t2 = time.perf_counter_ns()
                 ctl.release(running.pop(0), now)
                 if with_release:  # the decision's cost includes the release it leads to
                     t1 += time.perf_counter_ns() - t2
+                if counted:
+                    toggle()
             if d >= 0:
                 times.append(t1 - t0)
     finally:
@@ -255,7 +260,9 @@ def callgrind_child(
             toggle()
         return
     if not part:
-        one_run(n, profile, decisions, seed, toggle=toggle)
+        one_run(
+            n, profile, decisions, seed, toggle=toggle, with_release=_WITH_RELEASE in os.environ
+        )
         return
     timed = False  # inside a timed decision
     depth = counted = 0
@@ -295,7 +302,11 @@ def callgrind_child(
     Path(calls).write_text(str(counted))
 
 
-def _callgrind_instr(args: list[str], workdir: str) -> int:
+# Set for the callgrind child when each decision's release is counted with it.
+_WITH_RELEASE = "DECISION_COST_WITH_RELEASE"
+
+
+def _callgrind_instr(args: list[str], workdir: str, with_release: bool = False) -> int:
     out = os.path.join(workdir, "cg.out")
     subprocess.run(
         [
@@ -309,7 +320,11 @@ def _callgrind_instr(args: list[str], workdir: str) -> int:
         check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONHASHSEED": "0"},
+        env={
+            **{k: v for k, v in os.environ.items() if k != _WITH_RELEASE},
+            "PYTHONHASHSEED": "0",
+            **({_WITH_RELEASE: "1"} if with_release else {}),
+        },
     )
     text = Path(out).read_text()
     got = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
@@ -319,10 +334,16 @@ def _callgrind_instr(args: list[str], workdir: str) -> int:
 
 
 def callgrind(
-    profiles: list[str], replicas: list[int], decisions: int, runs: int, parts: list[str]
+    profiles: list[str],
+    replicas: list[int],
+    decisions: int,
+    runs: int,
+    parts: list[str],
+    with_release: bool = False,
 ) -> list[dict]:
     """Instructions per decision (module docstring), per profile and replica count, and
-    per part (``--part``) when asked."""
+    per part (``--part``) when asked; with `with_release`, each decision's release
+    counted with it (two switches a decision)."""
     rows = []
     with tempfile.TemporaryDirectory() as d:
         lib = os.path.join(d, "cgtoggle.so")
@@ -333,9 +354,11 @@ def callgrind(
         for profile in profiles:
             for n in replicas:
                 per = [
-                    _callgrind_instr([profile, str(n), str(decisions), str(seed), lib], d)
+                    _callgrind_instr(
+                        [profile, str(n), str(decisions), str(seed), lib], d, with_release
+                    )
                     / decisions
-                    - switch
+                    - switch * (2 if with_release else 1)
                     for seed in range(runs)
                 ]
                 rows.append(
@@ -411,7 +434,9 @@ def main() -> None:
     if args.callgrind:
         print("| profile | replicas | instructions / decision |")
         print("| --- | ---: | ---: |")
-        rows = callgrind(args.profiles, args.replicas, args.decisions, args.runs, args.part)
+        rows = callgrind(
+            args.profiles, args.replicas, args.decisions, args.runs, args.part, args.with_release
+        )
         for r in rows:
             r["label"] = args.label
         out = Path(__file__).resolve().parent / "results" / args.out
