@@ -247,8 +247,7 @@ class Ledger:
             res.unbudgeted = (req.tenant, req.stream)
         if res.due != math.inf:
             self.bounded.setdefault(rep.name, {})[req.request_id] = res
-        rep.room_stale = True  # the load it serves at moved
-        self.views.touch(rep)
+        self.views.touch(rep)  # and the room: the load it serves at moved
         return Admit(req.request_id, rep.name, full, req.latency_budget)
 
     def free(self, res: Reservation, now: float) -> Replica:

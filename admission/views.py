@@ -100,8 +100,10 @@ class ModelViews:
         return view
 
     def touch(self, rep: Replica) -> None:
-        """The ledger of `rep` changed (reserve, release, top-up, limit): follow it in
-        the views of its models."""
+        """The ledger of `rep` changed (reserve, release, top-up, limit, share): follow
+        it in the views of its models, and recompute its deadline room at its next use
+        (the load it serves at may have moved)."""
+        rep.room_stale = True
         views = self._views
         for model in rep.models:
             view = views.get(model)
@@ -116,6 +118,7 @@ class ModelViews:
         sig = (rep.present, rep.usable, rep.models, rep.shape(), rep.sharing)
         if sig != rep.sig:
             rep.sig = sig
+            rep.room_stale = True
             self._views.clear()
         else:
             self.touch(rep)

@@ -86,3 +86,22 @@ def test_a_replica_takes_no_more_than_a_running_requests_deadline_allows(
     for rid in ("n0", "n1", "n2", "n3", "last"):
         ctrl.release(rid, now + 2.0)
     assert ctrl.report.reserved_tokens() == 0 and ctrl.report.queue_depth() == 0
+
+
+def test_the_room_is_recomputed_when_the_load_the_replica_serves_at_moves() -> None:
+    """The room is kept per replica between decisions (it walks the running requests).
+    What moves the load a replica serves at recomputes it, as a reservation coming or
+    going does: here this process's leased share of the running limit (a top-up and a
+    learned limit's change go the same way, through the views' `touch`)."""
+    ctrl = controller()
+    ctrl.upsert_replica(replica("r1", 100_000, max_running=4), 0.0)
+    now = served_one_by_one(ctrl, 16, 2.0)
+    tight = request("tight", 400, 100, latency_budget=1.5)
+    assert isinstance(ctrl.submit(tight, now).verdict, Admit)
+    ledger = ctrl._ledger
+    rep = ledger.replicas["r1"]
+    before = ledger.room(rep, now)
+    ctrl.set_pool_share("r1", None, now, running=2)
+    assert rep.serving_load == 2
+    fresh = deadline_room(rep.service, rep.serving_load, ledger.bounded["r1"].values(), now)
+    assert ledger.room(rep, now) == fresh != before
