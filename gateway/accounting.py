@@ -98,12 +98,17 @@ def patience_seen(ctx: RequestContext, now: float) -> ClientEnd | None:
     left = client_left(ctx)
     if left is None:
         return None
-    waited = now - ctx.arrival
+    # A client that left left when its connection was lost: its handler may learn of it
+    # tens of milliseconds later on a busy loop, which is kvgate's wait, not the client's.
+    left_at = min(ctx.left_at, now) if left and ctx.left_at is not None else None
+    end_at = now if left_at is None else left_at
+    waited = end_at - ctx.arrival
     if not ctx.req.stream:
-        return ClientEnd(waited, left)
+        return ClientEnd(waited, left, left_at=left_at)
     first = None if ctx.first_byte_at is None else ctx.first_byte_at - ctx.arrival
     last = ctx.last_event_at if ctx.last_event_at is not None else ctx.arrival
-    return stream_end(waited, left, first, now - last, inter_token_latency(ctx))
+    quiet = max(0.0, end_at - last)
+    return stream_end(waited, left, first, quiet, inter_token_latency(ctx), left_at)
 
 
 def attempt_end(ctx: RequestContext, now: float) -> AttemptEnd:

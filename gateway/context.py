@@ -101,6 +101,9 @@ class RequestContext:
     # Its client left before an answer began: its retry keeps its place in line
     # (admission/retries.py).
     left_unanswered: bool = False
+    # When its client's connection was lost, as the transport saw it (None: not seen):
+    # the instant a client that left left, however late its handler learned of it.
+    left_at: float | None = None
     # outcome
     status: int = 0
     outcome: Outcome = UNKNOWN

@@ -64,6 +64,9 @@ class OpenAIErrorRequestHandler(RequestHandler):
     with a bounded kernel send buffer."""
 
     send_buffer_bytes: int | None = None
+    # When the client's connection was lost, on the loop's clock, as the transport saw
+    # it: the moment its client left (`connection_lost_at`).
+    lost_at: float | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.send_buffer_bytes:
@@ -74,6 +77,11 @@ class OpenAIErrorRequestHandler(RequestHandler):
                 except OSError:  # pragma: no cover - a platform without the option
                     pass
         super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.lost_at is None:
+            self.lost_at = self._loop.time()
+        super().connection_lost(exc)
 
     def close_if_idle(self) -> bool:
         """Close the connection if it waits for its next request (aiohttp's own test of
@@ -146,6 +154,16 @@ class OpenAIErrorRequestHandler(RequestHandler):
     @property
     def _limits(self) -> tuple[int, int]:
         return self.max_field_size, self.max_headers
+
+
+def connection_lost_at(request: web.BaseRequest) -> float | None:
+    """When `request`'s client connection was lost, on the loop's clock (None: it was
+    not, or not under `OpenAIErrorRequestHandler`). This, not when its handler got round
+    to the loss, is when its client left: a busy loop runs the cancelled handlers of a
+    load generator's 32 closes over tens of milliseconds, which read as departures
+    spread over time, not one close (admission/learned/patience.py)."""
+    proto = request.protocol
+    return proto.lost_at if isinstance(proto, OpenAIErrorRequestHandler) else None
 
 
 class _Server(web.Server):

@@ -47,6 +47,7 @@ from gateway.door import AdmissionDoor
 from gateway.endpoints import AUDIO, PASSED_HEADERS, POOLING, SCHEMAS, UPSTREAM_PATHS, dialect_of
 from gateway.errors import ApiError, invalid_request
 from gateway.fleet.discovery import Discovery
+from gateway.http import connection_lost_at
 from gateway.kvtokens import PromptTokenIds
 from gateway.logging import REQUEST_ID
 from gateway.metrics import GatewayMetrics
@@ -223,6 +224,8 @@ class Pipeline:
                 {"x-request-id": ctx.request_id}, ctx.dialect
             )
         finally:
+            if ctx.outcome == CLIENT_DISCONNECT:
+                ctx.left_at = connection_lost_at(request)
             try:
                 self.accounting.account(ctx, self._loop.time())
             finally:

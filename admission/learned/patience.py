@@ -83,8 +83,13 @@ Clients that leave together (within ``TOGETHER_S`` of a close's first departure)
 waits that differ (by more than their departure instants do, and than a tenth) did not
 each run out of patience: something ended them at once (a load generator stopping
 mid-run, a client process killed, a network path dropped). Such a mass close counts
-once, its first departure; from the first of its members whose wait shows it, the others
-count as having stayed as long as they did. A cohort that leaves together after one
+once, its first departure; once one of its members' wait shows it, the others count as
+having stayed as long as they did, those counted before it included (a busy gateway's
+loop begins requests in one iteration and loses them in one: on its millisecond clock
+the first members it gets round to may share one wait by chance). A departure is timed
+by when its connection was lost (`ClientEnd.left_at`), not by when kvgate's handler got
+round to it: on a loaded machine those are tens of milliseconds apart, and one close was
+taken for clients leaving one by one. A cohort that leaves together after one
 wait (sent together with one timeout) is not a mass close: each counts, unless at least
 ``MIN_EVENTS`` clients of its population were seen waiting past that wait (the same
 evidence that drops a learned estimate). Both tests come from a load generator stopping
@@ -171,6 +176,18 @@ class Patience:
                 self._dirty = True
                 return
 
+    def unlabel(self, waited_s: float) -> None:
+        """The latest departure of `waited_s` in the window stayed after all. The count
+        of departures ever (`left`, a counter) keeps it; the window, which the estimate
+        reads, does not."""
+        w = self._window
+        for i in range(len(w) - 1, -1, -1):
+            if w[i] == (waited_s, True):
+                w[i] = (waited_s, False)
+                self._events -= 1
+                self._dirty = True
+                return
+
     def observe(self, waited_s: float, left: bool) -> None:
         """One ended request: its client left after `waited_s`, or stayed that long."""
         w = self._window
@@ -232,15 +249,24 @@ class ClientEnd:
     quiet_s: float | None = None  # a stream: the quiet stretch it left in, or sat through
     stalled: bool | None = None  # a stream it left mid-way: after a stall (None: unknown)
     first_s: float | None = None  # a stream with content: its first token's wait
+    # When it left, as the gateway's transport saw its connection lost (None: at the
+    # `now` it is observed). A busy gateway learns of a close late, one handler at a
+    # time: the instant it noticed is its own slowness, not the client's.
+    left_at: float | None = None
 
 
 def stream_end(
-    waited_s: float, left: bool, first_s: float | None, quiet_s: float, gap_s: float | None
+    waited_s: float,
+    left: bool,
+    first_s: float | None,
+    quiet_s: float,
+    gap_s: float | None,
+    left_at: float | None = None,
 ) -> ClientEnd:
     """What a stream's end shows of its client: it left (or stayed) after `waited_s`,
     its first token came after `first_s` (None: none came), its last quiet stretch is
     `quiet_s` (since its last event, or since arrival), `gap_s` its mean gap between
-    events (None: fewer than two)."""
+    events (None: fewer than two); `left_at`, when it left (`ClientEnd`)."""
     if not left:
         # It sat through at least its wait for the first token (no gap log is kept).
         quiet = first_s if first_s is not None else waited_s
@@ -251,7 +277,7 @@ def stream_end(
         # stretch longer than its first-token wait, which a per-chunk client sat
         # through): a per-chunk clock. One event and no gap: the first test alone.
         stalled = quiet_s > first_s and (gap_s is None or quiet_s > STALL_GAPS * gap_s)
-    return ClientEnd(waited_s, True, quiet_s, stalled, first_s)
+    return ClientEnd(waited_s, True, quiet_s, stalled, first_s, left_at)
 
 
 @dataclass(slots=True)
@@ -286,6 +312,8 @@ class Population:
         "_close_at",
         "_close_waited",
         "_mass",
+        "_opening",
+        "_followers",
         "_recent",
         "_served",
     )
@@ -298,6 +326,10 @@ class Population:
         self._close_at = -math.inf  # when the current close's first departure left
         self._close_waited = 0.0  # and how long that client had waited
         self._mass = False  # one of the close left at its moment, not after its wait
+        self._opening = False  # the departure being observed opened its close
+        # The close's departures counted after its first, until one shows a mass close:
+        # (wait, quiet stretch, stalled), to be taken back then.
+        self._followers: list[tuple[float, float | None, bool | None]] = []
         # The recent departures while tokens flowed.
         self._recent: deque[_Flowing] = deque(maxlen=SHAPE_MEMORY)
         # How long the recent streams its clients read to the end took (streams only).
@@ -337,16 +369,40 @@ class Population:
         if now - self._close_at >= TOGETHER_S:
             # A new close begins.
             self._close_at, self._close_waited, self._mass = now, end.waited_s, False
+            self._opening = True
+            self._followers.clear()
             return True
+        self._opening = False
         if not self._mass:
             first = self._close_waited
             # A cohort with one timeout leaves after one wait, a mass close at one moment:
             # this one's wait is further from the first's than its departure is (and than
             # a tenth). Or they waited alike (sent together), but a wait their population
             # was seen sitting through is no timeout of its.
-            self._mass = abs(end.waited_s - first) > max(now - self._close_at, 0.1 * first)
-            self._mass = self._mass or self.total.stayed_past(1.1 * first) >= MIN_EVENTS
+            mass = abs(end.waited_s - first) > max(now - self._close_at, 0.1 * first)
+            if mass or self.total.stayed_past(1.1 * first) >= MIN_EVENTS:
+                self._mass = True
+                self._take_back()
         return not self._mass
+
+    def followed(self, waited: float, quiet: float | None, stalled: bool | None) -> None:
+        """A departure of the current close was counted (after `left_alone`)."""
+        if not self._opening:
+            self._followers.append((waited, quiet, stalled))
+
+    def _take_back(self) -> None:
+        """The close is a mass close: the departures counted after its first, which only
+        came first (alike by chance, or requests a busy gateway began in one loop
+        iteration and lost in one: equal waits on its millisecond clock), stayed."""
+        for waited, quiet, stalled in self._followers:
+            self.total.unlabel(waited)
+            if quiet is not None:
+                self.quiet.unlabel(quiet)
+            if stalled is True:
+                self.stalled = max(0, self.stalled - 1)
+            elif stalled is False:
+                self.flowing = max(0, self.flowing - 1)
+        self._followers.clear()
 
     @property
     def per_chunk(self) -> bool:
@@ -418,7 +474,9 @@ class ClientPatience:
             quiet = None
         else:
             quiet = max(0.0, quiet)
-        left = end.left and pop.left_alone(end, now)
+        # A close is told by when its clients left, not by when kvgate noticed each.
+        at = now if end.left_at is None else min(end.left_at, now)
+        left = end.left and pop.left_alone(end, at)
         if left and end.stalled is False:
             # Left while tokens flowed: a clock's deadline, or a reader that had enough.
             left = pop.on_a_clock(waited, end.first_s, quiet)
@@ -443,6 +501,8 @@ class ClientPatience:
             if pop.stalled + pop.flowing > SHAPE_MEMORY:  # the recent clients decide
                 pop.stalled //= 2
                 pop.flowing //= 2
+        if left:
+            pop.followed(waited, quiet, end.stalled)
 
     def budget(self, tenant: str, model: str, stream: bool) -> Budget | None:
         """The population's budget: learned here, else the fleet's; None: the default."""
