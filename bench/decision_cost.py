@@ -298,7 +298,7 @@ def callgrind_child(
         setattr(owner, name, staticmethod(wrap(fn.__func__)))
     else:
         setattr(owner, name, wrap(fn))
-    one_run(n, profile, decisions, seed, toggle=decision)
+    one_run(n, profile, decisions, seed, toggle=decision, with_release=_WITH_RELEASE in os.environ)
     Path(calls).write_text(str(counted))
 
 
@@ -375,7 +375,7 @@ def callgrind(
                 for part in parts:
                     calls = os.path.join(d, "calls")
                     args = [profile, str(n), str(decisions), "0", lib, part, calls]
-                    total = _callgrind_instr(args, d)
+                    total = _callgrind_instr(args, d, with_release)
                     count = int(Path(calls).read_text())
                     rows.append(
                         {
