@@ -123,19 +123,29 @@ def grant(
     # split gives its larger parts to those holding least, so a limit smaller than the
     # number of holders turns among them instead of starving the same one (then by name).
     wants: list[tuple[int, int, str]] = [(want, -max(granted, used), holder)]
+    wanted = want
     for name, g, w, u in others:
+        w = max(w, u)
         held += max(g, u)
         used_sum += u
-        wants.append((max(w, u), -max(g, u), name))
-    wants.sort()
+        wanted += w
+        wants.append((w, -max(g, u), name))
     n = len(wants)
-    remaining = total
-    entitled = 0
-    for i, (w, neg_used, name) in enumerate(wants):
-        share = min(w, remaining // (n - i))
-        remaining -= share
-        if name == holder and w == want and -neg_used == max(granted, used):
-            entitled = share
-    entitled += remaining // n  # what nobody wants, split equally
+    if wanted <= total:
+        # Every want fits: each is entitled to its own, and the rest is split equally.
+        # Taken in order of want, what remains before the k-th of n is the total less
+        # the wants before it, at least the wants from the k-th on, so at least
+        # (n - k + 1) times the k-th's: the equal split never binds, whatever the order.
+        entitled = want + (total - wanted) // n
+    else:
+        wants.sort()
+        remaining = total
+        entitled = 0
+        for i, (w, neg_used, name) in enumerate(wants):
+            share = min(w, remaining // (n - i))
+            remaining -= share
+            if name == holder and w == want and -neg_used == max(granted, used):
+                entitled = share
+        entitled += remaining // n  # what nobody wants, split equally
     free = total - held
     return max(0, min(entitled, free)), n, used_sum, max(0, min(max(entitled, used), free))

@@ -1,4 +1,4 @@
--- kvgate lease renewal: the arithmetic of admission/state/lease.py, atomically in Redis.
+-- kvgate lease renewal: the arithmetic of admission/lease.py (grant), atomically in Redis.
 -- KEYS[1]: the process heartbeat zset; KEYS[2..]: one lease hash per resource.
 -- ARGV[1]: holder; ARGV[2]: TTL in ms; then (total, want, used) per resource.
 -- A lease record is "granted want used expires_ms"; time is the Redis server's, so the
@@ -17,53 +17,90 @@ redis.call('ZADD', KEYS[1], exp, holder)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('PEXPIRE', KEYS[1], ttl * 2)
 local out = {redis.call('ZCARD', KEYS[1])}
+local match, floor, min, max = string.match, math.floor, math.min, math.max
+local RECORD = '^(%d+) (%d+) (%d+) (%d+)$'
+-- Scratch tables, written from index 1 for each resource (not allocated per resource):
+-- the others' wants, and the holds and names of those whose want equals the holder's.
+local wants, tie_hold, tie_name = {}, {}, {}
 for i = 2, #KEYS do
   local base = 3 + (i - 2) * 3  -- arguments: three per resource
-  local total = math.max(0, tonumber(ARGV[base]))
-  local want = math.max(0, tonumber(ARGV[base + 1]))
-  local used = math.max(0, tonumber(ARGV[base + 2]))
+  local total = max(0, tonumber(ARGV[base]))
+  local want = max(0, tonumber(ARGV[base + 1]))
+  local used = max(0, tonumber(ARGV[base + 2]))
   local flat = redis.call('HGETALL', KEYS[i])
-  local n, held, used_sum = 1, 0, 0
-  local mine = redis.call('HGET', KEYS[i], holder)
-  local prev = 0
-  if mine then
-    local g0, _, _, e0 = string.match(mine, '^(%d+) (%d+) (%d+) (%d+)$')
-    if e0 ~= nil and tonumber(e0) > now then prev = tonumber(g0) end
-  end
-  local wants = {{want, holder, math.max(prev, used)}}
+  -- One pass over the records: the holder's own previous grant (its record is among
+  -- them: no HGET of it), the others' wants and holds (each raised to its use), their
+  -- sums, and the holds and names of those whose want equals this holder's (where it
+  -- stands among them needs what it holds, known once its record was read).
+  local n, held, used_sum, wanted, prev, ties = 1, 0, 0, want, 0, 0
+  wants[1] = want
   for j = 1, #flat, 2 do
     local h = flat[j]
-    local g, w, u, e = string.match(flat[j + 1], '^(%d+) (%d+) (%d+) (%d+)$')
-    e = tonumber(e)
-    if e == nil or e <= now then
+    local g, w, u, e = match(flat[j + 1], RECORD)
+    -- (x + 0 turns a string of digits into its number as tonumber(x) does, without the
+    -- function call)
+    if e == nil or e + 0 <= now then
       redis.call('HDEL', KEYS[i], h)
-    elseif h ~= holder then
-      g, w, u = tonumber(g), tonumber(w), tonumber(u)
+    elseif h == holder then
+      prev = g + 0
+    else
+      g, w, u = g + 0, w + 0, u + 0
+      if u > w then w = u end
+      if u > g then g = u end
       n = n + 1
-      held = held + math.max(g, u)
+      held = held + g
       used_sum = used_sum + u
-      wants[#wants + 1] = {math.max(w, u), h, math.max(g, u)}
+      wanted = wanted + w
+      wants[n] = w
+      if w == want then
+        ties = ties + 1
+        tie_hold[ties] = g
+        tie_name[ties] = h
+      end
     end
   end
-  -- max-min fair (water-filling) in order of want, then of what each holds (most
-  -- first: the rounding gives the larger parts to those holding least), then name
-  table.sort(wants, function(x, y)
-    if x[1] ~= y[1] then return x[1] < y[1] end
-    if x[3] ~= y[3] then return x[3] > y[3] end
-    return x[2] < y[2]
-  end)
-  local remaining, entitled = total, 0
-  for k = 1, n do
-    local share = math.min(wants[k][1], math.floor(remaining / (n - k + 1)))
-    remaining = remaining - share
-    if wants[k][2] == holder then
+  -- Max-min fair (water-filling): the n wants in order of want, then of what each holds
+  -- (most first: the rounding gives the larger parts to those holding least), then name;
+  -- the k-th is entitled to min(want_k, floor(remaining / (n - k + 1))), remaining being
+  -- the total less the earlier ones' parts, and what remains after the n-th is split
+  -- equally. This holder's entry is its want (not raised to its use, as the others' are).
+  local entitled
+  if wanted <= total then
+    -- Every want fits: each is entitled to its want, whatever the order, so no sort.
+    -- Ascending, before the k-th: remaining = total - (want_1 + ... + want_k-1) >=
+    -- want_k + ... + want_n >= (n - k + 1) * want_k, so the floor is >= want_k (an
+    -- integer) and the k-th's part is want_k; after the n-th, total - wanted remains.
+    entitled = want + floor((total - wanted) / n)
+  else
+    -- Some part falls short of its want (all of them met would sum to wanted > total).
+    -- Only the wants' values in order and this holder's position among them matter:
+    -- after the smaller wants, and after the equal ones that hold more (or as much, with
+    -- a smaller name). Nothing remains after the n-th: at the first part short of its
+    -- want, remaining = m * q + r (m entries left, 0 <= r < m) and the part is q; every
+    -- later want is >= q + 1 and every later floor q or q + 1, so the m parts are q, then
+    -- q + 1 for the last r: remaining exactly.
+    local mine = max(prev, used)
+    local pos = 1
+    for k = 2, n do
+      if wants[k] < want then pos = pos + 1 end
+    end
+    for k = 1, ties do
+      local g = tie_hold[k]
+      if g > mine or (g == mine and tie_name[k] < holder) then pos = pos + 1 end
+    end
+    local sorted = {}
+    for k = 1, n do sorted[k] = wants[k] end
+    table.sort(sorted)  -- numbers: compared in C, no Lua comparator
+    local remaining = total
+    for k = 1, pos do
+      local share = min(sorted[k], floor(remaining / (n - k + 1)))
+      remaining = remaining - share
       entitled = share
     end
   end
-  entitled = entitled + math.floor(remaining / n)  -- what nobody wants, split equally
-  local granted = math.max(0, math.min(entitled, total - held))
+  local granted = max(0, min(entitled, total - held))
   -- the refill rate of a rate-limited holder: its entitlement or its use, if larger
-  local rate = math.max(0, math.min(math.max(entitled, used), total - held))
+  local rate = max(0, min(max(entitled, used), total - held))
   redis.call('HSET', KEYS[i], holder, string.format('%d %d %d %d', granted, want, used, exp))
   redis.call('PEXPIRE', KEYS[i], ttl * 2)
   out[#out + 1] = granted

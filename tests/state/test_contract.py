@@ -8,6 +8,7 @@ Redis server's is real, so the Redis runs use a short TTL and wait for the condi
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -234,6 +235,86 @@ async def test_lua_and_python_arithmetic_agree(
         assert (lease.granted, lease.holders, lease.others_used, lease.rate) == expect
     finally:
         await b.close()
+
+
+_NAMES = ["a", "b", "mb", "me2", "n", "o1", "o2", "z"]  # on both sides of "me"
+
+
+def _random_resource(
+    rng: random.Random, now_ms: int
+) -> tuple[LeaseRequest, dict[str, str], list[tuple[str, int, int, int]], int]:
+    """One resource's ask, the records its hash holds before the renewal (live, expired,
+    the holder's own previous one, now and then one that is no record), the live others
+    as `grant` takes them, and the holder's previous grant if its record is live."""
+    mode = rng.choice(["small", "crowd", "large"])
+    total = rng.randint(0, 12) if mode != "large" else rng.choice([0, rng.randint(1, 20_000)])
+    top = total + 1 if mode == "large" else 4
+    crowd = rng.randint(0, 12)  # a want shared by most holders: their order is the ties'
+
+    def v() -> int:
+        return rng.randint(0, top)
+
+    def w() -> int:
+        return crowd if mode == "crowd" and rng.random() < 0.8 else v()
+
+    def held() -> int:  # little held in a crowd, so that the grant is the entitlement
+        return rng.randint(0, 2) if mode == "crowd" else v()
+
+    live, expired = str(now_ms + 10**7), rng.choice(["1", str(now_ms - 1000)])
+    records: dict[str, str] = {}
+    others = []
+    for name in rng.sample(_NAMES, rng.randint(0, len(_NAMES))):
+        g, want, u = held(), w(), held()
+        alive = rng.random() < 0.8
+        records[name] = f"{g} {want} {u} {live if alive else expired}"
+        if alive:
+            others.append((name, g, want, u))
+    prev = 0
+    if rng.random() < 0.6:  # the holder's own record from its last renewal
+        g, alive = held(), rng.random() < 0.8
+        records["me"] = f"{g} {w()} {held()} {live if alive else expired}"
+        prev = g if alive else 0
+    if rng.random() < 0.05:
+        records["x"] = "not a record"
+    want, used = w(), held()
+    if rng.random() < 0.2:  # wants summing to the total, or one either side
+        want = max(0, total - sum(max(w, u) for _, _, w, u in others) + rng.choice([-1, 0, 1]))
+    return LeaseRequest("", total, want, used), records, others, prev
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_the_script_is_the_python_arithmetic_on_random_records(
+    seed: int, redis_url: str, prefix: str
+) -> None:
+    """lease.lua and `grant` on random holder sets, with every want fitting the total and
+    not: the expired and malformed records deleted, the live others counted, the holder's
+    own previous grant taken from its record, and the same four numbers back."""
+    rng = random.Random(seed)
+    b = RedisBackend(redis_url, prefix=prefix)
+    fits = 0
+    try:
+        now_ms = int((await b._r.time())[0]) * 1000
+        for case in range(150):
+            asks, expect, kept = [], [], {}
+            for i in range(rng.randint(1, 3)):
+                ask, records, others, prev = _random_resource(rng, now_ms)
+                ask = LeaseRequest(f"c{case}:{i}", ask.total, ask.want, ask.used)
+                if records:
+                    await b._r.hset(f"{{{prefix}}}:lease:{ask.resource}", mapping=records)
+                asks.append(ask)
+                expect.append(grant(ask.total, ask.want, others, "me", ask.used, prev))
+                kept[ask.resource] = {o[0] for o in others} | {"me"}
+                fits += ask.want + sum(max(w, u) for _, _, w, u in others) <= ask.total
+            r = await b.renew("me", asks, 10)
+            got = [(x.granted, x.holders, x.others_used, x.rate) for x in r.leases]
+            assert got == expect, (case, asks)
+            for ask, (granted, *_) in zip(asks, expect, strict=True):
+                stored = await b._r.hgetall(f"{{{prefix}}}:lease:{ask.resource}")
+                assert set(stored) == kept[ask.resource]
+                assert stored["me"].split()[:3] == [str(granted), str(ask.want), str(ask.used)]
+    finally:
+        await b.close()
+    assert 50 < fits < 250  # of about 300 resources: both sides of the shortcut
 
 
 async def test_an_unreachable_redis_raises_state_unavailable(prefix: str) -> None:
