@@ -134,6 +134,9 @@ class Cell:
     served: int = 0
     lost: int = 0
     lost_by: dict[str, int] = field(default_factory=dict)
+    # The first lost requests: when each arrived and was lost (s into the run), why, its
+    # attempts, and how often its gateway died under it.
+    lost_detail: list[dict[str, Any]] = field(default_factory=list)
     sent_again: int = 0
     shed_retries: int = 0
     latency_p50_s: float = 0.0
@@ -190,7 +193,8 @@ async def one_request(
         "max_tokens": a.item.output_tokens,
         "ignore_eos": True,
     }
-    attempt = 0
+    attempt = resent = 0
+    reason, g = "timeout", -1
     for _ in range(100):  # bounded: each pass is an attempt, a retry or a resend
         left = deadline - loop.time()
         if left <= 0:
@@ -223,13 +227,23 @@ async def one_request(
             reason = "timeout"
         except (aiohttp.ClientConnectionError, OSError):
             cell.sent_again += 1  # the gateway died under it: sent again through the balancer
+            resent += 1
             await asyncio.sleep(0.05)
             continue
-        cell.lost += 1
-        cell.lost_by[reason] = cell.lost_by.get(reason, 0) + 1
-        return
+        break
     cell.lost += 1
-    cell.lost_by["timeout"] = cell.lost_by.get("timeout", 0) + 1
+    cell.lost_by[reason] = cell.lost_by.get(reason, 0) + 1
+    if len(cell.lost_detail) < 20:
+        cell.lost_detail.append(
+            {
+                "arrived_s": round(a.at, 3),
+                "lost_s": round(loop.time() - t0, 3),
+                "why": reason,
+                "retries": attempt,
+                "sent_again": resent,
+                "gateway": g,
+            }
+        )
 
 
 async def watch_pools(
