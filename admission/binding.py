@@ -57,7 +57,7 @@ def binding_ceiling(replicas: Iterable[Replica], raw: int, tenant_capped: bool) 
         return max(set(running), key=running.count)
     sliced = any(
         r.share_tokens is not None and r.share_tokens < r.effective
-        and r.effective - r.reserved - r.others_reserved >= r.need(raw)
+        and r.room_beyond_slice >= r.need(raw)
         for r in usable
     )  # fmt: skip
     return "kv_share" if sliced else "kv_pool"

@@ -167,26 +167,26 @@ class Patience:
 
     def relabel(self, waited_s: float) -> None:
         """The latest stay of `waited_s` in the window was a departure after all."""
-        w = self._window
-        for i in range(len(w) - 1, -1, -1):
-            if w[i] == (waited_s, False):
-                w[i] = (waited_s, True)
-                self._events += 1
-                self.left += 1
-                self._dirty = True
-                return
+        if self._flip(waited_s, True):
+            self.left += 1
 
     def unlabel(self, waited_s: float) -> None:
         """The latest departure of `waited_s` in the window stayed after all. The count
         of departures ever (`left`, a counter) keeps it; the window, which the estimate
         reads, does not."""
+        self._flip(waited_s, False)
+
+    def _flip(self, waited_s: float, left: bool) -> bool:
+        """Mark the latest observation of `waited_s` labelled the other way as `left`;
+        whether there was one."""
         w = self._window
         for i in range(len(w) - 1, -1, -1):
-            if w[i] == (waited_s, True):
-                w[i] = (waited_s, False)
-                self._events -= 1
+            if w[i] == (waited_s, not left):
+                w[i] = (waited_s, left)
+                self._events += 1 if left else -1
                 self._dirty = True
-                return
+                return True
+        return False
 
     def observe(self, waited_s: float, left: bool) -> None:
         """One ended request: its client left after `waited_s`, or stayed that long."""
