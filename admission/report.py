@@ -262,6 +262,13 @@ class AdmissionReport:
         """What the requests queued for `model` need, in tokens."""
         return self._queue.tokens.get(model, 0)
 
+    def queued_needs(self, model: str) -> list[int]:
+        """Each request queued for `model`: what it needs, in tokens (`queued_tokens` is
+        their sum)."""
+        if model not in self._queue.per_model:
+            return []
+        return [e.raw for e in self._queue.queued.values() if e.req.model == model]
+
     def queue_depth(self, model: str | None = None) -> int:
         if model is not None:
             return self._queue.per_model.get(model, 0)

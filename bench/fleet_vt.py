@@ -204,6 +204,9 @@ class Result:
     latency_p50_s: float = 0.0
     latency_p90_s: float = 0.0
     lost_by: dict[str, int] = field(default_factory=dict)
+    # The first lost requests: when each arrived and was lost (s), why, its attempt
+    # (0: the first; None: timed out while served), its tokens (prompt + output) and the gateway that lost it.
+    lost_detail: list[dict[str, object]] = field(default_factory=list)
     goodput_vs_one: float | None = None
     idle_vs_one: float | None = None
 
@@ -303,6 +306,24 @@ def run_cell(
         heapq.heapify(probes)
     preemptions = 0
     lost_by: dict[str, int] = {}  # why: a shed's reason, or its client's timeout
+    lost_detail: list[dict[str, object]] = []
+
+    def lose(why: str, w: Work, attempt: int | None, g: int) -> None:
+        nonlocal lost
+        lost += 1
+        lost_by[why] = lost_by.get(why, 0) + 1
+        if len(lost_detail) < 20:
+            lost_detail.append(
+                {
+                    "arrived_s": round(w.at, 3),
+                    "lost_s": round(clock[0], 3),
+                    "why": why,
+                    "attempt": attempt,
+                    "tokens": w.prompt + w.output,
+                    "gateway": g,
+                }
+            )
+
     retries: list[tuple[float, int, Work, str, int]] = []  # (when, seq, work, rid, attempt)
     served = lost = killed = 0
     decisions: list[float] = []
@@ -348,7 +369,7 @@ def run_cell(
 
     def ended(rid: str, g: int, in_time: bool) -> None:
         """An admitted request's end: served, or its client gave up at its deadline."""
-        nonlocal served, lost
+        nonlocal served
         gw = gws[g]
         rep, tokens, w = gw.inflight.pop(rid)
         held[rep] -= tokens
@@ -359,8 +380,7 @@ def run_cell(
             latencies.append(clock[0] - w.at)
             done = Completion(True, service, None, None, w.prompt, w.output, timeout)
         else:
-            lost += 1
-            lost_by["timeout"] = lost_by.get("timeout", 0) + 1
+            lose("timeout", w, None, g)
             cores[rep].abort(rid, clock[0] * engines.speed if engines else clock[0])
             # The client left at the timeout it stated: the replica failed it
             # (gateway/accounting.py's `completion`).
@@ -369,19 +389,18 @@ def run_cell(
         gw.door.request_ended(RequestEnd(rid, done))
         settle()
 
-    def shed(w: Work, rid: str, verdict: object, attempt: int) -> None:
+    def shed(w: Work, rid: str, verdict: object, attempt: int, g: int) -> None:
         """A shed client comes back after its Retry-After, as the openai SDKs do (twice),
         while its timeout allows; a refusal, or a shed past that, is a request lost."""
-        nonlocal lost, seq
+        nonlocal seq
         after = verdict.retry_after if isinstance(verdict, Shed) else math.inf
         if attempt < SDK_RETRIES and clock[0] + after < w.at + timeout:
             seq += 1
             heapq.heappush(retries, (clock[0] + after, seq, w, rid, attempt + 1))
         else:
-            lost += 1
             why = verdict.reason if isinstance(verdict, Shed) else type(verdict).__name__
             why += "" if attempt < SDK_RETRIES else " (last retry)"
-            lost_by[why] = lost_by.get(why, 0) + 1
+            lose(why, w, attempt, g)
 
     def send(w: Work, rid: str, attempt: int = 0) -> None:
         """One attempt through a live gateway the balancer picks (by this moment's
@@ -414,11 +433,11 @@ def run_cell(
                 if isinstance(v, Admit):
                     admitted(g, rid, v, w)
                 else:
-                    shed(w, rid, v, attempt)
+                    shed(w, rid, v, attempt, g)
 
             gws[g].door.expect(rid).add_done_callback(done)
         else:
-            shed(w, rid, verdict, attempt)
+            shed(w, rid, verdict, attempt, g)
 
     def settle() -> None:
         loop.drain()
@@ -569,6 +588,7 @@ def run_cell(
         latency_p50_s=_quantile(latencies, 0.5),
         latency_p90_s=_quantile(latencies, 0.9),
         lost_by=lost_by,
+        lost_detail=lost_detail,
     )
 
 

@@ -302,29 +302,53 @@ class StateSync:
         every pool whole: the pools were split evenly among them, in slices smaller than
         the requests once there were ten (bench/fleet_vt.py); the running limit the same
         way, in slices of none, on other replicas than those whose pool a process was
-        granted. The queue is spread instead, each model's over its replicas in an order
-        of this process's own (so processes ask different replicas first): first within
-        the room the last renewal showed free (in the pool, and in the running limit at
-        the queue's mean request size), then, for what is left, up to each pool and limit
-        (a claim on a fair share of a busy replica, so a process behind a busy one still
-        gets its turn). A replica is asked for as many requests as the tokens asked of it
-        hold: a request needs both on one replica."""
-        models = {m for d in demands for m in d.models}
-        count = {m: self.report.queue_depth(m) for m in models}
-        tokens = {m: self.report.queued_tokens(m) for m in models}
-        mean = {m: tokens[m] / count[m] for m in models if count[m]}
-        asks = {d.replica: (0, 0) for d in demands}
+        granted. The queue is spread instead, over each model's replicas in an order of
+        this process's own (so processes ask different replicas first). First within the
+        room the last renewal showed free (in the pool and the running limit): each
+        queued request, the largest first, is asked whole of the first replica whose
+        free room holds it, since a request needs all its tokens on one replica (its
+        tokens spread over several free rooms, none of them grew to hold it: fleet_vt at
+        20 gateways x 10 replicas). What no free room holds is then claimed up to each
+        pool and limit, spread in the same order (a claim on a fair share of a busy
+        replica, so a process behind a busy one still gets its turn), as many requests
+        of a replica as the tokens asked of it hold."""
         order = sorted(demands, key=lambda d: self._rank(d.replica))
+        free: dict[str, list[float]] = {}  # replica -> [free tokens, free slots]
+        for d in order:
+            slots = math.inf if d.running_limit is None else d.running_limit - d.running
+            free[d.replica] = [
+                d.effective - d.reserved - self._others_used.get(d.replica, 0),
+                slots - self._others_running.get(d.replica, 0),
+            ]
+        asks = {d.replica: [0, 0] for d in demands}
+        left: dict[str, list[int]] = {}  # per model, the needs no free room holds
+        for m in sorted({m for d in demands for m in d.models}):
+            needs = sorted(self.report.queued_needs(m), reverse=True)
+            names = [d.replica for d in order if m in d.models]
+            rest = left[m] = []
+            bound = math.inf  # no free room holds more than this (known after a miss)
+            for need in needs:
+                fit = _first_fit(need, names, free) if need <= bound else None
+                if fit is not None:
+                    asks[fit][0] += need
+                    asks[fit][1] += 1
+                    continue
+                rest.append(need)
+                if need <= bound:  # searched and missed: the largest free room left
+                    bound = max((f[0] for r in names if (f := free[r])[1] >= 1), default=0)
+        tokens = {m: sum(rest) for m, rest in left.items()}
+        count = {m: len(rest) for m, rest in left.items()}
+        mean = {m: tokens[m] / count[m] for m in left if count[m]}
         for free_only in (True, False):
             for d in order:
                 asked, n = asks[d.replica]
-                room = d.effective - d.reserved - asked
-                slots = math.inf if d.running_limit is None else d.running_limit - d.running - n
                 if free_only:
-                    room -= self._others_used.get(d.replica, 0)
-                    slots -= self._others_running.get(d.replica, 0)
+                    room, slots = free[d.replica]
+                else:
+                    room = d.effective - d.reserved - asked
+                    slots = d.running_limit - d.running - n if d.running_limit is not None else math.inf
                 for m in d.models:
-                    if tokens[m] <= 0 or room <= 0 or slots <= 0:
+                    if tokens.get(m, 0) <= 0 or room <= 0 or slots <= 0:
                         continue
                     take = int(min(tokens[m], room, slots * mean[m]))
                     k = min(count[m], max(1, math.ceil(take / mean[m])))  # the requests it holds
@@ -334,8 +358,8 @@ class StateSync:
                     count[m] -= k
                     room -= take
                     slots -= k
-                asks[d.replica] = (asked, n)
-        return asks
+                asks[d.replica] = [asked, n]
+        return {name: (a[0], a[1]) for name, a in asks.items()}
 
     async def renew(self, patience: bool = True) -> None:
         """One round; `patience`: client patience too (the interval's rounds, not the ones
@@ -595,3 +619,15 @@ class StateSync:
             "renewals": self.renewals,
             "replicas": replicas,
         }
+
+
+def _first_fit(need: int, names: list[str], free: dict[str, list[float]]) -> str | None:
+    """The first of `names` whose free room holds `need` tokens and a request (taken
+    from it), or None."""
+    for name in names:
+        f = free[name]
+        if f[0] >= need and f[1] >= 1:
+            f[0] -= need
+            f[1] -= 1
+            return name
+    return None

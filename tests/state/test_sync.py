@@ -688,6 +688,36 @@ async def test_a_running_limit_smaller_than_the_processes_is_asked_where_the_que
     await each_starts_one_of_400(syncs)
 
 
+async def test_a_queued_request_is_asked_whole_of_one_free_room_not_in_pieces() -> None:
+    """Another process holds 700 of r0's 1,000 tokens and 500 of r1's; a request of 450
+    queues here. Spread over the free rooms in this process's order (r0 first), it was
+    asked 300 of r0 and 150 of r1, and neither slice grew to hold it (fleet_vt at 20
+    gateways x 10 replicas: a request queued 10 s until its client left). Asked whole of
+    r1, whose free 500 holds it, it starts at the next renewal."""
+    backend = MemoryBackend()
+    held = [LeaseRequest("pool:r0", 1000, 700, 700), LeaseRequest("pool:r1", 1000, 500, 500)]
+    await backend.renew("other", held, 60.0)
+    c = AdmissionController(
+        AdmissionConfig(headroom=0.0, learn_limit=False), default_profile(seed=3), seed=3
+    )
+    for name in ("r0", "r1"):
+        c.upsert_replica(replica(name, 1000, max_running=10), 0.0)
+    here = next(
+        s
+        for k in range(100)
+        if (s := sync(backend, c, f"p{k}"))._rank("r0") < s._rank("r1")  # r0 asked first
+    )
+    await here.renew()  # idle: learns what the other process uses
+    waiting = await queue(here, request("q", 300, 150))
+    for _ in range(3):  # the other process renews too: its slice gives way to what is asked
+        await here.renew()
+        await backend.renew("other", held, 60.0)
+    await here.renew()
+    await asyncio.sleep(0)
+    assert waiting.done() and isinstance(waiting.result()[0], Admit)
+    here.door.request_ended(RequestEnd("q"))
+
+
 class _Clock:
     """A loop whose time is set by the test (StateSync reads only `time`)."""
 
