@@ -346,7 +346,9 @@ class StateSync:
                     room, slots = free[d.replica]
                 else:
                     room = d.effective - d.reserved - asked
-                    slots = d.running_limit - d.running - n if d.running_limit is not None else math.inf
+                    slots = (
+                        d.running_limit - d.running - n if d.running_limit is not None else math.inf
+                    )
                 for m in d.models:
                     if tokens.get(m, 0) <= 0 or room <= 0 or slots <= 0:
                         continue
