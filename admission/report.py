@@ -262,12 +262,12 @@ class AdmissionReport:
         """What the requests queued for `model` need, in tokens."""
         return self._queue.tokens.get(model, 0)
 
-    def queued_needs(self, model: str) -> list[int]:
+    def queued_needs(self, model: str) -> list[tuple[int, float]]:
         """Each request queued for `model`: what it needs, in tokens (`queued_tokens` is
-        their sum)."""
+        their sum), and its deadline."""
         if model not in self._queue.per_model:
             return []
-        return [e.raw for e in self._queue.queued.values() if e.req.model == model]
+        return [(e.raw, e.deadline) for e in self._queue.queued.values() if e.req.model == model]
 
     def queue_depth(self, model: str | None = None) -> int:
         if model is not None:

@@ -28,7 +28,7 @@ class MemoryBackend(StateBackend):
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        # resource -> holder -> [granted, want, used, expires_at]
+        # resource -> holder -> [granted, want, used, expires_at, head, its deadline]
         self._leases: dict[str, dict[str, list[float]]] = {}
         self._procs: dict[str, float] = {}
         self._limits: dict[str, SharedLimit] = {}
@@ -57,10 +57,22 @@ class MemoryBackend(StateBackend):
                 (h, int(r[0]), int(r[1]), int(r[2])) for h, r in records.items() if h != holder
             ]
             mine = records.get(holder)
+            heads = {h: (int(r[4]), r[5]) for h, r in records.items() if r[4] > 0}
+            heads.pop(holder, None)
+            due = now + req.slack  # on this backend's clock, as Redis's TIME for lease.lua
+            if req.head > 0:
+                heads[holder] = (req.head, due)
             granted, n, others_used, rate = grant(
-                req.total, req.want, others, holder, req.used, int(mine[0]) if mine else 0
+                req.total, req.want, others, holder, req.used, int(mine[0]) if mine else 0, heads
             )
-            records[holder] = [granted, max(0, req.want), max(0, req.used), now + ttl_s]
+            records[holder] = [
+                granted,
+                max(0, req.want),
+                max(0, req.used),
+                now + ttl_s,
+                max(0, req.head),
+                due,
+            ]
             leases.append(Lease(req.resource, granted, n, others_used, rate))
         return RenewResult(len(self._procs), leases, known)
 

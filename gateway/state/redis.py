@@ -15,6 +15,7 @@ request path never waits on Redis.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -132,6 +133,9 @@ class RedisBackend(StateBackend):
         args: list[str | int] = [holder, max(1, round(ttl_s * 1000))]
         for r in requests:
             args += [max(0, int(r.total)), max(0, int(r.want)), max(0, int(r.used))]
+            # lease.lua's head: its size, and its slack in ms (-1: no deadline)
+            slack = -1 if math.isinf(r.slack) else max(0, round(r.slack * 1000))
+            args += [max(0, int(r.head)), slack]
         try:
             out = await self._lease(keys=keys, args=args)
         except (RedisError, OSError) as e:
@@ -163,7 +167,7 @@ class RedisBackend(StateBackend):
                 keys = [self._key("lease", r) for r in resources]
             async with self._r.pipeline(transaction=False) as pipe:
                 for k in keys:
-                    pipe.hdel(k, holder)
+                    pipe.hdel(k, holder, "^" + holder)  # its record and its head (lease.lua)
                 if resources is None:
                     pipe.zrem(self._key("procs"), holder)
                 await pipe.execute()
@@ -178,6 +182,8 @@ class RedisBackend(StateBackend):
         now = int(out[0])
         records: dict[str, HolderRecord] = {}
         for j in range(1, len(out), 2):
+            if out[j].startswith("^"):
+                continue  # a holder's head (lease.lua), not a holder
             g, w, u, expires = (int(x) for x in out[j + 1].split())
             if expires > now:
                 records[out[j]] = HolderRecord(g, w, u, (expires - now) / 1000.0)

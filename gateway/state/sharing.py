@@ -206,6 +206,7 @@ class StateSync:
         self._others_used: dict[str, int] = {}  # per replica, the others' use last seen
         self._others_running: dict[str, int] = {}  # and the requests they run there
         self._ranks: dict[str, int] = {}  # per replica, its `_rank` (fixed per holder)
+        self._heads: dict[str, tuple[int, float]] = {}  # per replica, the last `_asks`' head
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -308,10 +309,18 @@ class StateSync:
         queued request, the largest first, is asked whole of the first replica whose
         free room holds it, since a request needs all its tokens on one replica (its
         tokens spread over several free rooms, none of them grew to hold it: fleet_vt at
-        20 gateways x 10 replicas). What no free room holds is then claimed up to each
-        pool and limit, spread in the same order (a claim on a fair share of a busy
-        replica, so a process behind a busy one still gets its turn), as many requests
-        of a replica as the tokens asked of it hold."""
+        20 gateways x 10 replicas). What no free room holds is spread in the same order
+        over the free room left (asked whole instead, it lost requests where free rooms
+        were many and small: 2 gateways x 1,000 replicas), then claimed up to each pool
+        and limit (a claim on a fair share of a busy replica, so a process behind a busy
+        one still gets its turn), as many requests of a replica as the tokens asked of
+        it hold.
+
+        Each replica asked also gets a head (`admission.lease`, heads): the request due
+        first among those asked whole of it, or, for the requests no free room holds,
+        the one due first, named on the first replica whose pool could hold it (and
+        asked whole there); the pools' renewals deal heads whole, the earliest deadline
+        first, where an equal split would hold none."""
         order = sorted(demands, key=lambda d: self._rank(d.replica))
         free: dict[str, list[float]] = {}  # replica -> [free tokens, free slots]
         for d in order:
@@ -321,21 +330,31 @@ class StateSync:
                 slots - self._others_running.get(d.replica, 0),
             ]
         asks = {d.replica: [0, 0] for d in demands}
+        heads: dict[str, tuple[int, float]] = {}  # replica -> its head (tokens, deadline)
         left: dict[str, list[int]] = {}  # per model, the needs no free room holds
         for m in sorted({m for d in demands for m in d.models}):
-            needs = sorted(self.report.queued_needs(m), reverse=True)
+            queued = sorted(self.report.queued_needs(m), reverse=True)
             names = [d.replica for d in order if m in d.models]
             rest = left[m] = []
+            first: tuple[float, int] | None = None  # (deadline, tokens): the rest's most due
             bound = math.inf  # no free room holds more than this (known after a miss)
-            for need in needs:
+            for need, deadline in queued:
                 fit = _first_fit(need, names, free) if need <= bound else None
                 if fit is not None:
                     asks[fit][0] += need
                     asks[fit][1] += 1
+                    _head(heads, fit, need, deadline)
                     continue
                 rest.append(need)
+                if first is None or deadline < first[0]:
+                    first = (deadline, need)
                 if need <= bound:  # searched and missed: the largest free room left
                     bound = max((f[0] for r in names if (f := free[r])[1] >= 1), default=0)
+            if first is not None:  # named where a pool could hold it, in this process's order
+                for d in order:
+                    if m in d.models and d.effective - d.reserved >= first[1]:
+                        _head(heads, d.replica, first[1], first[0])
+                        break
         tokens = {m: sum(rest) for m, rest in left.items()}
         count = {m: len(rest) for m, rest in left.items()}
         mean = {m: tokens[m] / count[m] for m in left if count[m]}
@@ -361,6 +380,12 @@ class StateSync:
                     room -= take
                     slots -= k
                 asks[d.replica] = [asked, n]
+        for name, (need, _) in heads.items():  # a head is asked whole where it is named
+            a = asks[name]
+            if a[0] < need:
+                a[0] = need
+                a[1] = max(a[1], 1)
+        self._heads = heads
         return {name: (a[0], a[1]) for name, a in asks.items()}
 
     async def renew(self, patience: bool = True) -> None:
@@ -380,12 +405,15 @@ class StateSync:
             asks = self._asks(demands)
             requests: list[LeaseRequest] = []
             for d in demands:
+                head = self._heads.get(d.replica)
                 requests.append(
                     LeaseRequest(
                         f"pool:{d.replica}",
                         d.effective,
                         d.reserved + asks[d.replica][0],
                         d.reserved,
+                        head[0] if head else 0,
+                        max(0.0, head[1] - sent_at) if head else math.inf,
                     )
                 )
                 if d.running_limit is not None:
@@ -633,3 +661,10 @@ def _first_fit(need: int, names: list[str], free: dict[str, list[float]]) -> str
             f[1] -= 1
             return name
     return None
+
+
+def _head(heads: dict[str, tuple[int, float]], replica: str, need: int, deadline: float) -> None:
+    """Name the request due first among those asked of `replica` as its head."""
+    h = heads.get(replica)
+    if h is None or deadline < h[1]:
+        heads[replica] = (need, deadline)

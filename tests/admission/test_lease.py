@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from admission.lease import grant
+from admission.lease import _heads_first, grant
 
 
 def water_fill(
@@ -75,3 +75,59 @@ def test_where_every_want_fits_each_gets_its_own_and_the_rest_is_split() -> None
     # What the others hold still caps the grant.
     held = [("a", 12, 5, 0)]
     assert grant(13, 8, held, "me") == water_fill(13, 8, held, "me") == (1, 2, 0, 1)
+
+
+def test_heads_are_dealt_whole_where_an_equal_split_would_start_none() -> None:
+    """Six holders of a 16,384-token pool, each wanting 11,000 and naming a head of 3,700:
+    the equal split (2,730 each) holds no head. Dealt whole by deadline, the four due
+    first get theirs; the rest is water-filled over what each wants beyond."""
+    names = ["a", "b", "c", "d", "e", "f"]
+    heads = {name: (3700, 10.0 + k) for k, name in enumerate(names)}
+    entitled = {}
+    for me in names:
+        others = [(o, 0, 11_000, 0) for o in names if o != me]
+        entitled[me] = grant(16_384, 11_000, others, me, 0, 0, heads)[0]
+        assert grant(16_384, 11_000, others, me)[0] in (2730, 2731)  # no heads: the split
+    assert [entitled[n] >= 3700 for n in names] == [True] * 4 + [False] * 2
+    assert sum(entitled.values()) <= 16_384
+    # Heads come first, then the split: beside a holder using 900 of 1,000, a newcomer's
+    # head of 300 is dealt and the rest split (350 each); the incumbent admits nothing
+    # new until it is back within 350, and the newcomer grows into what it frees.
+    heads_b = {"b": (300, 5.0)}
+    assert grant(1000, 1000, [("b", 0, 1000, 0)], "a", 900, 900, heads_b)[0] == 350
+    assert grant(1000, 1000, [("a", 900, 1000, 900)], "b", 0, 0, heads_b)[0] == 100
+    assert grant(1000, 1000, [("a", 350, 1000, 350)], "b", 0, 0, heads_b)[0] == 650
+    # A head no holder record stands behind (its process is gone) is no one's.
+    others = [(o, 0, 11_000, 0) for o in names[1:]]
+    assert grant(16_384, 11_000, others, "a", 0, 0, {"gone": (3700, 0.0)})[0] in (2730, 2731)
+
+
+_holder = st.tuples(
+    st.integers(0, 40),  # want
+    st.integers(0, 12),  # used
+    st.integers(0, 20),  # head (0: none)
+    st.sampled_from([1.0, 2.0, 3.0, float("inf")]),  # its deadline
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(total=st.integers(0, 80), holders=st.lists(_holder, min_size=1, max_size=6))
+def test_with_heads_the_entitlements_sum_within_the_total(
+    total: int, holders: list[tuple[int, int, int, float]]
+) -> None:
+    """Each holder's entitlement by heads, computed at its own renewal from the same
+    records: together they never pass the total, and the head due first is held whole
+    where it fits the total."""
+    names = [f"h{k}" for k in range(len(holders))]
+    wants = [(max(w, u), 0, n) for n, (w, u, _, _) in zip(names, holders, strict=True)]
+    heads = {n: (h, due) for n, (_, _, h, due) in zip(names, holders, strict=True) if h}
+    got = [_heads_first(total, wants, n, heads) for n in names]
+    if not any(0 < h <= total for h, _ in heads.values()):
+        assert got == [None] * len(names)
+        return
+    entitled = [e for e in got if e is not None]
+    assert len(entitled) == len(names)
+    assert sum(entitled) <= total
+    first = min(heads, key=lambda n: (heads[n][1], n))
+    if heads[first][0] <= total:
+        assert entitled[names.index(first)] >= heads[first][0]

@@ -240,12 +240,26 @@ async def test_lua_and_python_arithmetic_agree(
 _NAMES = ["a", "b", "mb", "me2", "n", "o1", "o2", "z"]  # on both sides of "me"
 
 
-def _random_resource(
-    rng: random.Random, now_ms: int
-) -> tuple[LeaseRequest, dict[str, str], list[tuple[str, int, int, int]], int]:
-    """One resource's ask, the records its hash holds before the renewal (live, expired,
-    the holder's own previous one, now and then one that is no record), the live others
-    as `grant` takes them, and the holder's previous grant if its record is live."""
+_NO_DUE = 2**53  # lease.lua's deadline for a head that has none (ms)
+
+
+@dataclass
+class _Resource:
+    """One resource of a random renewal: the ask, the records its hash holds before it,
+    the live others and heads as `grant` takes them, and the holder's previous grant."""
+
+    ask: LeaseRequest
+    records: dict[str, str]
+    others: list[tuple[str, int, int, int]]
+    heads: dict[str, tuple[int, float]]
+    prev: int
+
+
+def _random_resource(rng: random.Random, now_ms: int) -> _Resource:
+    """Live, expired and the holder's own previous records, now and then one that is no
+    record; heads named by some holders (live or expired, of live holders or not), and
+    the holder's own head, whose deadlines lie far apart (the script's clock reads a
+    moment after the test's)."""
     mode = rng.choice(["small", "crowd", "large"])
     total = rng.randint(0, 12) if mode != "large" else rng.choice([0, rng.randint(1, 20_000)])
     top = total + 1 if mode == "large" else 4
@@ -260,26 +274,48 @@ def _random_resource(
     def held() -> int:  # little held in a crowd, so that the grant is the entitlement
         return rng.randint(0, 2) if mode == "crowd" else v()
 
+    def due() -> int:  # ms on the server's clock, 1,000 s apart, or none
+        return rng.choice([_NO_DUE, now_ms + 10**6 * rng.randint(1, 4)])
+
     live, expired = str(now_ms + 10**7), rng.choice(["1", str(now_ms - 1000)])
     records: dict[str, str] = {}
     others = []
+    heads: dict[str, tuple[int, float]] = {}
     for name in rng.sample(_NAMES, rng.randint(0, len(_NAMES))):
         g, want, u = held(), w(), held()
         alive = rng.random() < 0.8
         records[name] = f"{g} {want} {u} {live if alive else expired}"
         if alive:
             others.append((name, g, want, u))
+        if rng.random() < 0.4:  # a head, counted while both it and its holder live
+            size, d, head_alive = v(), due(), rng.random() < 0.85
+            records["^" + name] = f"{size} {d} {live if head_alive else expired}"
+            if alive and head_alive:
+                heads[name] = (size, d)
+    if rng.random() < 0.1:  # the head of a holder with no record
+        records["^gone"] = f"{v()} {due()} {live}"
     prev = 0
     if rng.random() < 0.6:  # the holder's own record from its last renewal
         g, alive = held(), rng.random() < 0.8
         records["me"] = f"{g} {w()} {held()} {live if alive else expired}"
         prev = g if alive else 0
+        if rng.random() < 0.5:  # and its last head, replaced or deleted by this renewal
+            records["^me"] = f"{v()} {due()} {live}"
     if rng.random() < 0.05:
         records["x"] = "not a record"
     want, used = w(), held()
     if rng.random() < 0.2:  # wants summing to the total, or one either side
         want = max(0, total - sum(max(w, u) for _, _, w, u in others) + rng.choice([-1, 0, 1]))
-    return LeaseRequest("", total, want, used), records, others, prev
+    head, slack = 0, float("inf")
+    if rng.random() < 0.4:
+        head = v()
+        if rng.random() < 0.7:  # between the others' deadlines, never on one
+            slack = 10**3 * rng.randint(0, 4) + 500.0
+        if head:
+            d = _NO_DUE if slack == float("inf") else now_ms + round(slack * 1000)
+            heads["me"] = (head, d)
+    ask = LeaseRequest("", total, want, used, head, slack)
+    return _Resource(ask, records, others, heads, prev)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -287,34 +323,51 @@ async def test_the_script_is_the_python_arithmetic_on_random_records(
     seed: int, redis_url: str, prefix: str
 ) -> None:
     """lease.lua and `grant` on random holder sets, with every want fitting the total and
-    not: the expired and malformed records deleted, the live others counted, the holder's
-    own previous grant taken from its record, and the same four numbers back."""
+    not, with heads named and not: the expired and malformed records deleted, the live
+    others counted, the holder's own previous grant taken from its record, its head
+    written (or its old one deleted), and the same four numbers back."""
     rng = random.Random(seed)
     b = RedisBackend(redis_url, prefix=prefix)
-    fits = 0
+    fits = dealt = 0
     try:
         now_ms = int((await b._r.time())[0]) * 1000
         for case in range(150):
             asks, expect, kept = [], [], {}
             for i in range(rng.randint(1, 3)):
-                ask, records, others, prev = _random_resource(rng, now_ms)
-                ask = LeaseRequest(f"c{case}:{i}", ask.total, ask.want, ask.used)
-                if records:
-                    await b._r.hset(f"{{{prefix}}}:lease:{ask.resource}", mapping=records)
+                res = _random_resource(rng, now_ms)
+                a = res.ask
+                ask = LeaseRequest(f"c{case}:{i}", a.total, a.want, a.used, a.head, a.slack)
+                if res.records:
+                    await b._r.hset(f"{{{prefix}}}:lease:{ask.resource}", mapping=res.records)
                 asks.append(ask)
-                expect.append(grant(ask.total, ask.want, others, "me", ask.used, prev))
-                kept[ask.resource] = {o[0] for o in others} | {"me"}
-                fits += ask.want + sum(max(w, u) for _, _, w, u in others) <= ask.total
+                expect.append(
+                    grant(ask.total, ask.want, res.others, "me", ask.used, res.prev, res.heads)
+                )
+                kept[ask.resource] = {o[0] for o in res.others} | {"me"}
+                kept[ask.resource] |= {"^" + h for h in res.heads}
+                kept[ask.resource] |= {
+                    k
+                    for k, rec in res.records.items()
+                    if k.startswith("^") and k != "^me" and int(rec.split()[2]) > now_ms
+                }
+                wanted = ask.want + sum(max(w, u) for _, _, w, u in res.others)
+                fits += wanted <= ask.total
+                dealt += wanted > ask.total and any(h[0] for h in res.heads.values())
             r = await b.renew("me", asks, 10)
             got = [(x.granted, x.holders, x.others_used, x.rate) for x in r.leases]
             assert got == expect, (case, asks)
             for ask, (granted, *_) in zip(asks, expect, strict=True):
                 stored = await b._r.hgetall(f"{{{prefix}}}:lease:{ask.resource}")
+                if ask.head == 0:
+                    kept[ask.resource].discard("^me")
                 assert set(stored) == kept[ask.resource]
                 assert stored["me"].split()[:3] == [str(granted), str(ask.want), str(ask.used)]
+                if ask.head:
+                    assert stored["^me"].split()[0] == str(ask.head)
     finally:
         await b.close()
     assert 50 < fits < 250  # of about 300 resources: both sides of the shortcut
+    assert dealt > 20  # and heads dealt where the wants exceed the total
 
 
 async def test_an_unreachable_redis_raises_state_unavailable(prefix: str) -> None:

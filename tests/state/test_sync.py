@@ -718,6 +718,42 @@ async def test_a_queued_request_is_asked_whole_of_one_free_room_not_in_pieces() 
     here.door.request_ended(RequestEnd("q"))
 
 
+async def test_where_an_equal_split_holds_no_queued_request_the_heads_start_in_turn(
+    backend: StateBackend,
+) -> None:
+    """Three processes on one replica of 1,000 tokens with requests of 400 queued (one in
+    the first, two in the others): split three ways (333 each) the pool held none of
+    them, and nothing started while it stood empty. Each names the request it has due
+    first as its head: the two due first of all start, whole, and when one ends the next
+    due of all starts (the third process's, before the second's second)."""
+    cs = [ctrl() for _ in range(3)]
+    syncs = [sync(backend, c, f"p{i}") for i, c in enumerate(cs)]
+    for _ in range(2):
+        for s in syncs:
+            await s.renew()
+    now = asyncio.get_running_loop().time()
+    due = {"q00": 100.0, "q10": 110.0, "q20": 120.0, "q11": 140.0, "q21": 150.0}
+    waiting = {}
+    for rid, d in due.items():
+        waiting[rid] = await queue(syncs[int(rid[1])], request(rid, 300, 100, deadline=now + d))
+
+    async def rounds() -> list[str]:
+        for _ in range(3):
+            for s in syncs:
+                await s.renew()
+        await asyncio.sleep(0)
+        return sorted(r for r, t in waiting.items() if t.done() and isinstance(t.result()[0], Admit))
+
+    assert await rounds() == ["q00", "q10"]
+    assert sum(shares(*cs)) <= POOL  # type: ignore[arg-type]
+    syncs[0].door.request_ended(RequestEnd("q00"))
+    assert await rounds() == ["q00", "q10", "q20"]  # q20 is due before q11
+    for rid in ("q10", "q20"):
+        syncs[int(rid[1])].door.request_ended(RequestEnd(rid))
+    for rid in ("q11", "q21"):
+        waiting[rid].cancel()
+
+
 class _Clock:
     """A loop whose time is set by the test (StateSync reads only `time`)."""
 
