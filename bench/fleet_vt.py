@@ -298,6 +298,7 @@ def run_cell(
     stepping: dict[str, StepResult] = {}
     steps: list[tuple[float, int, str]] = []  # (end, seq, replica)
     give_ups: list[tuple[float, int, str, int]] = []  # (deadline, seq, rid, gateway)
+    last_gw: dict[int, tuple[int, AdmissionDoor]] = {}  # per request, its last gateway
     owner: dict[str, int] = {}  # rid -> gateway, while an engine has it
     admitted_at: dict[str, float] = {}
     probes: list[tuple[float, int]] = []  # (when, gateway): its next discovery round
@@ -343,6 +344,8 @@ def run_cell(
         seq += 1
         if engines is None:
             heapq.heappush(ends, (clock[0] + w.service_s, seq, rid, g))
+            if clock[0] + w.service_s > w.at + timeout:  # its client leaves before the end
+                heapq.heappush(give_ups, (w.at + timeout, seq, rid, g))
             return
         assert w.ids is not None
         core = cores[verdict.replica]
@@ -404,18 +407,25 @@ def run_cell(
 
     def send(w: Work, rid: str, attempt: int = 0) -> None:
         """One attempt through a live gateway the balancer picks (by this moment's
-        spread), with the deadline of the request's first arrival."""
+        spread). The gateway knows the request's first arrival only where it saw it
+        before (a retry after its own shed, recognised by the SDK's retry header); a
+        gateway that did not, a survivor sent a request whose gateway died among them,
+        sees a new request stating the whole timeout, as the SDKs state it on every
+        attempt. The client still leaves at its first arrival's deadline."""
         alive = [g for g in range(n_gw) if gws[g].alive]
         ws = spread(n_gw, clock[0], seconds)
         g = rng.choices(alive, [ws[a] for a in alive])[0]
+        seen = attempt > 0 and last_gw.get(id(w)) == (g, gws[g].door)
+        last_gw[id(w)] = (g, gws[g].door)
+        told = w.at if seen or clock[0] == w.at else clock[0]
         req = AdmissionRequest(
             rid,
             MODEL,
             prompt_tokens=w.prompt,
             expected_output=w.output,
             max_tokens=w.output,
-            arrival=w.at,
-            deadline=w.at + timeout,
+            arrival=told,
+            deadline=told + timeout,
             latency_budget=timeout,
         )
         t0 = time.perf_counter()
@@ -540,8 +550,14 @@ def run_cell(
             continue
         if give_ups and nxt == give_ups[0][0]:
             _, _, rid, g = heapq.heappop(give_ups)
-            if rid in owner and owner[rid] == g and rid in gws[g].inflight:
+            if rid in gws[g].inflight and engines is not None:
                 ended(rid, g, False)
+            elif rid in gws[g].inflight:  # a pool's: its reservation returns as it leaves
+                rep, tokens, w = gws[g].inflight.pop(rid)
+                held[rep] -= tokens
+                lose("timeout", w, None, g)
+                gws[g].door.request_ended(RequestEnd(rid))
+                settle()
             continue
         if ends and nxt == ends[0][0]:
             _, _, rid, g = heapq.heappop(ends)

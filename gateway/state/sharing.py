@@ -206,7 +206,6 @@ class StateSync:
         self._others_used: dict[str, int] = {}  # per replica, the others' use last seen
         self._others_running: dict[str, int] = {}  # and the requests they run there
         self._ranks: dict[str, int] = {}  # per replica, its `_rank` (fixed per holder)
-        self._heads: dict[str, tuple[int, float]] = {}  # per replica, the last `_asks`' head
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -295,9 +294,12 @@ class StateSync:
             rank = self._ranks[replica] = zlib.crc32(f"{self.holder}/{replica}".encode())
         return rank
 
-    def _asks(self, demands: list[PoolDemand]) -> dict[str, tuple[int, int]]:
-        """How much of its queue this process asks of each replica beyond what it holds:
-        (tokens of the pool, requests of the running limit).
+    def _asks(
+        self, demands: list[PoolDemand]
+    ) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, float]]]:
+        """How much of its queue this process asks of each replica beyond what it holds
+        (tokens of the pool, requests of the running limit), and each replica's head
+        (its tokens and deadline).
 
         Asking every replica for the whole queue made every process with a queue want
         every pool whole: the pools were split evenly among them, in slices smaller than
@@ -385,8 +387,7 @@ class StateSync:
             if a[0] < need:
                 a[0] = need
                 a[1] = max(a[1], 1)
-        self._heads = heads
-        return {name: (a[0], a[1]) for name, a in asks.items()}
+        return {name: (a[0], a[1]) for name, a in asks.items()}, heads
 
     async def renew(self, patience: bool = True) -> None:
         """One round; `patience`: client patience too (the interval's rounds, not the ones
@@ -402,10 +403,10 @@ class StateSync:
             if patience:
                 await self._patience.sync(sent_at)
             demands = self._demands()
-            asks = self._asks(demands)
+            asks, heads = self._asks(demands)
             requests: list[LeaseRequest] = []
             for d in demands:
-                head = self._heads.get(d.replica)
+                head = heads.get(d.replica)
                 requests.append(
                     LeaseRequest(
                         f"pool:{d.replica}",
