@@ -742,7 +742,9 @@ async def test_where_an_equal_split_holds_no_queued_request_the_heads_start_in_t
             for s in syncs:
                 await s.renew()
         await asyncio.sleep(0)
-        return sorted(r for r, t in waiting.items() if t.done() and isinstance(t.result()[0], Admit))
+        return sorted(
+            r for r, t in waiting.items() if t.done() and isinstance(t.result()[0], Admit)
+        )
 
     assert await rounds() == ["q00", "q10"]
     assert sum(shares(*cs)) <= POOL  # type: ignore[arg-type]
