@@ -337,51 +337,13 @@ class StateSync:
         for m in sorted({m for d in demands for m in d.models}):
             queued = sorted(self.report.queued_needs(m), reverse=True)
             names = [d.replica for d in order if m in d.models]
-            rest = left[m] = []
-            first: tuple[float, int] | None = None  # (deadline, tokens): the rest's most due
-            bound = math.inf  # no free room holds more than this (known after a miss)
-            for need, deadline in queued:
-                fit = _first_fit(need, names, free) if need <= bound else None
-                if fit is not None:
-                    asks[fit][0] += need
-                    asks[fit][1] += 1
-                    _head(heads, fit, need, deadline)
-                    continue
-                rest.append(need)
-                if first is None or deadline < first[0]:
-                    first = (deadline, need)
-                if need <= bound:  # searched and missed: the largest free room left
-                    bound = max((f[0] for r in names if (f := free[r])[1] >= 1), default=0)
+            left[m], first = _ask_whole(queued, names, free, asks, heads)
             if first is not None:  # named where a pool could hold it, in this process's order
                 for d in order:
                     if m in d.models and d.effective - d.reserved >= first[1]:
                         _head(heads, d.replica, first[1], first[0])
                         break
-        tokens = {m: sum(rest) for m, rest in left.items()}
-        count = {m: len(rest) for m, rest in left.items()}
-        mean = {m: tokens[m] / count[m] for m in left if count[m]}
-        for free_only in (True, False):
-            for d in order:
-                asked, n = asks[d.replica]
-                if free_only:
-                    room, slots = free[d.replica]
-                else:
-                    room = d.effective - d.reserved - asked
-                    slots = (
-                        d.running_limit - d.running - n if d.running_limit is not None else math.inf
-                    )
-                for m in d.models:
-                    if tokens.get(m, 0) <= 0 or room <= 0 or slots <= 0:
-                        continue
-                    take = int(min(tokens[m], room, slots * mean[m]))
-                    k = min(count[m], max(1, math.ceil(take / mean[m])))  # the requests it holds
-                    asked += take
-                    n += k
-                    tokens[m] -= take
-                    count[m] -= k
-                    room -= take
-                    slots -= k
-                asks[d.replica] = [asked, n]
+        _spread(order, free, asks, left)
         for name, (need, _) in heads.items():  # a head is asked whole where it is named
             a = asks[name]
             if a[0] < need:
@@ -669,3 +631,66 @@ def _head(heads: dict[str, tuple[int, float]], replica: str, need: int, deadline
     h = heads.get(replica)
     if h is None or deadline < h[1]:
         heads[replica] = (need, deadline)
+
+
+def _ask_whole(
+    queued: list[tuple[int, float]],
+    names: list[str],
+    free: dict[str, list[float]],
+    asks: dict[str, list[int]],
+    heads: dict[str, tuple[int, float]],
+) -> tuple[list[int], tuple[float, int] | None]:
+    """Ask each queued ``(need, deadline)`` (largest first) whole of the first of `names`
+    whose free room holds it, naming heads there; returns the needs no free room holds
+    and the one of them due first, ``(deadline, need)``."""
+    rest: list[int] = []
+    first: tuple[float, int] | None = None
+    bound = math.inf  # no free room holds more than this (known after a miss)
+    for need, deadline in queued:
+        fit = _first_fit(need, names, free) if need <= bound else None
+        if fit is not None:
+            asks[fit][0] += need
+            asks[fit][1] += 1
+            _head(heads, fit, need, deadline)
+            continue
+        rest.append(need)
+        if first is None or deadline < first[0]:
+            first = (deadline, need)
+        if need <= bound:  # searched and missed: the largest free room left
+            bound = max((f[0] for r in names if (f := free[r])[1] >= 1), default=0)
+    return rest, first
+
+
+def _spread(
+    order: list[PoolDemand],
+    free: dict[str, list[float]],
+    asks: dict[str, list[int]],
+    left: dict[str, list[int]],
+) -> None:
+    """Spread the needs no free room holds whole (`left`, per model) over the replicas
+    in `order`: first over their free room left, then up to each pool and running
+    limit, as many requests of a replica as the tokens asked of it hold (at the mean)."""
+    tokens = {m: sum(rest) for m, rest in left.items()}
+    count = {m: len(rest) for m, rest in left.items()}
+    mean = {m: tokens[m] / count[m] for m in left if count[m]}
+    for free_only in (True, False):
+        for d in order:
+            asked, n = asks[d.replica]
+            if free_only:
+                room, slots = free[d.replica]
+            else:
+                room = d.effective - d.reserved - asked
+                limit = d.running_limit
+                slots = math.inf if limit is None else limit - d.running - n
+            for m in d.models:
+                if tokens.get(m, 0) <= 0 or room <= 0 or slots <= 0:
+                    continue
+                take = int(min(tokens[m], room, slots * mean[m]))
+                k = min(count[m], max(1, math.ceil(take / mean[m])))  # the requests it holds
+                asked += take
+                n += k
+                tokens[m] -= take
+                count[m] -= k
+                room -= take
+                slots -= k
+            asks[d.replica] = [asked, n]
