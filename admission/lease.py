@@ -15,15 +15,15 @@ others then grow into what it freed. A rate-limited holder also gets a refill `r
 what it spent and has not refilled is its use, which the others are not granted, and it
 refills at the larger of its entitlement and that use (within what the others hold).
 
-Heads: an equal split smaller than every holder's next request starts none of them (six
-processes at 2,730 tokens each of a 16,384-token pool, every one with a request of 3,700
-queued). So a holder may name its *head*, the one request it most needs started there
-(its size, and its deadline on the backend's clock). When the wants exceed the total
-and a head is named, the heads are dealt first, whole, the earliest deadline first,
-while each fits what is left, and what is left is water-filled over the wants less the
-heads dealt. Without a head that fits, the water-filling above. (Letting each holder
-keep its use first, then dealing heads, starved a restarted process beside one that
-held nine tenths of every pool: fleet_vt, 2 gateways x 100 replicas.)
+Heads: an equal split smaller than every holder's next request starts none of them
+while the pool stands idle (docs/benchmarks-fleet.md). So a holder may name its *head*,
+the one request it most needs started there (its size, and its deadline on the
+backend's clock). When the wants exceed the total and a head is named, the heads are
+dealt first, whole, the earliest deadline first, while each fits what is left, and what
+is left is water-filled over the wants less the heads dealt. Without a head that fits,
+the water-filling above. Heads come before the split, not after each holder's use: a
+holder that kept its use first would leave a process that restarted beside it only
+its heads.
 """
 
 from __future__ import annotations
