@@ -258,13 +258,8 @@ class AdmissionReport:
         return out
 
     # ------------------------------------------------------------------ queue
-    def queued_tokens(self, model: str) -> int:
-        """What the requests queued for `model` need, in tokens."""
-        return self._queue.tokens.get(model, 0)
-
     def queued_needs(self, model: str) -> list[tuple[int, float]]:
-        """Each request queued for `model`: what it needs, in tokens (`queued_tokens` is
-        their sum), and its deadline."""
+        """Each request queued for `model`: what it needs, in tokens, and its deadline."""
         if model not in self._queue.per_model:
             return []
         return [(e.raw, e.deadline) for e in self._queue.queued.values() if e.req.model == model]

@@ -204,8 +204,8 @@ class Result:
     latency_p50_s: float = 0.0
     latency_p90_s: float = 0.0
     lost_by: dict[str, int] = field(default_factory=dict)
-    # The first lost requests: when each arrived and was lost (s), why, its attempt
-    # (0: the first; None: timed out while served), its tokens (prompt + output) and the gateway that lost it.
+    # The first lost requests: when each arrived and was lost (s), why, its attempt (0:
+    # the first; None: timed out while served), its tokens and the gateway that lost it.
     lost_detail: list[dict[str, object]] = field(default_factory=list)
     goodput_vs_one: float | None = None
     idle_vs_one: float | None = None
@@ -298,7 +298,7 @@ def run_cell(
     stepping: dict[str, StepResult] = {}
     steps: list[tuple[float, int, str]] = []  # (end, seq, replica)
     give_ups: list[tuple[float, int, str, int]] = []  # (deadline, seq, rid, gateway)
-    last_gw: dict[int, tuple[int, AdmissionDoor]] = {}  # per request, its last gateway
+    last_door: dict[int, AdmissionDoor] = {}  # per request, the gateway it last went to
     owner: dict[str, int] = {}  # rid -> gateway, while an engine has it
     admitted_at: dict[str, float] = {}
     probes: list[tuple[float, int]] = []  # (when, gateway): its next discovery round
@@ -415,9 +415,9 @@ def run_cell(
         alive = [g for g in range(n_gw) if gws[g].alive]
         ws = spread(n_gw, clock[0], seconds)
         g = rng.choices(alive, [ws[a] for a in alive])[0]
-        seen = attempt > 0 and last_gw.get(id(w)) == (g, gws[g].door)
-        last_gw[id(w)] = (g, gws[g].door)
-        told = w.at if seen or clock[0] == w.at else clock[0]
+        seen = attempt > 0 and last_door.get(id(w)) is gws[g].door
+        last_door[id(w)] = gws[g].door
+        told = w.at if seen else clock[0]  # a first attempt is sent at its arrival
         req = AdmissionRequest(
             rid,
             MODEL,

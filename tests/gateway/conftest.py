@@ -17,6 +17,8 @@ import pytest
 
 from gateway.app import Gateway
 from gateway.config import config_from_mapping
+from gateway.context import RequestContext
+from gateway.outcome import CLIENT_DISCONNECT
 
 MODEL = "tiny-llm"
 
@@ -137,3 +139,15 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
                     f"replica {srv.url}: {srv.core.stats().blocks_in_use} KV blocks still in use"
                 )
     assert not problems, "; ".join(problems)
+
+
+def left_ctx(arrival: float = 0.0, stream: bool = False, **fields: object) -> RequestContext:
+    """An admitted chat request whose client disconnected, as accounting sees it at its
+    end, with `fields` set on it."""
+    ctx = RequestContext("r", "chat", "/v1/chat/completions", arrival=arrival)
+    ctx.req.stream = stream
+    ctx.admission_id = "r"
+    ctx.outcome = CLIENT_DISCONNECT
+    for k, v in fields.items():
+        setattr(ctx, k, v)
+    return ctx

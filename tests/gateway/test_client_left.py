@@ -13,10 +13,9 @@ from aiohttp import web
 
 from gateway.accounting import patience_seen
 from gateway.config import LimitsConfig
-from gateway.context import RequestContext
 from gateway.http import connection_lost_at, install
-from gateway.outcome import CLIENT_DISCONNECT, OK
-from tests.gateway.conftest import wait_for
+from gateway.outcome import OK
+from tests.gateway.conftest import left_ctx, wait_for
 
 
 async def test_a_lost_connection_is_timed_when_the_transport_saw_it() -> None:
@@ -58,29 +57,21 @@ async def test_a_lost_connection_is_timed_when_the_transport_saw_it() -> None:
     assert closed <= lost_at <= noticed
 
 
-def _left(**fields: object) -> RequestContext:
-    ctx = RequestContext("r", "chat", "/v1/chat/completions", arrival=10.0)
-    ctx.admission_id = "r"
-    ctx.outcome = CLIENT_DISCONNECT
-    for k, v in fields.items():
-        setattr(ctx, k, v)
-    return ctx
-
-
 def test_a_client_that_left_waited_until_its_connection_was_lost() -> None:
     # Lost at 10.02; its handler ended at 10.09, behind the loop's other work.
-    end = patience_seen(_left(left_at=10.02), 10.09)
+    end = patience_seen(left_ctx(10.0, left_at=10.02), 10.09)
     assert end is not None and end.left
     assert end.waited_s == pytest.approx(0.02) and end.left_at == 10.02
     # A stream's quiet stretch ends there too.
-    ctx = _left(left_at=10.02, first_byte_at=10.005, last_event_at=10.01, events=3)
-    ctx.req.stream = True
+    ctx = left_ctx(
+        10.0, stream=True, left_at=10.02, first_byte_at=10.005, last_event_at=10.01, events=3
+    )
     stream = patience_seen(ctx, 10.09)
     assert stream is not None and stream.quiet_s == pytest.approx(0.01)
     assert stream.waited_s == pytest.approx(0.02) and stream.left_at == 10.02
     # Not seen lost (a handler that ended otherwise): timed when it ended, as before.
-    assert patience_seen(_left(), 10.09).left_at is None  # type: ignore[union-attr]
+    assert patience_seen(left_ctx(10.0), 10.09).left_at is None  # type: ignore[union-attr]
     # A client that stayed is timed at its end, whatever its connection did later.
-    stayed = patience_seen(_left(left_at=10.5, outcome=OK), 10.09)
+    stayed = patience_seen(left_ctx(10.0, left_at=10.5, outcome=OK), 10.09)
     assert stayed is not None and not stayed.left and stayed.left_at is None
     assert stayed.waited_s == pytest.approx(0.09)

@@ -13,9 +13,8 @@ import pytest
 
 from admission.learned.patience import MIN_COHORT, MIN_EVENTS, ClientEnd
 from gateway.accounting import patience_seen
-from gateway.context import RequestContext
-from gateway.outcome import CLIENT_DISCONNECT, OK
-from tests.gateway.conftest import MODEL, wait_for
+from gateway.outcome import OK
+from tests.gateway.conftest import MODEL, left_ctx, wait_for
 from tests.gateway.test_ops import scrape
 from tests.gateway.test_queue import body, hold_pool
 
@@ -175,28 +174,18 @@ async def test_a_stream_client_with_a_total_deadline_is_learned_as_one(replica, 
     assert row["whole_response"] is True  # the whole stream, not its first token
 
 
-def _stream_ctx(**fields) -> RequestContext:
-    ctx = RequestContext("r", "chat", "/v1/chat/completions", arrival=0.0)
-    ctx.req.stream = True
-    ctx.admission_id = "r"
-    ctx.outcome = CLIENT_DISCONNECT
-    for k, v in fields.items():
-        setattr(ctx, k, v)
-    return ctx
-
-
 def test_where_a_stream_client_left_is_read_from_its_gaps() -> None:
     # 100 events 20 ms apart from 0.5 s on; left 30 ms after the last: while it flowed.
-    flowing = _stream_ctx(first_byte_at=0.5, last_event_at=2.48, events=100)
+    flowing = left_ctx(stream=True, first_byte_at=0.5, last_event_at=2.48, events=100)
     assert patience_seen(flowing, 2.51) == ClientEnd(2.51, True, pytest.approx(0.03), False, 0.5)
     # The same stream, left 3 s after its last event: after a stall (a per-chunk clock).
-    stalled = _stream_ctx(first_byte_at=0.5, last_event_at=2.48, events=100)
+    stalled = left_ctx(stream=True, first_byte_at=0.5, last_event_at=2.48, events=100)
     assert patience_seen(stalled, 5.48).stalled is True
     # Before its first token: the shape is unknown, the wait is its quiet stretch.
-    early = _stream_ctx()
+    early = left_ctx(stream=True)
     assert patience_seen(early, 3.0) == ClientEnd(3.0, True, 3.0, None)
     # Served: it sat through at least its wait for the first token.
-    served = _stream_ctx(first_byte_at=0.5, last_event_at=2.48, events=100, outcome=OK)
+    served = left_ctx(stream=True, first_byte_at=0.5, last_event_at=2.48, events=100, outcome=OK)
     assert patience_seen(served, 2.5) == ClientEnd(2.5, False, 0.5, None, 0.5)
     # A stated timeout teaches nothing.
-    assert patience_seen(_stream_ctx(patience_stated=True), 3.0) is None
+    assert patience_seen(left_ctx(stream=True, patience_stated=True), 3.0) is None
