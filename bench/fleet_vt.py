@@ -71,15 +71,20 @@ from pathlib import Path
 
 from admission.config import AdmissionConfig
 from admission.controller import AdmissionController
-from admission.types import AdmissionRequest, Admit, Completion, Queued, RequestEnd, Shed
+from admission.retries import identify
+from admission.types import AdmissionRequest, Admit, Queued, RequestEnd, Shed
 from bench.vtime import VirtualLoop
 from enginesim.core import EngineCore
 from enginesim.profiles import load_profile
 from enginesim.simulate import run_closed_loop
 from enginesim.types import EventKind, SimRequest, StepResult
 from enginesim.workloads import WorkItem, seed2_workload
+from gateway.accounting import attempt_end, completion
 from gateway.config import StateConfig
+from gateway.context import RequestContext
 from gateway.door import AdmissionDoor
+from gateway.outcome import CLIENT_DISCONNECT, OK, Outcome
+from gateway.outcome import shed as shed_outcome
 from gateway.state import MemoryBackend
 from gateway.state.sharing import StateSync
 from routing.scheduler import default_profile
@@ -105,6 +110,11 @@ class Work:
     prompt: int
     output: int
     ids: list[int] | None = None  # the prompt's tokens, for an engine
+    n: int = 0  # its index in the run: its body, as the retry memory hashes it
+
+    @property
+    def body(self) -> bytes:
+        return b"w%d" % self.n
 
     @property
     def service_s(self) -> float:
@@ -180,6 +190,8 @@ class Gateway:
     alive: bool = True
     inflight: dict[str, tuple[str, int, Work]] = field(default_factory=dict)  # admitted
     queued: dict[str, Work] = field(default_factory=dict)
+    # Each attempt's context while its handler holds it, as the pipeline keeps it.
+    ctxs: dict[str, RequestContext] = field(default_factory=dict)
 
 
 @dataclass
@@ -247,6 +259,8 @@ def run_cell(
         max_running = profile.max_num_seqs
         work = engines.workload(seconds, n_rep, load, seed)
         timeout = engines.timeout_s / engines.speed
+    for n, w in enumerate(work):
+        w.n = n
     clock = [0.0]
     loop = VirtualLoop(lambda: clock[0])
     backend = MemoryBackend(clock=lambda: clock[0])
@@ -297,10 +311,9 @@ def run_cell(
     # instants admitted requests' clients give up on them.
     stepping: dict[str, StepResult] = {}
     steps: list[tuple[float, int, str]] = []  # (end, seq, replica)
+    # Each attempt's client leaves at its first arrival's deadline, wherever it is then.
     give_ups: list[tuple[float, int, str, int]] = []  # (deadline, seq, rid, gateway)
-    last_door: dict[int, AdmissionDoor] = {}  # per request, the gateway it last went to
     owner: dict[str, int] = {}  # rid -> gateway, while an engine has it
-    admitted_at: dict[str, float] = {}
     probes: list[tuple[float, int]] = []  # (when, gateway): its next discovery round
     if engines is not None:
         probes = [(REFRESH_S * (g + 1) / n_gw, g) for g in range(n_gw)]
@@ -339,13 +352,14 @@ def run_cell(
         nonlocal seq, max_over
         waits.append(clock[0] - w.at)
         gws[g].inflight[rid] = (verdict.replica, verdict.reserved_tokens, w)
+        ctx = gws[g].ctxs[rid]
+        ctx.admitted(verdict, clock[0])
+        ctx.latency_budget = verdict.latency_budget
         held[verdict.replica] += verdict.reserved_tokens
         max_over = max(max_over, held[verdict.replica] - pools[verdict.replica])
         seq += 1
         if engines is None:
             heapq.heappush(ends, (clock[0] + w.service_s, seq, rid, g))
-            if clock[0] + w.service_s > w.at + timeout:  # its client leaves before the end
-                heapq.heappush(give_ups, (w.at + timeout, seq, rid, g))
             return
         assert w.ids is not None
         core = cores[verdict.replica]
@@ -353,8 +367,6 @@ def run_cell(
             SimRequest(rid, w.ids, w.output, ignore_eos=True), clock[0] * engines.speed
         )
         owner[rid] = g
-        admitted_at[rid] = clock[0]
-        heapq.heappush(give_ups, (w.at + timeout, seq, rid, g))
         kick(verdict.replica)
 
     def kick(rep: str) -> None:
@@ -370,67 +382,87 @@ def run_cell(
         seq += 1
         heapq.heappush(steps, (clock[0] + res.duration / engines.speed, seq, rep))
 
+    def release(g: int, rid: str, outcome: Outcome, teach: bool = True) -> None:
+        """The attempt's end as the pipeline's `release` tells it: what its client did
+        (gateway/accounting.py's `attempt_end`), then its admission given back with what
+        it says of its replica (`completion`; the pools' say nothing: `teach` false)."""
+        gw = gws[g]
+        ctx = gw.ctxs.pop(rid)
+        ctx.outcome = outcome
+        if outcome == CLIENT_DISCONNECT:
+            ctx.left_at = clock[0]
+            ctx.left_unanswered = True  # a whole answer: none of it had begun
+        gw.door.attempt_ended(attempt_end(ctx, clock[0]))
+        gw.door.withdraw(rid)  # a queued one's waiter is gone with its handler
+        done = completion(ctx, clock[0]) if teach else None
+        gw.door.request_ended(RequestEnd(rid, done))
+        settle()
+
     def ended(rid: str, g: int, in_time: bool) -> None:
-        """An admitted request's end: served, or its client gave up at its deadline."""
+        """An engine's request's end: served, or its client gave up at its deadline."""
         nonlocal served
         gw = gws[g]
         rep, tokens, w = gw.inflight.pop(rid)
         held[rep] -= tokens
         owner.pop(rid, None)
-        service = clock[0] - admitted_at.pop(rid)
         if in_time:
             served += 1
             latencies.append(clock[0] - w.at)
-            done = Completion(True, service, None, None, w.prompt, w.output, timeout)
+            ctx = gw.ctxs[rid]
+            ctx.usage_prompt, ctx.usage_completion = w.prompt, w.output
         else:
             lose("timeout", w, None, g)
             cores[rep].abort(rid, clock[0] * engines.speed if engines else clock[0])
-            # The client left at the timeout it stated: the replica failed it
-            # (gateway/accounting.py's `completion`).
-            done = Completion(False, service, latency_budget=timeout)
             kick(rep)
-        gw.door.request_ended(RequestEnd(rid, done))
-        settle()
+        release(g, rid, OK if in_time else CLIENT_DISCONNECT)
 
     def shed(w: Work, rid: str, verdict: object, attempt: int, g: int) -> None:
         """A shed client comes back after its Retry-After, as the openai SDKs do (twice),
         while its timeout allows; a refusal, or a shed past that, is a request lost."""
         nonlocal seq
         after = verdict.retry_after if isinstance(verdict, Shed) else math.inf
+        why = verdict.reason if isinstance(verdict, Shed) else type(verdict).__name__
+        release(g, rid, shed_outcome(why))
         if attempt < SDK_RETRIES and clock[0] + after < w.at + timeout:
             seq += 1
             heapq.heappush(retries, (clock[0] + after, seq, w, rid, attempt + 1))
         else:
-            why = verdict.reason if isinstance(verdict, Shed) else type(verdict).__name__
             why += "" if attempt < SDK_RETRIES else " (last retry)"
             lose(why, w, attempt, g)
 
     def send(w: Work, rid: str, attempt: int = 0) -> None:
         """One attempt through a live gateway the balancer picks (by this moment's
-        spread). The gateway knows the request's first arrival only where it saw it
-        before (a retry after its own shed, recognised by the SDK's retry header); a
-        gateway that did not, a survivor sent a request whose gateway died among them,
-        sees a new request stating the whole timeout, as the SDKs state it on every
-        attempt. The client still leaves at its first arrival's deadline."""
+        spread), as an openai SDK client sends it: stating its timeout (the whole of it,
+        on every attempt) and which retry it is (``x-stainless-retry-count``), which the
+        gateway's own retry memory reads (admission/retries.py). The client leaves at
+        its first arrival's deadline, wherever its attempt then is."""
+        nonlocal seq
         alive = [g for g in range(n_gw) if gws[g].alive]
         ws = spread(n_gw, clock[0], seconds)
         g = rng.choices(alive, [ws[a] for a in alive])[0]
-        seen = attempt > 0 and last_door.get(id(w)) is gws[g].door
-        last_door[id(w)] = gws[g].door
-        told = w.at if seen else clock[0]  # a first attempt is sent at its arrival
+        # What the pipeline builds of it (gateway/pipeline.py, gateway/stated.py).
         req = AdmissionRequest(
             rid,
             MODEL,
             prompt_tokens=w.prompt,
             expected_output=w.output,
             max_tokens=w.output,
-            arrival=told,
-            deadline=told + timeout,
+            arrival=clock[0],
             latency_budget=timeout,
+            last_retry=attempt >= SDK_RETRIES,
         )
+        ctx = RequestContext(rid, "chat", "/v1/chat/completions", arrival=clock[0], req=req)
+        ctx.patience_stated = True
+        ctx.admission_id = rid
+        gws[g].ctxs[rid] = ctx
+        seq += 1
+        heapq.heappush(give_ups, (w.at + timeout, seq, rid, g))
+        ident = identify("default", MODEL, w.body, attempt)
         t0 = time.perf_counter()
-        verdict = gws[g].door.submit(req)
+        verdict = gws[g].door.submit(req, identity=ident, said=True)
         decisions.append(time.perf_counter() - t0)
+        if not isinstance(verdict, Queued):
+            gws[g].door.answered(req, verdict)  # as `AdmissionDoor.admit` tells it
         if isinstance(verdict, Admit):
             admitted(g, rid, verdict, w)
         elif isinstance(verdict, Queued):
@@ -440,6 +472,7 @@ def run_cell(
             def done(fut: asyncio.Future, gw: Gateway = gws[g], g: int = g) -> None:
                 gw.queued.pop(rid, None)
                 v = fut.result()
+                gw.door.answered(req, v)
                 if isinstance(v, Admit):
                     admitted(g, rid, v, w)
                 else:
@@ -504,9 +537,10 @@ def run_cell(
                 if owner.pop(rid, None) is not None:
                     assert engines is not None
                     cores[rep].abort(rid, clock[0] * engines.speed)
-                    admitted_at.pop(rid, None)
                     kick(rep)
             gw.inflight.clear()
+            gw.queued.clear()
+            gw.ctxs.clear()
             killed += len(again)
             kill_at = math.inf
             for k, w in enumerate(again):
@@ -550,14 +584,17 @@ def run_cell(
             continue
         if give_ups and nxt == give_ups[0][0]:
             _, _, rid, g = heapq.heappop(give_ups)
-            if rid in gws[g].inflight and engines is not None:
+            gw = gws[g]
+            if rid in gw.queued:  # it left while it waited
+                lose("timeout (queued)", gw.queued.pop(rid), None, g)
+                release(g, rid, CLIENT_DISCONNECT)
+            elif rid in gw.inflight and engines is not None:
                 ended(rid, g, False)
-            elif rid in gws[g].inflight:  # a pool's: its reservation returns as it leaves
-                rep, tokens, w = gws[g].inflight.pop(rid)
+            elif rid in gw.inflight:  # a pool's: its reservation returns as it leaves
+                rep, tokens, w = gw.inflight.pop(rid)
                 held[rep] -= tokens
                 lose("timeout", w, None, g)
-                gws[g].door.request_ended(RequestEnd(rid))
-                settle()
+                release(g, rid, CLIENT_DISCONNECT, teach=False)
             continue
         if ends and nxt == ends[0][0]:
             _, _, rid, g = heapq.heappop(ends)
@@ -568,8 +605,7 @@ def run_cell(
             held[rep] -= tokens
             served += 1
             latencies.append(clock[0] - w.at)
-            gw.door.request_ended(RequestEnd(rid))
-            settle()
+            release(g, rid, OK, teach=False)
             continue
         if retries and nxt == retries[0][0]:
             _, _, w, rid, attempt = heapq.heappop(retries)
