@@ -20,7 +20,10 @@ no engine signals it would only hold replicas at its start; the pools bound admi
 Load: open-loop Poisson arrivals at ``--load`` of the fleet's KV capacity (token-seconds
 a request holds, on average), prompts of 200-4,000 tokens and outputs of 20-400, each
 stating a 20 s timeout (admission sheds what cannot start in it); a shed client comes
-back after its Retry-After, twice at most, as the openai SDKs do. A load balancer's
+back after its Retry-After, twice at most, as the openai SDKs do, saying which attempt it
+sends: each gateway's own retry memory (admission/retries.py) knows a retry it shed, and
+a retry the balancer sends to another gateway is new there. A client leaves at its first
+arrival's deadline, wherever its attempt then is (queued, or served too late). A load balancer's
 hashing spreads them unevenly (gateway g gets a share in proportion to 1/(g+1)), and the
 spread turns around halfway. With more than one gateway, gateway 0 is killed at a third
 of the run (its requests in flight and queued die with it, and their clients send them
@@ -219,6 +222,10 @@ class Result:
     # The first lost requests: when each arrived and was lost (s), why, its attempt (0:
     # the first; None: timed out while served), its tokens and the gateway that lost it.
     lost_detail: list[dict[str, object]] = field(default_factory=list)
+    # Retries sent (after a shed), and of them those their gateway knew for retries
+    # (its retry memory recalled their first arrival): a retry another gateway shed is new.
+    retries: int = 0
+    retries_known: int = 0
     goodput_vs_one: float | None = None
     idle_vs_one: float | None = None
 
@@ -340,6 +347,7 @@ def run_cell(
 
     retries: list[tuple[float, int, Work, str, int]] = []  # (when, seq, work, rid, attempt)
     served = lost = killed = 0
+    retried = [0, 0]  # retries sent, known for retries
     decisions: list[float] = []
     waits: list[float] = []  # from a request's first arrival to its admission
     latencies: list[float] = []  # from a served request's first arrival to its end
@@ -461,6 +469,9 @@ def run_cell(
         t0 = time.perf_counter()
         verdict = gws[g].door.submit(req, identity=ident, said=True)
         decisions.append(time.perf_counter() - t0)
+        if attempt > 0:
+            retried[0] += 1
+            retried[1] += req.recalled
         if not isinstance(verdict, Queued):
             gws[g].door.answered(req, verdict)  # as `AdmissionDoor.admit` tells it
         if isinstance(verdict, Admit):
@@ -641,6 +652,8 @@ def run_cell(
         latency_p90_s=_quantile(latencies, 0.9),
         lost_by=lost_by,
         lost_detail=lost_detail,
+        retries=retried[0],
+        retries_known=retried[1],
     )
 
 
@@ -682,7 +695,7 @@ def main() -> int:
                 f"wait p50/p90 {r.wait_p50_s:.2f}/{r.wait_p90_s:.2f} s, "
                 f"latency p50/p90 {r.latency_p50_s:.2f}/{r.latency_p90_s:.2f} s, "
                 f"overcommit {r.max_overcommit_tokens}, lost {r.lost} {r.lost_by or ''}, "
-                f"killed {r.killed}, "
+                f"killed {r.killed}, retries {r.retries} ({r.retries_known} known), "
                 f"{r.round_trips_per_s:.0f} round trips/s, {r.records_per_s:.0f} records/s, "
                 f"submit p50/p99 {r.decision_us_p50:.0f}/{r.decision_us_p99:.0f} us, "
                 f"preemptions {r.preemptions} "

@@ -37,3 +37,14 @@ def test_engine_replicas_serve_seed_001s_requests_without_a_preemption() -> None
     # At twice the load the engines cannot serve everything in time: some are lost.
     over = run_cell(1, 2, 10.0, 2.0, seed=3, engines=engines)
     assert over.lost > 0 and over.preemptions == 0
+
+
+def test_a_retry_is_known_by_the_gateway_that_shed_it_through_its_own_retry_memory() -> None:
+    """The clients say which attempt they send (as the openai SDKs do), and the gateway's
+    own retry memory, not the harness, knows a retry for one: behind one gateway every
+    retry is back where it was shed; behind several, one the balancer sends elsewhere is
+    new there."""
+    one = run_cell(1, 2, 10.0, 2.0, seed=3)
+    assert one.retries > 0 and one.retries_known == one.retries
+    three = run_cell(3, 2, 10.0, 2.0, seed=3, kill=False)
+    assert 0 < three.retries_known < three.retries
