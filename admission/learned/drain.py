@@ -88,10 +88,15 @@ class DrainMeter:
         self._clock_at_acc = self._busy_clock
         self.samples += 1
 
-    def rates(self, now: float, running: int = 0, reserved: int = 0) -> tuple[float, float]:
+    def rates(
+        self, now: float, running: int = 0, reserved: int = 0, others_reserved: int = 0
+    ) -> tuple[float, float]:
         """(tokens per second, requests per second) as of `now`: the past rate, or what
         `running` requests holding `reserved` tokens release at the mean hold time, if
-        more; (0, 0) before any busy time."""
+        more; (0, 0) before any busy time. `others_reserved`: what other gateway
+        processes hold of a shared pool, taken to turn over at the same mean hold (their
+        requests are the same traffic behind one balancer): its releases are room for
+        this process's queue too."""
         clock = self._clock(now)
         if clock <= 0.0:
             return 0.0, 0.0
@@ -100,9 +105,9 @@ class DrainMeter:
         # times a float's last bit apart), and the rates divided by zero.
         window = -self._tau * math.expm1(-clock / self._tau)
         tokens, reqs = self._tokens * decay / window, self._reqs * decay / window
-        if self._hold is not None and running > 0:
+        if self._hold is not None and (running > 0 or others_reserved > 0):
             hold = max(self._hold, running * (now - self._released_at))
-            tokens = max(tokens, reserved / hold)
+            tokens = max(tokens, (reserved + others_reserved) / hold)
             reqs = max(reqs, running / hold)
         return tokens, reqs
 

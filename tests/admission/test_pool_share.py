@@ -168,21 +168,25 @@ def test_a_wait_counts_the_running_room_a_renewal_brings_into_the_slice(
         assert isinstance(late, Shed) and late.reason == "deadline"
 
 
-@pytest.mark.parametrize(("others", "queued"), [(300, True), (800, False)])
+@pytest.mark.parametrize(
+    ("others", "within", "queued"), [(300, 0.1, True), (800, 0.1, True), (800, 0.01, False)]
+)
 def test_a_wait_counts_the_pool_room_a_renewal_brings_into_the_slice(
-    others: int, queued: bool
+    others: int, within: float, queued: bool
 ) -> None:
     """A slice of a shared pool grows at the next renewal into what the pool has beyond
-    every process's reservations. With that room there, a request larger than what this
-    process's slice has free is queued (its queue asks for the room), not shed for a
-    deadline its slice alone could not meet; with the pool reserved by the others, the
-    wait is what its own drain frees, and a deadline that wait misses is shed at once."""
+    every process's reservations, and into what the whole pool releases: its holdings
+    turn over at the pace this process's own requests are held there (0.1 s here). With
+    room beyond the slice, a request larger than what the slice has free is queued (its
+    queue asks for the room); with the pool reserved by the others, it waits for the
+    pool's releases (400 tokens of 1,000 held for 0.1 s: 0.04 s), not for this process's
+    own alone (0.4 s at its 1,000 tokens/s), and a deadline sooner than that is shed."""
     c = controller()
     c.upsert_replica(replica("r1", 1000), 0.0)
     now = _drained(c, 2.0)
     c.set_pool_share("r1", 200, now, others_tokens=others)
     assert isinstance(c.submit(request("held", 100, 100), now).verdict, Admit)
-    late = c.submit(request("big", 200, 200, deadline=now + 0.1), now).verdict
+    late = c.submit(request("big", 200, 200, deadline=now + within), now).verdict
     assert isinstance(late, Queued) is queued
     if not queued:
         assert isinstance(late, Shed) and late.reason == "deadline"

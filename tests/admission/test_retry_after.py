@@ -59,6 +59,24 @@ def test_the_drain_rate_follows_what_runs_and_falls_when_releases_stop() -> None
     assert stalled < 0.5
 
 
+def test_a_shared_pools_releases_count_what_other_processes_hold_there() -> None:
+    """A slice of a shared pool grows into what the whole pool releases: what other
+    gateway processes hold there turns over at this process's mean hold (2 s), running
+    here or not; their requests are not this process's to count as slots."""
+    meter = DrainMeter(20.0)
+    now = 0.0
+    for _ in range(6):
+        meter.set_busy(True, now)
+        now += 2.0
+        meter.record(200, now, held_s=2.0)
+        meter.set_busy(False, now)
+    tokens, reqs = meter.rates(now, running=1, reserved=200, others_reserved=1_800)
+    assert tokens == pytest.approx(1_000.0) and reqs == pytest.approx(0.5, rel=0.1)
+    alone, _ = meter.rates(now, others_reserved=1_800)  # nothing of its own runs there
+    assert alone == pytest.approx(900.0)
+    assert meter.rates(now)[0] == pytest.approx(100.0, rel=0.1)  # its own past rate
+
+
 def test_a_fast_replica_is_not_told_to_wait_a_whole_second() -> None:
     """The real vLLM served seed 001's shape at 20 requests/s with a client timeout of
     0.87 s; the 1 s floor of Retry-After told every shed client to wait out more than its
