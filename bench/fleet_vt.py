@@ -102,9 +102,8 @@ TIMEOUT_S = 20.0
 RESTART_AFTER_S = 5.0
 SDK_RETRIES = 2  # the openai SDKs' default max_retries
 SAMPLE_S = 0.1
-STATE = StateConfig(backend="memory", lease_ttl_s=3.0, renew_interval_s=0.5)
+RENEW_S = 0.5  # state.renew_interval_s's default (its lease_ttl_s, 3 s, is kept)
 REFRESH_S = 2.0  # replicas.refresh_interval_s's default: a gateway's discovery rounds
-TICK_S = 0.05  # StateSync.tick_s with these settings: the lease loop's wake-ups
 
 
 @dataclass
@@ -251,6 +250,7 @@ def run_cell(
     seed: int,
     kill: bool = True,
     engines: Engines | None = None,
+    renew_s: float = RENEW_S,
 ) -> Result:
     rng = random.Random(seed)
     cores: dict[str, EngineCore] = {}
@@ -268,6 +268,8 @@ def run_cell(
         timeout = engines.timeout_s / engines.speed
     for n, w in enumerate(work):
         w.n = n
+    sharing = StateConfig(backend="memory", lease_ttl_s=3.0, renew_interval_s=renew_s)
+    tick_s = min(renew_s, 0.05)  # StateSync.tick_s: the lease loop's wake-ups
     clock = [0.0]
     loop = VirtualLoop(lambda: clock[0])
     backend = MemoryBackend(clock=lambda: clock[0])
@@ -307,7 +309,7 @@ def run_cell(
             door.upsert_replica(state, pinned_capacity=pool, max_running=max_running)
         sync = None
         if n_gw > 1:
-            sync = StateSync(STATE, backend, door, holder=name, workers_hint=n_gw, loop=loop)
+            sync = StateSync(sharing, backend, door, holder=name, workers_hint=n_gw, loop=loop)
         return Gateway(door, sync)
 
     gws: list[Gateway] = []
@@ -565,7 +567,7 @@ def run_cell(
             continue
         if n_gw > 1 and nxt == next_renew:
             renew_due(force=next_renew == 0.0)
-            next_renew += TICK_S
+            next_renew += tick_s
             continue
         if nxt == next_sample:
             if any(gw.alive and gw.door.report.queue_depth() for gw in gws):
@@ -672,6 +674,12 @@ def main() -> int:
         "(bench/fleet_real.py's cells)",
     )
     ap.add_argument("--speed", type=float, default=5.0, help="with --engines: their clock")
+    ap.add_argument(
+        "--renew-interval",
+        type=float,
+        default=RENEW_S,
+        help="state.renew_interval_s (lease_ttl_s stays 3 s)",
+    )
     ap.add_argument("--out", default="bench/results/fleet_vt.json")
     args = ap.parse_args()
     results: list[Result] = []
@@ -679,7 +687,16 @@ def main() -> int:
         one: Result | None = None
         for n_gw in sorted(set(args.gateways) | {1}):
             engines = Engines(args.engines, args.speed) if args.engines else None
-            r = run_cell(n_gw, n_rep, args.seconds, args.load, args.seed, not args.no_kill, engines)
+            r = run_cell(
+                n_gw,
+                n_rep,
+                args.seconds,
+                args.load,
+                args.seed,
+                not args.no_kill,
+                engines,
+                args.renew_interval,
+            )
             if n_gw == 1:
                 one = r
             assert one is not None
