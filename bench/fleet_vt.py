@@ -55,7 +55,7 @@ apart.
 
     PYTHONPATH=. .venv/bin/python bench/fleet_vt.py [--gateways 1 2 5 10 20] \\
         [--replicas 10 100 1000] [--seconds 30] [--load 0.8] [--seed 1] \\
-        [--engines seed2-8b-16gb [--speed 5]]
+        [--engines seed2-8b-16gb [--speed 5]] [--renew-interval 0.5]
 """
 
 from __future__ import annotations
