@@ -269,7 +269,6 @@ def run_cell(
     for n, w in enumerate(work):
         w.n = n
     sharing = StateConfig(backend="memory", lease_ttl_s=3.0, renew_interval_s=renew_s)
-    tick_s = min(renew_s, 0.05)  # StateSync.tick_s: the lease loop's wake-ups
     clock = [0.0]
     loop = VirtualLoop(lambda: clock[0])
     backend = MemoryBackend(clock=lambda: clock[0])
@@ -314,6 +313,8 @@ def run_cell(
 
     gws: list[Gateway] = []
     gws.extend(new_gateway(f"g{i}") for i in range(n_gw))
+    first_sync = gws[0].sync
+    tick_s = first_sync.tick_s if first_sync is not None else math.inf  # its loop's wake-ups
     held = dict.fromkeys(pools, 0)  # what all gateways hold on each replica, as it is
     ends: list[tuple[float, int, str, int]] = []  # (end, seq, rid, gateway)
     # Engines: the step each is running (its end on the gateways' clock), and the
@@ -349,7 +350,7 @@ def run_cell(
 
     retries: list[tuple[float, int, Work, str, int]] = []  # (when, seq, work, rid, attempt)
     served = lost = killed = 0
-    retried = [0, 0]  # retries sent, known for retries
+    retried = known = 0  # retries sent, and those their gateway knew for retries
     decisions: list[float] = []
     waits: list[float] = []  # from a request's first arrival to its admission
     latencies: list[float] = []  # from a served request's first arrival to its end
@@ -422,7 +423,8 @@ def run_cell(
             ctx.usage_prompt, ctx.usage_completion = w.prompt, w.output
         else:
             lose("timeout", w, None, g)
-            cores[rep].abort(rid, clock[0] * engines.speed if engines else clock[0])
+            assert engines is not None  # only an engine's request ends here
+            cores[rep].abort(rid, clock[0] * engines.speed)
             kick(rep)
         release(g, rid, OK if in_time else CLIENT_DISCONNECT)
 
@@ -446,7 +448,7 @@ def run_cell(
         on every attempt) and which retry it is (``x-stainless-retry-count``), which the
         gateway's own retry memory reads (admission/retries.py). The client leaves at
         its first arrival's deadline, wherever its attempt then is."""
-        nonlocal seq
+        nonlocal seq, retried, known
         alive = [g for g in range(n_gw) if gws[g].alive]
         ws = spread(n_gw, clock[0], seconds)
         g = rng.choices(alive, [ws[a] for a in alive])[0]
@@ -472,8 +474,8 @@ def run_cell(
         verdict = gws[g].door.submit(req, identity=ident, said=True)
         decisions.append(time.perf_counter() - t0)
         if attempt > 0:
-            retried[0] += 1
-            retried[1] += req.recalled
+            retried += 1
+            known += req.recalled
         if not isinstance(verdict, Queued):
             gws[g].door.answered(req, verdict)  # as `AdmissionDoor.admit` tells it
         if isinstance(verdict, Admit):
@@ -654,8 +656,8 @@ def run_cell(
         latency_p90_s=_quantile(latencies, 0.9),
         lost_by=lost_by,
         lost_detail=lost_detail,
-        retries=retried[0],
-        retries_known=retried[1],
+        retries=retried,
+        retries_known=known,
     )
 
 

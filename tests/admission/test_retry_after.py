@@ -38,10 +38,9 @@ def test_entries_shed_in_one_pass_are_each_told_their_own_wait() -> None:
     ctrl.release("hog", now + 1.0)
 
 
-def test_the_drain_rate_follows_what_runs_and_falls_when_releases_stop() -> None:
-    """Served one at a time, a replica released one request per 2 s; with four running
-    at that pace it releases two per second (Little's law), not the past rate's half;
-    and once no release has come for far longer than that pace, the rate falls."""
+def _served_one_at_a_time() -> tuple[DrainMeter, float]:
+    """A meter that saw six requests of 200 tokens served one at a time, each held 2 s;
+    and the time after."""
     meter = DrainMeter(20.0)
     now = 0.0
     for _ in range(6):
@@ -49,6 +48,14 @@ def test_the_drain_rate_follows_what_runs_and_falls_when_releases_stop() -> None
         now += 2.0
         meter.record(200, now, held_s=2.0)
         meter.set_busy(False, now)
+    return meter, now
+
+
+def test_the_drain_rate_follows_what_runs_and_falls_when_releases_stop() -> None:
+    """Served one at a time, a replica released one request per 2 s; with four running
+    at that pace it releases two per second (Little's law), not the past rate's half;
+    and once no release has come for far longer than that pace, the rate falls."""
+    meter, now = _served_one_at_a_time()
     past = meter.rates(now)
     assert past[1] == pytest.approx(0.5, rel=0.1)
     meter.set_busy(True, now)
@@ -63,13 +70,7 @@ def test_a_shared_pools_releases_count_what_other_processes_hold_there() -> None
     """A slice of a shared pool grows into what the whole pool releases: what other
     gateway processes hold there turns over at this process's mean hold (2 s), running
     here or not; their requests are not this process's to count as slots."""
-    meter = DrainMeter(20.0)
-    now = 0.0
-    for _ in range(6):
-        meter.set_busy(True, now)
-        now += 2.0
-        meter.record(200, now, held_s=2.0)
-        meter.set_busy(False, now)
+    meter, now = _served_one_at_a_time()
     tokens, reqs = meter.rates(now, running=1, reserved=200, others_reserved=1_800)
     assert tokens == pytest.approx(1_000.0) and reqs == pytest.approx(0.5, rel=0.1)
     alone, _ = meter.rates(now, others_reserved=1_800)  # nothing of its own runs there
