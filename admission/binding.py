@@ -9,7 +9,7 @@ pool being full. Read from the model's ready replicas at the moment of the shed:
   in this process's leased slice of it (several gateway processes);
 - ``running_learned`` / ``running_cap`` / ``running_share``: the KV need fits somewhere,
   but every such replica runs as many requests as it may: the limit kvgate learned, the
-  configured or engine's cap, or this process's leased share of it;
+  configured or engine's cap, or this process's leased share of the cap;
 - ``running_deadlines``: the same, where what binds is the requests it runs, one of which
   one more would slow past its client's deadline (admission/room.py);
 - ``tenant_concurrency``: the tenant runs as many requests as it may;

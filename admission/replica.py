@@ -127,9 +127,12 @@ class Replica:
 
     @property
     def allowed(self) -> int | None:
-        """Requests that may run at once: the learned limit within the hard cap (and
-        within this process's leased share of it)."""
-        allowed = self.cap if self.limit is None else self.limit.allowed(self.cap)
+        """Requests this process may run at once: the learned limit within the hard cap,
+        less what the other processes ran there at their last renewal; and within this
+        process's leased slice of the cap (gateway/state)."""
+        allowed = self.cap
+        if self.limit is not None:
+            allowed = max(0, self.limit.allowed(self.cap) - self.others_running)
         if self.share_running is not None:
             return self.share_running if allowed is None else min(allowed, self.share_running)
         return allowed

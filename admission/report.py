@@ -39,6 +39,7 @@ class PoolDemand:
     queued_tokens: int  # queued requests' needs for the models it serves
     queued: int
     running_limit: int | None  # the learned limit within the cap (None: unbounded)
+    running_cap: int | None  # the hard cap, configured or the engine's (None: none)
     share_tokens: int | None
     share_running: int | None
     models: tuple[str, ...] = ()
@@ -187,6 +188,7 @@ class AdmissionReport:
             queued_tokens=queued_tokens,
             queued=queued,
             running_limit=limit,
+            running_cap=rep.cap,
             share_tokens=rep.share_tokens,
             share_running=rep.share_running,
             models=tuple(sorted(rep.models)),

@@ -2,7 +2,7 @@
 
 Several gateway processes (``--workers N``, or several hosts on one Redis) front the
 same replicas. Each holds a lease on a slice of every replica's effective KV pool and of
-its running limit, and the admission controller admits from the slice
+its running cap, and the admission controller admits from the slice
 (`AdmissionController.set_pool_shares`): the request path never waits on Redis.
 
 Renewal
@@ -12,9 +12,10 @@ Renewal
     backend's arithmetic (admission/lease.py) decides the slice. Learned running
     limits are shared first: a limit this process changed is published, one another
     process published later is adopted (`RunningLimit.adopt`), and a new process seeds
-    its limits from the shared ones; the running lease then splits the shared limit (a
-    process alone on a replica is not capped by it, so its limit grows between
-    renewals as a single process's does). What the process learned of its clients'
+    its limits from the shared ones. A learned limit is an aim, not a bound: it is not
+    sliced, each process runs what the others' reported running leaves of it
+    (`Replica.allowed`); a hard cap is sliced as the pool is (a process alone on a
+    replica is not capped by its slice between renewals). What the process learned of its clients'
     patience is shared the same way, once per interval (gateway/state/patience_sync.py).
 
 Tenant budgets
@@ -379,15 +380,17 @@ class StateSync:
                         max(0.0, head[1] - sent_at) if head else math.inf,
                     )
                 )
-                if d.running_limit is not None:
+                if d.running_cap is not None:  # a hard bound: sliced, as the pool
                     requests.append(
                         LeaseRequest(
                             f"run:{d.replica}",
-                            d.running_limit,
+                            d.running_cap,
                             d.running + asks[d.replica][1],
                             d.running,
                         )
                     )
+                elif d.running_limit is not None:  # an aim: reported, not sliced
+                    requests.append(LeaseRequest(f"run:{d.replica}", d.running_limit, 0, d.running))
             tenants = self._tenant_states()
             now = self._loop.time()
             floor = 1.0 / (4 * max(self.processes, self.workers_hint))
@@ -455,15 +458,16 @@ class StateSync:
             if run is not None:
                 self._others_running[d.replica] = run.others_used
             tokens = pool.granted if pool is not None else None
-            running = run.granted if run is not None else None
+            running = run.granted if run is not None and d.running_cap is not None else None
             if run is not None and run.holders == 1 and not rebuilding:
-                # Alone on the replica: its record holds the whole, so the learned limit
+                # Alone on the replica: its record holds the whole cap, so what it runs
                 # may grow between renewals without waiting for one.
                 running = None
             if rebuilding:
                 tokens = None if tokens is None else min(tokens, d.effective // n)
-                if running is not None and d.running_limit is not None:
-                    running = min(running, max(1, d.running_limit // n))
+                if d.running_limit is not None:
+                    whole = d.running_limit if running is None else running
+                    running = min(whole, max(1, d.running_limit // n))
             self._granted[d.replica] = (tokens, running)
             shares.append(
                 PoolShare(

@@ -73,7 +73,7 @@ def test_a_running_share_caps_the_running_count() -> None:
 
 def test_the_learned_limit_judges_every_process_load() -> None:
     c = AdmissionController(
-        AdmissionConfig(learn_limit=True, initial_limit=4), default_profile(seed=1), seed=1
+        AdmissionConfig(learn_limit=True, initial_limit=8), default_profile(seed=1), seed=1
     )
     c.upsert_replica(replica("r1", 100_000), 0.0)
     c.set_pool_share("r1", None, 0.0, others_running=5)
