@@ -601,6 +601,7 @@ class StateSync:
                 "running_limit": d.running_limit,
                 "share_running": d.share_running,
                 "running": d.running,
+                "others_running": self._others_running.get(name, 0),
                 "queued": d.queued,
                 "queued_tokens": d.queued_tokens,
             }

@@ -138,6 +138,7 @@ async def test_learned_limits_are_shared(backend: StateBackend) -> None:
         assert isinstance(a.submit(request(f"a{i}", 10, 10), 2.0).verdict, Admit)
     await sa.renew()
     await sb.renew()
+    assert sb.snapshot()["replicas"]["r1"]["others_running"] == 4  # type: ignore[index]
     assert [
         isinstance(b.submit(request(f"b{i}", 10, 10), 2.0).verdict, Admit) for i in range(3)
     ] == [
