@@ -421,6 +421,7 @@ class StateSync:
                         min(TENANT_UNITS, math.ceil(tenant_held(st, now) * TENANT_UNITS)),
                     )
                 )
+            self._hold_reported(demands, now)
             result = await self.backend.renew(self.holder, requests, self.config.lease_ttl_s)
         except StateUnavailable as e:
             for d in demands:
@@ -539,6 +540,32 @@ class StateSync:
             elif remote is not None and remote.version > seen[1]:
                 self.door.adopt_limit(name, remote.value, remote.reason, now)
                 self._limit_seen[name] = (lim.value, remote.version)
+
+    def _hold_reported(self, demands: list[PoolDemand], now: float) -> None:
+        """Until this renewal's answer is applied, admit within what it reports held.
+        The backend grants the others what this process does not report: an admission
+        made under the old slice while the script runs could take what they were just
+        granted (a replica with a cap of 4 ran 5 when a process admitted during its
+        renewal's round trip while another took the slot the renewal freed)."""
+        held: list[PoolShare] = []
+        for d in demands:
+            tokens, running = d.share_tokens, d.share_running
+            if tokens is not None:
+                tokens = min(tokens, d.reserved)
+            if running is not None:
+                running = min(running, d.running)
+            if (tokens, running) != (d.share_tokens, d.share_running):
+                held.append(
+                    PoolShare(
+                        d.replica,
+                        tokens,
+                        running,
+                        others_running=self._others_running.get(d.replica, 0),
+                        others_tokens=self._others_used.get(d.replica, 0),
+                    )
+                )
+        if held:
+            self.door.set_pool_shares(held, now)
 
     def _unreachable(self, err: Exception) -> None:
         self.errors += 1

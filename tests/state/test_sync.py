@@ -528,6 +528,58 @@ class LateAnswers(StateBackend):
         return await self.inner.response(response_id)
 
 
+class SlowAnswers(LateAnswers):
+    """A real backend whose renewals, while `gate` is closed, are applied at once and
+    answered only when it opens (a round trip under way)."""
+
+    def __init__(self, inner: StateBackend) -> None:
+        super().__init__(inner)
+        self.gate: asyncio.Event | None = None
+
+    async def renew(
+        self, holder: str, requests: Sequence[LeaseRequest], ttl_s: float
+    ) -> RenewResult:
+        result = await self.inner.renew(holder, requests, ttl_s)
+        if self.gate is not None:
+            await self.gate.wait()
+        return result
+
+
+async def test_a_renewal_under_way_admits_only_what_it_reported(backend: StateBackend) -> None:
+    """The backend grants the others what a renewal does not report held, before its
+    answer is back: a request admitted under the old slice meanwhile could take what they
+    were just granted (a cap of 4 ran 5 in tests/state/test_processes.py). It waits for
+    the answer instead."""
+    slow = SlowAnswers(backend)
+    a, b = ctrl(), ctrl()
+    sa, sb = sync(slow, a, "a"), sync(backend, b, "b")
+    for s in (sa, sb, sa, sb):
+        await s.renew()
+    assert shares(a, b) == [500, 500]
+    assert isinstance(sa.door.submit(request("x", 100, 100), 0.0), Admit)
+    z = await queue(sb, request("z", 350, 350))  # 700: past b's slice
+    await sb.renew()  # b asks for it; a's grant shrinks at its next renewal
+    slow.gate = asyncio.Event()
+    renewal = asyncio.create_task(sa.renew())  # reports a's 200 held
+    await asyncio.sleep(0.01)
+    assert not renewal.done()
+    assert shares(a) == [200]
+    y = await queue(sa, request("y", 150, 150))  # 300: within a's old slice of 500
+    await sb.renew()  # b is granted what a did not report: 800
+    assert isinstance((await z)[0], Admit)
+    assert not y.done()  # admitted, a and b would hold 1,200 of 1,000
+    slow.gate.set()
+    await renewal
+    held = [c.report.pool_demand("r1").reserved for c in (a, b)]  # type: ignore[union-attr]
+    assert sum(held) <= POOL, held
+    b.release("z", 1.0)
+    for s in (sb, sa):
+        await s.renew()
+    assert isinstance((await y)[0], Admit)
+    for rid in ("x", "y"):
+        a.release(rid, 1.0)
+
+
 async def test_a_late_renewal_lets_nothing_past_the_running_cap(
     redis_url: str, prefix: str
 ) -> None:
