@@ -545,8 +545,7 @@ class StateSync:
         """Until this renewal's answer is applied, admit within what it reports held.
         The backend grants the others what this process does not report: an admission
         made under the old slice while the script runs could take what they were just
-        granted (a replica with a cap of 4 ran 5 when a process admitted during its
-        renewal's round trip while another took the slot the renewal freed)."""
+        granted, past the replica's pool or cap."""
         held: list[PoolShare] = []
         for d in demands:
             tokens, running = d.share_tokens, d.share_running
