@@ -25,10 +25,10 @@ sends: each gateway's own retry memory (admission/retries.py) knows a retry it s
 a retry the balancer sends to another gateway is new there. A client leaves at its first
 arrival's deadline, wherever its attempt then is (queued, or served too late). A load
 balancer's hashing spreads them unevenly (gateway g gets a share in proportion to
-1/(g+1)), and the spread turns around halfway. With more than one gateway, gateway 0 is killed at a third
-of the run (its requests in flight and queued die with it, and their clients send them
-again through the balancer with what is left of their timeouts; its leases stay until
-their TTL) and a new process takes its place 5 s later.
+1/(g+1)), and the spread turns around halfway. With more than one gateway, gateway 0 is
+killed at a third of the run (its requests in flight and queued die with it, and their
+clients send them again through the balancer with what is left of their timeouts; its
+leases stay until their TTL) and a new process takes its place 5 s later.
 
 With ``--engines PROFILE`` the replicas are enginesim's engines instead (`EngineCore`,
 what `enginesim serve` runs, stepped on this clock at ``--speed`` times it) and the

@@ -15,8 +15,9 @@ Renewal
     its limits from the shared ones. A learned limit is an aim, not a bound: it is not
     sliced, each process runs what the others' reported running leaves of it
     (`Replica.allowed`); a hard cap is sliced as the pool is (a process alone on a
-    replica is not capped by its slice between renewals). What the process learned of its clients'
-    patience is shared the same way, once per interval (gateway/state/patience_sync.py).
+    replica is not capped by its slice between renewals). What the process learned of
+    its clients' patience is shared the same way, once per interval
+    (gateway/state/patience_sync.py).
 
 Tenant budgets
     A tenant's rpm, tpm and concurrency are leased the same way, as a fraction of the

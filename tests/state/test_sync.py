@@ -139,13 +139,8 @@ async def test_learned_limits_are_shared(backend: StateBackend) -> None:
     await sa.renew()
     await sb.renew()
     assert sb.snapshot()["replicas"]["r1"]["others_running"] == 4  # type: ignore[index]
-    assert [
-        isinstance(b.submit(request(f"b{i}", 10, 10), 2.0).verdict, Admit) for i in range(3)
-    ] == [
-        True,
-        True,
-        False,
-    ]
+    verdicts = [b.submit(request(f"b{i}", 10, 10), 2.0).verdict for i in range(3)]
+    assert [isinstance(v, Admit) for v in verdicts] == [True, True, False]
     b.release("b2", 2.0)  # out of the queue
     for x, ids in ((a, ["a0", "a1", "a2", "a3"]), (b, ["b0", "b1"])):
         for rid in ids:
