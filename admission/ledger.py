@@ -155,12 +155,13 @@ class Ledger:
         running = rep.running
         if allowed is not None and running >= allowed:
             return False
-        if not req.over_limit and running + 1 > (
+        if not req.over_limit and running + rep.others_running + 1 > (
             self.room(rep, now) if rep.room_stale else rep.room  # `room`, without a call
         ):
             # One more would slow a running request past its deadline, by an upper
             # estimate: a last retry out of time to start, which fails for sure if shed,
-            # is taken all the same (as past the learned limit, `allowed_for`).
+            # is taken all the same (as past the learned limit, `allowed_for`). The room
+            # counts the whole replica's load, the other processes' running included.
             return False
         free = rep.free
         need, shared = Ledger.less_shared(rep, req, tokens, now)

@@ -149,17 +149,20 @@ class Replica:
 
     @property
     def serving_load(self) -> int:
-        """Requests the replica runs at once, the load its service is learned and
-        predicted at: the allowed count, or fewer where the pool binds first (it holds
-        this many of the requests running now, at their mean reservation). The real
-        vLLM's 8,192-token pool holds 5-6 of seed 001's requests under a limit of 8-12;
-        at the limit, a limit moving while the pool bound scaled every prediction with it
-        and the queue shed requests it could serve."""
-        allowed = self.allowed
-        load = self.running + 1 if allowed is None else allowed
-        if self.running > 0 and self.reserved > 0:
-            pool = self.free + self.reserved  # the pool, or this process's leased slice
-            load = min(load, max(self.running, pool * self.running // self.reserved))
+        """Requests the replica runs at once, over every process that shares it: the load
+        its service is learned and predicted at. The whole allowed count (the learned
+        limit within the cap, not this process's part of it: several processes' parts
+        move as their running does, while the engine's batch is the whole), or fewer
+        where the pool binds first (it holds this many of the requests running now, at
+        their mean reservation). The docstring of `admission.learned.service` says why
+        a prediction scales with it; the pool's bound keeps a limit above what the pool
+        holds from scaling every prediction with it."""
+        whole = self.cap if self.limit is None else self.limit.allowed(self.cap)
+        running = self.running + self.others_running
+        load = running + 1 if whole is None else whole
+        reserved = self.reserved + self.others_reserved
+        if running > 0 and reserved > 0:
+            load = min(load, max(running, self.effective * running // reserved))
         return max(1, load)
 
     @property

@@ -11,7 +11,8 @@ the time left while ``L' <= L * (1 + (left / rest - 1) / k)``. The room is the l
 these bounds over the replica's running requests.
 
 Admission takes another request to the replica only while ``running + 1 <= room``
-(`Ledger.fits_now`), whatever the learned limit allows (admission/learned/limit.py).
+(`Ledger.fits_now`), whatever the learned limit allows (admission/learned/limit.py); the
+load and the running count are the whole replica's, every gateway process's requests there.
 A request already predicted late counts too: the replica takes nothing more until enough
 of its batch has finished for that request to make its time, or it ends. A last retry out
 of time to start is taken all the same, as it is past the learned limit: shed, it fails

@@ -85,6 +85,23 @@ def test_the_learned_limit_judges_every_process_load() -> None:
     assert lim._area == 6.0  # (1 here + 5 elsewhere) x 1 s
 
 
+@pytest.mark.parametrize("others", [0, 3, 7])
+def test_the_service_is_learned_at_the_whole_load_whatever_part_runs_here(
+    others: int,
+) -> None:
+    """The load a replica's service is learned and predicted at is the whole limit,
+    not this process's part of it: with the others running 0, 3 or 7 of a shared limit
+    of 8, the part here is 8, 5 or 1 while the engine's batch is the same."""
+    c = AdmissionController(
+        AdmissionConfig(learn_limit=True, initial_limit=8), default_profile(seed=1), seed=1
+    )
+    c.upsert_replica(replica("r1", 100_000), 0.0)
+    c.set_pool_share("r1", None, 0.0, others_running=others)
+    rep = c._ledger.replicas["r1"]
+    assert rep.allowed == 8 - others
+    assert rep.serving_load == 8
+
+
 def test_adopt_takes_a_shared_value_and_restarts_the_window() -> None:
     lim = RunningLimit(LimitSettings(initial=2.0), 0.0)
     lim.adopt(7.5, 10.0, "latency")

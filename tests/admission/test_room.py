@@ -91,8 +91,9 @@ def test_a_replica_takes_no_more_than_a_running_requests_deadline_allows(
 def test_the_room_is_recomputed_when_the_load_the_replica_serves_at_moves() -> None:
     """The room is kept per replica between decisions (it walks the running requests).
     What moves the load a replica serves at recomputes it, as a reservation coming or
-    going does: here this process's leased share of the running limit (a top-up and a
-    learned limit's change go the same way, through the views' `touch`)."""
+    going does: here the other processes' reservations there, which leave the pool room
+    for two running in all (a top-up and a learned limit's change go the same way,
+    through the views' `touch`)."""
     ctrl = controller()
     ctrl.upsert_replica(replica("r1", 100_000, max_running=4), 0.0)
     now = served_one_by_one(ctrl, 16, 2.0)
@@ -101,7 +102,7 @@ def test_the_room_is_recomputed_when_the_load_the_replica_serves_at_moves() -> N
     ledger = ctrl._ledger
     rep = ledger.replicas["r1"]
     before = ledger.room(rep, now)
-    ctrl.set_pool_share("r1", None, now, running=2)
+    ctrl.set_pool_share("r1", None, now, others_running=1, others_tokens=90_000)
     assert rep.serving_load == 2
     fresh = deadline_room(rep.service, rep.serving_load, ledger.bounded["r1"].values(), now)
     assert ledger.room(rep, now) == fresh != before
