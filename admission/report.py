@@ -112,6 +112,18 @@ class AdmissionReport:
             return rep.reserved if rep else 0
         return sum(r.reserved for r in reps.values())
 
+    def running(self, replica: str) -> int:
+        """Requests this process runs on `replica` now (0 for a replica it does not know):
+        `replica_usage`'s count, without the ceilings it works out for every replica."""
+        rep = self._ledger.replicas.get(replica)
+        return rep.running if rep is not None else 0
+
+    def limit_allowed(self, replica: str) -> int | None:
+        """What the learned running limit lets this process run on `replica` (None
+        without a learned limit): `replica_usage`'s ``limit``, read alone."""
+        rep = self._ledger.replicas.get(replica)
+        return rep.allowed if rep is not None and rep.limit is not None else None
+
     def held(self, replica: str | None = None) -> int:
         """Abandoned reservations still held."""
         if replica is None:

@@ -264,7 +264,7 @@ def run(
                 ),
                 now,
             )
-        running = in_engine[0] if straight else door.report.replica_usage()[0].running
+        running = in_engine[0] if straight else door.report.running(REPLICA)
         report.max_running = max(report.max_running, running)
 
     def settled(fut: asyncio.Future) -> None:  # type: ignore[type-arg]
@@ -442,9 +442,9 @@ def run(
             break
         t = min(candidates)
         if t > now and (live or pending) and not straight:
-            usage = door.report.replica_usage()[0]
+            allowed = door.report.limit_allowed(REPLICA)
             idle = not door.report.queue_depth()
-            if usage.limit is not None and usage.running < usage.limit and idle:
+            if allowed is not None and door.report.running(REPLICA) < allowed and idle:
                 report.underfed_s += t - now
         now = max(now, t)
         if step_end is not None and step_end <= now:

@@ -100,6 +100,8 @@ def test_the_service_is_learned_at_the_whole_load_whatever_part_runs_here(
     rep = c._ledger.replicas["r1"]
     assert rep.allowed == 8 - others
     assert rep.serving_load == 8
+    # The report's single reading of it agrees with its table.
+    assert c.report.limit_allowed("r1") == c.report.replica_usage()[0].limit == 8 - others
 
 
 def test_adopt_takes_a_shared_value_and_restarts_the_window() -> None:

@@ -181,6 +181,9 @@ def test_random_operations_keep_ledger_invariants(seed: int, with_tenants: bool)
             running = sum(1 for r, _ in held.values() if r == name)
             if name in usage:
                 assert usage[name].running == running
+                # The single readings the virtual-time harness takes agree with the table.
+                assert ctrl.report.running(name) == running
+                assert ctrl.report.limit_allowed(name) == usage[name].limit
             if name in touched:
                 assert shadow <= effective(name), (name, shadow, effective(name))
                 if caps[name] is not None:
