@@ -301,14 +301,20 @@ class Ledger:
         only after a reservation there came or went, its service was refit, or its view
         was refreshed (a discovery round)."""
         if rep.room_stale:
-            bounded = self.bounded.get(rep.name)
-            rep.room = (
-                deadline_room(rep.service, rep.serving_load, bounded.values(), now)
-                if bounded
-                else math.inf
-            )
+            rep.room = self._room(rep, now)
             rep.room_stale = False
         return rep.room
+
+    def peek_room(self, rep: Replica, now: float) -> float:
+        """`room` read without keeping it: a reading (the report, a metrics scrape) leaves
+        the next decision to work it out at its own time, as it would have unread."""
+        return self._room(rep, now) if rep.room_stale else rep.room
+
+    def _room(self, rep: Replica, now: float) -> float:
+        bounded = self.bounded.get(rep.name)
+        if not bounded:
+            return math.inf
+        return deadline_room(rep.service, rep.serving_load, bounded.values(), now)
 
     def _unbound(self, res: Reservation) -> None:
         bounded = self.bounded.get(res.replica)

@@ -258,7 +258,9 @@ class AdmissionReport:
             elif (allowed := rep.allowed) is not None and rep.running >= allowed:
                 learned = rep.cap is None or allowed < rep.cap
                 out[rep.name] = "latency" if learned else "running_cap"
-            elif rep.running + rep.others_running + 1 > self._ledger.room(rep, self._ledger.latest):
+            elif rep.running + rep.others_running + 1 > self._ledger.peek_room(
+                rep, self._ledger.latest
+            ):
                 out[rep.name] = "deadlines"  # admission/room.py
             elif (
                 rep.name in head_for

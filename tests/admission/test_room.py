@@ -106,3 +106,22 @@ def test_the_room_is_recomputed_when_the_load_the_replica_serves_at_moves() -> N
     assert rep.serving_load == 2
     fresh = deadline_room(rep.service, rep.serving_load, ledger.bounded["r1"].values(), now)
     assert ledger.room(rep, now) == fresh != before
+
+
+def test_reading_the_report_leaves_the_room_to_the_next_decision() -> None:
+    """A metrics scrape or an admin read between two decisions works the room out for
+    itself and keeps nothing: the next decision computes it at its own time, as it would
+    have unread (a reading once moved a virtual-time matrix cell by a request)."""
+    ctrl = controller()
+    ctrl.upsert_replica(replica("r1", 100_000, max_running=4), 0.0)
+    now = served_one_by_one(ctrl, 16, 2.0)
+    assert isinstance(
+        ctrl.submit(request("tight", 400, 100, latency_budget=1.5), now).verdict, Admit
+    )
+    rep = ctrl._ledger.replicas["r1"]
+    assert rep.room_stale  # the admission moved the load it serves at
+    read = ctrl.report.replica_usage()[0]
+    assert rep.room_stale  # the reading kept nothing
+    fresh = deadline_room(rep.service, rep.serving_load, ctrl._ledger.bounded["r1"].values(), now)
+    assert read.binding_ceiling == ("deadlines" if rep.running + 1 > fresh else "none")
+    assert ctrl._ledger.room(rep, now + 0.5) != fresh  # the decision's own time counts
