@@ -29,7 +29,7 @@ def _running_bound(r: Replica) -> str | None:
     """The running ceiling `r` is at, or None when it may run one more."""
     allowed = r.allowed
     if allowed is None or r.running < allowed:
-        return "running_deadlines" if r.running + r.others_running + 1 > r.room else None
+        return "running_deadlines" if r.whole_running + 1 > r.room else None
     learned = None if r.limit is None else r.limit.allowed(r.cap)
     own = r.cap if learned is None else learned
     if r.share_running is not None and (own is None or r.share_running < own):

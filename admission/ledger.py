@@ -161,7 +161,8 @@ class Ledger:
             # One more would slow a running request past its deadline, by an upper
             # estimate: a last retry out of time to start, which fails for sure if shed,
             # is taken all the same (as past the learned limit, `allowed_for`). The room
-            # counts the whole replica's load, the other processes' running included.
+            # counts the whole replica's load (`Replica.whole_running`, summed here
+            # without the property's call: every candidate of every decision).
             return False
         free = rep.free
         need, shared = Ledger.less_shared(rep, req, tokens, now)

@@ -148,6 +148,12 @@ class Replica:
         return allowed + 1 if not hard or allowed < min(hard) else allowed
 
     @property
+    def whole_running(self) -> int:
+        """Requests the replica runs for every process: this one's and what the others
+        reported at their last renewal (the count its deadline room is held to)."""
+        return self.running + self.others_running
+
+    @property
     def serving_load(self) -> int:
         """Requests the replica runs at once, over every process that shares it: the load
         its service is learned and predicted at. The whole allowed count (the learned
@@ -158,7 +164,7 @@ class Replica:
         a prediction scales with it; the pool's bound keeps a limit above what the pool
         holds from scaling every prediction with it."""
         whole = self.cap if self.limit is None else self.limit.allowed(self.cap)
-        running = self.running + self.others_running
+        running = self.whole_running
         load = running + 1 if whole is None else whole
         reserved = self.reserved + self.others_reserved
         if running > 0 and reserved > 0:
@@ -185,7 +191,7 @@ class Replica:
         whole = self.cap if self.limit is None else self.limit.allowed(self.cap)
         if whole is None:
             return 0
-        return whole - self.running - self.others_running
+        return whole - self.whole_running
 
     @property
     def room_beyond_slice(self) -> int:

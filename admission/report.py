@@ -122,7 +122,7 @@ class AdmissionReport:
         """What the learned running limit lets this process run on `replica` (None
         without a learned limit): `replica_usage`'s ``limit``, read alone."""
         rep = self._ledger.replicas.get(replica)
-        return rep.allowed if rep is not None and rep.limit is not None else None
+        return _learned_allowed(rep) if rep is not None else None
 
     def held(self, replica: str | None = None) -> int:
         """Abandoned reservations still held."""
@@ -232,7 +232,7 @@ class AdmissionReport:
                     max_running=rep.cap,
                     binding_ceiling=blocked_by.get(rep.name, "none"),
                     models=sorted(rep.models),
-                    limit=rep.allowed if rep.limit is not None else None,
+                    limit=_learned_allowed(rep),
                     limit_reason=rep.limit.reason if rep.limit is not None else "",
                     held=rep.held,
                     ejected=rep.ejected,
@@ -258,9 +258,7 @@ class AdmissionReport:
             elif (allowed := rep.allowed) is not None and rep.running >= allowed:
                 learned = rep.cap is None or allowed < rep.cap
                 out[rep.name] = "latency" if learned else "running_cap"
-            elif rep.running + rep.others_running + 1 > self._ledger.peek_room(
-                rep, self._ledger.latest
-            ):
+            elif rep.whole_running + 1 > self._ledger.peek_room(rep, self._ledger.latest):
                 out[rep.name] = "deadlines"  # admission/room.py
             elif (
                 rep.name in head_for
@@ -307,6 +305,11 @@ class AdmissionReport:
         """(tokens/s, requests/s) released by `model`'s ready replicas, or None while
         fewer than ``MIN_DRAIN_SAMPLES`` (admission/shedding.py) releases were seen."""
         return self._shedding.drain_rate(model, now)
+
+
+def _learned_allowed(rep: Replica) -> int | None:
+    """What the learned running limit lets this process run on `rep`; None without one."""
+    return rep.allowed if rep.limit is not None else None
 
 
 def _plane(rep: Replica) -> Plane | None:
