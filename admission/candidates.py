@@ -28,8 +28,8 @@ Nothing here decides anything: it is bookkeeping of the ledger's own numbers.
 
 from __future__ import annotations
 
-import bisect
 import math
+from bisect import bisect_left, insort
 from collections.abc import Iterator
 
 
@@ -48,27 +48,27 @@ class HeadroomIndex:
         return len(self._keys)
 
     def update(self, name: str, free_fraction: float, run_headroom: float) -> None:
-        """Set `name`'s keys (higher is better in both)."""
-        new = (-free_fraction, -run_headroom)
-        old = self._keys.get(name)
-        if old == new:
+        """Set `name`'s keys (higher is better in both); an order whose key is unchanged
+        is left as it is."""
+        free, run = -free_fraction, -run_headroom
+        keys = self._keys
+        old = keys.get(name)
+        keys[name] = (free, run)
+        if old is None:
+            insort(self._by_free, (free, name))
+            insort(self._by_run, (run, name))
             return
-        if old is not None:
-            self._drop(name, old)
-        self._keys[name] = new
-        bisect.insort(self._by_free, (new[0], name))
-        bisect.insort(self._by_run, (new[1], name))
+        old_free, old_run = old
+        if old_free != free:
+            _move(self._by_free, (old_free, name), (free, name))
+        if old_run != run:
+            _move(self._by_run, (old_run, name), (run, name))
 
     def remove(self, name: str) -> None:
         old = self._keys.pop(name, None)
         if old is not None:
-            self._drop(name, old)
-
-    def _drop(self, name: str, old: tuple[float, float]) -> None:
-        for lst, key in ((self._by_free, old[0]), (self._by_run, old[1])):
-            i = bisect.bisect_left(lst, (key, name))
-            if i < len(lst) and lst[i][1] == name:
-                del lst[i]
+            _take(self._by_free, (old[0], name))
+            _take(self._by_run, (old[1], name))
 
     def by_free(self) -> Iterator[tuple[float, str]]:
         """(-free fraction, name), most free first."""
@@ -77,6 +77,19 @@ class HeadroomIndex:
     def by_run(self) -> Iterator[tuple[float, str]]:
         """(-running headroom, name), most headroom first."""
         return iter(self._by_run)
+
+
+def _take(order: list[tuple[float, str]], item: tuple[float, str]) -> None:
+    i = bisect_left(order, item)
+    if i < len(order) and order[i] == item:
+        del order[i]
+
+
+def _move(order: list[tuple[float, str]], old: tuple[float, str], new: tuple[float, str]) -> None:
+    i = bisect_left(order, old)  # `_take`, inline: twice on every reserve and release
+    if i < len(order) and order[i] == old:
+        del order[i]
+    insort(order, new)
 
 
 class KeyedMax:

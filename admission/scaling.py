@@ -50,11 +50,16 @@ class ScalingSignal:
         d = self._models.get(model)
         if d is None:
             d = self._models[model] = _ModelDemand(first_seen=now)
+        buckets = d.buckets
         second = math.floor(now)
-        if not d.buckets or d.buckets[-1].second != second:
-            d.buckets.append(_Bucket(second))
+        if buckets:
+            last = buckets[-1]
+            if last.second == second:
+                return last  # on every request: trimmed when a second opens, and on reading
+        last = _Bucket(second)
+        buckets.append(last)
         self._trim(d, now)
-        return d.buckets[-1]
+        return last
 
     def _trim(self, d: _ModelDemand, now: float) -> None:
         oldest = math.floor(now - self.window_s)

@@ -128,11 +128,13 @@ class Profile(Router):
         if totals is None or len(totals) != len(kept):
             raise ValueError(f"a scorer of profile {self.name!r} did not score every candidate")
         stale = self.stale_after_s
-        if any(c.view_age_s > stale for c in kept):
-            totals = [
-                t * self.stale_factor if c.view_age_s > stale else t
-                for t, c in zip(totals, kept, strict=True)
-            ]
+        for cand in kept:  # a loop, not any(...): on every decision
+            if cand.view_age_s > stale:
+                totals = [
+                    t * self.stale_factor if c.view_age_s > stale else t
+                    for t, c in zip(totals, kept, strict=True)
+                ]
+                break
         return self.picker.choose(req, list(zip(totals, kept, strict=True)))
 
 

@@ -26,8 +26,8 @@ class MaxScorePicker(Picker):
         self._rng = random.Random(seed)
 
     def choose(self, req: RouteRequest, scored: Sequence[tuple[float, Candidate]]) -> Candidate:
-        best = max(map(itemgetter(0), scored))
-        tied = [c for s, c in scored if s >= best - TIE_EPSILON]
+        floor = max(map(itemgetter(0), scored)) - TIE_EPSILON
+        tied = [c for s, c in scored if s >= floor]
         if len(tied) == 1:
             return tied[0]
         return tied[self._rng.randrange(len(tied))]
