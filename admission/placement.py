@@ -100,7 +100,8 @@ class Placement:
         least = 0  # `_least_need`, taken at the first replica of the KV order that does not fit
         largest = view.largest_pool
         k = SHORTLIST_PER_ORDER
-        for order, by_free in ((view.order.by_free(), True), (view.order.by_run(), False)):
+        orders = ledger.views.orders(view)
+        for order, by_free in ((orders.by_free(), True), (orders.by_run(), False)):
             got = 0
             for key, name in order:
                 if by_free and least and -key * largest + 1 < least:

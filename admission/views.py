@@ -4,7 +4,10 @@ A decision reads one model's replicas: which are present, one per fit shape (the
 checks are computed once per shape), the headroom orders that shortlist candidates, and
 the predicted-service maxima (admission/candidates.py states the policy). A view is
 rebuilt only when a replica's shape, readiness, models or presence change; its orders
-and predictions follow every reserve, release and top-up (`touch`).
+and predictions follow every reserve, release and top-up (`touch`), brought up to date
+when a decision reads them: a replica that a release returns to where its reservation
+took it, or that several completions and top-ups move between two decisions, is placed
+once, not once a change.
 
 Nothing here decides anything: it is bookkeeping of the ledger's own numbers.
 """
@@ -26,10 +29,11 @@ class ModelView:
     known_shapes: list[Replica]  # one present replica per shape, with a known limit
     usable_shapes: list[Replica]  # one usable replica per shape
     usable_names: list[frozenset[str]]  # the usable replicas of each of those shapes
-    order: HeadroomIndex
+    order: HeadroomIndex  # read through `ModelViews.orders`
     ttft: PredictMax
     service: PredictMax
     dirty: set[str]  # replicas whose predicted lines are to be refreshed
+    moved: set[str]  # replicas whose place in the orders is to be refreshed
     shares_prefix: bool  # some replica counts shared prefixes (admission.prefixshare)
     largest_pool: int  # the largest effective pool of its present replicas
 
@@ -91,6 +95,7 @@ class ModelViews:
             PredictMax(),
             PredictMax(),
             {r.name for r in present},
+            set(),
             any(r.sharing for r in present),
             max((r.effective for r in present), default=0),
         )
@@ -105,11 +110,25 @@ class ModelViews:
         (the load it serves at may have moved)."""
         rep.room_stale = True
         views = self._views
+        name = rep.name
         for model in rep.models:
             view = views.get(model)
             if view is not None:
-                _order(view, rep)
-                view.dirty.add(rep.name)
+                view.moved.add(name)
+                view.dirty.add(name)
+
+    def orders(self, view: ModelView) -> HeadroomIndex:
+        """`view`'s headroom orders, with the replicas touched since the last read placed
+        by their ledger now."""
+        moved = view.moved
+        if moved:
+            replicas = self._replicas
+            for name in moved:
+                rep = replicas.get(name)
+                if rep is not None:
+                    _order(view, rep)
+            moved.clear()
+        return view.order
 
     def replica_changed(self, rep: Replica) -> None:
         """After a replica's view, readiness or presence may have changed: rebuild the

@@ -28,6 +28,7 @@ through ctypes); the switch's own cost, measured around nothing, is taken off.
 ``--part module.Class.method`` (repeatable) counts, per decision, only the instructions
 inside that function's calls made by the timed decisions (the switch wraps the method;
 its cost is taken off once per call), so a decision's cost can be split by stage.
+``--in-flight`` and ``--with-release`` apply to it as to the timed runs.
 
     .venv/bin/python bench/decision_cost.py [--runs 5] [--decisions 3000]
     .venv/bin/python bench/decision_cost.py --callgrind --replicas 64 --decisions 500
@@ -259,10 +260,13 @@ def callgrind_child(
             toggle()
             toggle()
         return
+    with_release = _WITH_RELEASE in os.environ
+    in_flight = int(os.environ.get(_IN_FLIGHT, "0"))
     if not part:
         one_run(
-            n, profile, decisions, seed, toggle=toggle, with_release=_WITH_RELEASE in os.environ
-        )
+            n, profile, decisions, seed, in_flight=in_flight, toggle=toggle,
+            with_release=with_release,
+        )  # fmt: skip
         return
     timed = False  # inside a timed decision
     depth = counted = 0
@@ -298,15 +302,22 @@ def callgrind_child(
         setattr(owner, name, staticmethod(wrap(fn.__func__)))
     else:
         setattr(owner, name, wrap(fn))
-    one_run(n, profile, decisions, seed, toggle=decision, with_release=_WITH_RELEASE in os.environ)
+    one_run(
+        n, profile, decisions, seed, in_flight=in_flight, toggle=decision,
+        with_release=with_release,
+    )  # fmt: skip
     Path(calls).write_text(str(counted))
 
 
-# Set for the callgrind child when each decision's release is counted with it.
+# Set for the callgrind child when each decision's release is counted with it, and to
+# the requests it keeps running (`--in-flight`).
 _WITH_RELEASE = "DECISION_COST_WITH_RELEASE"
+_IN_FLIGHT = "DECISION_COST_IN_FLIGHT"
 
 
-def _callgrind_instr(args: list[str], workdir: str, with_release: bool = False) -> int:
+def _callgrind_instr(
+    args: list[str], workdir: str, with_release: bool = False, in_flight: int = 0
+) -> int:
     out = os.path.join(workdir, "cg.out")
     subprocess.run(
         [
@@ -321,8 +332,9 @@ def _callgrind_instr(args: list[str], workdir: str, with_release: bool = False) 
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={
-            **{k: v for k, v in os.environ.items() if k != _WITH_RELEASE},
+            **{k: v for k, v in os.environ.items() if k not in (_WITH_RELEASE, _IN_FLIGHT)},
             "PYTHONHASHSEED": "0",
+            _IN_FLIGHT: str(in_flight),
             **({_WITH_RELEASE: "1"} if with_release else {}),
         },
     )
@@ -340,6 +352,7 @@ def callgrind(
     runs: int,
     parts: list[str],
     with_release: bool = False,
+    in_flight: int = 0,
 ) -> list[dict]:
     """Instructions per decision (module docstring), per profile and replica count, and
     per part (``--part``) when asked; with `with_release`, each decision's release
@@ -355,7 +368,10 @@ def callgrind(
             for n in replicas:
                 per = [
                     _callgrind_instr(
-                        [profile, str(n), str(decisions), str(seed), lib], d, with_release
+                        [profile, str(n), str(decisions), str(seed), lib],
+                        d,
+                        with_release,
+                        in_flight,
                     )
                     / decisions
                     - switch * (2 if with_release else 1)
@@ -375,7 +391,7 @@ def callgrind(
                 for part in parts:
                     calls = os.path.join(d, "calls")
                     args = [profile, str(n), str(decisions), "0", lib, part, calls]
-                    total = _callgrind_instr(args, d, with_release)
+                    total = _callgrind_instr(args, d, with_release, in_flight)
                     count = int(Path(calls).read_text())
                     rows.append(
                         {
@@ -435,10 +451,17 @@ def main() -> None:
         print("| profile | replicas | instructions / decision |")
         print("| --- | ---: | ---: |")
         rows = callgrind(
-            args.profiles, args.replicas, args.decisions, args.runs, args.part, args.with_release
+            args.profiles,
+            args.replicas,
+            args.decisions,
+            args.runs,
+            args.part,
+            args.with_release,
+            args.in_flight,
         )
         for r in rows:
             r["label"] = args.label
+            r["in_flight"] = args.in_flight
         out = Path(__file__).resolve().parent / "results" / args.out
         out.write_text(json.dumps(rows, indent=2) + "\n")
         return
