@@ -6,8 +6,9 @@ several times (the fit checks, the predicted service, a fresh candidate list, ev
 scorer on every replica): linear in replicas, about 500 us at 64. Routing only ever
 chooses among a few good replicas, so admission keeps, per model:
 
-- `HeadroomIndex`: the model's replicas in two orders kept current on every reserve,
-  release, top-up and view refresh: by free fraction of the KV pool (what `kv_headroom`
+- `HeadroomIndex`: the model's replicas in two orders that follow every reserve,
+  release, top-up and view refresh (a replica they touched is placed again when the next
+  decision reads the orders: admission/views.py): by free fraction of the KV pool (what `kv_headroom`
   scores) and by free share of the running limit (what `running_headroom` scores).
   A decision shortlists the first ``per_order`` replicas of each order that fit the
   request now, plus the replicas routing names itself (`Router.hints`: warm prefix,
@@ -86,7 +87,7 @@ def _take(order: list[tuple[float, str]], item: tuple[float, str]) -> None:
 
 
 def _move(order: list[tuple[float, str]], old: tuple[float, str], new: tuple[float, str]) -> None:
-    i = bisect_left(order, old)  # `_take`, inline: twice on every reserve and release
+    i = bisect_left(order, old)  # `_take`, inline: on every replica a decision re-places
     if i < len(order) and order[i] == old:
         del order[i]
     insort(order, new)

@@ -4,7 +4,7 @@ Where an admitted request goes is routing's decision (the `Router` handed in: th
 builds it from the config's profiles, `routing.scheduler`); admission tells it when it
 places a request and when it frees it (the ``placed`` / ``released`` hooks). Routing is
 handed a shortlist, not every replica: the few with the most headroom in per-model
-orders kept on every reserve and release, plus the ones routing names
+orders that follow every reserve and release, plus the ones routing names
 (admission/candidates.py), so a decision costs the same at 4 and 256 replicas. When
 routing's warmest replica for a prompt is full and it chose a colder free one, the
 request waits for the warm one if that is expected to give its first token sooner
