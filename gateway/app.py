@@ -175,7 +175,12 @@ def build_app(
 
     app.cleanup_ctx.append(lifecycle)
 
-    async def add_rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    async def prepare_answer(request: web.Request, response: web.StreamResponse) -> None:
+        # One hook, not one per concern: aiohttp awaits each hook on every answer.
+        add_rate_limit_headers(request, response)
+        conns.close_when_draining(response, st.pipeline.draining)
+
+    def add_rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
         # OpenAI's x-ratelimit-* headers on every answer to an authenticated request,
         # with the values as they stand when the answer starts.
         tenant = request.get(TENANT_KEY)
@@ -188,8 +193,7 @@ def build_app(
             # openai SDKs read this header).
             response.headers["x-should-retry"] = "false"
 
-    app.on_response_prepare.append(add_rate_limit_headers)
-    app.on_response_prepare.append(conns.close_when_draining(lambda: st.pipeline.draining))
+    app.on_response_prepare.append(prepare_answer)
 
     # ------------------------------------------------------------------ OpenAI surface
     async def chat(request: web.Request) -> web.StreamResponse:

@@ -26,7 +26,6 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -35,17 +34,12 @@ from gateway.http import OpenAIErrorRequestHandler
 log = logging.getLogger("kvgate")
 
 
-def close_when_draining(
-    draining: Callable[[], bool],
-) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
-    """An ``on_response_prepare`` hook: while draining, every answer closes its connection."""
-
-    async def hook(request: web.Request, response: web.StreamResponse) -> None:
-        if draining():
-            response.force_close()  # closed after this answer
-            response.headers["Connection"] = "close"  # aiohttp wrote its headers before hooks
-
-    return hook
+def close_when_draining(response: web.StreamResponse, draining: bool) -> None:
+    """Called as every answer starts (``on_response_prepare``): while draining, it closes
+    its connection."""
+    if draining:
+        response.force_close()  # closed after this answer
+        response.headers["Connection"] = "close"  # aiohttp wrote its headers before hooks
 
 
 def close_idle(server: web.Server | None) -> int:

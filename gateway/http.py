@@ -109,7 +109,9 @@ class OpenAIErrorRequestHandler(RequestHandler):
         self, request: Any, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
         out = await super().finish_response(request, resp, start_time)
-        if resp.get(CLOSE_AFTER) and not request.content.is_eof():
+        # `len` first: a response's `get` raises and catches a KeyError when the key is
+        # absent (collections.abc), and it is absent from every answer but a 408's.
+        if len(resp) and resp.get(CLOSE_AFTER) and not request.content.is_eof():
             # The 408 of a body that did not arrive: close now, once it is written,
             # instead of lingering (aiohttp's 10 s) to read a body nobody will use. Other
             # answers to unread bodies (a 413) linger as aiohttp does, so a client still
