@@ -8,8 +8,9 @@ chooses among a few good replicas, so admission keeps, per model:
 
 - `HeadroomIndex`: the model's replicas in two orders that follow every reserve,
   release, top-up and view refresh (a replica they touched is placed again when the next
-  decision reads the orders: admission/views.py): by free fraction of the KV pool (what `kv_headroom`
-  scores) and by free share of the running limit (what `running_headroom` scores).
+  decision reads the orders: admission/views.py): by free fraction of the KV pool (what
+  `kv_headroom` scores) and by free share of the running limit (what `running_headroom`
+  scores).
   A decision shortlists the first ``per_order`` replicas of each order that fit the
   request now, plus the replicas routing names itself (`Router.hints`: warm prefix,
   session, speculating). A replica outside the shortlist can win only on a term
