@@ -6,15 +6,17 @@ returns to where its reservation took it is not moved at all."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
 import admission.candidates as candidates
+from admission.controller import AdmissionController
 from admission.types import Admit
 from tests.admission.helpers import controller, replica, request
 
 
-def _sorted_now(c) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:  # type: ignore[no-untyped-def]
+def _sorted_now(c: AdmissionController) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:
     """The two orders computed afresh from every present replica's ledger."""
     by_free, by_run = [], []
     for rep in c._ledger.replicas.values():
@@ -66,9 +68,9 @@ def test_a_reservation_released_before_the_next_decision_moves_nothing(
     moves: list[object] = []
     move = candidates._move
 
-    def counted(*a: object) -> None:
+    def counted(*a: Any) -> None:
         moves.append(a)
-        move(*a)  # type: ignore[arg-type]
+        move(*a)
 
     monkeypatch.setattr(candidates, "_move", counted)
     for i in range(5):
