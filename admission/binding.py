@@ -20,16 +20,16 @@ pool being full. Read from the model's ready replicas at the moment of the shed:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from admission.replica import Replica
 
 
-def _running_bound(r: Replica) -> str | None:
+def _running_bound(r: Replica, room: Callable[[Replica], float]) -> str | None:
     """The running ceiling `r` is at, or None when it may run one more."""
     allowed = r.allowed
     if allowed is None or r.running < allowed:
-        return "running_deadlines" if r.whole_running + 1 > r.room else None
+        return "running_deadlines" if r.whole_running + 1 > room(r) else None
     learned = None if r.limit is None else r.limit.allowed(r.cap)
     own = r.cap if learned is None else learned
     if r.share_running is not None and (own is None or r.share_running < own):
@@ -39,8 +39,17 @@ def _running_bound(r: Replica) -> str | None:
     return "running_cap"
 
 
-def binding_ceiling(replicas: Iterable[Replica], raw: int, tenant_capped: bool) -> str:
-    """The ceiling that keeps a request of `raw` KV tokens from `replicas` (the model's)."""
+def binding_ceiling(
+    replicas: Iterable[Replica],
+    raw: int,
+    tenant_capped: bool,
+    room: Callable[[Replica], float],
+) -> str:
+    """The ceiling that keeps a request of `raw` KV tokens from `replicas` (the model's).
+
+    `room(r)` is `r`'s deadline room now (`Ledger.peek_room`): a replica the placement
+    walk before the shed did not reach holds a room worked out at an earlier time.
+    """
     if tenant_capped:
         return "tenant_concurrency"
     usable = [r for r in replicas if r.usable]
@@ -49,7 +58,7 @@ def binding_ceiling(replicas: Iterable[Replica], raw: int, tenant_capped: bool) 
     running: list[str] = []
     for r in usable:
         if r.free >= r.need(raw):
-            bound = _running_bound(r)
+            bound = _running_bound(r, room)
             if bound is None:
                 return "queue"
             running.append(bound)

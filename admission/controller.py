@@ -79,7 +79,7 @@ class AdmissionController:
         self._views = self._ledger.views
         self._placement = Placement(picker, self._ledger)
         self._queue = Settling(config, self._ledger, self._placement, tenants, self._predict)
-        self._shedding = Shedding(config, self._views, self._queue, seed)
+        self._shedding = Shedding(config, self._ledger, self._queue, seed)
         self._learning = Learning(config)
         self._patience = ClientPatience()
         # Requests left unserved and their clients' retries (admission/retries.py).

@@ -35,10 +35,10 @@ from dataclasses import dataclass, replace
 from admission.binding import binding_ceiling
 from admission.config import AdmissionConfig
 from admission.fit import round_up
+from admission.ledger import Ledger
 from admission.retries import ReturningBacklog
 from admission.settling import Entry, Settling
 from admission.types import AdmissionRequest, Queued, Shed
-from admission.views import ModelViews
 
 _LEAST_RETRY_S = 0.01  # the floor's floor: a retry sooner than this is a busy loop
 # Releases seen on a model's replicas before their drain rate is believed: the first few
@@ -97,10 +97,11 @@ class Shedding:
     """Shed verdicts with their Retry-After, and the backlog of shed requests expected back."""
 
     def __init__(
-        self, config: AdmissionConfig, views: ModelViews, queue: Settling, seed: int | None
+        self, config: AdmissionConfig, ledger: Ledger, queue: Settling, seed: int | None
     ) -> None:
         self.config = config
-        self._views = views
+        self._ledger = ledger
+        self._views = ledger.views
         self._queue = queue
         self.returning = ReturningBacklog()  # shed requests expected back
         self._rng = random.Random(seed)  # Retry-After jitter
@@ -250,7 +251,12 @@ class Shedding:
         key = req.retry_key if req.retry_key is not None else req.request_id
         expires = now + delay * (1.0 + j) + max(self.config.min_retry_after_s, 0.25 * delay)
         self.returning.add(req.model, key, req.arrival, expires, raw, req.tenant)
-        binds = binding_ceiling(self._views.serving(req.model), raw, self._queue.capped(req.tenant))
+        binds = binding_ceiling(
+            self._views.serving(req.model),
+            raw,
+            self._queue.capped(req.tenant),
+            lambda r: self._ledger.peek_room(r, now),
+        )
         return Shed(req.request_id, reason, delay, binds=binds, budget=req.latency_budget)
 
     def _told(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from admission.binding import binding_ceiling
 from admission.learned.service import ServiceModel
 from admission.room import deadline_room
 from admission.types import Admit, Completion, Queued, Shed
@@ -125,3 +126,27 @@ def test_reading_the_report_leaves_the_room_to_the_next_decision() -> None:
     fresh = deadline_room(rep.service, rep.serving_load, ctrl._ledger.bounded["r1"].values(), now)
     assert read.binding_ceiling == ("deadlines" if rep.running + 1 > fresh else "none")
     assert ctrl._ledger.room(rep, now + 0.5) != fresh  # the decision's own time counts
+
+
+def test_a_shed_names_its_ceiling_by_the_room_now_not_a_room_kept_from_before() -> None:
+    """The reason a shed names reads each replica's room as of the shed (the placement
+    walk may not have reached every replica, so a kept room can be from an earlier
+    time); reading it keeps nothing for the next decision."""
+    ctrl = controller()
+    ctrl.upsert_replica(replica("r1", 100_000, max_running=4), 0.0)
+    now = served_one_by_one(ctrl, 16, 2.0)
+    assert isinstance(ctrl.submit(request("tight", 400, 100, latency_budget=1.5), now).verdict,
+                      Admit)  # fmt: skip
+    for rid in ("n0", "n1"):
+        assert isinstance(ctrl.submit(request(rid, 400, 100), now).verdict, Admit)
+    ledger = ctrl._ledger
+    rep = ledger.replicas["r1"]
+    assert ledger.room(rep, now) == pytest.approx(3.0) and rep.running == 3
+    # Kept from before the tight request's client left; stale since a discovery round.
+    later = now + 2.0
+    rep.room_stale = True
+    assert ledger.peek_room(rep, later) == math.inf
+    assert binding_ceiling([rep], 500, False, lambda r: ledger.peek_room(r, later)) == "queue"
+    assert rep.room_stale and rep.room == pytest.approx(3.0)
+    # The room kept would have named the running requests' deadlines.
+    assert binding_ceiling([rep], 500, False, lambda r: r.room) == "running_deadlines"
