@@ -49,6 +49,7 @@ from gateway.context import RequestContext
 from gateway.door import AdmissionDoor
 from gateway.outcome import CLIENT_DISCONNECT, OK, Outcome
 from gateway.stated import SDK_DEFAULT_MAX_RETRIES
+from gateway.stream_reservation import StreamReservation
 from routing.kvindex import token_block_hashes
 from routing.scheduler import default_profile
 from routing.types import ReplicaState
@@ -204,6 +205,7 @@ def run(
     ctrl = AdmissionController(cfg, default_profile(seed=seed), seed=seed)
     loop = VirtualLoop(lambda: now)
     door = AdmissionDoor(ctrl, loop)
+    hooks = StreamReservation(door)
     est = TokenEstimator(cfg)
     model = prof.served_model_name
     state = ReplicaState(
@@ -457,11 +459,18 @@ def run(
                     att.events += 1
                     if att.first_token is None:
                         att.first_token = now
-                    if stream and att.ctx is not None:  # as the relay counts events
-                        att.ctx.events += 1
-                        att.ctx.last_event_at = now
-                        if att.ctx.first_byte_at is None:
-                            att.ctx.first_byte_at = now
+                    if stream and att.ctx is not None:
+                        # As the relay counts a stream's events and reports its first
+                        # token and its outgrowing the reservation (the gateway's hooks).
+                        ctx = att.ctx
+                        ctx.events += 1
+                        ctx.generated += 1
+                        ctx.last_event_at = now
+                        if ctx.first_byte_at is None:
+                            ctx.first_byte_at = now
+                            hooks.first_token(ctx)
+                        if ctx.generated + ctx.req.prompt_tokens > ctx.topup_at:
+                            hooks.outgrew(ctx)
                     if att.stop_after is not None and att.events >= att.stop_after:
                         # It read what it wanted and closes the stream (not a completion).
                         core.abort(att.rid, now)

@@ -117,3 +117,26 @@ def test_virtual_time_admits_through_the_gateways_door(monkeypatch: pytest.Monke
     assert calls["withdraw"] == report.timed_out  # a client gone takes its waiter along
     assert calls["request_ended"] >= report.completed + report.timed_out
     assert calls["_resolve"] >= calls["request_ended"]  # what each call settled went out
+
+
+def test_virtual_time_reports_a_streams_tokens_through_the_gateways_hooks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream's first token and its outgrowing its reservation reach admission through
+    the relay's hooks (`gateway.stream_reservation.StreamReservation`), as in the gateway:
+    once learned short, outputs that run long are topped up, never cut."""
+    from dataclasses import replace
+
+    from gateway.stream_reservation import StreamReservation
+
+    calls = count_calls(monkeypatch, StreamReservation, ("first_token", "outgrew"))
+    tops = count_calls(monkeypatch, AdmissionDoor, ("top_up",))
+    items = seed2_workload(40, seed=3)
+    # Thirty short answers teach a short output; the last ten run ten times as long.
+    items = [replace(it, output_tokens=20 if i < 30 else 200) for i, it in enumerate(items)]
+    report = run(
+        "seed2-8b-16gb", items, concurrency=4, timeout_s=1e9, stream=True, send_timeout=False
+    )
+    assert report.completed == len(items)
+    assert calls["first_token"] == len(items)  # once per stream
+    assert calls["outgrew"] > 0 and tops["top_up"] == calls["outgrew"]
