@@ -12,6 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# A margin reserves at most ten times the size: a headroom configured near 1 must not
+# reserve without end.
+_MOST_MARGIN = 0.9
+
 
 @dataclass(frozen=True, slots=True)
 class FitLimits:
@@ -84,8 +88,7 @@ def _with_margin(lim: FitLimits, tokens: int, exact: bool, margin: float | None)
     share = lim.margin if margin is None else margin
     if exact or share <= 0.0 or lim.private_slots:
         return tokens
-    # At most ten times the size: a headroom configured near 1 must not reserve without end.
-    return math.ceil(tokens / (1.0 - min(share, 0.9)))
+    return math.ceil(tokens / (1.0 - min(share, _MOST_MARGIN)))
 
 
 def context_needed(preempts: bool, prompt: int, max_tokens: int) -> int:

@@ -50,6 +50,9 @@ from routing.types import ReplicaState
 # while neither the replica's time to first token nor its service is learned: its first
 # completion teaches the second.
 PREFIX_SETTLE_S = 2.0
+# Twice the replica's upper estimate, where a time must surely have passed: a prompt's
+# blocks taken as computed, an abandoned request's engine work taken as ended.
+_UPPER = 2.0
 
 
 @dataclass(slots=True)
@@ -191,9 +194,9 @@ class Ledger:
         load = rep.allowed or rep.running + 1
         prompt = max(1, req.prompt_tokens)
         if len(rep.ttft):
-            return 2.0 * rep.ttft.predict(prompt, load=load)
+            return _UPPER * rep.ttft.predict(prompt, load=load)
         if len(rep.service):
-            return 2.0 * rep.service.predict(prompt, load=load)
+            return _UPPER * rep.service.predict(prompt, load=load)
         return PREFIX_SETTLE_S
 
     # ------------------------------------------------------------------ reserve / free
@@ -334,7 +337,7 @@ class Ledger:
                 load = rep.serving_load
                 served_by = rep.service.predict(res.prompt_tokens, res.output_tokens, load)
                 if served_by > 0:  # 0: no completion seen yet, nothing to bound it by
-                    res.held_until = min(res.held_until, res.admitted_at + 2 * served_by)
+                    res.held_until = min(res.held_until, res.admitted_at + _UPPER * served_by)
             res.completion = completion
             rep.held += 1
             self.held[res.request_id] = res

@@ -15,6 +15,11 @@ import math
 from dataclasses import dataclass
 
 POOL_MEMORY_S = 300.0  # how long a pool measured smaller than configured is kept
+# A usage below this share says too little of the pool to bound it (at low usage one
+# request's rounding moves the bound far).
+_READABLE_USAGE = 0.5
+_OVERSTATED = 0.9  # a bound under this share of the configured pool says it is overstated
+_ROUNDS = 2  # discovery rounds in a row that must show it: one reading may be mid-change
 
 
 @dataclass(slots=True)
@@ -31,11 +36,11 @@ class PoolCheck:
         """One discovery round's KV usage, with what this process (`reserved`) and the
         others (`others_reserved`) hold there."""
         fleet = reserved + others_reserved
-        if kv_usage >= 0.5 and reserved > 0:
+        if kv_usage >= _READABLE_USAGE and reserved > 0:
             bound = int(fleet / kv_usage)
-            if bound < 0.9 * capacity:
+            if bound < _OVERSTATED * capacity:
                 self.rounds_below += 1
-                if self.rounds_below >= 2:
+                if self.rounds_below >= _ROUNDS:
                     known = self.bound
                     self.bound = bound if known is None else min(known, bound)
                     self.confirmed_at = now

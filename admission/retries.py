@@ -49,6 +49,7 @@ from admission.learned.toldwait import ToldWaits
 from admission.types import AdmissionRequest
 
 _GRACE_S = 5.0  # past twice its Retry-After, an attempt not back is a client that gave up
+_BACK_FACTOR = 2.0  # (that twice)
 # Most unserved requests one tenant's memory holds (its oldest dropped first): memory
 # stays bounded under a flood of sheds.
 RETRY_MEMORY_ENTRIES = 100_000
@@ -176,7 +177,7 @@ class RetryMemory:
         unserved = known.unserved + 1 if known is not None else 1
         # A client that honours Retry-After is back by then; its own rounding (whole
         # seconds), backoff and jitter are what the grace allows for.
-        back_by = now + 2.0 * retry_after + _GRACE_S
+        back_by = now + _BACK_FACTOR * retry_after + _GRACE_S
         expires = now + self.ttl_s if said else min(now + self.ttl_s, back_by)
         # Awaited, what comes of it teaches the retry budget: unless a client that says
         # nothing left on its own (module docstring).

@@ -41,8 +41,13 @@ class _ModelDemand:
     service_s: float | None = None  # mean service time, as last measured
 
 
+# The demand's sliding window: long enough to hold a service time's worth of arrivals,
+# short next to an autoscaler's own stabilisation (minutes).
+SCALING_WINDOW_S = 30.0
+
+
 class ScalingSignal:
-    def __init__(self, window_s: float = 30.0) -> None:
+    def __init__(self, window_s: float = SCALING_WINDOW_S) -> None:
         self.window_s = window_s
         self._models: dict[str, _ModelDemand] = {}
 

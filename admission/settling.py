@@ -67,6 +67,10 @@ class Entry:
 # the openai SDK's clients attempts they needed: at 32 in the real vLLM's regime (virtual
 # time, 24 seeds) 25 more of 3,600 requests failed after three sheds in the first seconds.
 _SERVICE_KNOWN = 16
+# The share of a budget a request may queue for before any service was seen (half: as
+# much for the queue as for its service), and the least it may queue for once predicted.
+COLD_QUEUE_SHARE = 0.5
+_LEAST_QUEUE_SHARE = 0.1
 
 
 def queue_slack(budget: float, predicted: float) -> float:
@@ -74,8 +78,8 @@ def queue_slack(budget: float, predicted: float) -> float:
     leaves, at least a tenth (the prediction is an upper estimate); half of it before any
     service was seen (`predicted` 0)."""
     if predicted <= 0:
-        return 0.5 * budget
-    return max(budget - predicted, 0.1 * budget)
+        return COLD_QUEUE_SHARE * budget
+    return max(budget - predicted, _LEAST_QUEUE_SHARE * budget)
 
 
 class TenantLimits(Protocol):

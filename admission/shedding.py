@@ -37,7 +37,7 @@ from admission.config import AdmissionConfig
 from admission.fit import round_up
 from admission.ledger import Ledger
 from admission.retries import ReturningBacklog
-from admission.settling import Entry, Settling
+from admission.settling import COLD_QUEUE_SHARE, Entry, Settling
 from admission.types import AdmissionRequest, Queued, Shed
 
 _LEAST_RETRY_S = 0.01  # the floor's floor: a retry sooner than this is a busy loop
@@ -51,6 +51,16 @@ COLD_RETRY_AFTER_S = 5.0
 # The least a model's queue holds when `queue_max_per_model` is unset: the bound before
 # it followed the replicas, kept so that a model with a few replicas queues as before.
 QUEUE_FLOOR = 256
+# A Retry-After's floor is at most this share of its client's budget: a client is never
+# told to wait longer than a retry could still use.
+_FLOOR_SHARE = 0.5
+# A request shed on an estimate is told to be back with this share of its tolerance
+# still ahead: estimates are noisy, and one back to find the wait just over its
+# tolerance is shed once more.
+_BACK_WITH = 0.5
+# A shed request's tokens stay in the returning backlog past its jittered Retry-After by
+# this share of it (at least `min_retry_after_s`): the clients' own delays.
+_RETURN_SLACK = 0.25
 
 
 @dataclass(slots=True, frozen=True)
@@ -220,7 +230,7 @@ class Shedding:
         if rates is not None and rates[1] > 0:
             floor = min(floor, 1.0 / rates[1])
         if budget is not None and budget > 0:
-            floor = min(floor, 0.5 * budget)
+            floor = min(floor, _FLOOR_SHARE * budget)
         floor = max(_LEAST_RETRY_S, floor)
         return min(self.config.max_retry_after_s, max(floor, value))
 
@@ -249,7 +259,9 @@ class Shedding:
             delay *= self._rng.uniform(1.0 - j, 1.0 + j)
         delay = self.clamp(delay, req.model, now, req.latency_budget)
         key = req.retry_key if req.retry_key is not None else req.request_id
-        expires = now + delay * (1.0 + j) + max(self.config.min_retry_after_s, 0.25 * delay)
+        expires = (
+            now + delay * (1.0 + j) + max(self.config.min_retry_after_s, _RETURN_SLACK * delay)
+        )
         self.returning.add(req.model, key, req.arrival, expires, raw, req.tenant)
         binds = binding_ceiling(
             self._views.serving(req.model),
@@ -270,12 +282,10 @@ class Shedding:
             # timeout is 0.87 s (the real vLLM), and a tenth of one for a 45 s timeout.
             delay = COLD_RETRY_AFTER_S
             if req.latency_budget is not None and req.latency_budget > 0:
-                delay = min(delay, 0.5 * req.latency_budget)
+                delay = min(delay, COLD_QUEUE_SHARE * req.latency_budget)
             return delay
-        # Back with half its tolerance still ahead: estimates are noisy, and a request
-        # that returns to find the wait just over its tolerance is shed once more.
         tolerance = deadline - now if math.isfinite(deadline) and deadline > now else 0.0
-        return max(0.0, wait - 0.5 * tolerance)
+        return max(0.0, wait - _BACK_WITH * tolerance)
 
     def comes_back(self, req: AdmissionRequest, wait: float, deadline: float, now: float) -> bool:
         """Whether `req`, shed now on its estimated `wait`, would be told a Retry-After its

@@ -79,6 +79,15 @@ LIMIT_WINDOW = 16
 # Growth per busy window out of slow start: a step past the knee costs about this share
 # more latency for one window before the latency score cuts it back.
 LIMIT_PROBE_STEP = 0.15
+# A latency cut lands within these shares of the limit: one window's score moves it at
+# most by half, and always by a tenth (a cut that changes nothing measures nothing).
+_CUT_LEAST = 0.5
+_CUT_MOST = 0.9
+# A window whose mean running stayed under this share of the limit did not keep the
+# replica busy: it is no evidence for more.
+_KEPT_BUSY = 0.8
+# On a preemption the limit drops to this share of the most that ran since the last round.
+_PREEMPTION_CUT = 0.75
 
 
 _DEFAULT = AdmissionConfig.model_fields  # one place for each default: the settings'
@@ -276,7 +285,9 @@ class RunningLimit:
             and 0 < peak <= max(1, int(self.value))
         ):
             self._slow_start = False
-            self._set(min(self.value, peak) * 0.75, "preemption", now, cap, (peak, None, 0))
+            self._set(
+                min(self.value, peak) * _PREEMPTION_CUT, "preemption", now, cap, (peak, None, 0)
+            )
 
     def adopt(self, value: float, now: float, reason: str = "shared") -> None:
         """Take `value` learned by another gateway process for the same replica (shared
@@ -312,13 +323,13 @@ class RunningLimit:
         seen = (mean_running, ratio, self._count)  # the evidence a change records
         if ratio is not None and ratio > _BAND:
             self._slow_start = False
-            lo, hi = 0.5 * self.value, 0.9 * self.value
+            lo, hi = _CUT_LEAST * self.value, _CUT_MOST * self.value
             self._set(min(hi, max(lo, base / ratio)), "latency", now, cap, seen)
             return
         # The setting the window measured: the limit as it opened (slow start grows it
         # during the window, and what runs follows with a lag).
         allowed = min(self.allowed(cap), max(1, int(self._opened)))
-        if mean_running < 0.8 * allowed:
+        if mean_running < _KEPT_BUSY * allowed:
             self._reset_window(now)  # not kept busy: no evidence for more, hold
             return
         if self._slow_start:
