@@ -48,8 +48,10 @@ from admission.learned.retry_budget import RetryBudget
 from admission.learned.toldwait import ToldWaits
 from admission.types import AdmissionRequest
 
-_GRACE_S = 5.0  # past twice its Retry-After, an attempt not back is a client that gave up
-_BACK_FACTOR = 2.0  # (that twice)
+# An attempt not back by `_BACK_FACTOR` times its Retry-After plus `_GRACE_S` is a client
+# that gave up: clients round, back off and jitter.
+_BACK_FACTOR = 2.0
+_GRACE_S = 5.0
 # Most unserved requests one tenant's memory holds (its oldest dropped first): memory
 # stays bounded under a flood of sheds.
 RETRY_MEMORY_ENTRIES = 100_000

@@ -49,9 +49,8 @@ def constants_in_code() -> dict[tuple[str, str], float]:
 
 
 def constants_on_page() -> dict[tuple[str, str], float]:
-    section = PAGE.read_text()
     out: dict[tuple[str, str], float] = {}
-    for line in section.splitlines():
+    for line in PAGE.read_text().splitlines():
         m = _ROW.match(line)
         if m:
             value = m["value"].strip().replace(",", "").replace("_", "")

@@ -7,6 +7,7 @@ patience) from `gateway.accounting`, not from a copy in the harness that drifts 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -16,6 +17,7 @@ from enginesim.workloads import seed2_workload
 from gateway import accounting
 from gateway.door import AdmissionDoor
 from gateway.outcome import CLIENT_DISCONNECT
+from gateway.stream_reservation import StreamReservation
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, cls: type, names: tuple[str, ...]) -> Counter[str]:
@@ -125,10 +127,6 @@ def test_virtual_time_reports_a_streams_tokens_through_the_gateways_hooks(
     """A stream's first token and its outgrowing its reservation reach admission through
     the relay's hooks (`gateway.stream_reservation.StreamReservation`), as in the gateway:
     once learned short, outputs that run long are topped up, never cut."""
-    from dataclasses import replace
-
-    from gateway.stream_reservation import StreamReservation
-
     calls = count_calls(monkeypatch, StreamReservation, ("first_token", "outgrew"))
     tops = count_calls(monkeypatch, AdmissionDoor, ("top_up",))
     items = seed2_workload(40, seed=3)
